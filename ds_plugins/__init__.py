@@ -1,0 +1,102 @@
+"""DeepSpeed adapter: ``ds_plugins.initialize`` is ``deepspeed.initialize`` with trainguard inside.
+
+    import ds_plugins
+    engine, optimizer, loader, scheduler = ds_plugins.initialize(
+        model=model, model_parameters=model.parameters(), training_data=dataset,
+        config="ds_config.json")           # the same file, with a "trainguard" block
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()                       # the guard decides here: apply or skip, on every rank
+
+With no "trainguard" block, or ``"enabled": false``, this *is* ``deepspeed.initialize``: the same
+arguments are passed through and the same objects come back, untouched.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard import config as tg_config
+from trainguard.data import TrackedLoader
+from trainguard.errors import ConfigError, TrainguardAbort, TrainguardError
+
+__all__ = ["initialize", "attach", "ConfigError", "TrainguardAbort", "TrainguardError"]
+
+
+def _deepspeed():
+    try:
+        import deepspeed
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise TrainguardError("ds_plugins needs DeepSpeed: pip install 'trainguard[deepspeed]' "
+                              f"(import failed: {e})") from None
+    return deepspeed
+
+
+def _raw_config(args, config, config_params) -> Any:
+    if config is not None:
+        return config
+    if config_params is not None:
+        return config_params
+    return getattr(args, "deepspeed_config", None) if args is not None else None
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """Same signature and return value as ``deepspeed.initialize``.
+
+    The config is read and the block validated *before* anything is initialised, so a bad block
+    fails fast with a :class:`ConfigError` naming every problem. When the block is active and
+    ``training_data`` is given, the returned loader is a :class:`trainguard.data.TrackedLoader`
+    that knows each batch's sample ids and the data position.
+    """
+    deepspeed = _deepspeed()
+    kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                  mesh_param=mesh_param, config_params=config_params)
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
+
+    raw = _raw_config(args, config, config_params)
+    ds_dict, block = tg_config.load(raw)
+    if block is None or not block.enabled:
+        return deepspeed.initialize(**kwargs)
+
+    # We hand DeepSpeed the dict we already parsed (unless it came through args, which DeepSpeed
+    # insists on reading itself), and build the loader ourselves.
+    if config is not None or config_params is not None:
+        kwargs["config"], kwargs["config_params"] = ds_dict, None
+    kwargs["training_data"] = None
+    engine, opt, _, scheduler = deepspeed.initialize(**kwargs)
+
+    from ds_plugins.engine import attach
+
+    state = attach(engine, block)
+    loader = None
+    if training_data is not None:
+        import torch.distributed as dist
+
+        group = getattr(engine, "data_parallel_group", None)
+        dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
+        dp_world = dist.get_world_size(group) if dist.is_initialized() else 1
+        loader = TrackedLoader(training_data, engine.train_micro_batch_size_per_gpu(), dp_rank, dp_world,
+                               cfg=block.data, collate_fn=collate_fn, listener=state.on_batch)
+    return engine, opt, loader, scheduler
+
+
+def attach(engine, block: dict | tg_config.TrainguardConfig):
+    """Guard an engine that was built by ``deepspeed.initialize`` (when you cannot change that call)."""
+    from ds_plugins.engine import attach as _attach
+
+    cfg = block if isinstance(block, tg_config.TrainguardConfig) else tg_config.parse_block(block)
+    return _attach(engine, cfg)
+
+
+def close(engine) -> None:
+    """Write the run_end record and close the logs (also done by ``engine.destroy()``)."""
+    state = getattr(engine, "_trainguard", None)
+    if state is not None:
+        state.close()
+
+

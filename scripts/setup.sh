@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine (README): create or reuse ./.venv, install torch==2.13.0
+# FIRST (an unpinned torch resolved from scratch pulls a multi-GB CUDA build), then trainguard with
+# its extras, then run what was asked.
+#
+#   bash scripts/setup.sh demo [trainguard demo args...]   # the 2-rank demo
+#   bash scripts/setup.sh test [pytest args...]            # the whole test suite (what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-test}"; shift || true
+
+PY="${PYTHON:-python3}"
+VENV="${TRAINGUARD_VENV:-.venv}"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+
+# Reinstall only when the requirements changed (setup.py, this script).
+stamp="$VENV/.trainguard-installed"
+want="$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  python -m pip install -q "torch==2.13.0"
+  python -m pip install -q -e ".[deepspeed,monitor,test]"
+  python -c "import torch, deepspeed; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+  echo "$want" > "$stamp"
+fi
+
+# DeepSpeed compiles a small C++ op (deepspeed_shm_comm) at the first process-group start on CPU:
+# cache it per machine, so CI and the demo compile it once.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+case "$what" in
+  demo) exec trainguard demo "$@" ;;
+  test) exec python -m pytest -q tests "$@" ;;
+  *) echo "usage: bash scripts/setup.sh demo|test [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,117 @@
+"""A resumable, sample-id-aware data position and the loader trainguard hands back.
+
+When ``training_data`` is given, ``ds_plugins.initialize`` returns a :class:`TrackedLoader`
+instead of DeepSpeed's loader. It shards like ``DistributedSampler`` (a permutation seeded by
+``seed + epoch``, rank ``r`` takes every ``world``-th index), but it knows, for every batch it
+hands out, the dataset indices in it (the *sample ids*) and the position (epoch, batch within the
+epoch, samples consumed by all data-parallel ranks). It reports both to a listener (the guard) at
+the BATCH point, and its position is a ``state_dict`` so a checkpoint can resume mid-epoch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils.data import default_collate
+
+from trainguard.config import DataConfig
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    epoch: int
+    batch_in_epoch: int       # batches already handed out in this epoch, on each rank
+    consumed_samples: int     # over all data-parallel ranks, since the start of training
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class ShardedSampler:
+    """The indices one data-parallel rank reads in a given epoch. Deterministic on every rank."""
+
+    def __init__(self, num_samples: int, rank: int, world: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True):
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a data-parallel world of {world}")
+        self.num_samples, self.rank, self.world = num_samples, rank, world
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+
+    def per_rank(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.world
+        return -(-self.num_samples // self.world)
+
+    def indices(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=g).tolist()
+        else:
+            order = list(range(self.num_samples))
+        total = self.per_rank() * self.world
+        if total > len(order):  # pad by wrapping around, as DistributedSampler does
+            order += order[: total - len(order)]
+        return order[self.rank:total:self.world]
+
+
+class TrackedLoader:
+    """Iterate it like a DataLoader: each ``for batch in loader`` runs to the end of the epoch.
+
+    ``last_sample_ids`` and ``position`` describe the batch handed out last. ``listener`` (the
+    guard's ``on_batch``) is called with ``(sample_ids, position)`` before each batch is returned.
+    """
+
+    def __init__(self, dataset: Sequence, batch_size: int, rank: int, world: int,
+                 cfg: DataConfig | None = None, collate_fn: Callable | None = None,
+                 listener: Callable[[list[int], DataPosition], Any] | None = None):
+        cfg = cfg or DataConfig()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.world = world
+        self.sampler = ShardedSampler(len(dataset), rank, world, cfg.shuffle, cfg.seed, cfg.drop_last)
+        self.drop_last = cfg.drop_last
+        self.collate_fn = collate_fn or default_collate
+        self.listener = listener
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.consumed_samples = 0
+        self.last_sample_ids: list[int] = []
+        if len(self) == 0:
+            raise ValueError(f"the dataset ({len(dataset)} samples) does not fill one micro-batch of "
+                             f"{batch_size} on each of {world} data-parallel ranks")
+
+    def __len__(self) -> int:
+        per_rank = self.sampler.per_rank()
+        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+
+    @property
+    def position(self) -> DataPosition:
+        return DataPosition(self.epoch, self.batch_in_epoch, self.consumed_samples)
+
+    def __iter__(self) -> Iterator:
+        order = self.sampler.indices(self.epoch)
+        while self.batch_in_epoch < len(self):
+            start = self.batch_in_epoch * self.batch_size
+            ids = order[start:start + self.batch_size]
+            batch = self.collate_fn([self.dataset[i] for i in ids])
+            self.batch_in_epoch += 1
+            self.consumed_samples += len(ids) * self.world
+            self.last_sample_ids = ids
+            if self.listener is not None:
+                self.listener(ids, self.position)
+            yield batch
+        self.epoch += 1
+        self.batch_in_epoch = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.batch_in_epoch = int(state["batch_in_epoch"])
+        self.consumed_samples = int(state["consumed_samples"])

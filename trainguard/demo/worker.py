@@ -1,0 +1,145 @@
+"""One rank of the demo (and of the distributed tests): train TinyGPT under torchrun.
+
+    torchrun --standalone --nproc_per_node 2 -m trainguard.demo.worker --config C --steps N --out DIR
+
+``--plain`` trains with ``deepspeed.initialize`` itself (DeepSpeed's own loader and behaviour)
+with only the configured faults attached, for the side-by-side comparison. Each rank writes
+``DIR/result.rank<r>.json``: per-step local losses, skipped-step counters, whether its weights are
+finite, a checksum of the full parameters, and the loss on a fixed held-out batch.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from trainguard import config as tg_config
+from trainguard.demo.corpus import MarkovCorpus
+from trainguard.demo.model import TinyGPT
+from trainguard.errors import TrainguardAbort
+
+
+def build_config(path: str, out: Path, zero_stage: int | None, dtype: str | None, plain: bool) -> dict:
+    cfg = tg_config.read_json(path)
+    if zero_stage is not None:
+        cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
+    if dtype is not None:
+        for key in ("bf16", "fp16", "bfloat16"):
+            cfg.pop(key, None)
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        elif dtype == "fp16":
+            # small initial scale: the default 2**16 wastes the first steps halving it
+            cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 50}
+    block = cfg.setdefault("trainguard", {})
+    metrics = block.setdefault("metrics", {})
+    metrics["jsonl"] = str(out / ("plain.jsonl" if plain else "trainguard.jsonl"))
+    return cfg
+
+
+def _full_params(engine):
+    """Full (gathered) parameters as fp32 CPU tensors, in name order."""
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            return [(n, p.detach().float().cpu().clone()) for n, p in params]
+    return [(n, p.detach().float().cpu().clone()) for n, p in params]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plain", action="store_true", help="plain deepspeed.initialize, faults only")
+    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(args.config, out, args.zero_stage, args.dtype, args.plain)
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    import ds_plugins
+    from ds_plugins.engine import attach
+
+    if cfg.get("fp16", {}).get("enabled"):
+        # CPU test switch (shared/docs/PLATFORM.md): DeepSpeed refuses fp16 on CPU otherwise.
+        get_accelerator().is_fp16_supported = lambda: True
+
+    torch.manual_seed(args.seed)
+    model = TinyGPT()
+    dataset = MarkovCorpus(seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    if args.plain:
+        engine, _, loader, _ = deepspeed.initialize(model=model, optimizer=optimizer, training_data=dataset,
+                                                    config=cfg)
+        block = tg_config.parse_block(cfg["trainguard"])
+        if block.faults:
+            attach(engine, block, guard_enabled=False)
+    else:
+        engine, _, loader, _ = ds_plugins.initialize(model=model, optimizer=optimizer, training_data=dataset,
+                                                     config=cfg)
+    rank = torch.distributed.get_rank()
+    result = {"rank": rank, "plain": args.plain, "losses": [], "aborted": None,
+              "engine_class": type(engine).__name__}
+    micro = []
+    try:
+        while engine.global_steps < args.steps:
+            for batch in loader:
+                loss = engine(batch)
+                engine.backward(loss)
+                micro.append(loss.detach().float().item())
+                boundary = engine.is_gradient_accumulation_boundary()
+                engine.step()
+                if boundary:
+                    result["losses"].append(sum(micro) / len(micro))
+                    micro = []
+                if engine.global_steps >= args.steps:
+                    break
+    except TrainguardAbort as e:
+        result["aborted"] = {"message": str(e), "report": e.report}
+
+    params = _full_params(engine)
+    digest = hashlib.sha256()
+    for _, p in params:
+        digest.update(p.numpy().tobytes())
+    held_out = MarkovCorpus(num_samples=64, seed=args.seed, split="heldout")
+    batch = {k: torch.stack([held_out[i][k] for i in range(64)]) for k in ("input_ids", "labels")}
+    engine.eval()
+    with torch.no_grad():
+        eval_loss = float(engine.module(batch))
+    state = getattr(engine, "_trainguard", None)
+    result.update({
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "guard_skipped_steps": state.guard.skipped_steps if state is not None and state.guard else None,
+        "weights_finite": all(bool(torch.isfinite(p).all()) for _, p in params),
+        "param_sha256": digest.hexdigest(),
+        "eval_loss": eval_loss if math.isfinite(eval_loss) else None,
+        "final_train_loss": next((x for x in reversed(result["losses"]) if math.isfinite(x)), None),
+        "nonfinite_train_losses": sum(1 for x in result["losses"] if not math.isfinite(x)),
+        "sample_ids_known": hasattr(loader, "last_sample_ids"),
+    })
+    result["losses"] = [x if math.isfinite(x) else None for x in result["losses"]]
+    (out / f"result.rank{rank}.json").write_text(json.dumps(result, indent=1))
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

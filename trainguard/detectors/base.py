@@ -1,0 +1,40 @@
+"""What a detector sees (one row per rank, identical on every rank) and what it returns."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RankObservation:
+    """One rank's local values for one optimizer step, as gathered by the AGREE collective.
+
+    ``loss`` is the mean of the losses this rank passed to ``backward`` over its micro-batches;
+    ``grad_norm`` is the 2-norm of this rank's *local* gradients (before the data-parallel
+    reduction), unscaled by the fp16 loss scale; None when gradients were not checked.
+    """
+
+    rank: int
+    loss: float
+    micro_batches: int
+    loss_nonfinite: int
+    grad_norm: float | None
+    faults_fired: int = 0
+
+    @property
+    def loss_finite(self) -> bool:
+        return self.loss_nonfinite == 0 and math.isfinite(self.loss)
+
+    @property
+    def grad_finite(self) -> bool:
+        return self.grad_norm is None or math.isfinite(self.grad_norm)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A detector's finding: which anomaly, on which ranks, and the numbers behind it."""
+
+    detector: str
+    anomaly: str
+    ranks: tuple[int, ...]
+    detail: dict = field(default_factory=dict)

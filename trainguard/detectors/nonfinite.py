@@ -1,0 +1,34 @@
+"""Non-finite loss or gradients on a rank's *local* values.
+
+Under data parallelism one rank's NaN reaches every rank through the gradient all-reduce; looking
+at the local values (checked before the reduction) is what names the rank that produced it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from trainguard.detectors.base import RankObservation, Verdict
+
+
+def detect_nonfinite(observations: Sequence[RankObservation]) -> Verdict | None:
+    """Return a verdict naming every rank whose local loss or local gradients were NaN/Inf.
+
+    ``origin`` per rank: ``"loss"`` when the loss itself was non-finite (the gradients then are
+    too), ``"gradients"`` when the loss was finite but the backward pass produced NaN/Inf (an
+    overflow inside backward, or an fp16 loss scale too high).
+    """
+    culprits = {}
+    for ob in observations:
+        if ob.loss_finite and ob.grad_finite:
+            continue
+        culprits[ob.rank] = {
+            "origin": "loss" if not ob.loss_finite else "gradients",
+            "loss": ob.loss,
+            "nonfinite_micro_batches": ob.loss_nonfinite,
+            "micro_batches": ob.micro_batches,
+            "local_grad_norm": ob.grad_norm,
+        }
+    if not culprits:
+        return None
+    return Verdict(detector="nonfinite", anomaly="nonfinite", ranks=tuple(sorted(culprits)),
+                   detail={"per_rank": culprits})

@@ -1,0 +1,38 @@
+"""One exception tree. Each error says what failed, on which rank where it matters, and what to do."""
+from __future__ import annotations
+
+
+class TrainguardError(Exception):
+    """Base of every error trainguard raises on purpose."""
+
+
+class ConfigError(TrainguardError, ValueError):
+    """The "trainguard" block (or the file holding it) is invalid.
+
+    ``problems`` lists every problem found, each as ``(path, message)`` with the full key path
+    (``trainguard.detectors.nonfinite.actoin``), so one run of ``trainguard validate`` shows them all.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{len(self.problems)} problem(s) in the trainguard config{where}:"]
+        lines += [f"  {path}: {msg}" for path, msg in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class TrainguardAbort(TrainguardError):
+    """Every rank raises this together when the policy decides the run cannot go on.
+
+    ``report`` is the JSON-serialisable report also written to the event log: the step, the
+    culprit ranks and their coordinates, the sample ids and what was tried.
+    """
+
+    def __init__(self, message: str, report: dict | None = None):
+        self.report = report or {}
+        super().__init__(message)
+
+
+class UnsupportedSetup(TrainguardError):
+    """The framework is configured in a way the guard cannot protect (named in the message)."""

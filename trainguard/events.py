@@ -1,0 +1,67 @@
+"""Where the guard runs in the training loop, and the records it writes.
+
+:class:`Event` is the single list of loop points. Its docstring is the loop, in pseudocode; the
+guard (:class:`trainguard.guard.StepGuard`) has exactly one ``on_<event>`` method per member, and a
+test keeps the two equal.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Event(str, enum.Enum):
+    """The step as the guard sees it (one optimizer step; ``micro`` repeats for gradient accumulation)::
+
+        BEGIN       once, after the engine is built: gather every rank's coordinates and host,
+                    open the event log (rank 0), arm the fault injector
+        for each optimizer step:
+            for each micro-batch:
+                BATCH      the loader hands out a batch: record its sample ids and data position
+                FORWARD    engine(batch): injected faults poison the inputs (nan_batch)
+                LOSS       engine.backward(loss): the local loss is checked (a device-side flag,
+                           no host sync); injected nan_loss fires here
+                BACKWARD   autograd: a tensor hook per parameter adds the *local* gradient's
+                           squared norm into one device scalar -- this runs before DeepSpeed's
+                           data-parallel reduction at every ZeRO stage
+            AGREE      engine.step() at the accumulation boundary: ONE all-reduce of a
+                       [world, fields] tensor (each rank fills its own row); one host sync reads it;
+                       every rank now holds every rank's flags, loss and local gradient norm
+            DECIDE     pure detectors turn the gathered observations into verdicts; the policy turns
+                       verdicts into one action -- the same on every rank, since every rank
+                       computed it from the same tensor: CONTINUE | SKIP_STEP | ABORT
+            STEP       apply the optimizer step, or make DeepSpeed's optimizer take its own
+                       skip path (no update, gradients cleared, counted in skipped_steps)
+            END        metric line (rank 0; every rank when per_rank), events, counters
+        CLOSE       flush and close the logs
+    """
+
+    BEGIN = "begin"
+    BATCH = "batch"
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    AGREE = "agree"
+    DECIDE = "decide"
+    STEP = "step"
+    END = "end"
+    CLOSE = "close"
+
+
+class Record(str, enum.Enum):
+    """Values of the ``event`` field of an event line in the JSONL log."""
+
+    RUN_START = "run_start"          # config hash, world layout, versions
+    NONFINITE = "nonfinite"          # a rank's local loss or gradients were NaN/Inf
+    STEP_SKIPPED = "step_skipped"    # the optimizer step was applied on no rank
+    FRAMEWORK_SKIP = "framework_skip"  # DeepSpeed skipped a step the guard did not flag (e.g. fp16 scaler)
+    FAULT_INJECTED = "fault_injected"  # a configured fault fired (tests, demo, drills)
+    ABORT = "abort"                  # the run stops on every rank; detail holds the report
+    RUN_END = "run_end"              # totals
+
+
+class Action(str, enum.Enum):
+    """What the policy decided; every rank takes the same one in the same step."""
+
+    CONTINUE = "continue"
+    SKIP_STEP = "skip_step"
+    ABORT = "abort"

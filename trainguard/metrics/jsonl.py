@@ -1,0 +1,59 @@
+"""The JSONL log: one JSON object per line, flushed per line so a crash keeps what happened.
+
+Every line has ``type`` ("event" or "metric"), ``time`` (Unix seconds) and ``step``.
+Event lines add ``event``, ``ranks``, ``action``, ``detail``; metric lines add ``loss``,
+``grad_norm``, ``lr``, ``loss_scale``, ``skipped_steps``. NaN and Inf are written as ``null``
+(strict JSON; the accompanying event says what was non-finite). Field reference: docs/events.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def clean(value: Any) -> Any:
+    """Make a value strict-JSON: non-finite floats -> None, tuples -> lists, tensors -> numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "numel", lambda: 0)() == 1:
+        return clean(value.item())
+    if hasattr(value, "value") and isinstance(getattr(value, "value"), str):  # str enums
+        return value.value
+    return value
+
+
+class JsonlSink:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if self.path.parent and not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        self._f.write(json.dumps(clean(record), separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def event(self, step: int, event: str, ranks, action: str | None, detail: dict | None = None, **extra):
+        self.write({"type": "event", "step": step, "event": event, "ranks": list(ranks),
+                    "action": action, "detail": detail or {}, **extra})
+
+    def metric(self, step: int, **values) -> None:
+        self.write({"type": "metric", "step": step, **values})
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+def read(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
