@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from trainguard.errors import ConfigError
 
 BLOCK = "trainguard"
+FAULTS_REFUSED = ("faults are listed but 'allow_faults' is not true; fault injection is refused in a "
+                  "config that does not opt in")
 FAULT_TYPES = ("nan_loss", "inf_grad", "nan_batch")
 
 
@@ -106,8 +108,7 @@ class TrainguardConfig(_Section):
     @model_validator(mode="after")
     def _faults_need_permission(self):
         if self.faults and not self.allow_faults:
-            raise ValueError("faults are listed but 'allow_faults' is not true; fault injection is "
-                             "refused in a config that does not opt in")
+            raise ValueError(FAULTS_REFUSED)
         return self
 
 
@@ -143,6 +144,26 @@ def _path(loc: tuple) -> str:
     return out
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: a swap of two neighbours ('stpe' -> 'step') costs 1."""
+    d = [[max(i, j) if min(i, j) == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
+
+
+def _closest(name: str, known: list[str]) -> str | None:
+    scored = sorted((_edit_distance(name.lower(), k), k) for k in known)
+    if scored and scored[0][0] <= max(2, len(name) // 3):
+        return scored[0][1]
+    close = difflib.get_close_matches(name, known, n=1)  # longer keys with a prefix/suffix typo
+    return close[0] if close else None
+
+
 def _problems(err: ValidationError) -> list[tuple[str, str]]:
     problems = []
     for e in err.errors(include_url=False):
@@ -150,13 +171,15 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
         if e["type"] == "extra_forbidden":
             model = _model_at(loc[:-1])
             known = sorted(model.model_fields) if model else []
-            guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f"; did you mean '{guess[0]}'?" if guess else ""
+            guess = _closest(str(loc[-1]), known)
+            hint = f"; did you mean '{guess}'?" if guess else ""
             problems.append((_path(loc), f"unknown key{hint} (known: {', '.join(known)})"))
             continue
         msg = e["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        if msg == FAULTS_REFUSED:
+            loc = ("faults",)
         if e["type"] not in ("missing", "value_error") and "input" in e:
             msg += f" (got {json.dumps(e['input'], default=str)})"
         problems.append((_path(loc), msg))
@@ -170,7 +193,12 @@ def parse_block(block: Any, source: str | None = None) -> TrainguardConfig:
     try:
         return TrainguardConfig.model_validate(block)
     except ValidationError as err:
-        raise ConfigError(_problems(err), source) from None
+        problems = _problems(err)
+        # pydantic skips model-level checks when a field failed; still report this one now
+        if block.get("faults") and block.get("allow_faults") is not True and \
+                not any(msg == FAULTS_REFUSED for _, msg in problems):
+            problems.append((f"{BLOCK}.faults", FAULTS_REFUSED))
+        raise ConfigError(problems, source) from None
 
 
 def _reject_duplicates(pairs):
