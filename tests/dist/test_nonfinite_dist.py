@@ -145,3 +145,31 @@ def test_guard_costs_nothing_when_all_is_well(tmp_path, torchrun):
     assert disabled.results[0]["engine_class"] == "DeepSpeedEngine"
     assert disabled.results[0]["sample_ids_known"] is False
     assert disabled.results[0]["param_sha256"] == plain.results[0]["param_sha256"]
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (2, "bf16")])
+def test_gradient_accumulation_counts_micro_batches(tmp_path, torchrun, stage, dtype):
+    """With 2 micro-batches per step the fault poisons both of rank 1's; the step is still skipped
+    once, on both ranks, and the event lists the samples of both micro-batches."""
+    cfg = make_config(tmp_path, faults=[{"type": "nan_loss", "step": 5, "rank": 1}], gradient_accumulation_steps=2)
+    run = torchrun(cfg, 8, "--zero-stage", str(stage), "--dtype", dtype).ok()
+    (e,) = nonfinite_events(run)
+    d = e["detail"]["per_rank"]["1"]
+    assert e["step"] == 5 and e["ranks"] == [1]
+    assert d["micro_batches"] == 2 and d["nonfinite_micro_batches"] == 2
+    assert len(d["sample_ids"]) == 2 * 4
+    assert_sample_ids_match_rank_log(run, e, 1)
+    assert all(r["skipped_steps"] == 1 and r["global_steps"] == 8 and r["weights_finite"] for r in run.results)
+
+
+def test_abort_action_stops_every_rank_with_a_report(tmp_path, torchrun):
+    cfg = make_config(tmp_path, faults=[{"type": "nan_loss", "step": 6, "rank": 1}],
+                      block={"detectors": {"nonfinite": {"action": "abort"}}})
+    run = torchrun(cfg, 12).ok()
+    for r in run.results:
+        assert r["aborted"] is not None, r
+        report = r["aborted"]["report"]
+        assert report["step"] == 6 and report["verdicts"][0]["ranks"] == [1]
+        assert report["coords"]["1"]["dp"] == 1 and report["samples"]["1"]["sample_ids"]
+        assert r["global_steps"] == 5  # steps 1-5 applied, nothing after the abort
+    assert [e["step"] for e in run.events if e["event"] == "abort"] == [6]
