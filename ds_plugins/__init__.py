@@ -72,7 +72,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     from ds_plugins.engine import attach
 
-    state = attach(engine, block)
+    state = attach(engine, block, client_scheduler=lr_scheduler)
     loader = None
     if training_data is not None:
         import torch.distributed as dist
@@ -81,7 +81,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
         dp_world = dist.get_world_size(group) if dist.is_initialized() else 1
         loader = TrackedLoader(training_data, engine.train_micro_batch_size_per_gpu(), dp_rank, dp_world,
-                               cfg=block.data, collate_fn=collate_fn, listener=state.on_batch)
+                               cfg=block.data, collate_fn=collate_fn, listener=state.on_batch,
+                               sanitize_cfg=block.sanitize,
+                               sample_hook=state.sample_hook if state.faults is not None else None)
     return engine, opt, loader, scheduler
 
 

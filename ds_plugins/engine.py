@@ -10,19 +10,20 @@ every stage, and names the rank that produced them.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ds_plugins.skip import find_strategy, forced_skip
+from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
 from trainguard.events import Action
 from trainguard.faults import FaultInjector
 from trainguard.guard import StepGuard
 from trainguard.isolation import gather_coords
+from trainguard.probes import first_nonfinite, preserved_rng
 
 _GUARDED_CLASSES: dict[type, type] = {}
 
@@ -37,18 +38,6 @@ def _loss_scale(engine) -> float:
         if isinstance(value, (int, float)):
             return float(value)
     return 1.0
-
-
-def _grad_norm(engine) -> float | None:
-    """DeepSpeed's global (post-reduction) gradient norm of the last step, as a float.
-
-    None where DeepSpeed does not compute one (ZeRO-0 fp32 with a torch optimizer)."""
-    value = engine.get_global_grad_norm()
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    return float(value)
 
 
 def _lr(engine) -> float | None:
@@ -67,14 +56,7 @@ def _guarded_class(base: type) -> type:
         """DeepSpeed engine with trainguard's loop points (see trainguard.events.Event)."""
 
         def forward(self, *inputs, **kwargs):
-            tg = self._trainguard
-            step = self.global_steps + 1
-            if tg.faults is not None:
-                (inputs, kwargs), poison_output = tg.faults_batch(step, (inputs, kwargs))
-                if poison_output:
-                    with tg.poison_first_module():
-                        return super().forward(*inputs, **kwargs)
-            return super().forward(*inputs, **kwargs)
+            return self._trainguard.forward(super().forward, inputs, kwargs)
 
         def backward(self, loss, *args, **kwargs):
             tg = self._trainguard
@@ -125,7 +107,7 @@ class _PoisonFirstModule:
 class EngineGuard:
     """The adapter's state on one rank: the core guard plus what only DeepSpeed knows."""
 
-    def __init__(self, engine, cfg: TrainguardConfig, guard_enabled: bool = True):
+    def __init__(self, engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None):
         self.engine = engine
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -134,16 +116,28 @@ class EngineGuard:
         self.faults: FaultInjector | None = None
         self._hooks: list = []
         self._closed = False
+        self._last_inputs = None      # (args, kwargs, poison_output) of the last micro-batch, for a replay
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
-            self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device())
+            self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device(),
+                                   localize=self._localize)
+            self.guard.attach_model(engine.module)
+            self.guard.clipper.framework_max_norm = float(engine.gradient_clipping() or 0.0)
             self.faults = self.guard.faults if cfg.faults else None  # one injector, owned by the guard
+            if cfg.clipping.mode == "norm":
+                self._set_clip(cfg.clipping.max_norm)
         elif cfg.faults:
             self.faults = FaultInjector(cfg.faults, self.rank)
+        if self.faults is not None:
+            self._hooks += self.faults.install_module_faults(engine.module, self.step_number)
         self._install_grad_hooks()
         if self.guard is not None:
-            self.guard.on_begin(self._coords(), self._framework_facts())
+            self.guard.on_begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
+
+    def step_number(self) -> int:
+        """The optimizer step being computed (1-based, as logged)."""
+        return self.engine.global_steps + 1
 
     # ------------------------------------------------------------------ setup
     def _coords(self):
@@ -156,45 +150,117 @@ class EngineGuard:
             eng, "data_parallel_group", None) is not None else self.rank
         return gather_coords(dp=dp, tp=tp, pp=pp, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
 
+    def _dtype(self) -> str:
+        eng = self.engine
+        return "fp16" if eng.fp16_enabled() else "bf16" if eng.bfloat16_enabled() else "fp32"
+
     def _framework_facts(self) -> dict:
         eng = self.engine
         import deepspeed
 
-        dtype = "fp16" if eng.fp16_enabled() else "bf16" if eng.bfloat16_enabled() else "fp32"
         return {"framework": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                "zero_stage": eng.zero_optimization_stage(), "dtype": dtype,
+                "zero_stage": eng.zero_optimization_stage(), "dtype": self._dtype(),
                 "optimizer": type(eng.optimizer).__name__,
                 "grad_check_point": "local, before the data-parallel reduction (tensor hooks)",
                 "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
-                "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu()}
+                "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
+                "clipping": {"mode": self.cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()}}
+
+    def _run_facts(self, client_scheduler) -> RunFacts:
+        eng = self.engine
+        if torch.cuda.is_available():
+            bf16 = torch.cuda.is_bf16_supported()
+        else:
+            bf16 = True  # CPU kernels run bf16
+        sched_cfg = eng.config.get("scheduler") if isinstance(getattr(eng, "config", None), dict) else None
+        warmup: int | None = None
+        name = None
+        if sched_cfg:
+            name = sched_cfg.get("type")
+            params = sched_cfg.get("params", {})
+            if "warmup_num_steps" in params:
+                warmup = int(params["warmup_num_steps"])
+            elif name in ("OneCycle",):
+                warmup = int(params.get("cycle_first_step_size", 0))
+            else:
+                warmup = -1
+        elif client_scheduler is not None:
+            name, warmup = type(client_scheduler).__name__, -1
+        return RunFacts(dtype=self._dtype(), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
+                        framework_clip=float(eng.gradient_clipping() or 0.0))
 
     def _install_grad_hooks(self) -> None:
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
         targets = self.faults.grad_targets([n for n, _ in named]) if self.faults else {}
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
+        clamp = self.guard is not None and self.guard.clipper.value_bound() is not None
         for name, p in named:
             specs = targets.get(name)
             if specs:  # the fault first, so the check sees what it did
                 self._hooks.append(p.register_hook(
-                    lambda g, specs=specs: self.faults.grad(self.engine.global_steps + 1, specs, g)))
-            if check:
+                    lambda g, specs=specs: self.faults.grad(self.step_number(), specs, g)))
+            if check:  # then the check, on the raw local gradient
                 self._hooks.append(p.register_hook(self._on_grad))
+            if clamp:  # then clipping by value, still before the reduction
+                self._hooks.append(p.register_hook(self._clamp_grad))
 
     def _on_grad(self, grad):
         self.guard.on_backward(grad)
         return None
 
+    def _clamp_grad(self, grad):
+        # the hook sees loss-scaled gradients divided by the accumulation steps: scale the bound alike
+        bound = self.guard.clipper.value_bound() * _loss_scale(self.engine) / self.engine.gradient_accumulation_steps()
+        return grad.clamp(-bound, bound)
+
+    def _set_clip(self, value: float) -> None:
+        """Hand a max-norm to DeepSpeed's own clipping (it clips inside the optimizer's step, on the
+        partitioned gradients, with the global norm it computes anyway)."""
+        eng = self.engine
+        eng._config.gradient_clipping = value
+        if hasattr(eng.optimizer, "clip_grad"):
+            eng.optimizer.clip_grad = value
+
     # ------------------------------------------------------------------ loop points
-    def faults_batch(self, step: int, inputs):
-        return self.faults.batch(step, inputs)
+    def forward(self, base_forward, inputs, kwargs):
+        step = self.step_number()
+        poison_output = False
+        if self.faults is not None:
+            (inputs, kwargs), poison_output = self.faults.batch(step, (inputs, kwargs))
+        if self.guard is not None and self.cfg.detectors.localize.enabled:
+            self._last_inputs = (inputs, kwargs, poison_output)
+        probing = self.guard.probing(step) if self.guard is not None else contextlib.nullcontext()
+        with probing, (_PoisonFirstModule(self.engine.module) if poison_output else contextlib.nullcontext()):
+            return base_forward(*inputs, **kwargs)
 
-    def poison_first_module(self):
-        return _PoisonFirstModule(self.engine.module)
+    def _localize(self) -> dict:
+        """Replay this rank's last micro-batch with a hook on every module (no gradients, RNG
+        untouched); every rank does it together, since a ZeRO-3 forward gathers parameters."""
+        if self._last_inputs is None:
+            return {"module": None, "note": "no micro-batch to replay"}
+        inputs, kwargs, poison_output = self._last_inputs
+        model = self.engine.module
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
-    def on_batch(self, sample_ids, position) -> None:
+        def run():
+            with _PoisonFirstModule(model) if poison_output else contextlib.nullcontext():
+                return model(*inputs, **kwargs)
+
+        with preserved_rng(devices):
+            report = first_nonfinite(model, run)
+        report["rank"] = self.rank
+        return report
+
+    def on_batch(self, sample_ids, position, rejected=()) -> None:
         if self.guard is not None:
-            self.guard.on_batch(sample_ids, position)
+            self.guard.on_batch(sample_ids, position, rejected)
+
+    def sample_hook(self, samples):
+        """Loader-level faults (bad_label), before the sanitiser sees the samples."""
+        s = self.cfg.sanitize
+        out_of_range = s.vocab_size if s.vocab_size is not None else 1_000_000
+        return self.faults.samples(self.step_number(), samples, s.label_key, out_of_range)
 
     def on_loss(self, step: int, loss):
         if self.guard is not None:
@@ -205,34 +271,58 @@ class EngineGuard:
 
     def guarded_step(self, ds_step):
         eng, guard = self.engine, self.guard
-        if guard is None:  # faults only (demo's plain-DeepSpeed comparison)
-            return ds_step()
-        step = eng.global_steps + 1
-        obs = guard.on_agree(step, loss_scale=_loss_scale(eng), grad_divisor=eng.gradient_accumulation_steps())
-        decision = guard.on_decide(step, obs)
-        if decision.action is Action.ABORT:
-            raise guard.abort(step, decision)
-        own_norm = None
-        if decision.action is Action.SKIP_STEP:
-            with forced_skip(eng.optimizer):
+        step = self.step_number()
+        with self._lr_fault(step):
+            if guard is None:  # faults only (the demo's plain-DeepSpeed comparison)
+                return ds_step()
+            obs = guard.on_agree(step, loss_scale=_loss_scale(eng), grad_divisor=eng.gradient_accumulation_steps())
+            decision = guard.on_decide(step, obs)
+            if decision.action is Action.ABORT:
+                raise guard.abort(step, decision)
+            limit = guard.clip_limit()
+            if limit is not None and self.cfg.clipping.mode == "adaptive":
+                self._set_clip(limit)
+            own_norm = None
+            if decision.action is Action.SKIP_STEP:
+                with forced_skip(eng.optimizer):
+                    result = ds_step()
+            else:
+                if self._ds_has_no_norm():
+                    # ZeRO-0 fp32 with a torch optimizer: DeepSpeed computes no global norm. The reduced
+                    # gradients are in .grad until the step clears them; take the norm now (on device).
+                    grads = [p.grad for p in eng.module.parameters() if p.grad is not None]
+                    own_norm = torch.nn.utils.get_total_norm(grads) if grads else None
                 result = ds_step()
-        else:
-            if self._ds_has_no_norm():
-                # ZeRO-0 fp32 with a torch optimizer: DeepSpeed computes no global norm. The reduced
-                # gradients are in .grad until the step clears them; take the norm now, read it later.
-                grads = [p.grad for p in eng.module.parameters() if p.grad is not None]
-                own_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-            result = ds_step()
         applied = eng.was_step_applied()
         guard.on_step(step, decision, applied)
-        grad_norm = _grad_norm(eng) if applied else None
-        if grad_norm is None and applied and own_norm is not None:
-            grad_norm = float(own_norm)
+        norm = eng.get_global_grad_norm() if applied else None
+        if norm is None and applied:
+            norm = own_norm
         guard.on_end(step, obs, {
-            "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
+            "grad_norm": norm,  # may be a device tensor: read with the next step's table, not now
+            "clip_limit": float(eng.gradient_clipping() or 0.0),
             "lr": _lr(eng), "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
             "applied": applied, "action": decision.action.value})
         return result
+
+    @contextlib.contextmanager
+    def _lr_fault(self, step: int):
+        """lr_ramp: multiply the LR for this step's update, then put back what the schedule set."""
+        mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
+        if mult == 1.0:
+            yield
+            return
+        groups = self.engine.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * mult
+        boosted = [g["lr"] for g in groups]
+        try:
+            yield
+        finally:
+            for g, old, new in zip(groups, saved, boosted):
+                if g["lr"] == new:  # the scheduler did not set a new LR: restore the scheduled one
+                    g["lr"] = old
 
     def _ds_has_no_norm(self) -> bool:
         eng = self.engine
@@ -265,9 +355,9 @@ def _collective_device() -> torch.device:
         return torch.device("cpu")
 
 
-def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True) -> EngineGuard:
+def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None) -> EngineGuard:
     """Guard an existing engine in place. Returns the adapter state (also ``engine._trainguard``)."""
-    state = EngineGuard(engine, cfg, guard_enabled=guard_enabled)
+    state = EngineGuard(engine, cfg, guard_enabled=guard_enabled, client_scheduler=client_scheduler)
     # nn.Module.__setattr__ would try to register modules; this is a plain attribute.
     object.__setattr__(engine, "_trainguard", state)
     engine.__class__ = _guarded_class(type(engine))

@@ -25,7 +25,8 @@ from trainguard.errors import ConfigError
 BLOCK = "trainguard"
 FAULTS_REFUSED = ("faults are listed but 'allow_faults' is not true; fault injection is refused in a "
                   "config that does not opt in")
-FAULT_TYPES = ("nan_loss", "inf_grad", "nan_batch")
+FAULT_TYPES = ("nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
+               "attention_collapse", "bad_label")
 
 
 class _Section(BaseModel):
@@ -50,8 +51,108 @@ class NonfiniteConfig(_Section):
         "never recovers should not skip forever.")
 
 
+class LossSpikeConfig(_Section):
+    """Loss against its robust moving statistics; spikes classified slow_rise / instant_burst."""
+
+    enabled: bool = Field(True, description="Alert when the step's loss (mean over ranks) spikes.")
+    window: int = Field(128, ge=8, description="Healthy steps kept for the median and MAD.")
+    z: float = Field(6.0, gt=0, description="Spike when (loss - median) / MAD exceeds this.")
+    min_history: int = Field(20, ge=3, description="Steps observed before any alert.")
+
+
+class GradNormConfig(_Section):
+    """Gradient-norm surge (one-step jump) and sustained rise (the precursor of an explosion)."""
+
+    enabled: bool = Field(True, description="Watch the RMS of the ranks' local gradient norms.")
+    window: int = Field(128, ge=8, description="Healthy steps kept for the median and MAD.")
+    z: float = Field(6.0, gt=0, description="Surge when (norm - median) / MAD exceeds this.")
+    min_history: int = Field(20, ge=3, description="Steps observed before any alert.")
+    trend_steps: int = Field(12, ge=3, description="Steps over which a sustained rise is measured.")
+    trend_rise: float = Field(
+        0.03, gt=0, description="Rise alert when log(norm) grows faster than this per step (least squares) "
+        "over trend_steps, all above the median. 0.03/step = +43% over 12 steps.")
+
+
+class AttentionEntropyConfig(_Section):
+    """Entropy of attention probabilities per layer and head, sampled."""
+
+    enabled: bool = Field(True, description="Sample attention entropy every `every` steps.")
+    every: int = Field(50, ge=1, description="Sampling period in optimizer steps.")
+    modules: str = Field(
+        r"(^|\.)(softmax|scale_mask_softmax|attn_softmax)$",
+        description="Regex on module paths whose output is the attention probabilities "
+        "[batch, heads, queries, keys] (a Softmax module, Megatron's scale_mask_softmax).")
+    collapse: float = Field(
+        0.05, ge=0, le=1, description="Alert when a head's entropy falls below this fraction of its maximum "
+        "(log of the number of keys it may attend to): the head attends to one token.")
+    saturation: float = Field(
+        0.995, gt=0, le=1, description="Alert when a head's entropy exceeds this fraction of its maximum "
+        "(uniform attention), once the run is past min_step.")
+    min_step: int = Field(500, ge=0, description="No saturation alerts before this step (heads start uniform).")
+
+
+class ActivationRangeConfig(_Section):
+    """Per-module max-abs and RMS of outputs, sampled; Inf/NaN in an activation is a verdict."""
+
+    enabled: bool = Field(True, description="Sample activation ranges every `every` steps.")
+    every: int = Field(50, ge=1, description="Sampling period in optimizer steps.")
+    max_abs: float = Field(1e4, gt=0, description="Alert when a module's output max-abs exceeds this.")
+    modules: Optional[str] = Field(
+        None, description="Regex on module paths to watch; null: every leaf module.")
+
+
+class LocalizeConfig(_Section):
+    """Find the first module whose output is non-finite by re-running the forward with hooks."""
+
+    enabled: bool = Field(True, description="On a non-finite verdict, every rank replays its last micro-batch "
+                          "with hooks (no gradients, RNG restored) and reports its first non-finite module.")
+    every: int = Field(0, ge=0, description="Also check during the normal forward every N steps (0: never).")
+
+
 class DetectorsConfig(_Section):
     nonfinite: NonfiniteConfig = Field(default_factory=NonfiniteConfig)
+    loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
+    grad_norm: GradNormConfig = Field(default_factory=GradNormConfig)
+    attention_entropy: AttentionEntropyConfig = Field(default_factory=AttentionEntropyConfig)
+    activation_range: ActivationRangeConfig = Field(default_factory=ActivationRangeConfig)
+    localize: LocalizeConfig = Field(default_factory=LocalizeConfig)
+
+
+class ClippingConfig(_Section):
+    """Gradient clipping, applied by DeepSpeed's optimizer before the step."""
+
+    mode: Literal["deepspeed", "norm", "value", "adaptive"] = Field(
+        "deepspeed", description="deepspeed: leave DeepSpeed's gradient_clipping as configured. norm: clip the "
+        "global norm to max_norm. value: clamp every gradient element to [-value, value] (each rank's local "
+        "gradient, before the reduction). adaptive: clip to EMA mean + z * EMA std of recent norms (ZClip).")
+    max_norm: float = Field(1.0, gt=0, description="norm mode; also adaptive's limit until the EMA is warm.")
+    value: float = Field(1.0, gt=0, description="value mode: the element bound.")
+    z: float = Field(2.5, gt=0, description="adaptive: clip norms more than z EMA deviations above the EMA mean.")
+    ema: float = Field(0.97, gt=0, lt=1, description="adaptive: decay of the norm's EMA mean and variance.")
+    warmup_steps: int = Field(25, ge=2, description="adaptive: steps of EMA before it replaces max_norm.")
+
+
+class SanitizeConfig(_Section):
+    """Checks every sample the loader reads, before it reaches the model (host side, no sync)."""
+
+    enabled: bool = Field(True, description="Check samples (only what is configured below is checked).")
+    input_key: str = Field("input_ids", description="Key of the token ids in a dict sample.")
+    label_key: str = Field("labels", description="Key of the labels in a dict sample.")
+    max_seq_len: Optional[int] = Field(None, ge=1, description="Reject samples longer than this.")
+    vocab_size: Optional[int] = Field(None, ge=1, description="Token ids and labels must lie in [0, vocab_size).")
+    ignore_index: int = Field(-100, description="A label equal to this is ignored by the loss, hence allowed.")
+    pad_id: Optional[int] = Field(None, description="Reject samples whose tokens are all pad_id.")
+    reject_all_zero: bool = Field(True, description="Reject samples whose tokens (or values) are all zero.")
+    action: Literal["drop_sample", "quarantine_batch", "fail"] = Field(
+        "drop_sample", description="drop_sample: the batch goes on without it; quarantine_batch: the whole "
+        "batch is set aside and the next one is read; fail: stop with an error naming the sample ids.")
+
+
+class ChecksConfig(_Section):
+    """Start-of-run checks (one warning event each)."""
+
+    enabled: bool = Field(True, description="Warn about fp16-where-bf16-works, missing or short warmup, no clipping.")
+    min_warmup_steps: int = Field(100, ge=0, description="Warn when the LR warmup is shorter than this.")
 
 
 class MetricsConfig(_Section):
@@ -63,6 +164,10 @@ class MetricsConfig(_Section):
     per_rank: bool = Field(
         False, description="Also write one file per rank (`<stem>.rank<r>.jsonl`) with its local values.")
     every_steps: int = Field(1, ge=1, description="Write a metric line every N optimizer steps (events always).")
+    tensorboard: Optional[str] = Field(None, description="Directory for TensorBoard scalars (rank 0). null: off.")
+    prometheus_port: Optional[int] = Field(
+        None, ge=0, le=65535, description="Serve Prometheus metrics over HTTP from rank 0 on this port "
+        "(0: any free port). null: off.")
 
 
 class DataConfig(_Section):
@@ -77,20 +182,44 @@ class DataConfig(_Section):
 class FaultSpec(_Section):
     """One injected fault. Used by tests, the demo and fire drills; refused unless allow_faults."""
 
-    type: Literal["nan_loss", "inf_grad", "nan_batch"] = Field(
-        description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's "
-        "local gradient gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an "
-        "integer-only batch poisons the output of the model's first leaf module instead).")
+    type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
+                  "attention_collapse", "bad_label"] = Field(
+        description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
+        "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
+        "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
+        "multiplied by `factor` (an integer-only batch: its loss is). lr_ramp: from `step` on, the LR is "
+        "multiplied by `factor` more each step (all ranks). inf_activation: +Inf in the output of `module`. "
+        "attention_collapse: the input logits of the softmax `module` are multiplied by `factor` for `head`. "
+        "bad_label: one label of the batch becomes vocab-size (out of range), in the loader.")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
-    rank: int = Field(0, ge=0, description="Global rank on which the fault fires.")
+    rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
+    steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
     param: Optional[str] = Field(
         None, description="inf_grad only: parameter name (as in model.named_parameters()); default the first.")
+    module: Optional[str] = Field(None, description="inf_activation, attention_collapse: module path.")
+    factor: Optional[float] = Field(None, description="spike_batch (default 50), lr_ramp (per-step growth, "
+                                    "default 1.15), attention_collapse (default 50).")
+    head: int = Field(0, ge=0, description="attention_collapse: the head whose logits are scaled.")
 
     @model_validator(mode="after")
-    def _param_only_for_inf_grad(self):
+    def _fields_fit_the_type(self):
         if self.param is not None and self.type != "inf_grad":
             raise ValueError(f"'param' applies only to type 'inf_grad', not '{self.type}'")
+        needs_module = self.type in ("inf_activation", "attention_collapse")
+        if needs_module and not self.module:
+            raise ValueError(f"type '{self.type}' needs 'module' (a module path, as in model.named_modules())")
+        if self.module is not None and not needs_module:
+            raise ValueError(f"'module' applies only to inf_activation and attention_collapse, not '{self.type}'")
+        if self.factor is not None and self.type not in ("spike_batch", "lr_ramp", "attention_collapse"):
+            raise ValueError(f"'factor' does not apply to type '{self.type}'")
         return self
+
+    def factor_or_default(self) -> float:
+        defaults = {"spike_batch": 50.0, "lr_ramp": 1.15, "attention_collapse": 50.0}
+        return self.factor if self.factor is not None else defaults.get(self.type, 1.0)
+
+    def active(self, step: int) -> bool:
+        return self.step <= step < self.step + self.steps
 
 
 class TrainguardConfig(_Section):
@@ -98,6 +227,9 @@ class TrainguardConfig(_Section):
 
     enabled: bool = Field(True, description="false: DeepSpeed's own behaviour, unchanged.")
     detectors: DetectorsConfig = Field(default_factory=DetectorsConfig)
+    clipping: ClippingConfig = Field(default_factory=ClippingConfig)
+    sanitize: SanitizeConfig = Field(default_factory=SanitizeConfig)
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     allow_faults: bool = Field(

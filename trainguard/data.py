@@ -15,7 +15,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import default_collate
 
-from trainguard.config import DataConfig
+from trainguard.config import DataConfig, SanitizeConfig
+from trainguard.sanitize import active as sanitize_active
+from trainguard.sanitize import sanitize
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,17 @@ class TrackedLoader:
     """Iterate it like a DataLoader: each ``for batch in loader`` runs to the end of the epoch.
 
     ``last_sample_ids`` and ``position`` describe the batch handed out last. ``listener`` (the
-    guard's ``on_batch``) is called with ``(sample_ids, position)`` before each batch is returned.
+    guard's ``on_batch``) is called with ``(sample_ids, position, rejected)`` before each batch is
+    returned; ``rejected`` lists ``(sample_id, problems)`` the sanitiser set aside on the way
+    (dropped samples, or whole quarantined batches, which are skipped: the next batch is read).
+    ``quarantine`` holds every sample id set aside so far. ``sample_hook(samples)`` (fault
+    injection) may alter the raw samples before the sanitiser sees them.
     """
 
     def __init__(self, dataset: Sequence, batch_size: int, rank: int, world: int,
                  cfg: DataConfig | None = None, collate_fn: Callable | None = None,
-                 listener: Callable[[list[int], DataPosition], Any] | None = None):
+                 listener: Callable[..., Any] | None = None, sanitize_cfg: SanitizeConfig | None = None,
+                 sample_hook: Callable[[list], list] | None = None):
         cfg = cfg or DataConfig()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -80,6 +87,10 @@ class TrackedLoader:
         self.batch_in_epoch = 0
         self.consumed_samples = 0
         self.last_sample_ids: list[int] = []
+        self.rank = rank
+        self.sanitize_cfg = sanitize_cfg if sanitize_cfg is not None and sanitize_active(sanitize_cfg) else None
+        self.sample_hook = sample_hook
+        self.quarantine: list[int] = []
         if len(self) == 0:
             raise ValueError(f"the dataset ({len(dataset)} samples) does not fill one micro-batch of "
                              f"{batch_size} on each of {world} data-parallel ranks")
@@ -94,24 +105,36 @@ class TrackedLoader:
 
     def __iter__(self) -> Iterator:
         order = self.sampler.indices(self.epoch)
+        rejected: list = []
         while self.batch_in_epoch < len(self):
             start = self.batch_in_epoch * self.batch_size
             ids = order[start:start + self.batch_size]
-            batch = self.collate_fn([self.dataset[i] for i in ids])
+            samples = [self.dataset[i] for i in ids]
             self.batch_in_epoch += 1
             self.consumed_samples += len(ids) * self.world
+            if self.sample_hook is not None:
+                samples = self.sample_hook(samples)
+            if self.sanitize_cfg is not None:
+                ids, samples, bad = sanitize(ids, samples, self.sanitize_cfg, self.rank)
+                rejected += bad
+                self.quarantine += [i for i, _ in bad]
+                if not samples:  # quarantined, or every sample dropped: read the next batch
+                    continue
+            batch = self.collate_fn(samples)
             self.last_sample_ids = ids
             if self.listener is not None:
-                self.listener(ids, self.position)
+                self.listener(ids, self.position, rejected)
+            rejected = []
             yield batch
         self.epoch += 1
         self.batch_in_epoch = 0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "consumed_samples": self.consumed_samples}
+                "consumed_samples": self.consumed_samples, "quarantine": list(self.quarantine)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.consumed_samples = int(state["consumed_samples"])
+        self.quarantine = [int(i) for i in state.get("quarantine", [])]

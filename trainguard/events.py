@@ -48,10 +48,21 @@ class Event(str, enum.Enum):
 
 
 class Record(str, enum.Enum):
-    """Values of the ``event`` field of an event line in the JSONL log."""
+    """Values of the ``event`` field of an event line in the JSONL log (docs/events.md)."""
 
     RUN_START = "run_start"          # config hash, world layout, versions
-    NONFINITE = "nonfinite"          # a rank's local loss or gradients were NaN/Inf
+    NONFINITE = "nonfinite"          # a rank's local loss, gradients or a sampled activation were NaN/Inf
+    INSTANT_BURST = "instant_burst"  # loss spike, gradient norm jumped within one step: a bad batch
+    SLOW_RISE = "slow_rise"          # gradient norm creeping up (before or at a loss spike): LR too high
+    GRAD_SURGE = "grad_surge"        # gradient norm far above its recent distribution
+    ENTROPY_COLLAPSE = "entropy_collapse"      # an attention head attends to a single token
+    ENTROPY_SATURATION = "entropy_saturation"  # an attention head attends uniformly
+    ACTIVATION_RANGE = "activation_range"      # a module's output max-abs above the limit
+    SAMPLES_REJECTED = "samples_rejected"      # the sanitiser dropped samples or quarantined a batch
+    FP16_WHERE_BF16 = "fp16_where_bf16"        # start-of-run checks (action "warn")
+    NO_WARMUP = "no_warmup"
+    SHORT_WARMUP = "short_warmup"
+    NO_CLIPPING = "no_clipping"
     STEP_SKIPPED = "step_skipped"    # the optimizer step was applied on no rank
     FRAMEWORK_SKIP = "framework_skip"  # DeepSpeed skipped a step the guard did not flag (e.g. fp16 scaler)
     FAULT_INJECTED = "fault_injected"  # a configured fault fired (tests, demo, drills)

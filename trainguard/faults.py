@@ -1,9 +1,23 @@
-"""Config-driven fault injection: NaN loss, Inf gradient, poisoned batch at step k on rank r.
+"""Config-driven fault injection: what goes wrong in real runs, at step k on rank r.
 
-Refused by the config unless ``allow_faults`` is true. The injector only answers "does a fault fire
-here?" and applies it to the tensor it is handed; the adapter calls it at the loop points (FORWARD,
-LOSS, BACKWARD). It is usable without the guard, so the demo can inject the same faults into a
-plain DeepSpeed run for comparison.
+Refused by the config unless ``allow_faults`` is true. The injector answers "does a fault fire
+here?" and applies it to what it is handed; the adapter calls it at the loop points:
+
+=====================  ===========  =====================================================
+fault                  loop point   effect
+=====================  ===========  =====================================================
+bad_label              BATCH        one label of the first sample becomes out of range
+                                    (in the loader, before the sanitiser sees it)
+nan_batch, spike_batch FORWARD      floating inputs -> NaN / x factor (integer-only batch:
+                                    first leaf module's output -> NaN / the loss x factor)
+inf_activation         FORWARD      +Inf in the output of ``module`` (a forward hook)
+attention_collapse     FORWARD      the softmax ``module``'s input logits x factor, one head
+nan_loss               LOSS         the loss passed to backward becomes NaN
+inf_grad               BACKWARD     +Inf in one parameter's local gradient
+lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
+=====================  ===========  =====================================================
+
+It works without the guard too, so the demo can inject the same faults into plain DeepSpeed.
 """
 from __future__ import annotations
 
@@ -14,46 +28,116 @@ import torch
 from trainguard.config import FaultSpec
 
 
+def _map_floats(x: Any, fn) -> tuple[Any, bool]:
+    found = False
+
+    def go(v):
+        nonlocal found
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            found = True
+            return fn(v)
+        if isinstance(v, dict):
+            return type(v)((k, go(w)) for k, w in v.items())
+        if isinstance(v, (list, tuple)):
+            return type(v)(go(w) for w in v)
+        return v
+
+    return go(x), found
+
+
 class FaultInjector:
     def __init__(self, faults: Sequence[FaultSpec], rank: int):
-        self.faults = [f for f in faults if f.rank == rank]
+        # lr_ramp acts on the optimizer, which every rank must change alike
+        self.faults = [f for f in faults if f.rank == rank or f.type == "lr_ramp"]
         self.rank = rank
         self.fired: list[tuple[int, str]] = []  # (step, type), for the record
+        self._scale_loss: dict[int, float] = {}
 
     def _due(self, kind: str, step: int) -> list[FaultSpec]:
-        return [f for f in self.faults if f.type == kind and f.step == step]
+        return [f for f in self.faults if f.type == kind and f.active(step)]
+
+    def _fire(self, step: int, kind: str) -> None:
+        if (step, kind) not in self.fired:
+            self.fired.append((step, kind))
 
     def fired_in(self, step: int) -> int:
         return sum(1 for s, _ in self.fired if s == step)
 
+    def types_fired_in(self, step: int) -> list[str]:
+        return [k for s, k in self.fired if s == step]
+
+    # BATCH -----------------------------------------------------------------------------------
+    def samples(self, step: int, samples: list, label_key: str, out_of_range: int) -> list:
+        """bad_label: the first label of the first sample becomes ``out_of_range``."""
+        if not self._due("bad_label", step) or not samples:
+            return samples
+        self._fire(step, "bad_label")
+        first = samples[0]
+        if isinstance(first, dict) and label_key in first:
+            labels = torch.as_tensor(first[label_key]).clone()
+            labels.view(-1)[0] = out_of_range
+            samples = [{**first, label_key: labels}, *samples[1:]]
+        return samples
+
     # FORWARD ---------------------------------------------------------------------------------
     def batch(self, step: int, inputs: Any) -> tuple[Any, bool]:
-        """nan_batch: every floating-point tensor in ``inputs`` filled with NaN. Returns
-        ``(inputs, needs_output_poison)``: an integer-only batch cannot hold NaN, so the caller
-        poisons the first leaf module's output for this forward instead."""
-        if not self._due("nan_batch", step):
-            return inputs, False
-        self.fired.append((step, "nan_batch"))
-        found = [False]
+        """nan_batch / spike_batch on the inputs. Returns ``(inputs, poison_first_module_output)``."""
+        poison_output = False
+        if self._due("nan_batch", step):
+            self._fire(step, "nan_batch")
+            inputs, found = _map_floats(inputs, lambda t: torch.full_like(t, float("nan")))
+            poison_output = not found
+        for f in self._due("spike_batch", step):
+            self._fire(step, "spike_batch")
+            factor = f.factor_or_default()
+            inputs, found = _map_floats(inputs, lambda t: t * factor)
+            if not found:
+                self._scale_loss[step] = factor
+        return inputs, poison_output
 
-        def poison(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                found[0] = True
-                return torch.full_like(x, float("nan"))
-            if isinstance(x, dict):
-                return type(x)((k, poison(v)) for k, v in x.items())
-            if isinstance(x, (list, tuple)):
-                return type(x)(poison(v) for v in x)
-            return x
-
-        inputs = poison(inputs)
-        return inputs, not found[0]
+    def install_module_faults(self, model: torch.nn.Module, step_fn) -> list:
+        """Forward hooks for inf_activation and attention_collapse; returns their handles."""
+        modules = dict(model.named_modules())
+        handles = []
+        for f in self.faults:
+            if f.type not in ("inf_activation", "attention_collapse"):
+                continue
+            if f.module not in modules:
+                near = [n for n in modules if n and n.split(".")[-1] == f.module.split(".")[-1]][:5]
+                raise ValueError(f"trainguard.faults: module '{f.module}' is not in the model"
+                                 + (f" (similar: {', '.join(near)})" if near else ""))
+            mod = modules[f.module]
+            if f.type == "inf_activation":
+                def hook(m, args, output, f=f):
+                    step = step_fn()
+                    if not f.active(step):
+                        return None
+                    self._fire(step, "inf_activation")
+                    if isinstance(output, torch.Tensor):
+                        return output + float("inf")
+                    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                        return (output[0] + float("inf"), *output[1:])
+                    return None
+                handles.append(mod.register_forward_hook(hook))
+            else:
+                def pre_hook(m, args, f=f):
+                    step = step_fn()
+                    if not f.active(step) or not args or not isinstance(args[0], torch.Tensor):
+                        return None
+                    self._fire(step, "attention_collapse")
+                    logits = args[0].clone()
+                    logits[:, f.head] = logits[:, f.head] * f.factor_or_default()
+                    return (logits, *args[1:])
+                handles.append(mod.register_forward_pre_hook(pre_hook))
+        return handles
 
     # LOSS ------------------------------------------------------------------------------------
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if step in self._scale_loss:
+            loss = loss * self._scale_loss.pop(step)
         if not self._due("nan_loss", step):
             return loss
-        self.fired.append((step, "nan_loss"))
+        self._fire(step, "nan_loss")
         return loss * float("nan")  # keeps the graph; backward then yields NaN gradients too
 
     # BACKWARD --------------------------------------------------------------------------------
@@ -71,10 +155,18 @@ class FaultInjector:
         return targets
 
     def grad(self, step: int, spec_list: Sequence[FaultSpec], grad: torch.Tensor) -> torch.Tensor:
-        if not any(f.step == step for f in spec_list):
+        if not any(f.active(step) for f in spec_list):
             return grad
-        if (step, "inf_grad") not in self.fired:
-            self.fired.append((step, "inf_grad"))
+        self._fire(step, "inf_grad")
         out = grad.clone()
         out.view(-1)[0] = float("inf")
         return out
+
+    # STEP ------------------------------------------------------------------------------------
+    def lr_multiplier(self, step: int) -> float:
+        mult = 1.0
+        for f in self._due("lr_ramp", step):
+            if f.rank == self.rank:
+                self._fire(step, "lr_ramp")
+            mult *= f.factor_or_default() ** (step - f.step + 1)
+        return mult

@@ -4,30 +4,43 @@ Framework-free: an adapter (``ds_plugins``, ``megatron_hooks``) calls ``on_<even
 moments of its framework's loop and carries out the action it gets back from ``on_decide``. The
 guard never imports a framework and never touches an optimizer.
 
-Cost on a healthy step: a few device-side ops per micro-batch (loss flag) and per parameter
-gradient (a norm added into one scalar), one all-reduce of ``world x 6`` float64 values, and one
-host synchronisation to read it. Sample ids travel in a second collective only on anomaly steps.
+Cost on a healthy, unsampled step: a few device-side ops per micro-batch (loss flag) and per
+parameter gradient (a norm added into one scalar), one all-reduce of ``world x 8`` float64 values,
+and one host synchronisation to read it. The framework's global gradient norm of a step rides in
+the *next* step's table (so reading it costs no second sync), which is why a metric line is written
+one step late. Sampled steps (probes), anomaly steps and steps where the sanitiser set samples aside
+add one object gather (sample ids, probe statistics, localisation).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from trainguard import __version__
+from trainguard.checks import RunFacts, start_checks
+from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.data import DataPosition
-from trainguard.detectors import RankObservation, detect_nonfinite
+from trainguard.detectors import RankObservation, Verdict, detect_nonfinite
+from trainguard.detectors.activation import detect_activation
+from trainguard.detectors.attention import detect_attention
+from trainguard.detectors.grad_norm import GradNormDetector
+from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
 from trainguard.metrics.jsonl import JsonlSink
 from trainguard.policy import Decision, Policy
+from trainguard.probes import EntropyProbe, RangeProbe, select_modules
+
+ALERT = "alert"
 
 
 def config_hash(cfg: TrainguardConfig) -> str:
@@ -40,22 +53,43 @@ def per_rank_path(path: str, rank: int) -> str:
     return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.jsonl'}"))
 
 
+def _argmax(values: Sequence[float | None]) -> int:
+    best, arg = -math.inf, 0
+    for i, v in enumerate(values):
+        if v is not None and math.isfinite(v) and v > best:
+            best, arg = v, i
+    return arg
+
+
 class StepGuard:
-    """One per rank. ``group`` is the process group the AGREE collective runs on (None: world)."""
+    """One per rank. ``group`` is the process group the AGREE collective runs on (None: world).
+
+    ``localize`` (from the adapter) replays this rank's last micro-batch with hooks and returns
+    :func:`trainguard.probes.first_nonfinite`'s report; every rank calls it on a non-finite step.
+    """
 
     def __init__(self, cfg: TrainguardConfig, rank: int, world: int, group=None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
         self.policy = Policy(cfg.detectors.nonfinite)
         self.faults = FaultInjector(cfg.faults, rank)
+        self.loss_spike = LossSpikeDetector(cfg.detectors.loss_spike)
+        self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
+        self.clipper = Clipper(cfg.clipping)
+        self.localize = localize
+        self.range_probe: RangeProbe | None = None
+        self.entropy_probe: EntropyProbe | None = None
         self.coords: list[RankCoords] = []
         self.log: JsonlSink | None = None
         self.rank_log: JsonlSink | None = None
-        self.skipped_steps = 0      # steps the guard skipped (DeepSpeed's own count is separate)
+        self.mirrors: list = []
+        self.skipped_steps = 0      # steps the guard skipped (the framework's own count is separate)
         self.last_decision: Decision | None = None
         self.last_step = 0
+        self._pending: dict | None = None       # the previous step's metric line, awaiting its norm
+        self._pending_norm: Any = None          # the framework's norm of that step (maybe a device tensor)
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -64,6 +98,7 @@ class StepGuard:
         self._micro = 0
         self._grad_hooks = 0
         self._sample_ids: list[int] = []
+        self._rejected: list = []
         self._position: DataPosition | None = None
 
     def _ensure_acc(self) -> torch.Tensor:
@@ -77,9 +112,55 @@ class StepGuard:
     def checking(self) -> bool:
         return self.cfg.detectors.nonfinite.enabled
 
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Choose the modules the sampled probes watch (hooks are added only on sampled steps)."""
+        d = self.cfg.detectors
+        if d.activation_range.enabled:
+            self.range_probe = RangeProbe(select_modules(model, d.activation_range.modules))
+        if d.attention_entropy.enabled:
+            mods = select_modules(model, d.attention_entropy.modules, leaves_by_default=False)
+            self.entropy_probe = EntropyProbe(mods) if mods else None
+
+    def sampled(self, step: int) -> list[str]:
+        d = self.cfg.detectors
+        out = []
+        if self.range_probe is not None and step % d.activation_range.every == 0:
+            out.append("activation_range")
+        if self.entropy_probe is not None and step % d.attention_entropy.every == 0:
+            out.append("attention_entropy")
+        return out
+
+    @contextmanager
+    def probing(self, step: int) -> Iterator[None]:
+        """Around the model's forward: opens the probes on sampled steps, else does nothing."""
+        which = self.sampled(step)
+        if not which:
+            yield
+            return
+        with ExitStack() as stack:
+            if "activation_range" in which:
+                stack.enter_context(self.range_probe.watch())
+            if "attention_entropy" in which:
+                stack.enter_context(self.entropy_probe.watch())
+            yield
+
+    def clip_limit(self) -> float | None:
+        """The max-norm to hand the framework for the coming step (None: leave it)."""
+        return self.clipper.max_norm()
+
+    def _emit(self, step: int, event: str, ranks, action, detail, rank_local: bool = False, **extra) -> None:
+        sinks = [self.log] + ([self.rank_log] if rank_local else [])
+        for sink in sinks:
+            if sink:
+                sink.event(step, event, ranks, action, detail, **extra)
+        if self.log:
+            for m in self.mirrors:
+                m.event(step, event, ranks, action, detail)
+
     # ------------------------------------------------------------------ loop points
-    def on_begin(self, coords: Sequence[RankCoords], framework: dict[str, Any]) -> None:
-        """BEGIN: coordinates of every rank are known; open the logs; record the run's identity."""
+    def on_begin(self, coords: Sequence[RankCoords], framework: dict[str, Any], facts: RunFacts | None = None) -> None:
+        """BEGIN: coordinates of every rank are known; open the logs; record the run's identity;
+        run the start-of-run checks."""
         self.coords = list(coords)
         m = self.cfg.metrics
         if m.jsonl:
@@ -87,19 +168,36 @@ class StepGuard:
                 self.log = JsonlSink(m.jsonl)
             if m.per_rank:
                 self.rank_log = JsonlSink(per_rank_path(m.jsonl, self.rank))
+        if self.rank == 0:
+            if m.tensorboard:
+                from trainguard.metrics.tensorboard import TensorBoardSink
+
+                self.mirrors.append(TensorBoardSink(m.tensorboard))
+            if m.prometheus_port is not None:
+                from trainguard.metrics.prometheus import PrometheusSink
+
+                self.mirrors.append(PrometheusSink(m.prometheus_port))
         if self.log:
             self.log.event(0, Record.RUN_START.value, range(self.world), None, {
                 "trainguard": __version__, "config_hash": config_hash(self.cfg),
                 "world": self.world, "coords": [c.as_dict() for c in self.coords],
-                "faults": [f.model_dump() for f in self.cfg.faults], **framework})
+                "faults": [f.model_dump() for f in self.cfg.faults],
+                "probes": {"activation_modules": len(self.range_probe.modules) if self.range_probe else 0,
+                           "attention_modules": [n for n, _ in self.entropy_probe.modules]
+                           if self.entropy_probe else []}, **framework})
+        if facts is not None:
+            for v in start_checks(facts, self.cfg):
+                self._emit(0, v.anomaly, [], "warn", v.detail)
 
-    def on_batch(self, sample_ids: list[int], position: DataPosition) -> None:
-        """BATCH: the loader handed out a micro-batch with these dataset indices."""
+    def on_batch(self, sample_ids: list[int], position: DataPosition, rejected: Sequence = ()) -> None:
+        """BATCH: the loader handed out a micro-batch with these dataset indices (and set these aside)."""
         self._sample_ids.extend(sample_ids)
+        self._rejected.extend(rejected)
         self._position = position
 
     def on_forward(self, step: int, inputs: Any) -> tuple[Any, bool]:
-        """FORWARD: faults may poison the inputs. Returns ``(inputs, poison_first_module_output)``."""
+        """FORWARD: faults may poison the inputs. Returns ``(inputs, poison_first_module_output)``.
+        The adapter runs the forward inside :meth:`probing`."""
         return self.faults.batch(step, inputs)
 
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -133,21 +231,73 @@ class StepGuard:
         row[F["micro_batches"]] = self._micro
         row[F["grad_checked"]] = self._grad_hooks
         row[F["faults_fired"]] = self.faults.fired_in(step)
+        row[F["samples_rejected"]] = len(self._rejected)
+        pending = self._pending_norm
+        if isinstance(pending, torch.Tensor):
+            row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
+        else:
+            row[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
         table = agree(row, self.group)
-        return observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor)
+        obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor)
+        self._flush_pending(obs[0].prev_grad_norm)
+        return obs
 
     def on_decide(self, step: int, obs: list[RankObservation]) -> Decision:
         """DECIDE: pure detectors -> policy -> one action, identical on every rank."""
-        verdicts = []
-        if self.checking:
-            v = detect_nonfinite(obs)
-            if v is not None:
-                verdicts.append(v)
+        verdicts: list[Verdict] = []
+        nonfinite = detect_nonfinite(obs) if self.checking else None
+        spikes: list[Verdict] = []
+        if nonfinite is None:
+            norms = [o.grad_norm for o in obs]
+            proxy = math.sqrt(sum(n * n for n in norms) / len(norms)) if all(n is not None for n in norms) else None
+            if self.cfg.detectors.grad_norm.enabled:
+                rising_before = self.grad_norm.trend()
+                spikes += self.grad_norm.observe(step, proxy, ranks=[_argmax(norms)])
+            else:
+                rising_before = None
+            if self.cfg.detectors.loss_spike.enabled:
+                mean_loss = sum(o.loss for o in obs) / len(obs)
+                v = self.loss_spike.observe(step, mean_loss, rising_before, self.grad_norm.last_z,
+                                            ranks=[_argmax([o.loss for o in obs])])
+                if v is not None:
+                    spikes.append(v)
+        localized = None
+        if nonfinite is not None and self.cfg.detectors.localize.enabled and self.localize is not None:
+            localized = self.localize()  # every rank replays together (ZeRO-3 / TP forwards are collective)
+        sampled = self.sampled(step)
+        activation = self.range_probe.collect() if "activation_range" in sampled else None
+        entropy = self.entropy_probe.collect() if "attention_entropy" in sampled else None
+
+        everyone = None
+        if nonfinite or spikes or sampled or any(o.samples_rejected for o in obs):
+            # one object gather, taken by every rank: all of these conditions are the same everywhere
+            everyone = gather_objects({"sample_ids": self._sample_ids, "rejected": self._rejected,
+                                       "position": self._position.as_dict() if self._position else None,
+                                       "localized": localized, "activation": activation, "entropy": entropy},
+                                      self.group)
+        if everyone and activation is not None:
+            found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
+                                      self.cfg.detectors.activation_range)
+            for v in found:
+                if v.anomaly == "nonfinite":
+                    nonfinite = _merge_nonfinite(nonfinite, v)
+                else:
+                    spikes.append(v)
+        if everyone and entropy is not None:
+            spikes += detect_attention(step, {r: e["entropy"] or {} for r, e in enumerate(everyone)},
+                                       self.cfg.detectors.attention_entropy)
+        if nonfinite is not None:
+            verdicts.append(nonfinite)
+        verdicts += spikes
         decision = self.policy.decide(verdicts)
         self.last_decision = decision
+        self._everyone = everyone
+        self._probe_values = {"activation": activation, "entropy": entropy}
         self._log_faults(step, obs)
-        if decision.action is not Action.CONTINUE:
-            self._log_anomaly(step, decision)
+        if everyone:
+            self._log_rejections(step, everyone)
+        for v in verdicts:
+            self._log_verdict(step, v, decision, everyone)
         return decision
 
     def on_step(self, step: int, decision: Decision, applied: bool) -> None:
@@ -157,95 +307,158 @@ class StepGuard:
                 raise RuntimeError(f"rank {self.rank}: step {step} was decided SKIP_STEP but the framework "
                                    "applied it; this optimizer is not supported by the skip path")
             self.skipped_steps += 1
-        elif decision.action is Action.CONTINUE and not applied and self.log:
-            self.log.event(step, Record.FRAMEWORK_SKIP.value, [], None,
-                           {"reason": "the framework skipped this step itself (e.g. fp16 loss-scale overflow "
-                                      "found after the reduction)"})
+        elif decision.action is Action.CONTINUE and not applied:
+            self._emit(step, Record.FRAMEWORK_SKIP.value, [], None,
+                       {"reason": "the framework skipped this step itself (e.g. fp16 loss-scale overflow "
+                                  "found after the reduction)"})
 
     def on_end(self, step: int, obs: list[RankObservation], metrics: dict[str, Any]) -> None:
-        """END: the metric line(s); reset the per-step accumulators."""
+        """END: the metric line(s) of this step, written once the framework's global gradient norm
+        arrives with the next table (``metrics["grad_norm"]`` may be a device tensor)."""
         self.last_step = step
-        if step % self.cfg.metrics.every_steps == 0 or (self.last_decision and
-                                                         self.last_decision.action is not Action.CONTINUE):
-            finite = [o.loss for o in obs if o.micro_batches and math.isfinite(o.loss)]
-            loss = (sum(finite) / len(finite)) if len(finite) == len(obs) and finite else float("nan")
-            line = {"loss": loss, **metrics, "guard_skipped_steps": self.skipped_steps}
-            if self.log:
-                self.log.metric(step, **line)
-            if self.rank_log:
-                me = obs[self.rank]
-                self.rank_log.metric(step, rank=self.rank, local_loss=me.loss, local_grad_norm=me.grad_norm,
-                                     sample_ids=self._sample_ids,
-                                     position=self._position.as_dict() if self._position else None, **line)
+        norm = metrics.pop("grad_norm", None)
+        limit = metrics.pop("clip_limit", None)
+        due = step % self.cfg.metrics.every_steps == 0 or (
+            self.last_decision is not None and self.last_decision.action is not Action.CONTINUE)
+        finite = [o.loss for o in obs if o.micro_batches and math.isfinite(o.loss)]
+        loss = (sum(finite) / len(finite)) if len(finite) == len(obs) and finite else float("nan")
+        line = {"loss": loss, "loss_median": self.loss_spike.window.median() if len(self.loss_spike.window) else None,
+                **metrics, "guard_skipped_steps": self.skipped_steps,
+                "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs]}
+        probes = getattr(self, "_probe_values", {}) or {}
+        if probes.get("entropy"):
+            line["attention_entropy_ratio"] = {k: v["ratio"] for k, v in probes["entropy"].items()}
+            line["attention_entropy"] = {k: v["entropy"] for k, v in probes["entropy"].items()}
+        if probes.get("activation"):
+            line["activation_max_abs"] = {k: v[0] for k, v in probes["activation"].items()}
+            line["activation_rms"] = {k: v[1] for k, v in probes["activation"].items()}
+        me = obs[self.rank] if self.rank < len(obs) else None
+        rank_line = None
+        if me is not None and self.rank_log:
+            rank_line = {"rank": self.rank, "local_loss": me.loss, "local_grad_norm": me.grad_norm,
+                         "sample_ids": self._sample_ids,
+                         "position": self._position.as_dict() if self._position else None}
+        self._pending = {"step": step, "line": line, "rank_line": rank_line, "due": due, "limit": limit,
+                         "applied": metrics.get("applied", True)}
+        self._pending_norm = norm
+        self._probe_values = {}
         self._reset_step()
 
     def on_close(self, totals: dict[str, Any] | None = None) -> None:
-        """CLOSE: totals, then close the files."""
-        if self.log:
-            self.log.event(self.last_step, Record.RUN_END.value, range(self.world), None,
-                           {"guard_skipped_steps": self.skipped_steps,
-                            "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
-        for sink in (self.log, self.rank_log):
+        """CLOSE: the last metric line, totals, then close the files."""
+        if self._pending is not None:
+            norm = self._pending_norm
+            self._flush_pending(float(norm) if norm is not None else float("nan"))  # the one sync at close
+        self._emit(self.last_step, Record.RUN_END.value, range(self.world), None,
+                   {"guard_skipped_steps": self.skipped_steps,
+                    "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
+        for sink in (self.log, self.rank_log, *self.mirrors):
             if sink:
                 sink.close()
         self.log = self.rank_log = None
+        self.mirrors = []
 
     # ------------------------------------------------------------------ records
+    def _flush_pending(self, norm: float) -> None:
+        p, self._pending, self._pending_norm = self._pending, None, None
+        if p is None:
+            return
+        applied = p["applied"]
+        norm = norm if applied and math.isfinite(norm) else None
+        limit = p["limit"] if p["limit"] is not None else self.clipper.framework_max_norm
+        if applied:
+            self.clipper.observe(norm, limit)
+        line = dict(p["line"], grad_norm=norm, grad_norm_clipped=self.clipper.clipped(norm, limit),
+                    clip_limit=limit if limit else None)
+        if not p["due"]:
+            return
+        if self.log:
+            self.log.metric(p["step"], **line)
+            for m in self.mirrors:
+                m.metric(p["step"], line)
+        if self.rank_log and p["rank_line"] is not None:
+            self.rank_log.metric(p["step"], **{**line, **p["rank_line"]})
+
     def _log_faults(self, step: int, obs: list[RankObservation]) -> None:
         fired_ranks = [o.rank for o in obs if o.faults_fired]
         if not fired_ranks:
             return
-        specs = [f.model_dump() for f in self.cfg.faults if f.step == step and f.rank in fired_ranks]
-        for sink in (self.log, self.rank_log if self.rank in fired_ranks else None):
-            if sink:
-                sink.event(step, Record.FAULT_INJECTED.value, fired_ranks, None, {"faults": specs})
+        specs = [f.model_dump() for f in self.cfg.faults if f.active(step) and
+                 (f.rank in fired_ranks or f.type == "lr_ramp")]
+        self._emit(step, Record.FAULT_INJECTED.value, fired_ranks, None, {"faults": specs},
+                   rank_local=self.rank in fired_ranks)
 
-    def _log_anomaly(self, step: int, decision: Decision) -> None:
-        """Anomaly steps only (all ranks take this branch together): gather sample ids and data
-        positions, then name the culprits with their coordinates, host and samples."""
-        mine = {"sample_ids": self._sample_ids,
-                "position": self._position.as_dict() if self._position else None}
-        everyone = gather_objects(mine, self.group)
-        for v in decision.verdicts:
-            detail = dict(v.detail)
-            per_rank = {}
-            for r, d in v.detail.get("per_rank", {}).items():
-                c = self.coords[r].as_dict() if r < len(self.coords) else {"rank": r}
-                per_rank[str(r)] = {**d, "coords": c, **everyone[r]}
-            if per_rank:
-                detail["per_rank"] = per_rank
+    def _log_rejections(self, step: int, everyone: list[dict]) -> None:
+        per_rank = {str(r): {"rejected": [{"sample_id": i, "problems": p} for i, p in e["rejected"]],
+                             "coords": self.coords[r].as_dict() if r < len(self.coords) else {"rank": r}}
+                    for r, e in enumerate(everyone) if e["rejected"]}
+        if per_rank:
+            ranks = sorted(int(r) for r in per_rank)
+            self._emit(step, Record.SAMPLES_REJECTED.value, ranks, self.cfg.sanitize.action,
+                       {"per_rank": per_rank}, rank_local=self.rank in ranks)
+
+    def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
+        """Name the culprits with their coordinates, host, samples and (non-finite) first bad module."""
+        detail = dict(v.detail)
+        per_rank = {}
+        for r in v.ranks:
+            raw = v.detail.get("per_rank", {}).get(r, {}) if isinstance(v.detail.get("per_rank"), dict) else {}
+            d = {"values": raw} if isinstance(raw, list) else dict(raw)
+            d["coords"] = self.coords[r].as_dict() if r < len(self.coords) else {"rank": r}
+            if everyone:
+                e = everyone[r]
+                d.update({"sample_ids": e["sample_ids"], "position": e["position"]})
+                if e.get("localized") is not None and v.anomaly == "nonfinite":
+                    d.setdefault("first_nonfinite_module", e["localized"].get("module"))
+                    d["localized"] = e["localized"]
+            per_rank[str(r)] = d
+        if per_rank:
+            detail["per_rank"] = per_rank
+        is_nonfinite = v.anomaly == "nonfinite"
+        action = decision.action.value if is_nonfinite else ALERT
+        if is_nonfinite:
             detail["reason"] = decision.reason
-            if v.ranks and self._sample_ids == [] and all(not e["sample_ids"] for e in everyone):
-                detail["sample_ids_note"] = ("unknown: pass training_data to ds_plugins.initialize so "
-                                             "the loader can report sample ids")
-            for sink in (self.log, self.rank_log if self.rank in v.ranks else None):
-                if sink:
-                    sink.event(step, v.anomaly, v.ranks, decision.action.value, detail,
-                               skipped_steps=self.skipped_steps + (decision.action is Action.SKIP_STEP))
-        self._last_everyone = everyone
+            if everyone and not any(e["sample_ids"] for e in everyone):
+                detail["sample_ids_note"] = ("unknown: pass training_data to ds_plugins.initialize so the "
+                                             "loader can report sample ids")
+        extra = {"skipped_steps": self.skipped_steps + (decision.action is Action.SKIP_STEP)} if is_nonfinite else {}
+        self._emit(step, v.anomaly, v.ranks, action, detail, rank_local=self.rank in v.ranks, **extra)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
+        everyone = getattr(self, "_everyone", None) or [{}] * self.world
+        culprits = sorted({r for v in decision.verdicts for r in v.ranks})
         report = {"step": step, "reason": decision.reason,
                   "verdicts": [{"detector": v.detector, "anomaly": v.anomaly, "ranks": list(v.ranks),
                                 "detail": v.detail} for v in decision.verdicts],
-                  "coords": {str(r): self.coords[r].as_dict() for v in decision.verdicts for r in v.ranks
-                             if r < len(self.coords)},
-                  "samples": {str(r): getattr(self, "_last_everyone", [{}] * self.world)[r]
-                              for v in decision.verdicts for r in v.ranks},
+                  "coords": {str(r): self.coords[r].as_dict() for r in culprits if r < len(self.coords)},
+                  "samples": {str(r): {k: everyone[r].get(k) for k in ("sample_ids", "position")}
+                              for r in culprits},
                   "tried": {"skipped_steps": self.skipped_steps, **self.policy.state_dict()}}
-        if self.log:
-            self.log.event(step, Record.ABORT.value, sorted({r for v in decision.verdicts for r in v.ranks}),
-                           Action.ABORT.value, report)
+        self._emit(step, Record.ABORT.value, culprits, Action.ABORT.value, report)
         return TrainguardAbort(f"trainguard aborted the run at step {step}: {decision.reason}", report)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict()}
+        return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
+                "loss_spike": self.loss_spike.state_dict(), "grad_norm": self.grad_norm.state_dict(),
+                "clipper": self.clipper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = int(state["skipped_steps"])
         self.policy.load_state_dict(state["policy"])
+        self.loss_spike.load_state_dict(state["loss_spike"])
+        self.grad_norm.load_state_dict(state["grad_norm"])
+        self.clipper.load_state_dict(state["clipper"])
+
+
+def _merge_nonfinite(a: Verdict | None, b: Verdict) -> Verdict:
+    if a is None:
+        return Verdict("nonfinite", "nonfinite", b.ranks, b.detail)
+    per_rank = dict(a.detail.get("per_rank", {}))
+    for r, d in b.detail.get("per_rank", {}).items():
+        per_rank[r] = {**d, **per_rank.get(r, {})}
+    return Verdict(a.detector, a.anomaly, tuple(sorted(set(a.ranks) | set(b.ranks))), {**a.detail, "per_rank": per_rank})
 
 
 def _check_events_match() -> None:  # used by tests: one on_<event> method per Event member

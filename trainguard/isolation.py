@@ -2,7 +2,7 @@
 
 The AGREE collective is an all-reduce (SUM) of a ``[world, FIELDS]`` float64 tensor in which each
 rank has filled only its own row. It works on every backend (gloo has no all_gather_into_tensor on
-every version), moves ``world * len(FIELDS) * 8`` bytes (48 KB at 1,000 ranks), and, because the
+every version), moves ``world * len(FIELDS) * 8`` bytes (64 KB at 1,000 ranks), and, because the
 result is bit-identical everywhere, every rank reaches the same verdict without a second round.
 NaN and Inf survive the sum in their own row (other ranks contribute exact zeros there).
 """
@@ -19,7 +19,8 @@ import torch.distributed as dist
 from trainguard.detectors.base import RankObservation
 
 # Columns of the gathered table. Appending a field is compatible; reordering is not.
-FIELDS = ("loss_sum", "micro_batches", "loss_nonfinite", "grad_sq", "grad_checked", "faults_fired")
+FIELDS = ("loss_sum", "micro_batches", "loss_nonfinite", "grad_sq", "grad_checked", "faults_fired",
+          "samples_rejected", "prev_grad_norm")
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -79,7 +80,9 @@ def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
             grad_norm = math.sqrt(sq) / loss_scale * grad_divisor if math.isfinite(sq) else sq
         out.append(RankObservation(rank=rank, loss=loss, micro_batches=micro,
                                    loss_nonfinite=int(row[F["loss_nonfinite"]]), grad_norm=grad_norm,
-                                   faults_fired=int(row[F["faults_fired"]])))
+                                   faults_fired=int(row[F["faults_fired"]]),
+                                   samples_rejected=int(row[F["samples_rejected"]]),
+                                   prev_grad_norm=row[F["prev_grad_norm"]]))
     return out
 
 

@@ -26,7 +26,7 @@ def test_loader_reports_ids_and_position_and_resumes():
     data = [torch.tensor([i]) for i in range(40)]
     seen = []
     loader = TrackedLoader(data, batch_size=3, rank=1, world=2, cfg=DataConfig(seed=1),
-                           listener=lambda ids, pos: seen.append((ids, pos)))
+                           listener=lambda ids, pos, rejected: seen.append((ids, pos)))
     assert len(loader) == 6  # 20 samples per rank, full batches only
     batches = list(loader)
     assert [b.view(-1).tolist() for b in batches] == [ids for ids, _ in seen]

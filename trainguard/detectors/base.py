@@ -20,6 +20,8 @@ class RankObservation:
     loss_nonfinite: int
     grad_norm: float | None
     faults_fired: int = 0
+    samples_rejected: int = 0
+    prev_grad_norm: float = float("nan")   # the framework's global norm of the previous step (deferred)
 
     @property
     def loss_finite(self) -> bool:

@@ -1,0 +1,40 @@
+"""Start-of-run checks (prevent): one warning each, from facts the adapter reads off the framework."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainguard.config import TrainguardConfig
+from trainguard.detectors.base import Verdict
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    dtype: str                      # "fp32" | "bf16" | "fp16"
+    bf16_supported: bool
+    warmup_steps: int | None        # None: no warmup found; -1: a scheduler we cannot inspect
+    scheduler: str | None
+    framework_clip: float           # the framework's own gradient clipping (0: off)
+
+
+def start_checks(facts: RunFacts, cfg: TrainguardConfig) -> list[Verdict]:
+    if not cfg.checks.enabled:
+        return []
+    out = []
+    if facts.dtype == "fp16" and facts.bf16_supported:
+        out.append(Verdict("checks", "fp16_where_bf16", (), {
+            "advice": "bf16 is available here: it has fp32's exponent range, so softmax and layer-norm "
+                      "intermediates cannot overflow to Inf the way fp16's (max 65504) do; use \"bf16\"."}))
+    if facts.warmup_steps is None:
+        out.append(Verdict("checks", "no_warmup", (), {
+            "scheduler": facts.scheduler,
+            "advice": "no LR warmup is configured: the first steps of Adam with a full LR are a classic "
+                      "cause of early loss spikes; use a warmup (e.g. WarmupLR / WarmupDecayLR)."}))
+    elif facts.warmup_steps >= 0 and facts.warmup_steps < cfg.checks.min_warmup_steps:
+        out.append(Verdict("checks", "short_warmup", (), {
+            "warmup_steps": facts.warmup_steps, "min_warmup_steps": cfg.checks.min_warmup_steps,
+            "advice": "the LR warmup is shorter than trainguard.checks.min_warmup_steps."}))
+    if facts.framework_clip <= 0 and cfg.clipping.mode == "deepspeed":
+        out.append(Verdict("checks", "no_clipping", (), {
+            "advice": "gradient clipping is off: set \"gradient_clipping\" (e.g. 1.0) or "
+                      "trainguard.clipping.mode to \"norm\" or \"adaptive\"."}))
+    return out

@@ -1,0 +1,55 @@
+"""Gradient clipping thresholds: fixed norm, by value, or adaptive (z-score over an EMA, as ZClip).
+
+Pure arithmetic; the adapter hands the threshold to the framework's own clipping (DeepSpeed's
+optimizers clip inside their step, on the partitioned gradients) or clamps the local gradient in
+its tensor hook (by value). Adaptive: the limit for a step is ``mean + z * std`` of an EMA of the
+previous (clipped) global norms -- a norm that far above the recent distribution is cut back to
+it, and the EMA is fed the clipped value so one burst does not raise the bar.
+"""
+from __future__ import annotations
+
+import math
+
+from trainguard.config import ClippingConfig
+from trainguard.stats import EMA
+
+
+class Clipper:
+    def __init__(self, cfg: ClippingConfig, framework_max_norm: float = 0.0):
+        self.cfg = cfg
+        self.framework_max_norm = framework_max_norm
+        self.ema = EMA(cfg.ema)
+
+    def max_norm(self) -> float | None:
+        """The norm limit for the coming step; None: leave the framework's as configured."""
+        if self.cfg.mode == "norm":
+            return self.cfg.max_norm
+        if self.cfg.mode == "adaptive":
+            if self.ema.count < self.cfg.warmup_steps:
+                return self.cfg.max_norm
+            return max(self.ema.mean + self.cfg.z * self.ema.std, 1e-6)
+        return None
+
+    def effective_max_norm(self) -> float:
+        m = self.max_norm()
+        return m if m is not None else self.framework_max_norm
+
+    def clipped(self, raw: float | None, limit: float) -> float | None:
+        if raw is None or not math.isfinite(raw):
+            return None
+        return min(raw, limit) if limit and limit > 0 else raw
+
+    def observe(self, raw: float | None, limit: float) -> None:
+        """Feed the global norm of an applied step (after the fact)."""
+        value = self.clipped(raw, limit)
+        if value is not None:
+            self.ema.push(value)
+
+    def value_bound(self) -> float | None:
+        return self.cfg.value if self.cfg.mode == "value" else None
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state["ema"])

@@ -1,0 +1,77 @@
+"""Gradient-norm surge and trend: the precursor of an explosion.
+
+Observes one number per step that is available *before* the optimizer step on every rank: the
+root-mean-square of the ranks' local gradient norms (gathered by the AGREE collective). Two
+verdicts:
+
+- ``grad_surge``: this step's norm lies more than ``z`` robust deviations above the window median
+  (a jump within one step);
+- ``slow_rise``: the log-norm has risen by more than ``trend_rise`` per step (least squares) over the
+  last ``trend_steps`` steps and every one of them is above the median -- a sustained creep, which
+  is how a too-high LR shows itself before the loss explodes. Reported once per episode.
+"""
+from __future__ import annotations
+
+import math
+
+from trainguard.config import GradNormConfig
+from trainguard.detectors.base import Verdict
+from trainguard.stats import RollingWindow
+
+
+class GradNormDetector:
+    name = "grad_norm"
+
+    def __init__(self, cfg: GradNormConfig):
+        self.cfg = cfg
+        self.window = RollingWindow(cfg.window)
+        self.recent = RollingWindow(max(cfg.trend_steps, 3))
+        self.in_rise = False
+        self.last_z = 0.0
+
+    def trend(self) -> str | None:
+        """'rising' when the steps *before* the current one show a sustained creep."""
+        n = self.cfg.trend_steps
+        if len(self.recent) < n or len(self.window) < self.cfg.min_history:
+            return None
+        med = self.window.median()
+        vals = list(self.recent.values)[-n:]
+        if self.recent.slope(n, log=True) > self.cfg.trend_rise and min(vals) > med:
+            return "rising"
+        return None
+
+    def observe(self, step: int, norm: float | None, ranks=()) -> list[Verdict]:
+        self.last_z = 0.0
+        if norm is None or not math.isfinite(norm):
+            return []
+        rising_before = self.trend()
+        verdicts = []
+        if len(self.window) >= self.cfg.min_history:
+            z = self.window.robust_z(norm)
+            self.last_z = z
+            if z > self.cfg.z:
+                verdicts.append(Verdict(self.name, "grad_surge", tuple(ranks), {
+                    "grad_norm": norm, "median": self.window.median(), "z": round(z, 2),
+                    "trend": rising_before or "flat"}))
+        self.recent.push(norm)
+        if not verdicts:  # surges stay out of the baseline
+            self.window.push(norm)
+        rising_now = self.trend()
+        if rising_now and not self.in_rise:
+            self.in_rise = True
+            verdicts.append(Verdict(self.name, "slow_rise", tuple(ranks), {
+                "grad_norm": norm, "median": self.window.median(),
+                "log_slope_per_step": round(self.recent.slope(self.cfg.trend_steps, log=True), 4),
+                "steps": self.cfg.trend_steps,
+                "remedy": "lower the LR (or lengthen the warmup): the gradient norm is creeping up"}))
+        elif not rising_now:
+            self.in_rise = False
+        return verdicts
+
+    def state_dict(self) -> dict:
+        return {"window": self.window.state_dict(), "recent": self.recent.state_dict(), "in_rise": self.in_rise}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window.load_state_dict(state["window"])
+        self.recent.load_state_dict(state["recent"])
+        self.in_rise = bool(state["in_rise"])

@@ -1,0 +1,56 @@
+"""Loss spikes against robust windowed statistics, classified by what the gradient norm did.
+
+A spike is a step whose loss lies more than ``z`` robust deviations (median / MAD over the last
+``window`` healthy steps) above the median. Its class comes from the gradient-norm history
+(:class:`trainguard.detectors.grad_norm.GradNormDetector` keeps it):
+
+- ``slow_rise``: the gradient norm was trending up over the steps before the spike -- the LR is
+  too high or the warmup too short. Remedy: lower the LR, lengthen the warmup.
+- ``instant_burst``: no such trend; the gradient norm jumped within this one step -- a bad batch.
+  Remedy: skip the batch, roll back past it.
+
+Spikes are not pushed into the window, so one bad batch does not shift the baseline.
+"""
+from __future__ import annotations
+
+import math
+
+from trainguard.config import LossSpikeConfig
+from trainguard.detectors.base import Verdict
+from trainguard.stats import RollingWindow
+
+REMEDY = {
+    "slow_rise": "lower the LR (or lengthen the warmup): the gradient norm was creeping up before the spike",
+    "instant_burst": "skip this batch and roll back past it: the gradient norm jumped within one step",
+}
+
+
+class LossSpikeDetector:
+    name = "loss_spike"
+
+    def __init__(self, cfg: LossSpikeConfig):
+        self.cfg = cfg
+        self.window = RollingWindow(cfg.window)
+
+    def observe(self, step: int, loss: float, trend: str | None, grad_z: float, ranks=()) -> Verdict | None:
+        """``trend``: the gradient detector's reading of the steps before this one ('rising' or
+        None); ``grad_z``: how far this step's gradient norm jumped (robust z)."""
+        if not math.isfinite(loss):
+            return None  # the non-finite detector owns this step
+        if len(self.window) < self.cfg.min_history:
+            self.window.push(loss)
+            return None
+        z = self.window.robust_z(loss)
+        if z <= self.cfg.z:
+            self.window.push(loss)
+            return None
+        kind = "slow_rise" if trend == "rising" else "instant_burst"
+        return Verdict(detector=self.name, anomaly=kind, ranks=tuple(ranks), detail={
+            "loss": loss, "median": self.window.median(), "mad": self.window.mad(), "z": round(z, 2),
+            "grad_z": round(grad_z, 2), "class": kind, "remedy": REMEDY[kind]})
+
+    def state_dict(self) -> dict:
+        return {"window": self.window.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window.load_state_dict(state["window"])

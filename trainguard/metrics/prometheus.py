@@ -1,0 +1,94 @@
+"""Prometheus gauges and counters over HTTP from rank 0, with per-rank labels.
+
+Metric names (alert rules in configs/prometheus/alerts.yml):
+
+=====================================  =======  ===============================================
+trainguard_step                        gauge    last optimizer step
+trainguard_loss                        gauge    mean loss over ranks
+trainguard_loss_median                 gauge    the spike detector's moving median
+trainguard_grad_norm                   gauge    global gradient norm (raw); ``_clipped`` after clip
+trainguard_local_grad_norm{rank}       gauge    each rank's local gradient norm (pre-reduction)
+trainguard_local_loss{rank}            gauge    each rank's local loss
+trainguard_loss_scale                  gauge    fp16 loss scale (1 otherwise)
+trainguard_loss_scale_min              gauge    the scaler's floor (fp16)
+trainguard_lr                          gauge    learning rate
+trainguard_skipped_steps_total         counter  steps not applied
+trainguard_events_total{event}         counter  events by type (nonfinite, instant_burst, ...)
+trainguard_attention_entropy_ratio     gauge    {layer, head, rank}: entropy / its maximum
+trainguard_activation_max_abs          gauge    {module, rank}: sampled output max-abs
+trainguard_heartbeat_timestamp_seconds gauge    {rank}: time of the rank's last completed step
+=====================================  =======  ===============================================
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from trainguard.errors import TrainguardError
+
+
+class PrometheusSink:
+    def __init__(self, port: int):
+        try:
+            import prometheus_client as pc
+        except ImportError as e:  # pragma: no cover
+            raise TrainguardError("trainguard.metrics.prometheus_port needs prometheus-client: "
+                                  f"pip install 'trainguard[monitor]' ({e})") from None
+        self.registry = pc.CollectorRegistry()
+        g = lambda name, doc, labels=(): pc.Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
+        self.step = g("trainguard_step", "last optimizer step")
+        self.loss = g("trainguard_loss", "mean loss over ranks")
+        self.loss_median = g("trainguard_loss_median", "moving median of the loss")
+        self.grad_norm = g("trainguard_grad_norm", "global gradient norm before clipping")
+        self.grad_norm_clipped = g("trainguard_grad_norm_clipped", "global gradient norm after clipping")
+        self.local_grad = g("trainguard_local_grad_norm", "local gradient norm before the reduction", ["rank"])
+        self.local_loss = g("trainguard_local_loss", "local loss", ["rank"])
+        self.loss_scale = g("trainguard_loss_scale", "fp16 dynamic loss scale")
+        self.loss_scale_min = g("trainguard_loss_scale_min", "fp16 loss scale floor")
+        self.lr = g("trainguard_lr", "learning rate")
+        self.entropy = g("trainguard_attention_entropy_ratio", "attention entropy / maximum", ["layer", "head", "rank"])
+        self.act = g("trainguard_activation_max_abs", "sampled activation max-abs", ["module", "rank"])
+        self.heartbeat = g("trainguard_heartbeat_timestamp_seconds", "last completed step time", ["rank"])
+        self.skipped = pc.Counter("trainguard_skipped_steps", "optimizer steps not applied", registry=self.registry)
+        self.events = pc.Counter("trainguard_events", "trainguard events by type", ["event"], registry=self.registry)
+        self.server, self.thread = pc.start_http_server(port, addr="127.0.0.1" if port == 0 else "0.0.0.0",
+                                                        registry=self.registry)
+        self.port = self.server.server_port
+        self._skipped_seen = 0
+
+    @staticmethod
+    def _set(gauge, value) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            gauge.set(value)
+
+    def metric(self, step: int, values: dict[str, Any]) -> None:
+        self.step.set(step)
+        for name in ("loss", "loss_median", "grad_norm", "grad_norm_clipped", "loss_scale", "loss_scale_min", "lr"):
+            self._set(getattr(self, name), values.get(name))
+        for rank, v in enumerate(values.get("local_grad_norms") or []):
+            if v is not None:
+                self._set(self.local_grad.labels(rank=str(rank)), v)
+        for rank, v in enumerate(values.get("local_losses") or []):
+            if v is not None:
+                self._set(self.local_loss.labels(rank=str(rank)), v)
+        now = time.time()
+        for rank in range(len(values.get("local_losses") or [])):
+            self.heartbeat.labels(rank=str(rank)).set(now)
+        skipped = values.get("skipped_steps")
+        if isinstance(skipped, int) and skipped > self._skipped_seen:
+            self.skipped.inc(skipped - self._skipped_seen)
+            self._skipped_seen = skipped
+        for rank_layers in [values.get("attention_entropy_ratio") or {}]:
+            for layer, ratios in rank_layers.items():
+                for head, r in enumerate(ratios):
+                    self._set(self.entropy.labels(layer=layer, head=str(head), rank="0"), r)
+        for module, v in (values.get("activation_max_abs") or {}).items():
+            self._set(self.act.labels(module=module, rank="0"), v)
+
+    def event(self, step: int, event: str, ranks, action, detail) -> None:
+        self.events.labels(event=event).inc()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
