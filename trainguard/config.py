@@ -189,7 +189,8 @@ class FaultSpec(_Section):
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
         "multiplied by `factor` (an integer-only batch: its loss is). lr_ramp: from `step` on, the LR is "
         "multiplied by `factor` more each step (all ranks). inf_activation: +Inf in the output of `module`. "
-        "attention_collapse: the input logits of the softmax `module` are multiplied by `factor` for `head`. "
+        "attention_collapse: the logits into the softmax `module` for `head`, standardised per query, are "
+        "multiplied by `factor` (the head collapses onto its top key). "
         "bad_label: one label of the batch becomes vocab-size (out of range), in the loader.")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")

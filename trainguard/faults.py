@@ -11,7 +11,8 @@ bad_label              BATCH        one label of the first sample becomes out of
 nan_batch, spike_batch FORWARD      floating inputs -> NaN / x factor (integer-only batch:
                                     first leaf module's output -> NaN / the loss x factor)
 inf_activation         FORWARD      +Inf in the output of ``module`` (a forward hook)
-attention_collapse     FORWARD      the softmax ``module``'s input logits x factor, one head
+attention_collapse     FORWARD      one head's logits into the softmax ``module``,
+                                    standardised per query, x factor
 nan_loss               LOSS         the loss passed to backward becomes NaN
 inf_grad               BACKWARD     +Inf in one parameter's local gradient
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
@@ -43,6 +44,19 @@ def _map_floats(x: Any, fn) -> tuple[Any, bool]:
         return v
 
     return go(x), found
+
+
+def _standardised(x: torch.Tensor) -> torch.Tensor:
+    """Per-query z-scores of attention logits over the keys a query may see (masked ones stay -inf):
+    scaling these by a large factor collapses the head onto its top key, whatever the logits' scale.
+    Every intermediate is computed on finite stand-ins, so no NaN reaches the backward pass."""
+    finite = torch.isfinite(x)
+    safe = torch.where(finite, x, torch.zeros_like(x))
+    n = finite.sum(-1, keepdim=True).clamp_min(1)
+    mean = safe.sum(-1, keepdim=True) / n
+    dev = torch.where(finite, safe - mean, torch.zeros_like(x))
+    std = torch.sqrt((dev * dev).sum(-1, keepdim=True) / n + 1e-12)
+    return torch.where(finite, dev / (std + 1e-6), x)
 
 
 class FaultInjector:
@@ -126,7 +140,7 @@ class FaultInjector:
                         return None
                     self._fire(step, "attention_collapse")
                     logits = args[0].clone()
-                    logits[:, f.head] = logits[:, f.head] * f.factor_or_default()
+                    logits[:, f.head] = _standardised(logits[:, f.head]) * f.factor_or_default()
                     return (logits, *args[1:])
                 handles.append(mod.register_forward_pre_hook(pre_hook))
         return handles

@@ -399,7 +399,7 @@ class StepGuard:
 
     def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
         """Name the culprits with their coordinates, host, samples and (non-finite) first bad module."""
-        detail = dict(v.detail)
+        detail = {"detector": v.detector, **v.detail}
         per_rank = {}
         for r in v.ranks:
             raw = v.detail.get("per_rank", {}).get(r, {}) if isinstance(v.detail.get("per_rank"), dict) else {}

@@ -14,6 +14,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.d_head = n_heads, d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.softmax = nn.Softmax(dim=-1)  # a module, so hooks can read the attention probabilities
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x):
@@ -21,7 +22,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)
         logits = (q @ k.transpose(-1, -2)) / math.sqrt(self.d_head)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        probs = self.softmax(logits.masked_fill(~mask, float("-inf")))
         return self.proj((probs @ v).transpose(1, 2).reshape(b, t, d))
 
 

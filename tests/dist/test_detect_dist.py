@@ -1,0 +1,92 @@
+"""Issue 3's 'done when', under torchrun with real DeepSpeed engines: each injected fault is
+detected, classified and attributed (rank, module path, layer and head)."""
+import pytest
+
+from tests.dist.conftest import make_config
+
+pytestmark = pytest.mark.dist
+
+
+def events(run, name, detector=None):
+    return [e for e in run.events if e["event"] == name and (detector is None or e["detail"].get("detector") == detector)]
+
+
+def test_burst_activation_and_attention_faults_are_classified_and_located(tmp_path, torchrun):
+    faults = [{"type": "spike_batch", "step": 40, "rank": 1},
+              {"type": "inf_activation", "step": 50, "rank": 1, "module": "blocks.1.mlp.0"},
+              {"type": "attention_collapse", "step": 60, "rank": 0, "module": "blocks.0.attn.softmax", "head": 2,
+               "steps": 5}]
+    block = {"detectors": {"attention_entropy": {"every": 5}, "activation_range": {"every": 5}},
+             "metrics": {"per_rank": True, "tensorboard": str(tmp_path / "tb")}}
+    cfg = make_config(tmp_path, faults=faults, block=block)
+    run = torchrun(cfg, 66).ok()
+
+    # spike_batch on rank 1 -> a loss spike classified instant_burst, named on rank 1, with its samples
+    (burst,) = [e for e in run.events if e["event"] in ("instant_burst", "slow_rise")
+                and e["detail"]["detector"] == "loss_spike"]
+    assert burst["step"] == 40 and burst["event"] == "instant_burst" and burst["ranks"] == [1]
+    assert burst["detail"]["z"] > 6 and "skip this batch" in burst["detail"]["remedy"]
+    assert burst["detail"]["per_rank"]["1"]["sample_ids"]
+    assert [e["step"] for e in events(run, "grad_surge")] == [40]
+
+    # inf_activation -> non-finite verdict localised to that module, on that rank; step skipped
+    (nf,) = events(run, "nonfinite")
+    assert nf["step"] == 50 and nf["ranks"] == [1] and nf["action"] == "skip_step"
+    assert nf["detail"]["per_rank"]["1"]["first_nonfinite_module"] == "blocks.1.mlp.0"
+    assert nf["detail"]["per_rank"]["1"]["localized"]["type"] == "Linear"
+
+    # attention_collapse -> an entropy alert naming the layer and head (and rank), on a sampled step
+    collapses = events(run, "entropy_collapse")
+    assert collapses and collapses[0]["step"] == 60
+    heads = {(h["rank"], h["layer"], h["head"]) for h in collapses[0]["detail"]["heads"]}
+    assert (0, "blocks.0.attn.softmax", 2) in heads
+    assert all(h["ratio"] < 0.05 for h in collapses[0]["detail"]["heads"])
+    # ... and only while the fault lasts: no collapse alerts before it
+    assert not [e for e in collapses if e["step"] < 60]
+
+    # sampled probes land in the metric lines (rank 0), TensorBoard got the scalars
+    sampled = [m for m in run.metrics if "attention_entropy_ratio" in m]
+    assert [m["step"] for m in sampled][:3] == [5, 10, 15]
+    assert len(sampled[0]["attention_entropy_ratio"]["blocks.0.attn.softmax"]) == 4  # heads
+    assert "blocks.1.mlp.0" in sampled[0]["activation_max_abs"]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert all(r["weights_finite"] for r in run.results)
+
+
+def test_lr_ramp_is_flagged_slow_rise_before_the_loss_explodes(tmp_path, torchrun):
+    cfg = make_config(tmp_path, faults=[{"type": "lr_ramp", "step": 40, "steps": 60, "factor": 1.15}])
+    run = torchrun(cfg, 90).ok()
+    rises = events(run, "slow_rise", detector="grad_norm")
+    assert rises, [e["event"] for e in run.events]
+    first_rise = rises[0]["step"]
+    spikes = [e["step"] for e in run.events if e["detail"].get("detector") == "loss_spike"]
+    assert spikes and first_rise < spikes[0], (first_rise, spikes)
+    assert 40 < first_rise
+    # no spike alarm of any kind before the ramp
+    assert not [e for e in run.events if e["detail"].get("detector") in ("loss_spike", "grad_norm") and e["step"] < 40]
+    # the first loss spike during the ramp is classified slow_rise (LR too high), not a bad batch
+    first_spike = next(e for e in run.events if e["detail"].get("detector") == "loss_spike")
+    assert first_spike["event"] == "slow_rise" and "lower the LR" in first_spike["detail"]["remedy"]
+
+
+def test_bad_label_is_caught_before_the_loss(tmp_path, torchrun):
+    cfg = make_config(tmp_path, faults=[{"type": "bad_label", "step": 8, "rank": 0}],
+                      block={"sanitize": {"vocab_size": 128, "action": "drop_sample"}})
+    run = torchrun(cfg, 12).ok()
+    (rej,) = events(run, "samples_rejected")
+    assert rej["step"] == 8 and rej["ranks"] == [0] and rej["action"] == "drop_sample"
+    (bad,) = rej["detail"]["per_rank"]["0"]["rejected"]
+    assert "label 128 outside [0, 128)" in bad["problems"][0]
+    assert not events(run, "nonfinite")
+    line = next(x for x in run.rank_lines(0) if x["type"] == "metric" and x["step"] == 8)
+    assert len(line["sample_ids"]) == 3 and bad["sample_id"] not in line["sample_ids"]
+    assert all(m["loss"] is not None for m in run.metrics)
+
+
+def test_bad_label_without_the_sanitiser_kills_the_run(tmp_path, torchrun):
+    """What the sanitiser prevents: the out-of-range label crashes cross-entropy."""
+    cfg = make_config(tmp_path, faults=[{"type": "bad_label", "step": 3, "rank": 0}],
+                      block={"sanitize": {"enabled": False}})
+    run = torchrun(cfg, 6, timeout=120)
+    assert run.rc != 0
+    assert "out of bounds" in (run.out / "torchrun.log").read_text()
