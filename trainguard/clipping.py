@@ -40,8 +40,12 @@ class Clipper:
         return min(raw, limit) if limit and limit > 0 else raw
 
     def observe(self, raw: float | None, limit: float) -> None:
-        """Feed the global norm of an applied step (after the fact)."""
-        value = self.clipped(raw, limit)
+        """Feed the global norm of an applied step (after the fact). While the EMA warms up it learns
+        the raw norms (the fixed max_norm still clips meanwhile); afterwards the clipped ones."""
+        if self.cfg.mode == "adaptive" and self.ema.count < self.cfg.warmup_steps:
+            value = raw if raw is not None and math.isfinite(raw) else None
+        else:
+            value = self.clipped(raw, limit)
         if value is not None:
             self.ema.push(value)
 

@@ -90,3 +90,27 @@ def test_bad_label_without_the_sanitiser_kills_the_run(tmp_path, torchrun):
     run = torchrun(cfg, 6, timeout=120)
     assert run.rc != 0
     assert "out of bounds" in (run.out / "torchrun.log").read_text()
+
+
+@pytest.mark.parametrize("mode", ["norm", "adaptive", "value"])
+def test_clipping_modes_log_raw_and_clipped_norms(tmp_path, torchrun, mode):
+    clipping = {"norm": {"mode": "norm", "max_norm": 0.1},
+                "adaptive": {"mode": "adaptive", "warmup_steps": 10, "z": 1.0},
+                "value": {"mode": "value", "value": 1e-5}}[mode]
+    cfg = make_config(tmp_path, block={"clipping": clipping}, bf16={"enabled": True})
+    run = torchrun(cfg, 30).ok()
+    lines = [m for m in run.metrics if m["grad_norm"] is not None]
+    assert len(lines) == 30
+    for m in lines:
+        assert m["grad_norm_clipped"] == pytest.approx(min(m["grad_norm"], m["clip_limit"]))
+    if mode == "norm":
+        assert {m["clip_limit"] for m in lines} == {0.1}
+        assert all(m["grad_norm_clipped"] <= 0.1 for m in lines)
+    elif mode == "adaptive":
+        limits = [m["clip_limit"] for m in lines]
+        assert set(limits[:10]) == {1.0}                  # max_norm while the EMA warms up
+        assert len(set(limits[12:])) > 5                   # then it follows the recent norms
+        assert any(m["grad_norm"] > m["clip_limit"] for m in lines[12:])  # and it did clip
+    else:
+        params = 350_000
+        assert all(m["grad_norm"] <= 1e-5 * params ** 0.5 * 1.01 for m in lines)  # every element clamped

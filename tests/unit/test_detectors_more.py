@@ -1,0 +1,193 @@
+import json
+import math
+import urllib.request
+
+import pytest
+import torch
+
+from trainguard.checks import RunFacts, start_checks
+from trainguard.clipping import Clipper
+from trainguard.config import (ActivationRangeConfig, AttentionEntropyConfig, ClippingConfig, GradNormConfig,
+                               LossSpikeConfig, SanitizeConfig, parse_block)
+from trainguard.detectors.activation import detect_activation
+from trainguard.detectors.attention import detect_attention
+from trainguard.detectors.grad_norm import GradNormDetector
+from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.probes import EntropyProbe, RangeProbe, first_nonfinite, select_modules
+from trainguard.sanitize import SanitizeError, check_sample, sanitize
+from trainguard.stats import EMA, RollingWindow
+
+
+def test_rolling_window_robust_stats():
+    w = RollingWindow(5)
+    for x in [1, 2, 3, 4, 100, float("nan")]:
+        w.push(x)
+    assert len(w) == 5 and w.median() == 3
+    assert w.mad() == pytest.approx(1.4826)
+    assert w.robust_z(3) == 0
+    w2 = RollingWindow(10)
+    for x in range(10):
+        w2.push(2 ** x)
+    assert w2.slope(log=True) == pytest.approx(math.log(2))
+    w3 = RollingWindow(3)
+    w3.load_state_dict(w.state_dict())
+    assert list(w3.values) == list(w.values)
+
+
+def test_ema_mean_and_std():
+    e = EMA(0.9)
+    for x in [1.0] * 50:
+        e.push(x)
+    assert e.mean == pytest.approx(1.0) and e.std == pytest.approx(0.0)
+    e.push(float("inf"))
+    assert e.count == 50
+
+
+def feed(det_grad, det_loss, losses, norms):
+    out = []
+    for step, (loss, norm) in enumerate(zip(losses, norms), start=1):
+        rising = det_grad.trend()
+        g = det_grad.observe(step, norm)
+        v = det_loss.observe(step, loss, rising, det_grad.last_z)
+        out.append((step, [x.anomaly for x in g], v.anomaly if v else None))
+    return out
+
+
+def noisy(n, base, amp=0.02, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [base * (1 + amp * float(torch.randn(1, generator=g))) for _ in range(n)]
+
+
+def test_instant_burst_vs_slow_rise():
+    grad, loss = GradNormDetector(GradNormConfig()), LossSpikeDetector(LossSpikeConfig())
+    losses, norms = noisy(40, 2.0), noisy(40, 1.0, seed=1)
+    losses[30], norms[30] = 20.0, 30.0  # one bad batch
+    res = feed(grad, loss, losses, norms)
+    assert res[30] == (31, ["grad_surge"], "instant_burst")
+    assert all(r[2] is None for r in res[31:])  # it came back: no more alarms
+
+    grad, loss = GradNormDetector(GradNormConfig()), LossSpikeDetector(LossSpikeConfig())
+    norms = noisy(30, 1.0, seed=2) + [1.0 * 1.08 ** k for k in range(1, 21)]   # LR too high: creeping up
+    losses = noisy(45, 2.0, seed=3) + [30.0] * 5
+    res = feed(grad, loss, losses, norms)
+    first_rise = next(s for s, g, _ in res if "slow_rise" in g)
+    first_spike = next((s, v) for s, _, v in res if v)
+    assert first_rise < first_spike[0] and first_spike[1] == "slow_rise"
+    assert sum("slow_rise" in g for _, g, _ in res) == 1  # one alert per episode
+
+
+def test_detectors_do_not_fire_on_a_healthy_noisy_run():
+    grad, loss = GradNormDetector(GradNormConfig()), LossSpikeDetector(LossSpikeConfig())
+    res = feed(grad, loss, noisy(300, 2.0, amp=0.05, seed=4), noisy(300, 1.0, amp=0.1, seed=5))
+    assert not [r for r in res if r[1] or r[2]]
+
+
+def test_clipper_modes():
+    assert Clipper(ClippingConfig()).max_norm() is None
+    assert Clipper(ClippingConfig(mode="norm", max_norm=0.5)).max_norm() == 0.5
+    c = Clipper(ClippingConfig(mode="adaptive", max_norm=1.0, z=2.0, warmup_steps=5, ema=0.9))
+    for x in [2.0, 2.2, 1.8, 2.0, 2.1, 1.9]:
+        assert c.max_norm() is not None
+        c.observe(x, c.max_norm())
+    limit = c.max_norm()
+    assert 1.0 < limit < 3.0  # mean + 2 std of the clipped history
+    c.observe(100.0, limit)   # a burst is fed clipped: the bar barely moves
+    assert c.max_norm() < limit * 1.5
+    assert Clipper(ClippingConfig(mode="value", value=0.1)).value_bound() == 0.1
+
+
+def test_sanitize_checks_and_actions():
+    cfg = SanitizeConfig(vocab_size=10, max_seq_len=4, pad_id=0)
+    ok = {"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([2, 3, -100])}
+    assert check_sample(ok, cfg) == []
+    assert "label 10 outside" in check_sample({**ok, "labels": torch.tensor([10, 1, 1])}, cfg)[0]
+    assert "token id -1 outside" in check_sample({**ok, "input_ids": torch.tensor([-1, 2, 3])}, cfg)[0]
+    assert "length 5 > max_seq_len 4" in check_sample({**ok, "input_ids": torch.ones(5, dtype=torch.long)}, cfg)[0]
+    assert "all tokens are pad_id 0" in check_sample({**ok, "input_ids": torch.zeros(3, dtype=torch.long)}, cfg)[0]
+    bad = {**ok, "labels": torch.tensor([99, 1, 1])}
+    kept_ids, kept, rej = sanitize([7, 8], [ok, bad], cfg)
+    assert kept_ids == [7] and rej[0][0] == 8
+    q = SanitizeConfig(vocab_size=10, action="quarantine_batch")
+    assert sanitize([7, 8], [ok, bad], q)[:2] == ([], [])
+    with pytest.raises(SanitizeError, match="sample 8"):
+        sanitize([7, 8], [ok, bad], SanitizeConfig(vocab_size=10, action="fail"), rank=3)
+
+
+def test_probes_on_a_real_module():
+    from trainguard.demo.model import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=16, seq_len=8, d_model=16, n_layers=2, n_heads=2)
+    batch = {"input_ids": torch.randint(0, 16, (2, 8)), "labels": torch.randint(0, 16, (2, 8))}
+    rng = RangeProbe(select_modules(model, None))
+    ent = EntropyProbe(select_modules(model, AttentionEntropyConfig().modules, leaves_by_default=False))
+    assert [n for n, _ in ent.modules] == ["blocks.0.attn.softmax", "blocks.1.attn.softmax"]
+    with rng.watch(), ent.watch():
+        loss = model(batch)
+    loss.backward()  # the probes left the graph alone
+    stats = rng.collect()
+    assert "blocks.0.mlp.0" in stats and all(math.isfinite(a) for a, _ in stats.values())
+    e = ent.collect()["blocks.0.attn.softmax"]
+    assert len(e["ratio"]) == 2 and all(0.9 < r <= 1.0 for r in e["ratio"])  # young model: near uniform
+    model.blocks[1].mlp[0].register_forward_hook(lambda m, a, o: o * float("inf"))
+    rep = first_nonfinite(model, lambda: model(batch))
+    assert rep["module"] == "blocks.1.mlp.0" and rep["kind"] == "inf"
+
+
+def test_entropy_of_collapsed_and_uniform_attention():
+    uniform = torch.full((1, 2, 4, 4), 0.25)
+    one_hot = torch.zeros(1, 2, 4, 4)
+    one_hot[..., 0] = 1.0
+    assert EntropyProbe.entropy(uniform)[1].tolist() == pytest.approx([1.0, 1.0])
+    assert EntropyProbe.entropy(one_hot)[1].tolist() == pytest.approx([0.0, 0.0])
+    v = detect_attention(10, {0: {"L": {"entropy": [0.0, 1.3], "ratio": [0.0, 0.99]}}}, AttentionEntropyConfig())
+    assert [x.anomaly for x in v] == ["entropy_collapse"] and v[0].detail["heads"][0]["head"] == 0
+    v = detect_attention(900, {1: {"L": {"entropy": [1.38], "ratio": [0.999]}}}, AttentionEntropyConfig())
+    assert [x.anomaly for x in v] == ["entropy_saturation"] and v[0].ranks == (1,)
+
+
+def test_activation_verdicts():
+    cfg = ActivationRangeConfig(max_abs=100.0)
+    v = detect_activation({0: {"a": (1.0, 0.5)}, 1: {"a": (1e5, 10.0), "b": (float("inf"), 1.0)}}, cfg)
+    kinds = {x.anomaly: x for x in v}
+    assert kinds["nonfinite"].ranks == (1,)
+    assert kinds["nonfinite"].detail["per_rank"][1]["first_nonfinite_module"] == "b"
+    assert kinds["activation_range"].detail["per_rank"][1][0]["module"] == "a"
+
+
+def test_start_checks():
+    cfg = parse_block({})
+    bad = RunFacts(dtype="fp16", bf16_supported=True, warmup_steps=None, scheduler=None, framework_clip=0.0)
+    assert [v.anomaly for v in start_checks(bad, cfg)] == ["fp16_where_bf16", "no_warmup", "no_clipping"]
+    short = RunFacts(dtype="bf16", bf16_supported=True, warmup_steps=10, scheduler="WarmupLR", framework_clip=1.0)
+    assert [v.anomaly for v in start_checks(short, cfg)] == ["short_warmup"]
+    good = RunFacts(dtype="bf16", bf16_supported=True, warmup_steps=2000, scheduler="WarmupLR", framework_clip=1.0)
+    assert start_checks(good, cfg) == []
+
+
+def test_prometheus_endpoint_is_scraped(tmp_path):
+    from trainguard.guard import StepGuard
+    from trainguard.isolation import RankCoords
+
+    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0}})
+    g = StepGuard(cfg, rank=0, world=1)
+    g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
+    (sink,) = g.mirrors
+    for step in (1, 2):
+        g.on_loss(step, torch.tensor(float("nan") if step == 2 else 2.5))
+        g.on_backward(torch.ones(4))
+        obs = g.on_agree(step)
+        d = g.on_decide(step, obs)
+        g.on_step(step, d, applied=step == 1)
+        g.on_end(step, obs, {"grad_norm": torch.tensor(2.0), "lr": 0.1, "loss_scale": 1.0,
+                             "skipped_steps": step - 1, "applied": step == 1})
+    g.on_agree(3)  # flushes step 2's line
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
+    assert "trainguard_loss 2.5" in body
+    assert 'trainguard_local_grad_norm{rank="0"} 2.0' in body
+    assert "trainguard_skipped_steps_total 1.0" in body
+    assert 'trainguard_events_total{event="nonfinite"} 1.0' in body
+    g.on_close()
+    lines = [json.loads(x) for x in open(tmp_path / "l.jsonl")]
+    m = [x for x in lines if x["type"] == "metric"]
+    assert m[0]["grad_norm"] == 2.0 and m[1]["grad_norm"] is None  # deferred norm, null when skipped
