@@ -41,7 +41,7 @@ setup(
         "deepspeed": ["deepspeed>=0.16,<0.20"],
         "megatron": ["megatron-core>=0.12,<0.17", "psutil"],
         "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6"],
-        "test": ["pytest>=7", "pytest-timeout>=2.1"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6"],
     },
     entry_points={"console_scripts": ["trainguard=trainguard.cli:main"]},
     classifiers=[
