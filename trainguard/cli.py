@@ -4,6 +4,9 @@
     trainguard demo [--config FILE] [--steps N] [--out DIR]
                                    2-rank torchrun demo: faults, verdicts, actions, and the same run
                                    under plain DeepSpeed beside it
+    trainguard report LOG [--out DIR]
+                                   PNG plots from a JSONL log (loss and events, gradient norm,
+                                   loss scale and skipped steps, attention-entropy heatmap)
 """
 from __future__ import annotations
 
@@ -48,6 +51,19 @@ def _demo(args) -> int:
     return demo(args.config, args.steps, args.out, extra=extra)
 
 
+def _report(args) -> int:
+    from trainguard.report import render
+
+    try:
+        files = render(args.log, args.out)
+    except (OSError, ValueError) as e:
+        print(f"trainguard report: {e}", file=sys.stderr)
+        return 2
+    for f in files:
+        print(f)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="trainguard", description="Keep DeepSpeed and Megatron runs alive.")
     ap.add_argument("--version", action="version", version=f"trainguard {__version__}")
@@ -64,6 +80,11 @@ def main(argv=None) -> int:
     d.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
     d.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="override the config's precision")
     d.set_defaults(func=_demo)
+
+    r = sub.add_parser("report", help="PNG plots from a trainguard JSONL log")
+    r.add_argument("log")
+    r.add_argument("--out", default="trainguard-report")
+    r.set_defaults(func=_report)
 
     args = ap.parse_args(argv)
     return args.func(args)

@@ -25,3 +25,14 @@ def test_demo_prints_the_table(tmp_path):
     assert table["weights finite"] == ["True", "True"]
     assert table["skipped steps (per rank)"] == ["[3]", "[3]"]
     assert float(table["held-out loss (final)"][0]) < 3.0  # it learned: ln(128) = 4.85 at the start
+
+    # trainguard report on the demo's log writes the pictures
+    log = tmp_path / "trainguard" / "trainguard.jsonl"
+    rep = subprocess.run([sys.executable, "-m", "trainguard.cli", "report", str(log), "--out", str(tmp_path / "rep")],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    names = {"loss.png", "grad_norm.png", "loss_scale.png", "attention_entropy.png", "overview.png"}
+    assert {p.name for p in (tmp_path / "rep").iterdir()} == names
+    for name in names:
+        data = (tmp_path / "rep" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

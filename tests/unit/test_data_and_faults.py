@@ -77,3 +77,11 @@ def test_jsonl_is_strict_json(tmp_path):
     assert "NaN" not in text and "Infinity" not in text
     (line,) = read(tmp_path / "x.jsonl")
     assert line["loss"] is None and line["grad_norm"] is None and line["lr"] == 0.5 and "time" in line
+
+
+def test_report_refuses_a_log_without_metrics(tmp_path):
+    from trainguard.report import render
+
+    (tmp_path / "empty.jsonl").write_text('{"type": "event", "step": 0, "event": "run_start"}\n')
+    with pytest.raises(ValueError, match="no metric lines"):
+        render(tmp_path / "empty.jsonl", tmp_path / "out")
