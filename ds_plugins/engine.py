@@ -231,7 +231,8 @@ class EngineGuard:
         if self.guard is not None and self.cfg.detectors.localize.enabled:
             self._last_inputs = (inputs, kwargs, poison_output)
         probing = self.guard.probing(step) if self.guard is not None else contextlib.nullcontext()
-        with probing, (_PoisonFirstModule(self.engine.module) if poison_output else contextlib.nullcontext()):
+        # the poison hook first, so that the probes see what it did
+        with (_PoisonFirstModule(self.engine.module) if poison_output else contextlib.nullcontext()), probing:
             return base_forward(*inputs, **kwargs)
 
     def _localize(self) -> dict:
@@ -243,12 +244,10 @@ class EngineGuard:
         model = self.engine.module
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
-        def run():
-            with _PoisonFirstModule(model) if poison_output else contextlib.nullcontext():
-                return model(*inputs, **kwargs)
-
-        with preserved_rng(devices):
-            report = first_nonfinite(model, run)
+        # the poison hook (nan_batch on an integer-only batch) must be registered before the
+        # localisation hooks, so that they see the output it replaced
+        with preserved_rng(devices), _PoisonFirstModule(model) if poison_output else contextlib.nullcontext():
+            report = first_nonfinite(model, lambda: model(*inputs, **kwargs))
         report["rank"] = self.rank
         return report
 

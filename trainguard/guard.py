@@ -409,7 +409,9 @@ class StepGuard:
                 e = everyone[r]
                 d.update({"sample_ids": e["sample_ids"], "position": e["position"]})
                 if e.get("localized") is not None and v.anomaly == "nonfinite":
-                    d.setdefault("first_nonfinite_module", e["localized"].get("module"))
+                    # the replay checks every module: it outranks a sampled probe's partial view
+                    if e["localized"].get("module") or "first_nonfinite_module" not in d:
+                        d["first_nonfinite_module"] = e["localized"].get("module")
                     d["localized"] = e["localized"]
             per_rank[str(r)] = d
         if per_rank:

@@ -8,22 +8,28 @@ pytestmark = pytest.mark.dist
 
 
 def test_demo_prints_the_table(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "trainguard.cli", "demo", "--steps", "110", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "trainguard.cli", "demo", "--steps", "201", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     rows = [line.split() for line in lines if line.strip() and line.split()[0].isdigit()]
-    assert [r[:5] for r in rows] == [
-        ["20", "1", "nan_loss", "nonfinite", "(loss)"],
-        ["60", "0", "inf_grad", "nonfinite", "(gradients)"],
-        ["100", "1", "nan_batch", "nonfinite", "(loss)"],
+    assert [r[:6] for r in rows] == [
+        ["20", "1", "nan_loss", "nonfinite", "(loss)", "skip_step"],
+        ["60", "0", "inf_grad", "nonfinite", "(gradients)", "skip_step"],
+        ["100", "1", "nan_batch", "nonfinite", "(loss)", "skip_step"],
+        ["120", "0", "bad_label", "samples_rejected", "drop_sample", "sample"],
+        ["150", "0", "spike_batch", "instant_burst", "alert", rows[4][5]],
+        ["180", "1", "inf_activation", "nonfinite", "(loss)", "skip_step"],
+        ["200", "1", "attention_collapse", "entropy_collapse", "alert", "blocks.1.attn.softmax"],
     ]
-    assert all(r[5] == "skip_step" for r in rows)
+    assert rows[2][6] == "tok"                 # nan_batch entered through the embedding output
+    assert rows[5][6] == "blocks.2.mlp.2"      # the module inf_activation hit
+    assert rows[6][6:8] == ["head", "3"]
     table = {line[:26].strip(): line[26:].split() for line in lines if line[:26].strip() in
              ("completed", "weights finite", "skipped steps (per rank)", "held-out loss (final)")}
     assert table["completed"] == ["True", "True"]
     assert table["weights finite"] == ["True", "True"]
-    assert table["skipped steps (per rank)"] == ["[3]", "[3]"]
+    assert table["skipped steps (per rank)"] == ["[4]", "[4]"]
     assert float(table["held-out loss (final)"][0]) < 3.0  # it learned: ln(128) = 4.85 at the start
 
     # trainguard report on the demo's log writes the pictures

@@ -51,37 +51,65 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
     return rc, results
 
 
+VERDICT_PRIORITY = ["nonfinite", "instant_burst", "slow_rise", "entropy_collapse", "samples_rejected",
+                    "activation_range", "grad_surge", "entropy_saturation", "framework_skip"]
+
+
 def fault_table(events: list[dict]) -> list[dict]:
-    """One row per injected fault or verdict: step, rank, fault, verdict, action."""
+    """One row per (step, rank) with an injected fault or a verdict: step, rank, fault, verdict,
+    action, and what names the culprit (first non-finite module, attention layer/head, samples)."""
     rows: dict[tuple[int, int], dict] = {}
+    late_faults: dict[tuple[int, int], str] = {}
+
+    def row(step, rank):
+        return rows.setdefault((step, rank), {"step": step, "rank": rank, "_prio": len(VERDICT_PRIORITY)})
+
     for e in events:
         if e.get("type") != "event":
             continue
-        if e["event"] == "fault_injected":
+        name = e["event"]
+        if name == "fault_injected":
             for f in e["detail"].get("faults", []):
-                row = rows.setdefault((e["step"], f["rank"]), {"step": e["step"], "rank": f["rank"]})
-                row["fault"] = f["type"]
-        elif e["event"] in ("nonfinite",):
-            for r in e["ranks"]:
-                d = e["detail"].get("per_rank", {}).get(str(r), {})
-                row = rows.setdefault((e["step"], r), {"step": e["step"], "rank": r})
-                row["verdict"] = f"{e['event']} ({d.get('origin', '?')})"
-                row["action"] = e["action"]
-                row["samples"] = d.get("sample_ids", [])
-        elif e["event"] == "framework_skip":
-            row = rows.setdefault((e["step"], -1), {"step": e["step"], "rank": -1})
-            row["verdict"] = "skipped by DeepSpeed itself"
-    return [rows[k] for k in sorted(rows)]
+                if e["step"] == f["step"]:  # a fault lasting several steps: one row, at its start
+                    row(e["step"], f["rank"])["fault"] = f["type"]
+                else:
+                    late_faults[(e["step"], f["rank"])] = f["type"]
+            continue
+        if name not in VERDICT_PRIORITY:
+            continue
+        prio = VERDICT_PRIORITY.index(name)
+        for r in e["ranks"] or [-1]:
+            cur = row(e["step"], r)
+            if prio >= cur["_prio"]:
+                continue
+            d = e["detail"].get("per_rank", {}).get(str(r), {})
+            label = name
+            if name == "nonfinite":
+                label = f"nonfinite ({d.get('origin', '?')})"
+            where = d.get("first_nonfinite_module") or ""
+            if name == "entropy_collapse":
+                heads = [h for h in e["detail"].get("heads", []) if h["rank"] == r]
+                where = ", ".join(f"{h['layer']} head {h['head']}" for h in heads[:2])
+            if name == "samples_rejected":
+                where = "; ".join(f"sample {x['sample_id']}: {x['problems'][0]}" for x in d.get("rejected", [])[:1])
+            cur.update({"verdict": label, "action": e["action"] or "-", "where": where, "_prio": prio,
+                        "samples": d.get("sample_ids", [])})
+    out = [rows[k] for k in sorted(rows)]
+    for r in out:
+        r.pop("_prio", None)
+        if "fault" not in r and (r["step"], r["rank"]) in late_faults:
+            r["fault"] = f"({late_faults[(r['step'], r['rank'])]})"
+    return out
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'step':>5}  {'rank':>4}  {'fault':<10} {'verdict':<22} {'action':<10} samples"
-    lines = [head, "-" * len(head)]
+    head = f"{'step':>5}  {'rank':>4}  {'fault':<18} {'verdict':<22} {'action':<12} where / samples"
+    lines = [head, "-" * (len(head) + 20)]
     for r in rows:
         samples = r.get("samples") or []
-        shown = ",".join(map(str, samples[:4])) + (",..." if len(samples) > 4 else "")
-        lines.append(f"{r['step']:>5}  {r['rank'] if r['rank'] >= 0 else '-':>4}  {r.get('fault', '-'):<10} "
-                     f"{r.get('verdict', 'none'):<22} {r.get('action', '-'):<10} {shown}")
+        shown = r.get("where") or (",".join(map(str, samples[:4])) + (",..." if len(samples) > 4 else ""))
+        lines.append(f"{r['step']:>5}  {r['rank'] if r['rank'] >= 0 else '-':>4}  {r.get('fault', '-'):<18} "
+                     f"{r.get('verdict', 'none'):<22} {r.get('action', '-'):<12} {shown}")
     return "\n".join(lines)
 
 
@@ -129,6 +157,10 @@ def demo(config: str | os.PathLike | None, steps: int, out: str | os.PathLike, e
                        ("held-out loss (final)", "eval_loss")]:
         print(f"{label:<26}{fmt(g.get(key)):<22}{fmt(p.get(key)):<22}", file=stream)
     print(f"{'culprit rank and samples':<26}{'named in the log':<22}{'not reported':<22}", file=stream)
+    if any(r.get("fault") == "bad_label" for r in fault_table(events)):
+        print("\nbad_label is a loader fault: DeepSpeed's own loader has no injection point, so the plain run "
+              "did not get it.\nUnsanitised, an out-of-range label crashes cross-entropy (tests/dist/"
+              "test_detect_dist.py).", file=stream)
     print("", file=stream)
     print(f"event log: {out / 'trainguard' / 'trainguard.jsonl'}", file=stream)
     return 0
