@@ -1,0 +1,176 @@
+"""Overhead of trainguard's guard against the plain DeepSpeed engine, in one process.
+
+Two engines with the same model, data and config -- one from ``deepspeed.initialize``, one from
+``ds_plugins.initialize`` with every default detector on -- take turns, step by step (interleaved,
+so machine noise hits both alike). Printed: median step time of each, their ratio, and the host
+synchronisations per step each engine makes (calls of ``.item()``, ``.cpu()``, ``.tolist()``,
+``bool()``, ``float()``, ``int()`` on tensors, counted during the steps), so the guard's extra ones
+show as the difference. Targets (issue 3): ratio <= 1.01, at most one extra sync per steady-state
+step at default sampling.
+
+    python bench/guard_overhead.py [--steps 200] [--d-model 256] [--layers 4] [--zero 2] [--dtype bf16]
+
+Runs as a single rank (no launcher needed). On a GPU machine it uses the GPU, and
+``--sync-debug`` additionally turns on ``torch.cuda.set_sync_debug_mode("warn")``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("RANK", "0")
+os.environ.setdefault("LOCAL_RANK", "0")
+os.environ.setdefault("WORLD_SIZE", "1")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SYNC_METHODS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
+
+
+class SyncCounter:
+    """Counts host-synchronising tensor calls while active (a proxy on CPU, exact in kind on GPU)."""
+
+    def __init__(self):
+        self.count = 0
+        self.active = False
+        self._orig = {}
+
+    def install(self):
+        for name in SYNC_METHODS:
+            orig = getattr(torch.Tensor, name)
+            self._orig[name] = orig
+
+            def wrapper(t, *a, _orig=orig, **k):
+                if self.active:
+                    self.count += 1
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, wrapper)
+
+    def uninstall(self):
+        for name, orig in self._orig.items():
+            setattr(torch.Tensor, name, orig)
+
+
+def build(args, guarded: bool, device):
+    import deepspeed
+
+    import ds_plugins
+    from trainguard.demo.model import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads).to(device)
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+           "zero_optimization": {"stage": args.zero}, "wall_clock_breakdown": False}
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if guarded:
+        cfg["trainguard"] = {"metrics": {"jsonl": str(Path(args.out) / "bench.jsonl")}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    init = ds_plugins.initialize if guarded else deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=150, help="measured steps per engine")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--sync-debug", action="store_true", help="GPU: torch.cuda.set_sync_debug_mode('warn')")
+    args = ap.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    plain = build(args, False, device)
+    guarded = build(args, True, device)
+    n_params = sum(p.numel() for p in plain.module.parameters())
+
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device),
+                "labels": torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)}
+               for _ in range(16)]
+
+    counter = SyncCounter()
+    counter.install()
+    times = {"plain": [], "guarded": []}
+    syncs = {"plain": [], "guarded": []}
+
+    def one(engine, batch, name, measure):
+        if cuda:
+            torch.cuda.synchronize()
+        counter.count, counter.active = 0, measure
+        t0 = time.perf_counter()
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        counter.active = False
+        if measure:
+            times[name].append(dt)
+            syncs[name].append(counter.count)
+
+    if cuda and args.sync_debug:
+        torch.cuda.set_sync_debug_mode("warn")
+    for i in range(args.warmup + args.steps):
+        measure = i >= args.warmup
+        batch = batches[i % len(batches)]
+        # alternate which engine goes first, so neither always runs on a warmer cache
+        order = [("plain", plain), ("guarded", guarded)] if i % 2 == 0 else [("guarded", guarded), ("plain", plain)]
+        for name, eng in order:
+            one(eng, batch, name, measure)
+    counter.uninstall()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["guarded"] / med["plain"]
+    extra_median = statistics.median(syncs["guarded"]) - statistics.median(syncs["plain"])
+    extra_mean = statistics.mean(syncs["guarded"]) - statistics.mean(syncs["plain"])
+    figures = {
+        "device": str(device), "params": n_params, "zero_stage": args.zero, "dtype": args.dtype,
+        "steps": args.steps, "step_ms_plain_median": round(med["plain"] * 1e3, 3),
+        "step_ms_guarded_median": round(med["guarded"] * 1e3, 3), "ratio": round(ratio, 4),
+        "syncs_per_step_plain_median": statistics.median(syncs["plain"]),
+        "syncs_per_step_guarded_median": statistics.median(syncs["guarded"]),
+        "extra_syncs_per_step_median": extra_median, "extra_syncs_per_step_mean": round(extra_mean, 3),
+    }
+    print(f"guard overhead: {n_params / 1e6:.2f} M params, ZeRO-{args.zero} {args.dtype} on {device}, "
+          f"{args.steps} interleaved steps each")
+    print(f"  step time median   plain {figures['step_ms_plain_median']:9.2f} ms   "
+          f"guarded {figures['step_ms_guarded_median']:9.2f} ms   ratio {ratio:.4f}  (target <= 1.01)")
+    print(f"  host syncs / step  plain {figures['syncs_per_step_plain_median']:9.1f}      "
+          f"guarded {figures['syncs_per_step_guarded_median']:9.1f}      extra {extra_median:+.1f} median, "
+          f"{extra_mean:+.2f} mean with sampled steps  (target <= 1)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    for eng in (plain, guarded):
+        eng.destroy()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
