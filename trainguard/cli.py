@@ -28,9 +28,14 @@ def _validate(args) -> int:
         print(f"{args.file}: no \"trainguard\" block: DeepSpeed's own behaviour (nothing to validate)")
         return 0
     nf = block.detectors.nonfinite
+    d = block.detectors
+    on = [name for name in ("loss_spike", "grad_norm", "attention_entropy", "activation_range", "localize")
+          if getattr(d, name).enabled]
     parts = [
         "enabled" if block.enabled else "DISABLED",
         f"nonfinite={'on' if nf.enabled else 'off'}({nf.action}, grads {'checked' if nf.check_grads else 'not checked'})",
+        f"detectors={'+'.join(on) or 'none'}",
+        f"clipping={block.clipping.mode}",
         f"log={block.metrics.jsonl}{'+per-rank' if block.metrics.per_rank else ''}",
         f"faults={len(block.faults)}",
     ]
