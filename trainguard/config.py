@@ -105,8 +105,8 @@ class LocalizeConfig(_Section):
     """Find the first module whose output is non-finite by re-running the forward with hooks."""
 
     enabled: bool = Field(True, description="On a non-finite verdict, every rank replays its last micro-batch "
-                          "with hooks (no gradients, RNG restored) and reports its first non-finite module.")
-    every: int = Field(0, ge=0, description="Also check during the normal forward every N steps (0: never).")
+                          "with hooks (no gradients, RNG restored) and reports its first non-finite module. "
+                          "Sampled checking during the normal forward is activation_range's (every N steps).")
 
 
 class DetectorsConfig(_Section):

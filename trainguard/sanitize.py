@@ -74,8 +74,9 @@ def sanitize(ids: list[int], samples: list, cfg: SanitizeConfig, rank: int = 0):
         return ids, samples, []
     if cfg.action == "fail":
         raise SanitizeError(rejected, rank)
-    if cfg.action == "quarantine_batch":
-        return [], [], rejected
+    if cfg.action == "quarantine_batch":  # the clean samples go aside with their batch
+        bad = {i for i, _ in rejected}
+        return [], [], rejected + [(i, ["quarantined with its batch"]) for i in ids if i not in bad]
     return [i for i, _ in keep], [s for _, s in keep], rejected
 
 

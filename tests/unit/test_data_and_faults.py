@@ -85,3 +85,20 @@ def test_report_refuses_a_log_without_metrics(tmp_path):
     (tmp_path / "empty.jsonl").write_text('{"type": "event", "step": 0, "event": "run_start"}\n')
     with pytest.raises(ValueError, match="no metric lines"):
         render(tmp_path / "empty.jsonl", tmp_path / "out")
+
+
+def test_loader_quarantines_a_dirty_batch_and_reads_the_next():
+    from trainguard.config import SanitizeConfig
+
+    data = [{"input_ids": torch.tensor([i % 7 + 1, 2]), "labels": torch.tensor([1, 99 if i == 5 else 2])}
+            for i in range(24)]
+    got = []
+    loader = TrackedLoader(data, batch_size=2, rank=0, world=1, cfg=DataConfig(shuffle=False),
+                           sanitize_cfg=SanitizeConfig(vocab_size=10, action="quarantine_batch"),
+                           listener=lambda ids, pos, rejected: got.append((ids, rejected)))
+    batches = list(loader)
+    assert len(batches) == 11                       # 12 batches, the one holding sample 5 set aside
+    assert [ids for ids, _ in got][2] == [6, 7]     # after [0, 1], [2, 3] came [6, 7]: [4, 5] was skipped
+    assert got[2][1] == [(5, ["label 99 outside [0, 10) (ignore_index -100 allowed)"]),
+                         (4, ["quarantined with its batch"])]
+    assert loader.quarantine == [5, 4] and loader.state_dict()["quarantine"] == [5, 4]
