@@ -84,7 +84,30 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                cfg=block.data, collate_fn=collate_fn, listener=state.on_batch,
                                sanitize_cfg=block.sanitize,
                                sample_hook=state.sample_hook if state.faults is not None else None)
+        state.loader = loader
+    _auto_resume(engine, state, block)
     return engine, opt, loader, scheduler
+
+
+def _auto_resume(engine, state, block) -> None:
+    """With ``checkpoint.dir`` set: clear what a crash left in staging, and resume from the newest
+    checkpoint that verifies (or the newest stable one) when there is one."""
+    c = block.checkpoint
+    if not c.dir or state.checkpointer is None:
+        return
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from trainguard.checkpoint.layout import STAGING, CheckpointLayout
+
+    if (not dist.is_initialized() or dist.get_rank() == 0) and (Path(c.dir) / STAGING).is_dir():
+        shutil.rmtree(Path(c.dir) / STAGING, ignore_errors=True)  # never-committed saves
+    if dist.is_initialized():
+        dist.barrier()
+    if c.resume != "none" and CheckpointLayout(c.dir).tags():
+        state.checkpointer.load(c.dir, mode=c.resume)
 
 
 def attach(engine, block: dict | tg_config.TrainguardConfig):

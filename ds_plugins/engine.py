@@ -69,6 +69,24 @@ def _guarded_class(base: type) -> type:
                 return super().step(*args, **kwargs)
             return tg.guarded_step(lambda: base.step(self, *args, **kwargs))
 
+        def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DS's signature
+                            exclude_frozen_parameters=False):
+            """DeepSpeed's save, committed atomically with a manifest, sidecars and lineage."""
+            cp = self._trainguard.checkpointer
+            if cp is None:
+                return super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
+                                               save_latest=save_latest,
+                                               exclude_frozen_parameters=exclude_frozen_parameters)
+            cp.save(save_dir, tag=tag, client_state=client_state)
+            return True
+
+        def load_checkpoint(self, load_dir, tag=None, **kwargs):
+            """DeepSpeed's load of the newest checkpoint that verifies (or ``tag``, verified first)."""
+            cp = self._trainguard.checkpointer
+            if cp is None:
+                return super().load_checkpoint(load_dir, tag=tag, **kwargs)
+            return cp.load(load_dir, tag=tag, **kwargs)
+
         def destroy(self, *args, **kwargs):
             self._trainguard.close()
             return super().destroy(*args, **kwargs)
@@ -117,6 +135,8 @@ class EngineGuard:
         self._hooks: list = []
         self._closed = False
         self._last_inputs = None      # (args, kwargs, poison_output) of the last micro-batch, for a replay
+        self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
+        self.checkpointer = None
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
@@ -133,6 +153,10 @@ class EngineGuard:
             self._hooks += self.faults.install_module_faults(engine.module, self.step_number)
         self._install_grad_hooks()
         if self.guard is not None:
+            from ds_plugins.checkpoint import DeepSpeedCheckpointer
+
+            base = _plain_class(type(engine))
+            self.checkpointer = DeepSpeedCheckpointer(self, base.save_checkpoint, base.load_checkpoint)
             self.guard.on_begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
 
     def step_number(self) -> int:
@@ -302,7 +326,19 @@ class EngineGuard:
             "clip_limit": float(eng.gradient_clipping() or 0.0),
             "lr": _lr(eng), "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
             "applied": applied, "action": decision.action.value})
+        self._after_step(step, obs, decision)
         return result
+
+    def _after_step(self, step: int, obs, decision) -> None:
+        """Checkpoint health (stable marks, post-save trajectory, resume check) and periodic saves."""
+        if self.checkpointer is None:
+            return
+        losses = [o.loss for o in obs]
+        loss = sum(losses) / len(losses) if losses and all(x == x for x in losses) else None
+        self.checkpointer.on_step_end(step, loss, anomaly=bool(decision.verdicts))
+        c = self.cfg.checkpoint
+        if c.dir and c.every_steps and step % c.every_steps == 0:
+            self.checkpointer.save(c.dir)
 
     @contextlib.contextmanager
     def _lr_fault(self, step: int):
@@ -337,6 +373,11 @@ class EngineGuard:
         if self.guard is not None:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
                                  "global_steps": self.engine.global_steps})
+
+
+def _plain_class(cls: type) -> type:
+    """The DeepSpeed class under our guarded subclass."""
+    return cls.__mro__[1] if cls.__name__.startswith("Trainguard") else cls
 
 
 def _collective_device() -> torch.device:

@@ -4,6 +4,8 @@
     trainguard demo [--config FILE] [--steps N] [--out DIR]
                                    2-rank torchrun demo: faults, verdicts, actions, and the same run
                                    under plain DeepSpeed beside it
+    trainguard ckpt list DIR | verify DIR [TAG] | inspect DIR TAG
+                                   committed checkpoints: step, stable, size, checksums, lineage
     trainguard report LOG [--out DIR]
                                    PNG plots from a JSONL log (loss and events, gradient norm,
                                    loss scale and skipped steps, attention-entropy heatmap)
@@ -69,6 +71,16 @@ def _report(args) -> int:
     return 0
 
 
+def _ckpt(args) -> int:
+    from trainguard.checkpoint import cli as ck
+
+    if args.ckpt_command == "list":
+        return ck.ckpt_list(args.dir, checksums=not args.fast)
+    if args.ckpt_command == "verify":
+        return ck.ckpt_verify(args.dir, args.tag)
+    return ck.ckpt_inspect(args.dir, args.tag)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="trainguard", description="Keep DeepSpeed and Megatron runs alive.")
     ap.add_argument("--version", action="version", version=f"trainguard {__version__}")
@@ -90,6 +102,19 @@ def main(argv=None) -> int:
     r.add_argument("log")
     r.add_argument("--out", default="trainguard-report")
     r.set_defaults(func=_report)
+
+    c = sub.add_parser("ckpt", help="list, verify or inspect a checkpoint directory")
+    csub = c.add_subparsers(dest="ckpt_command", required=True)
+    cl = csub.add_parser("list", help="tag, step, stable, size, verified")
+    cl.add_argument("dir")
+    cl.add_argument("--fast", action="store_true", help="check sizes only, not sha256")
+    cv = csub.add_parser("verify", help="exit 0 when every file matches its manifest, else 1 naming the file")
+    cv.add_argument("dir")
+    cv.add_argument("tag", nargs="?")
+    ci = csub.add_parser("inspect", help="contents, lineage, health of one checkpoint")
+    ci.add_argument("dir")
+    ci.add_argument("tag")
+    c.set_defaults(func=_ckpt)
 
     args = ap.parse_args(argv)
     return args.func(args)

@@ -148,6 +148,33 @@ class SanitizeConfig(_Section):
         "batch is set aside and the next one is read; fail: stop with an error naming the sample ids.")
 
 
+class CheckpointConfig(_Section):
+    """Full, verified checkpoints through DeepSpeed's own save/load, committed atomically."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    dir: Optional[str] = Field(
+        None, description="Checkpoint directory for periodic saves and automatic resume. null: only your own "
+        "engine.save_checkpoint/load_checkpoint calls (which still get the commit protocol and verification).")
+    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps (0: never on its own).")
+    keep_last: int = Field(3, ge=1, description="Committed checkpoints kept, newest first (besides stable ones).")
+    keep_stable: int = Field(2, ge=0, description="The newest this-many stable checkpoints are never deleted.")
+    stable_after: int = Field(
+        200, ge=1, description="A checkpoint becomes stable once this many steps after it pass with no anomaly.")
+    resume: Literal["latest_valid", "stable", "none"] = Field(
+        "latest_valid", description="At initialize, when `dir` holds checkpoints: the newest one whose checksums "
+        "verify, the newest stable one, or none (start fresh).")
+    verify_steps: int = Field(
+        5, ge=0, description="After a resume, compare this many losses with those recorded after the save.")
+    verify_rtol: float = Field(
+        1e-3, ge=0, description="Relative tolerance of that comparison (0: must be identical).")
+    async_: bool = Field(
+        False, alias="async", description="Copy state to host memory and write in a background thread; a new "
+        "save waits for the previous one.")
+    dataset_id: Optional[str] = Field(None, description="Lineage: an identifier of the training data.")
+    dataset_version: Optional[str] = Field(None, description="Lineage: its version or content hash.")
+
+
 class ChecksConfig(_Section):
     """Start-of-run checks (one warning event each)."""
 
@@ -231,6 +258,7 @@ class TrainguardConfig(_Section):
     clipping: ClippingConfig = Field(default_factory=ClippingConfig)
     sanitize: SanitizeConfig = Field(default_factory=SanitizeConfig)
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     allow_faults: bool = Field(
@@ -259,14 +287,21 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
+def _field(model, key):
+    for name, f in model.model_fields.items():
+        if key in (name, f.alias):
+            return f
+    return None
+
+
 def _model_at(loc: tuple) -> type[BaseModel] | None:
     model: Any = TrainguardConfig
     for part in loc:
         if isinstance(part, int):
             continue
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or _field(model, part) is None:
             return None
-        model = _unwrap(model.model_fields[part].annotation)
+        model = _unwrap(_field(model, part).annotation)
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
@@ -303,7 +338,7 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
         loc = tuple(e["loc"])
         if e["type"] == "extra_forbidden":
             model = _model_at(loc[:-1])
-            known = sorted(model.model_fields) if model else []
+            known = sorted(f.alias or n for n, f in model.model_fields.items()) if model else []
             guess = _closest(str(loc[-1]), known)
             hint = f"; did you mean '{guess}'?" if guess else ""
             problems.append((_path(loc), f"unknown key{hint} (known: {', '.join(known)})"))
@@ -406,7 +441,7 @@ def _type_name(annotation: Any) -> str:
 
 def _rows(model: type[BaseModel], prefix: str, out: list[str], nested: list):
     for name, field in model.model_fields.items():
-        path = f"{prefix}.{name}"
+        path = f"{prefix}.{field.alias or name}"
         inner = _unwrap(field.annotation)
         if isinstance(inner, type) and issubclass(inner, BaseModel):
             if typing.get_origin(field.annotation) is list:

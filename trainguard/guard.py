@@ -88,6 +88,9 @@ class StepGuard:
         self.skipped_steps = 0      # steps the guard skipped (the framework's own count is separate)
         self.last_decision: Decision | None = None
         self.last_step = 0
+        self.last_metrics: dict = {}            # the last metric line (for checkpoint health)
+        self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
+        self.last_anomaly_step = 0
         self._pending: dict | None = None       # the previous step's metric line, awaiting its norm
         self._pending_norm: Any = None          # the framework's norm of that step (maybe a device tensor)
         self._reset_step()
@@ -297,6 +300,9 @@ class StepGuard:
         verdicts += spikes
         decision = self.policy.decide(verdicts)
         self.last_decision = decision
+        if verdicts:
+            self.last_anomaly_step = step
+            self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self._everyone = everyone
         self._probe_values = {"activation": activation, "entropy": entropy}
         self._log_faults(step, obs)
@@ -344,6 +350,7 @@ class StepGuard:
             rank_line = {"rank": self.rank, "local_loss": me.loss, "local_grad_norm": me.grad_norm,
                          "sample_ids": self._sample_ids,
                          "position": self._position.as_dict() if self._position else None}
+        self.last_metrics = line
         self._pending = {"step": step, "line": line, "rank_line": rank_line, "due": due, "limit": limit,
                          "applied": metrics.get("applied", True)}
         self._pending_norm = norm

@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--d-model", type=int, default=96)
+    ap.add_argument("--layers", type=int, default=3)
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
         get_accelerator().is_fp16_supported = lambda: True
 
     torch.manual_seed(args.seed)
-    model = TinyGPT()
+    model = TinyGPT(d_model=args.d_model, n_layers=args.layers)
     dataset = MarkovCorpus(seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
                                                      config=cfg)
     rank = torch.distributed.get_rank()
     result = {"rank": rank, "plain": args.plain, "losses": [], "aborted": None,
-              "engine_class": type(engine).__name__}
+              "engine_class": type(engine).__name__, "first_step": engine.global_steps}
     micro = []
     try:
         while engine.global_steps < args.steps:

@@ -1,0 +1,73 @@
+"""Where a checkpoint directory keeps things, and what a valid tag is."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from trainguard.errors import TrainguardError
+
+MANIFEST = "manifest.json"
+STABLE = "stable.json"
+TRAJECTORY = "trajectory.json"
+LATEST = "latest"           # also DeepSpeed's pointer file: load_checkpoint(dir) reads it
+STAGING = ".staging"
+SIDECAR = "trainguard"      # per-rank RNG and data position, inside the tag directory
+
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class CheckpointError(TrainguardError):
+    """A checkpoint could not be saved, verified or loaded (the message names the file)."""
+
+
+def validate_tag(tag: str) -> str:
+    tag = str(tag)
+    if not _TAG.match(tag) or ".." in tag:
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use letters, digits, '_', '-', '.' "
+                              "(no path separators, no '..', at most 128 characters)")
+    return tag
+
+
+def step_tag(step: int) -> str:
+    return f"step{step:08d}"
+
+
+class CheckpointLayout:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def tag_dir(self, tag: str) -> Path:
+        return self.root / validate_tag(tag)
+
+    def staging_root(self, nonce: str) -> Path:
+        """DeepSpeed writes into ``<staging_root>/<tag>``; renamed to ``<root>/<tag>`` on commit."""
+        return self.root / STAGING / validate_tag(nonce)
+
+    def latest(self) -> str | None:
+        try:
+            tag = (self.root / LATEST).read_text().strip()
+        except OSError:
+            return None
+        try:
+            return validate_tag(tag)
+        except CheckpointError:
+            return None
+
+    def tags(self) -> list[str]:
+        """Directories that look like committed checkpoints (a manifest exists), oldest first by
+        the step recorded in the manifest, then by name."""
+        import json
+
+        out = []
+        if not self.root.is_dir():
+            return out
+        for d in self.root.iterdir():
+            if not d.is_dir() or d.name.startswith(".") or not (d / MANIFEST).is_file():
+                continue
+            try:
+                step = int(json.loads((d / MANIFEST).read_text()).get("step", -1))
+            except (OSError, ValueError):
+                step = -1
+            out.append((step, d.name))
+        return [name for _, name in sorted(out)]
