@@ -14,7 +14,7 @@ import pytest
 from tests.dist.conftest import make_config
 from trainguard.checkpoint.layout import CheckpointLayout
 from trainguard.checkpoint.manifest import Manifest, verify
-from trainguard.demo.run import torchrun_env
+from trainguard.demo.run import kill_tree, torchrun_env, worker_pids
 
 pytestmark = pytest.mark.dist
 
@@ -130,65 +130,53 @@ KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "12"))
 
 
 def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path):
-    """SIGKILL one rank at random moments while the run saves every step; after each kill, every
-    visible checkpoint verifies and the resume choice is a verified one. Then DeepSpeed loads it."""
+    """SIGKILL a rank at random moments while the run saves every step; after each kill, every
+    visible checkpoint verifies and the resume choice is a verified one. Then DeepSpeed loads it.
+    (TRAINGUARD_KILL_TRIALS=50 for the issue's full count; the default keeps CI short.)"""
     d = tmp_path / "ck"
     cfg = make_config(tmp_path, block={"checkpoint": {"dir": str(d), "every_steps": 1, "keep_last": 2,
                                                       "verify_steps": 0}}, bf16={"enabled": True})
     rnd = random.Random(1234)
-    killed_during_save = chosen = 0
+    staged_at_kill = resumable = 0
     for trial in range(KILL_TRIALS):
         out = tmp_path / f"t{trial}"
         out.mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "trainguard.demo.worker", "--config", str(cfg), "--steps", "100000", "--out", str(out),
                "--d-model", "192", "--layers", "4"]
-        log = open(out / "log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env(), start_new_session=True)
-        # wait until this launch has begun saving (a new staging directory appears), then a random delay
-        deadline = time.time() + 120
-        before = set(CheckpointLayout(d).tags())
-        while time.time() < deadline and proc.poll() is None:
-            staging = d / ".staging"
-            if staging.is_dir() and any(staging.iterdir()) or set(CheckpointLayout(d).tags()) - before:
-                break
-            time.sleep(0.02)
-        time.sleep(rnd.uniform(0.0, 1.5))
-        victim = _worker_pid(proc.pid)
-        if victim is not None:
-            if (d / ".staging").is_dir() and any((d / ".staging").iterdir()):
-                killed_during_save += 1
-            os.kill(victim, signal.SIGKILL)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        with open(out / "log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env(),
+                                    start_new_session=True)
+            try:
+                # wait until this launch has committed one save of its own, then a random moment
+                events = out / "trainguard.jsonl"
+                deadline = time.time() + 120
+                while time.time() < deadline and proc.poll() is None:
+                    if events.exists() and '"checkpoint_saved"' in events.read_text():
+                        break
+                    time.sleep(0.05)
+                time.sleep(rnd.uniform(0.0, 1.0))
+                victims = worker_pids(proc.pid)
+                assert victims, f"trial {trial}: no worker to kill (log: {out / 'log'})"
+                staging = d / ".staging"
+                staged_at_kill += staging.is_dir() and any(staging.iterdir())
+                os.kill(rnd.choice(victims), signal.SIGKILL)
+                proc.wait(timeout=60)
+            finally:
+                kill_tree(proc.pid)   # torchrun's workers live in their own sessions
         layout = CheckpointLayout(d)
         for tag in layout.tags():
             res = verify(layout.tag_dir(tag))
             assert res.ok, f"trial {trial}: torn checkpoint {tag}: {res.bad_file}: {res.reason}"
-        if layout.tags():
-            chosen += 1
-    print(f"\nSIGKILL trials: {KILL_TRIALS}, killed while a save was staged: {killed_during_save}, "
-          f"visible checkpoints all verified: {KILL_TRIALS}, a resume target existed: {chosen}")
-    assert chosen >= KILL_TRIALS - 2
-    # and DeepSpeed really loads the survivor
+        resumable += bool(layout.tags())
+    print(f"\nSIGKILL trials: {KILL_TRIALS}; a save was in flight at {staged_at_kill} of the kills; "
+          f"torn checkpoints: 0; a verified resume target after every kill: {resumable == KILL_TRIALS}")
+    assert resumable == KILL_TRIALS
+    # and DeepSpeed really loads the survivor, in new processes
     final = tmp_path / "final"
     from trainguard.demo.run import run_worker
 
     rc, results = run_worker(cfg, final, 0, extra=["--d-model", "192", "--layers", "4"], timeout=180)
     assert rc == 0 and all(r["first_step"] > 0 for r in results)
     events = [json.loads(x) for x in (final / "trainguard.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events if e.get("event") == "resume"] == ["resume"]
-
-
-def _worker_pid(agent_pid):
-    """The rank-1 worker under the torchrun agent (a random rank would do; rank 1 is not the writer)."""
-    try:
-        out = subprocess.run(["pgrep", "-P", str(agent_pid)], capture_output=True, text=True).stdout.split()
-    except OSError:
-        return None
-    kids = sorted(int(x) for x in out)
-    return kids[-1] if kids else None
+    assert [e["detail"]["fell_back_past"] for e in events if e.get("event") == "resume"] == [[]]

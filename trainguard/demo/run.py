@@ -23,6 +23,44 @@ def torchrun_env() -> dict:
     return env
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants. torchrun starts each worker in its own session,
+    so killing the agent's process group alone would leave the workers running."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with DeepSpeed
+        os.killpg(pid, signal.SIGKILL)
+        return
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def worker_pids(agent_pid: int) -> list[int]:
+    """The training processes under a torchrun agent, ordered by their LOCAL_RANK when readable."""
+    import psutil
+
+    out = []
+    try:
+        for p in psutil.Process(agent_pid).children(recursive=True):
+            try:
+                if "trainguard.demo.worker" in " ".join(p.cmdline()):
+                    out.append((int(p.environ().get("LOCAL_RANK", 99)), p.pid))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    except psutil.NoSuchProcess:
+        return []
+    return [pid for _, pid in sorted(out)]
+
+
 def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, nproc: int = 2,
                extra: Sequence[str] = (), timeout: float = 300, log_name: str = "torchrun.log") -> tuple[int, list[dict]]:
     """Run ``nproc`` ranks of trainguard.demo.worker; return ``(exit code, per-rank results)``.
@@ -41,7 +79,7 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             rc = 124
     results = []
