@@ -81,6 +81,8 @@ class DeepSpeedCheckpointer:
         self.health = CheckpointHealth(self.cfg.stable_after, self.cfg.verify_steps)
         self.resume_check: ResumeCheck | None = None
         self.roots: dict[str, Path] = {}       # tag -> root it was saved under (for marks)
+        self._pending = None                   # (BackgroundCommit, info) of an async save in flight
+        self._deferred: list[tuple] = []       # marks for checkpoints not committed yet
         self._revision = code_revision() if _rank() == 0 else None
 
     @property
@@ -97,6 +99,9 @@ class DeepSpeedCheckpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, client_state: dict | None = None) -> str:
+        if self.cfg.async_:
+            return self._save_async(Path(root), tag, client_state)
+        self.wait_pending()
         eng = self.engine
         t0 = time.perf_counter()
         root = Path(root)
@@ -113,11 +118,7 @@ class DeepSpeedCheckpointer:
         staged = staging_root / tag
         side = staged / SIDECAR
         side.mkdir(parents=True, exist_ok=True)
-        loader = self.state.loader
-        torch.save({"rank": _rank(), "world": _world(), "rng": rng.capture(),
-                    "data": loader.state_dict() if loader is not None else None,
-                    "data_world": loader.world if loader is not None else None},
-                   side / f"rank{_rank()}.pt")
+        torch.save(self._sidecar(), side / f"rank{_rank()}.pt")
         if _rank() == 0 and self.guard is not None:
             atomic_write_json(side / "guard.json", self.guard.state_dict())
         _barrier()
@@ -130,18 +131,7 @@ class DeepSpeedCheckpointer:
         if set(hashed) != set(files):
             raise CheckpointError(f"checkpoint {tag}: ranks hashed {len(hashed)} files, {len(files)} exist in {staged}")
         if _rank() == 0:
-            make_durable(staged)
-            self._manifest(tag, eng.global_steps, hashed).write(staged)
-            fsync_dir(staged)
-            final = layout.tag_dir(tag)
-            if final.exists():  # the same tag saved again: the old one goes aside first
-                os.replace(final, root / STAGING / f"replaced.{nonce}")
-            os.replace(staged, final)
-            fsync_dir(root)
-            atomic_write_json_text(root / LATEST, tag)
-            shutil.rmtree(staging_root, ignore_errors=True)
-            shutil.rmtree(root / STAGING / f"replaced.{nonce}", ignore_errors=True)
-            self._retention(layout)
+            self._commit(root, tag, staging_root, nonce, eng.global_steps, hashed)
         _barrier()
         self.roots[tag] = root
         self.health.saved(tag, eng.global_steps)
@@ -151,6 +141,94 @@ class DeepSpeedCheckpointer:
             "bytes": sum(f["size"] for f in hashed.values()), "blocking_s": round(seconds, 3),
             "total_s": round(seconds, 3)})
         return tag
+
+    def _commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
+        """Rank 0, once every file is written and hashed: manifest last, rename, latest, retention."""
+        layout = CheckpointLayout(root)
+        staged = staging_root / tag
+        make_durable(staged)
+        self._manifest(tag, step, files).write(staged)
+        fsync_dir(staged)
+        final = layout.tag_dir(tag)
+        aside = root / STAGING / f"replaced.{nonce}"
+        if final.exists():  # the same tag saved again: the old one goes aside first
+            os.replace(final, aside)
+        os.replace(staged, final)
+        fsync_dir(root)
+        atomic_write_json_text(root / LATEST, tag)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        self._retention(layout)
+
+    # ------------------------------------------------------------------ async save
+    def _save_async(self, root: Path, tag: str | None, client_state: dict | None) -> str:
+        from trainguard.checkpoint.async_writer import BackgroundCommit, snapshot
+
+        self.wait_pending()  # a new save waits for the previous one
+        eng = self.engine
+        t0 = time.perf_counter()
+        tag = validate_tag(tag if tag is not None else step_tag(eng.global_steps))
+        nonce = _broadcast(f"{tag}.{uuid.uuid4().hex[:10]}")
+        staging_root = CheckpointLayout(root).staging_root(nonce)
+        if _rank() == 0:
+            staging_root.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        cs = dict(client_state or {})
+        cs["trainguard"] = {"tag": tag, "step": eng.global_steps, "version": __version__}
+        capture = _Capture(eng.checkpoint_engine, snapshot)
+        original, eng.checkpoint_engine = eng.checkpoint_engine, capture
+        try:
+            self._base_save(eng, str(staging_root), tag=tag, client_state=cs, save_latest=False)
+        finally:
+            eng.checkpoint_engine = original
+        staged = staging_root / tag
+        writes = [(state, Path(path)) for state, path in capture.writes]
+        writes.append((snapshot(self._sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
+        json_writes = []
+        if _rank() == 0 and self.guard is not None:
+            json_writes.append((self.guard.state_dict(), staged / SIDECAR / "guard.json"))
+        step = eng.global_steps
+        finish = None
+        if _rank() == 0:
+            def finish(table, root=root, tag=tag, staging_root=staging_root, nonce=nonce, step=step):
+                self._commit(root, tag, staging_root, nonce, step, table)
+        blocking = time.perf_counter() - t0
+        self._pending = (BackgroundCommit(staged, _rank(), _world(), writes, json_writes, finish),
+                         {"tag": tag, "dir": str(root), "step": step, "blocking_s": blocking, "t0": t0})
+        self.roots[tag] = root
+        self.health.saved(tag, step)
+        return tag
+
+    def poll_pending(self, wait: bool = False) -> None:
+        """Report a finished background save (all of its ranks' work, on rank 0)."""
+        if self._pending is None:
+            return
+        job, info = self._pending
+        if not wait and not job.done():
+            return
+        self._pending = None
+        try:
+            job.wait()
+        except Exception as e:  # noqa: BLE001 - the checkpoint stays invisible; training goes on
+            self._event(info["step"], "checkpoint_failed", {"tag": info["tag"], "dir": info["dir"],
+                                                            "error": f"{type(e).__name__}: {e}"})
+            return
+        self._event(info["step"], "checkpoint_saved", {
+            "tag": info["tag"], "dir": info["dir"], "bytes_this_rank": job.bytes, "async": True,
+            "blocking_s": round(info["blocking_s"], 3), "write_s": round(job.seconds, 3),
+            "total_s": round(time.perf_counter() - info["t0"], 3)})
+
+    def wait_pending(self) -> None:
+        self.poll_pending(wait=True)
+
+    def close(self) -> None:
+        self.wait_pending()
+
+    def _sidecar(self) -> dict:
+        loader = self.state.loader
+        return {"rank": _rank(), "world": _world(), "rng": rng.capture(),
+                "data": loader.state_dict() if loader is not None else None,
+                "data_world": loader.world if loader is not None else None}
 
     def _manifest(self, tag: str, step: int, files: dict) -> Manifest:
         eng = self.engine
@@ -185,15 +263,21 @@ class DeepSpeedCheckpointer:
 
     # ------------------------------------------------------------------ marks after a save
     def on_step_end(self, step: int, loss: float | None, anomaly: bool) -> None:
+        self.poll_pending()
         if self.resume_check is not None:
             result = self.resume_check.on_step(step, loss)
             if result is not None:
                 self._event(step, "resume_verified" if result["ok"] else "resume_discontinuity", result)
                 self.resume_check = None
-        for action in self.health.on_step(step, loss, anomaly):
+        actions, self._deferred = self._deferred + self.health.on_step(step, loss, anomaly), []
+        for action in actions:
             kind, tag = action[0], action[1]
             root = self.roots.get(tag)
-            if _rank() != 0 or root is None or not (root / tag).is_dir():
+            if _rank() != 0 or root is None:
+                continue
+            if not (root / tag).is_dir():
+                if self._pending is not None and self._pending[1]["tag"] == tag:
+                    self._deferred.append(action)  # still being written: mark it once committed
                 continue
             if kind == "trajectory":
                 atomic_write_json(root / tag / TRAJECTORY, {"losses": {str(k): v for k, v in action[2].items()}})
@@ -241,25 +325,77 @@ class DeepSpeedCheckpointer:
         tag = decision["tag"]
         kwargs.setdefault("load_optimizer_states", True)
         kwargs.setdefault("load_lr_scheduler_states", True)
-        path, client_state = self._base_load(self.engine, str(root), tag=tag, **kwargs)
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {root}")
-        self._restore_sidecars(root / tag)
-        self.roots[tag] = root
         man = Manifest.read(root / tag)
+        saved_dp = int(man.layout.get("dp", self.engine.dp_world_size))
+        load_root, universal = root, saved_dp != self.engine.dp_world_size
+        if universal:
+            load_root = self._universal(root, tag, man)
+        eng = self.engine
+        previous = eng._config.load_universal_checkpoint
+        eng._config.load_universal_checkpoint = universal or previous
+        try:
+            path, client_state = self._base_load(eng, str(load_root), tag=tag, **kwargs)
+        finally:
+            eng._config.load_universal_checkpoint = previous
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {load_root}")
+        self._restore_sidecars(root / tag, resharded=universal)
+        self.roots[tag] = root
         traj = root / tag / TRAJECTORY
         if self.cfg.verify_steps and traj.exists():
             losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}
             self.resume_check = ResumeCheck(tag, losses, self.cfg.verify_rtol)
         self._event(self.engine.global_steps, "resume", {
             "tag": tag, "dir": str(root), "step": man.step, "fell_back_past": decision["skipped"],
+            "resharded": {"from_dp": saved_dp, "to_dp": self.engine.dp_world_size} if universal else None,
             "lineage": man.lineage, "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
         return path, client_state
 
-    def _restore_sidecars(self, tag_dir: Path) -> None:
+    def _universal(self, root: Path, tag: str, man: Manifest) -> Path:
+        """Another data-parallel size: convert to a DeepSpeed universal checkpoint (once, cached
+        beside the checkpoint, committed by rename) and load that."""
+        out_root = root / ".universal"
+        target = out_root / tag
+        if man.layout.get("zero_stage", 0) == 0:
+            raise CheckpointError(f"checkpoint {tag} was saved at ZeRO-0 with dp={man.layout.get('dp')}; DeepSpeed "
+                                  "can only reshard ZeRO 1-3 checkpoints (universal checkpoints); resume at the "
+                                  "same data-parallel size")
+        error = None
+        if _rank() == 0 and not (target / "zero").is_dir():
+            import sys
+
+            tmp = out_root / f".{tag}.{uuid.uuid4().hex[:6]}"
+            tmp.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(root / tag),
+                   "--output_folder", str(tmp / tag), "--inject_missing_state"]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                error = f"ds_to_universal failed for {root / tag}:\n{res.stderr[-2000:]}"
+            else:
+                make_durable(tmp)
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(tmp / tag, target)
+                fsync_dir(out_root)
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _broadcast(error)
+        if error:
+            raise CheckpointError(error)
+        return out_root
+
+    def _restore_sidecars(self, tag_dir: Path, resharded: bool = False) -> None:
         side = tag_dir / SIDECAR
         mine = side / f"rank{_rank()}.pt"
-        if mine.exists():
+        if resharded:
+            # the ranks are new: RNG streams start afresh (documented); the data position is the
+            # old ranks' common prefix of the epoch, split the new way; quarantines are merged
+            parts = sorted(side.glob("rank*.pt"))
+            states = [torch.load(p, weights_only=True) for p in parts]
+            if states and states[0].get("data") is not None and self.state.loader is not None:
+                data = dict(states[0]["data"])
+                data["quarantine"] = sorted({i for st in states for i in (st["data"] or {}).get("quarantine", [])})
+                self.state.loader.load_state_dict(data)
+        elif mine.exists():
             st = torch.load(mine, weights_only=True)
             if st.get("world") == _world():
                 rng.restore(st["rng"])
@@ -268,6 +404,24 @@ class DeepSpeedCheckpointer:
         guard_file = side / "guard.json"
         if guard_file.exists() and self.guard is not None:
             self.guard.load_state_dict(json.loads(guard_file.read_text()))
+
+
+class _Capture:
+    """Stands in for DeepSpeed's checkpoint engine during an async save: ``save`` snapshots the
+    state dict to host memory instead of writing it; everything else is the real engine's."""
+
+    def __init__(self, real, snapshot):
+        self._real, self._snapshot = real, snapshot
+        self.writes: list = []
+
+    def save(self, state_dict, path: str):
+        self.writes.append((self._snapshot(state_dict), path))
+
+    def commit(self, info):
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
 
 
 def atomic_write_json_text(path: Path, text: str) -> None:

@@ -370,6 +370,8 @@ class EngineGuard:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # the last async save commits before the logs close
         if self.guard is not None:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
                                  "global_steps": self.engine.global_steps})

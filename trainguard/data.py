@@ -45,7 +45,9 @@ class ShardedSampler:
             return self.num_samples // self.world
         return -(-self.num_samples // self.world)
 
-    def indices(self, epoch: int) -> list[int]:
+    def indices(self, epoch: int, offset: int = 0) -> list[int]:
+        """Rank ``rank``'s share of the epoch's order, after the first ``offset`` positions (which
+        were consumed, by every rank together, before a resume at another world size)."""
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
@@ -55,6 +57,10 @@ class ShardedSampler:
         total = self.per_rank() * self.world
         if total > len(order):  # pad by wrapping around, as DistributedSampler does
             order += order[: total - len(order)]
+        if offset:
+            rest = order[offset:len(order) if not self.drop_last else self.num_samples]
+            keep = len(rest) // self.world * self.world if self.drop_last else len(rest)
+            return rest[:keep][self.rank::self.world]
         return order[self.rank:total:self.world]
 
 
@@ -91,12 +97,14 @@ class TrackedLoader:
         self.sanitize_cfg = sanitize_cfg if sanitize_cfg is not None and sanitize_active(sanitize_cfg) else None
         self.sample_hook = sample_hook
         self.quarantine: list[int] = []
+        self.epoch_offset = 0  # order positions consumed in this epoch under another world size
         if len(self) == 0:
             raise ValueError(f"the dataset ({len(dataset)} samples) does not fill one micro-batch of "
                              f"{batch_size} on each of {world} data-parallel ranks")
 
     def __len__(self) -> int:
-        per_rank = self.sampler.per_rank()
+        per_rank = len(self.sampler.indices(self.epoch, self.epoch_offset)) if self.epoch_offset \
+            else self.sampler.per_rank()
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
     @property
@@ -104,7 +112,7 @@ class TrackedLoader:
         return DataPosition(self.epoch, self.batch_in_epoch, self.consumed_samples)
 
     def __iter__(self) -> Iterator:
-        order = self.sampler.indices(self.epoch)
+        order = self.sampler.indices(self.epoch, self.epoch_offset)
         rejected: list = []
         while self.batch_in_epoch < len(self):
             start = self.batch_in_epoch * self.batch_size
@@ -128,13 +136,23 @@ class TrackedLoader:
             yield batch
         self.epoch += 1
         self.batch_in_epoch = 0
+        self.epoch_offset = 0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "consumed_samples": self.consumed_samples, "quarantine": list(self.quarantine)}
+                "consumed_samples": self.consumed_samples, "quarantine": list(self.quarantine),
+                "epoch_offset": self.epoch_offset, "batch_size": self.batch_size, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.consumed_samples = int(state["consumed_samples"])
         self.quarantine = [int(i) for i in state.get("quarantine", [])]
+        self.epoch_offset = int(state.get("epoch_offset", 0))
+        old_world = int(state.get("world", self.world))
+        old_batch = int(state.get("batch_size", self.batch_size))
+        if (old_world, old_batch) != (self.world, self.batch_size):
+            # another data-parallel layout: the ranks together had consumed a prefix of this
+            # epoch's order; carry on after it, split the new way (no sample lost or repeated)
+            self.epoch_offset += self.batch_in_epoch * old_batch * old_world
+            self.batch_in_epoch = 0
