@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint import rng
-from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir, make_durable
+from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir, make_durable, save_hashed
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import (LATEST, SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError,
                                           CheckpointLayout, step_tag, validate_tag)
@@ -114,22 +114,33 @@ class DeepSpeedCheckpointer:
         _barrier()
         cs = dict(client_state or {})
         cs["trainguard"] = {"tag": tag, "step": eng.global_steps, "version": __version__}
-        self._base_save(eng, str(staging_root), tag=tag, client_state=cs, save_latest=False)
+        # each rank hashes (and fsyncs) the files it writes while it writes them
+        hashing = _Hashing(eng.checkpoint_engine)
+        if hashing.active:
+            eng.checkpoint_engine = hashing
+        try:
+            self._base_save(eng, str(staging_root), tag=tag, client_state=cs, save_latest=False)
+        finally:
+            eng.checkpoint_engine = hashing.real
         staged = staging_root / tag
         side = staged / SIDECAR
         side.mkdir(parents=True, exist_ok=True)
-        torch.save(self._sidecar(), side / f"rank{_rank()}.pt")
+        own = {os.path.relpath(p, staged): h for p, h in hashing.hashes.items()}
+        own[f"{SIDECAR}/rank{_rank()}.pt"] = save_hashed(self._sidecar(), side / f"rank{_rank()}.pt")
         if _rank() == 0 and self.guard is not None:
             atomic_write_json(side / "guard.json", self.guard.state_dict())
+            own.update(hash_files(staged, [f"{SIDECAR}/guard.json"]))
         _barrier()
 
-        files = list_files(staged)
-        mine = files[_rank()::_world()]
         hashed = {}
-        for part in gather_objects(hash_files(staged, mine)):
+        for part in gather_objects(own):
             hashed.update(part)
-        if set(hashed) != set(files):
-            raise CheckpointError(f"checkpoint {tag}: ranks hashed {len(hashed)} files, {len(files)} exist in {staged}")
+        files = list_files(staged)
+        if _rank() == 0:  # anything written outside the checkpoint engine: hash it now
+            hashed.update(hash_files(staged, [f for f in files if f not in hashed]))
+            if set(hashed) != set(files):
+                raise CheckpointError(f"checkpoint {tag}: {sorted(set(hashed) ^ set(files))[:5]} differ between "
+                                      f"what the ranks wrote and what is in {staged}")
         if _rank() == 0:
             self._commit(root, tag, staging_root, nonce, eng.global_steps, hashed)
         _barrier()
@@ -404,6 +415,22 @@ class DeepSpeedCheckpointer:
         guard_file = side / "guard.json"
         if guard_file.exists() and self.guard is not None:
             self.guard.load_state_dict(json.loads(guard_file.read_text()))
+
+
+class _Hashing:
+    """Stands in for DeepSpeed's torch checkpoint engine during a synchronous save: the same
+    ``torch.save``, into a file that is hashed while written and fsynced when closed."""
+
+    def __init__(self, real):
+        self.real = real
+        self.active = type(real).__name__ == "TorchCheckpointEngine"
+        self.hashes: dict[str, dict] = {}
+
+    def save(self, state_dict, path: str):
+        self.hashes[path] = save_hashed(state_dict, path, zipfile=bool(getattr(self.real, "zipfile_serialization", False)))
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
 
 
 class _Capture:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainguard.checkpoint.fsio import atomic_write_json, fsync_file, sha256_file
+from trainguard.checkpoint.fsio import atomic_write_json, save_hashed, sha256_file
 
 MARKER = ".done.rank{}.json"
 
@@ -60,21 +60,16 @@ class BackgroundCommit:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            files = {}
+            table = {}
             for state, path in self.writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(state, path)
-                fsync_file(path)
-                files[os.path.relpath(path, self.staged)] = path
+                table[os.path.relpath(path, self.staged)] = save_hashed(state, path)  # hashed while written
             for data, path in self.json_writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(path, data)
-                files[os.path.relpath(path, self.staged)] = path
-            table = {}
-            for rel, path in files.items():
                 digest, size = sha256_file(path)
-                table[rel] = {"sha256": digest, "size": size}
-                self.bytes += size
+                table[os.path.relpath(path, self.staged)] = {"sha256": digest, "size": size}
+            self.bytes = sum(v["size"] for v in table.values())
             atomic_write_json(self.staged / MARKER.format(self.rank), table)
             self.writes = self.json_writes = []  # free the host copies
             if self.finish is not None:

@@ -70,3 +70,65 @@ def make_durable(root: str | os.PathLike) -> None:
             fsync_file(p)
         os.chmod(dirpath, DIR_MODE)
         fsync_dir(dirpath)
+
+
+class HashingFile:
+    """A write-only file that computes its sha256 while it is written (in a helper thread, so the
+    hash overlaps the serialisation) and is fsynced on close. Saves a read-back of every byte."""
+
+    def __init__(self, path: str | os.PathLike, chunk_queue: int = 64):
+        import queue
+        import threading
+
+        self.path = Path(path)
+        self._f = open(self.path, "wb")
+        self._h = hashlib.sha256()
+        self.size = 0
+        self._q: "queue.Queue" = queue.Queue(maxsize=chunk_queue)
+        self._t = threading.Thread(target=self._hash, daemon=True)
+        self._t.start()
+        self.digest: str | None = None
+
+    def _hash(self) -> None:
+        while True:
+            b = self._q.get()
+            if b is None:
+                return
+            self._h.update(b)
+
+    def write(self, b) -> int:
+        b = bytes(b) if not isinstance(b, bytes) else b  # the caller may reuse its buffer
+        n = self._f.write(b)
+        self.size += len(b)
+        self._q.put(b)
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        self._q.put(None)
+        self._t.join()
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.chmod(self.path, FILE_MODE)
+        self.digest = self._h.hexdigest()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def save_hashed(obj, path: str | os.PathLike, zipfile: bool = False) -> dict:
+    """``torch.save`` into ``path`` durably; returns ``{"sha256", "size"}`` computed on the way."""
+    import torch
+
+    with HashingFile(path) as f:
+        torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
+    return {"sha256": f.digest, "size": f.size}

@@ -1,0 +1,121 @@
+import json
+import os
+
+import pytest
+import torch
+
+from trainguard.checkpoint import rng
+from trainguard.checkpoint.async_writer import snapshot
+from trainguard.checkpoint.fsio import atomic_write_json, sha256_file
+from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
+from trainguard.checkpoint.layout import CheckpointError, CheckpointLayout, step_tag, validate_tag
+from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
+from trainguard.checkpoint.retention import to_delete
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "..", ".hidden", "", "a" * 200, "x\\y", "a b"])
+def test_tags_are_validated(bad):
+    with pytest.raises(CheckpointError):
+        validate_tag(bad)
+
+
+def test_good_tags():
+    assert validate_tag("step00000012") == "step00000012" == step_tag(12)
+    assert validate_tag("global_step7.final") == "global_step7.final"
+
+
+def make_ckpt(root, tag, step, files):
+    d = root / tag
+    d.mkdir(parents=True)
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    Manifest(tag=tag, step=step, files=hash_files(d, list_files(d))).write(d)
+    return d
+
+
+def test_verify_names_the_bad_file(tmp_path):
+    d = make_ckpt(tmp_path, "t1", 1, {"a.pt": b"x" * 100, "trainguard/rank0.pt": b"y" * 10})
+    assert verify(d).ok
+    (d / "a.pt").write_bytes(b"x" * 99 + b"z")
+    r = verify(d)
+    assert not r.ok and r.bad_file == "a.pt" and "sha256" in r.reason
+    assert verify(d, checksums=False).ok  # same size: only the checksum catches it
+    (d / "a.pt").write_bytes(b"x" * 50)
+    assert verify(d, checksums=False).bad_file == "a.pt"
+    (d / "a.pt").unlink()
+    assert verify(d).reason == "missing"
+    d2 = make_ckpt(tmp_path, "t2", 2, {"a.pt": b"1"})
+    (d2 / "intruder.pt").write_bytes(b"2")
+    assert verify(d2).bad_file == "intruder.pt"
+    (d2 / "manifest.json").unlink()
+    assert verify(d2).bad_file == "manifest.json"
+
+
+def test_layout_lists_only_committed_tags_by_step(tmp_path):
+    make_ckpt(tmp_path, "b", 20, {"f": b"1"})
+    make_ckpt(tmp_path, "a", 30, {"f": b"1"})
+    (tmp_path / "torn").mkdir()
+    (tmp_path / ".staging" / "x").mkdir(parents=True)
+    lay = CheckpointLayout(tmp_path)
+    assert lay.tags() == ["b", "a"]
+    assert lay.latest() is None
+    (tmp_path / "latest").write_text("../etc")
+    assert lay.latest() is None
+
+
+def test_retention_keeps_newest_and_newest_stable():
+    tags = [f"s{i}" for i in range(1, 8)]
+    assert to_delete(tags, stable={"s1", "s2", "s4"}, keep_last=2, keep_stable=2) == ["s1", "s3", "s5"]
+    assert to_delete(tags, stable=set(), keep_last=3, keep_stable=2) == ["s1", "s2", "s3", "s4"]
+    assert to_delete(["s1"], stable=set(), keep_last=1, keep_stable=0) == []
+
+
+def test_health_marks_stable_only_after_quiet_steps_and_records_the_trajectory():
+    h = CheckpointHealth(stable_after=3, verify_steps=2)
+    h.saved("a", 10)
+    assert h.on_step(11, 1.0, False) == []
+    assert h.on_step(12, 0.9, False) == [("trajectory", "a", {11: 1.0, 12: 0.9})]
+    assert h.on_step(13, 0.8, False) == [("stable", "a", 13)]
+    h.saved("b", 20)
+    h.on_step(21, 1.0, True)  # an anomaly right after: never stable
+    assert h.on_step(22, 1.0, False) == [("trajectory", "b", {21: 1.0, 22: 1.0})]
+    assert all(a[0] != "stable" for s in range(23, 40) for a in h.on_step(s, 1.0, False))
+
+
+def test_resume_check():
+    c = ResumeCheck("t", {5: 1.0, 6: 2.0}, rtol=1e-3)
+    assert c.on_step(5, 1.0) is None
+    r = c.on_step(6, 2.0001)
+    assert r["ok"] and r["max_rel_diff"] == pytest.approx(5e-5)
+    bad = ResumeCheck("t", {5: 1.0}, rtol=1e-3).on_step(5, 1.5)
+    assert not bad["ok"] and bad["max_rel_diff"] == pytest.approx(0.5)
+
+
+def test_rng_round_trip_through_a_weights_only_file(tmp_path):
+    import random
+
+    import numpy as np
+
+    state = rng.capture()
+    torch.save(state, tmp_path / "r.pt")
+    a = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    rng.restore(torch.load(tmp_path / "r.pt", weights_only=True))
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == a
+
+
+def test_atomic_write_and_permissions(tmp_path):
+    atomic_write_json(tmp_path / "m.json", {"a": 1})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"a": 1}
+    assert oct(os.stat(tmp_path / "m.json").st_mode & 0o777) == "0o644"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    digest, size = sha256_file(tmp_path / "m.json")
+    assert size == (tmp_path / "m.json").stat().st_size and len(digest) == 64
+
+
+def test_snapshot_is_a_detached_cpu_copy():
+    t = torch.ones(3, requires_grad=True)
+    s = snapshot({"w": t, "nested": [t, (t, 1)], "n": 5})
+    t.data.add_(1)
+    assert s["w"].tolist() == [1.0, 1.0, 1.0] and not s["w"].requires_grad
+    assert s["nested"][1][1] == 1 and s["n"] == 5
