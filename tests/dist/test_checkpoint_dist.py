@@ -156,17 +156,23 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_sav
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env(),
                                     start_new_session=True)
             try:
-                # wait until this launch has committed one save of its own, then a random moment
+                # wait until this launch has committed one save of its own, then until its next
+                # save is in flight (staging holds it), then a random moment within the save
                 events = out / "trainguard.jsonl"
+                staging = d / ".staging"
                 deadline = time.time() + 120
                 while time.time() < deadline and proc.poll() is None:
                     if events.exists() and '"checkpoint_saved"' in events.read_text():
                         break
                     time.sleep(0.05)
-                time.sleep(rnd.uniform(0.0, 1.0))
+                time.sleep(rnd.uniform(0.0, 0.3))
+                while time.time() < deadline and proc.poll() is None:
+                    if staging.is_dir() and any(staging.iterdir()):
+                        break
+                    time.sleep(0.002)
+                time.sleep(rnd.uniform(0.0, 0.12))
                 victims = worker_pids(proc.pid)
                 assert victims, f"trial {trial}: no worker to kill (log: {out / 'log'})"
-                staging = d / ".staging"
                 staged_at_kill += staging.is_dir() and any(staging.iterdir())
                 os.kill(rnd.choice(victims), signal.SIGKILL)
                 proc.wait(timeout=60)
