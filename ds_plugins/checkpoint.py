@@ -312,8 +312,54 @@ class DeepSpeedCheckpointer:
             return tag, skipped
         return None, skipped
 
-    def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid", **kwargs):
-        """Verified load. Returns DeepSpeed's ``(path, client_state)`` or ``(None, None)``."""
+    def rollback_target(self, root: Path, onset: int, mode: str) -> tuple[str | None, str]:
+        """Rank 0 chooses, every rank learns: the newest checkpoint from before ``onset`` that
+        verifies, stable if ``mode`` is "stable" (else, or failing that, the newest valid one)."""
+        choice = None
+        if _rank() == 0:
+            layout = CheckpointLayout(root)
+            valid = []
+            for tag in reversed(layout.tags()):
+                if Manifest.read(layout.tag_dir(tag)).step >= onset:
+                    continue
+                if verify(layout.tag_dir(tag)).ok:
+                    valid.append(tag)
+            stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
+            if mode == "stable" and stable:
+                choice = (stable[0], "newest stable checkpoint before the onset")
+            elif valid:
+                choice = (valid[0], "newest valid checkpoint before the onset" +
+                          (" (none was stable yet)" if mode == "stable" else ""))
+            else:
+                choice = (None, f"no valid checkpoint in {root} predates step {onset}")
+        return _broadcast(choice)
+
+    def abandon_after(self, root: Path, step: int) -> list[str]:
+        """After a rollback to ``step``: checkpoints from the abandoned trajectory move out of the
+        way, so that no later resume picks them (they may hold the damage)."""
+        moved = []
+        if _rank() == 0:
+            layout = CheckpointLayout(root)
+            for tag in layout.tags():
+                if Manifest.read(layout.tag_dir(tag)).step > step:
+                    dest = root / ".abandoned" / f"{tag}.{uuid.uuid4().hex[:6]}"
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(layout.tag_dir(tag), dest)
+                    moved.append(tag)
+            if moved:
+                fsync_dir(root)
+                remaining = layout.tags()
+                if remaining:
+                    atomic_write_json_text(root / LATEST, remaining[-1])
+        self.health.watching = [w for w in self.health.watching if w.step <= step]
+        return _broadcast(moved)
+
+    def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid",
+             purpose: str = "resume", **kwargs):
+        """Verified load. Returns DeepSpeed's ``(path, client_state)`` or ``(None, None)``.
+
+        ``purpose="rollback"`` (in-process): RNG comes back, but the data position, the guard's
+        statistics and budgets stay as they are now -- the run moves on, it does not relive."""
         root = Path(root)
         decision = None
         if _rank() == 0:
@@ -350,8 +396,10 @@ class DeepSpeedCheckpointer:
             eng._config.load_universal_checkpoint = previous
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {load_root}")
-        self._restore_sidecars(root / tag, resharded=universal)
+        self._restore_sidecars(root / tag, resharded=universal, rng_only=purpose == "rollback")
         self.roots[tag] = root
+        if purpose == "rollback":
+            return path, client_state
         traj = root / tag / TRAJECTORY
         if self.cfg.verify_steps and traj.exists():
             losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}
@@ -394,9 +442,15 @@ class DeepSpeedCheckpointer:
             raise CheckpointError(error)
         return out_root
 
-    def _restore_sidecars(self, tag_dir: Path, resharded: bool = False) -> None:
+    def _restore_sidecars(self, tag_dir: Path, resharded: bool = False, rng_only: bool = False) -> None:
         side = tag_dir / SIDECAR
         mine = side / f"rank{_rank()}.pt"
+        if rng_only:
+            if mine.exists() and not resharded:
+                st = torch.load(mine, weights_only=True)
+                if st.get("world") == _world():
+                    rng.restore(st["rng"])
+            return
         if resharded:
             # the ranks are new: RNG streams start afresh (documented); the data position is the
             # old ranks' common prefix of the epoch, split the new way; quarantines are merged

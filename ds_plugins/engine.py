@@ -137,6 +137,8 @@ class EngineGuard:
         self._last_inputs = None      # (args, kwargs, poison_output) of the last micro-batch, for a replay
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
         self.checkpointer = None
+        self._lr_scale, self._lr_until = 1.0, 0   # recovery's lowered LR and until which step
+        self._step_lr = None
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
@@ -306,7 +308,7 @@ class EngineGuard:
             if limit is not None and self.cfg.clipping.mode == "adaptive":
                 self._set_clip(limit)
             own_norm = None
-            if decision.action is Action.SKIP_STEP:
+            if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
                 with forced_skip(eng.optimizer):
                     result = ds_step()
             else:
@@ -324,10 +326,71 @@ class EngineGuard:
         guard.on_end(step, obs, {
             "grad_norm": norm,  # may be a device tensor: read with the next step's table, not now
             "clip_limit": float(eng.gradient_clipping() or 0.0),
-            "lr": _lr(eng), "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
+            "lr": self._step_lr if self._step_lr is not None else _lr(eng),
+            "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
             "applied": applied, "action": decision.action.value})
-        self._after_step(step, obs, decision)
+        if decision.action is Action.ROLLBACK:
+            self._rollback(step, decision)
+        else:
+            self._after_step(step, obs, decision)
         return result
+
+    # ------------------------------------------------------------------ recovery
+    def _rollback_root(self):
+        from pathlib import Path
+
+        c = self.cfg.checkpoint
+        if c.dir:
+            return Path(c.dir)
+        roots = list(self.checkpointer.roots.values()) if self.checkpointer else []
+        return roots[-1] if roots else None
+
+    def _rollback(self, step: int, decision) -> None:
+        """In-process rollback, on every rank together: load the chosen checkpoint (RNG with it),
+        keep the data position where it is and move it ``skip_batches`` further, quarantine the
+        culprit rank's samples, lower the LR if asked. The user's loop just gets the next batch."""
+        rc = self.cfg.recovery
+        guard, eng, loader = self.guard, self.engine, self.loader
+        quarantined = guard.culprit_samples
+        if loader is not None and self.rank in quarantined:
+            loader.quarantine += [i for i in quarantined[self.rank] if i not in set(loader.quarantine)]
+        root = self._rollback_root()
+        tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None or \
+            self.checkpointer is None else self.checkpointer.rollback_target(root, decision.onset_step or step,
+                                                                             rc.rollback_to)
+        if decision.lower_lr:
+            self._lr_scale = guard.policy.lr_factor * rc.lr_factor
+        if tag is None:
+            if decision.lower_lr:
+                guard.policy.lr_factor *= rc.lr_factor
+                self._lr_until = eng.global_steps + rc.lr_cooldown_steps
+            guard._emit(step, "rollback_unavailable", [], "skip_step", {
+                "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
+                "lr_factor": self._lr_scale if decision.lower_lr else None, "quarantined": quarantined})
+            return
+        position = loader.state_dict() if loader is not None else None
+        self.checkpointer.wait_pending()
+        self.checkpointer.load(root, tag=tag, purpose="rollback")
+        to_step = eng.global_steps
+        if loader is not None:
+            loader.load_state_dict(position)       # where we were, quarantine included ...
+            loader.skip(rc.skip_batches)           # ... and then some
+        abandoned = self.checkpointer.abandon_after(root, to_step)
+        if decision.lower_lr:
+            self._lr_until = to_step + rc.lr_cooldown_steps
+        if rc.reset_optimizer_moments:
+            _reset_moments(eng.optimizer)
+        detail = {"to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
+                  "onset_step": decision.onset_step, "skip_batches": rc.skip_batches,
+                  "position_after": loader.position.as_dict() if loader is not None else None,
+                  "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
+                  "lr_factor": self._lr_scale if decision.lower_lr else None,
+                  "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason}
+        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "anomaly": decision.anomaly})
+        guard.grad_norm.reset_trend()
+        if self.faults is not None:
+            self.faults.rolled_back()
+        guard._emit(step, "rollback", sorted(quarantined) or [], "rollback", detail)
 
     def _after_step(self, step: int, obs, decision) -> None:
         """Checkpoint health (stable marks, post-save trajectory, resume check) and periodic saves."""
@@ -342,8 +405,12 @@ class EngineGuard:
 
     @contextlib.contextmanager
     def _lr_fault(self, step: int):
-        """lr_ramp: multiply the LR for this step's update, then put back what the schedule set."""
+        """The LR for this step's update x (lr_ramp fault) x (recovery's lowered LR, during its
+        cooldown); afterwards the scheduled LR is put back."""
         mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
+        if self._lr_scale != 1.0 and self.engine.global_steps < self._lr_until:
+            mult *= self._lr_scale
+        self._step_lr = None
         if mult == 1.0:
             yield
             return
@@ -352,6 +419,7 @@ class EngineGuard:
         for g in groups:
             g["lr"] = g["lr"] * mult
         boosted = [g["lr"] for g in groups]
+        self._step_lr = boosted[0] if boosted else None  # what this step's update used, for the log
         try:
             yield
         finally:
@@ -375,6 +443,16 @@ class EngineGuard:
         if self.guard is not None:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
                                  "global_steps": self.engine.global_steps})
+
+
+def _reset_moments(optimizer) -> None:
+    """Zero Adam's moment estimates (SPAM-style reset after a spike), wherever DeepSpeed keeps them."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in getattr(inner, "state", {}).values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = state.get(key) if isinstance(state, dict) else None
+            if isinstance(t, torch.Tensor):
+                t.zero_()
 
 
 def _plain_class(cls: type) -> type:

@@ -175,6 +175,42 @@ class CheckpointConfig(_Section):
     dataset_version: Optional[str] = Field(None, description="Lineage: its version or content hash.")
 
 
+LadderStep = Literal["alert", "skip_step", "rollback", "rollback_lower_lr", "abort"]
+
+
+def _default_ladders() -> dict:
+    return {"nonfinite": ["skip_step", "skip_step", "rollback"], "instant_burst": ["rollback"],
+            "slow_rise": ["rollback_lower_lr"]}
+
+
+class RecoveryConfig(_Section):
+    """Turning verdicts into recovery: ladders per anomaly class, budgets, in-process rollback."""
+
+    enabled: bool = Field(True, description="Act on spikes and repeated non-finite steps (false: alerts and "
+                          "skipped steps only).")
+    ladders: dict[Literal["nonfinite", "instant_burst", "slow_rise"], list[LadderStep]] = Field(
+        default_factory=_default_ladders,
+        description="Per anomaly class, the action for its 1st, 2nd, ... occurrence within ladder_window steps "
+        "(the last entry repeats). rollback: to the newest stable checkpoint from before the anomaly's onset, "
+        "skipping the batches seen since plus skip_batches; rollback_lower_lr: the same, and the LR x lr_factor "
+        "for lr_cooldown_steps.")
+    ladder_window: int = Field(100, ge=1, description="Occurrences older than this many steps no longer count.")
+    rollback_to: Literal["stable", "latest_valid"] = Field(
+        "stable", description="Which checkpoint from before the onset: the newest stable one, or the newest valid.")
+    skip_batches: int = Field(200, ge=0, description="Batches skipped past the anomaly on a rollback (PaLM skipped "
+                              "200-500).")
+    lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier of rollback_lower_lr.")
+    lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts.")
+    lr_floor: float = Field(0.05, gt=0, le=1, description="Abort when the accumulated LR factor would go below "
+                            "this (lowering it further is not a remedy any more).")
+    reset_optimizer_moments: bool = Field(False, description="On a rollback, zero Adam's moment estimates (as SPAM "
+                                          "does) instead of keeping the checkpoint's.")
+    max_rollbacks: int = Field(5, ge=0, description="Rollbacks allowed within rollback_window steps; one more aborts.")
+    rollback_window: int = Field(1000, ge=1, description="Window of the rollback budget, in steps.")
+    suspect_after: int = Field(3, ge=2, description="Raise suspect_rank when one rank is the culprit this many times "
+                               "on different data.")
+
+
 class ChecksConfig(_Section):
     """Start-of-run checks (one warning event each)."""
 
@@ -259,6 +295,7 @@ class TrainguardConfig(_Section):
     sanitize: SanitizeConfig = Field(default_factory=SanitizeConfig)
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     allow_faults: bool = Field(

@@ -112,14 +112,21 @@ class TrackedLoader:
         return DataPosition(self.epoch, self.batch_in_epoch, self.consumed_samples)
 
     def __iter__(self) -> Iterator:
+        epoch0 = self.epoch
         order = self.sampler.indices(self.epoch, self.epoch_offset)
         rejected: list = []
-        while self.batch_in_epoch < len(self):
+        # a rollback may move the position (even into a later epoch) while this loop runs
+        while self.epoch == epoch0 and self.batch_in_epoch < len(self):
             start = self.batch_in_epoch * self.batch_size
             ids = order[start:start + self.batch_size]
-            samples = [self.dataset[i] for i in ids]
             self.batch_in_epoch += 1
             self.consumed_samples += len(ids) * self.world
+            if self.quarantine:  # quarantined samples are never read again
+                bad = set(self.quarantine)
+                ids = [i for i in ids if i not in bad]
+                if not ids:
+                    continue
+            samples = [self.dataset[i] for i in ids]
             if self.sample_hook is not None:
                 samples = self.sample_hook(samples)
             if self.sanitize_cfg is not None:
@@ -134,9 +141,22 @@ class TrackedLoader:
                 self.listener(ids, self.position, rejected)
             rejected = []
             yield batch
-        self.epoch += 1
-        self.batch_in_epoch = 0
-        self.epoch_offset = 0
+        if self.epoch == epoch0:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            self.epoch_offset = 0
+
+    def skip(self, batches: int) -> None:
+        """Move the position forward by ``batches`` (across epoch ends), reading nothing."""
+        while batches > 0:
+            take = min(batches, len(self) - self.batch_in_epoch)
+            self.batch_in_epoch += take
+            self.consumed_samples += take * self.batch_size * self.world
+            batches -= take
+            if self.batch_in_epoch >= len(self):
+                self.epoch += 1
+                self.batch_in_epoch = 0
+                self.epoch_offset = 0
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,

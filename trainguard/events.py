@@ -28,9 +28,11 @@ class Event(str, enum.Enum):
                        every rank now holds every rank's flags, loss and local gradient norm
             DECIDE     pure detectors turn the gathered observations into verdicts; the policy turns
                        verdicts into one action -- the same on every rank, since every rank
-                       computed it from the same tensor: CONTINUE | SKIP_STEP | ABORT
+                       computed it from the same tensor: CONTINUE | SKIP_STEP | ROLLBACK | ABORT
             STEP       apply the optimizer step, or make DeepSpeed's optimizer take its own
-                       skip path (no update, gradients cleared, counted in skipped_steps)
+                       skip path (no update, gradients cleared, counted in skipped_steps);
+                       ROLLBACK also loads the chosen checkpoint in place and moves the data
+                       position past the bad batches (the user's loop keeps running)
             END        metric line (rank 0; every rank when per_rank), events, counters
         CLOSE       flush and close the logs
     """
@@ -59,6 +61,9 @@ class Record(str, enum.Enum):
     ENTROPY_SATURATION = "entropy_saturation"  # an attention head attends uniformly
     ACTIVATION_RANGE = "activation_range"      # a module's output max-abs above the limit
     SAMPLES_REJECTED = "samples_rejected"      # the sanitiser dropped samples or quarantined a batch
+    ROLLBACK = "rollback"                      # in-process rollback carried out (to_tag, skipped batches, LR)
+    ROLLBACK_UNAVAILABLE = "rollback_unavailable"  # no checkpoint predates the onset: the step was skipped
+    SUSPECT_RANK = "suspect_rank"              # one rank is the culprit again and again, on different data
     FP16_WHERE_BF16 = "fp16_where_bf16"        # start-of-run checks (action "warn")
     NO_WARMUP = "no_warmup"
     SHORT_WARMUP = "short_warmup"
@@ -75,4 +80,5 @@ class Action(str, enum.Enum):
 
     CONTINUE = "continue"
     SKIP_STEP = "skip_step"
+    ROLLBACK = "rollback"
     ABORT = "abort"

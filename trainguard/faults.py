@@ -66,19 +66,32 @@ class FaultInjector:
         self.rank = rank
         self.fired: list[tuple[int, str]] = []  # (step, type), for the record
         self._scale_loss: dict[int, float] = {}
+        self._spent: set[tuple[int, str]] = set()  # (step, type) already fired in an earlier pass
 
     def _due(self, kind: str, step: int) -> list[FaultSpec]:
-        return [f for f in self.faults if f.type == kind and f.active(step)]
+        # a fault fires at most once per step: after a rollback re-runs steps, the bad batch
+        # (what a fault stands for) is gone, so the fault does not come back either
+        return [f for f in self.faults if f.type == kind and f.active(step) and (step, kind) not in self._spent]
 
     def _fire(self, step: int, kind: str) -> None:
         if (step, kind) not in self.fired:
             self.fired.append((step, kind))
 
-    def fired_in(self, step: int) -> int:
-        return sum(1 for s, _ in self.fired if s == step)
+    def rolled_back(self) -> None:
+        """A rollback happened: an LR ramp that already began stands for a misconfigured schedule,
+        which the recovery's LR reduction overrides -- it does not resume afterwards."""
+        began = {s for s, k in self.fired if k == "lr_ramp"}
+        for f in self.faults:
+            if f.type == "lr_ramp" and any(f.active(s) for s in began):
+                self._spent |= {(s, "lr_ramp") for s in range(f.step, f.step + f.steps)}
 
-    def types_fired_in(self, step: int) -> list[str]:
-        return [k for s, k in self.fired if s == step]
+    def step_done(self, step: int) -> None:
+        """Called at the end of every step: what fired in it is spent."""
+        self._spent |= {(s, k) for s, k in self.fired if s == step}
+
+    def fired_in(self, step: int) -> int:
+        return sum(1 for s, k in self.fired if s == step and (s, k) not in self._spent)
+
 
     # BATCH -----------------------------------------------------------------------------------
     def samples(self, step: int, samples: list, label_key: str, out_of_range: int) -> list:
@@ -124,7 +137,7 @@ class FaultInjector:
             if f.type == "inf_activation":
                 def hook(m, args, output, f=f):
                     step = step_fn()
-                    if not f.active(step):
+                    if not f.active(step) or (step, f.type) in self._spent:
                         return None
                     self._fire(step, "inf_activation")
                     if isinstance(output, torch.Tensor):
@@ -136,7 +149,8 @@ class FaultInjector:
             else:
                 def pre_hook(m, args, f=f):
                     step = step_fn()
-                    if not f.active(step) or not args or not isinstance(args[0], torch.Tensor):
+                    if not f.active(step) or (step, f.type) in self._spent or not args or \
+                            not isinstance(args[0], torch.Tensor):
                         return None
                     self._fire(step, "attention_collapse")
                     logits = args[0].clone()
@@ -169,7 +183,7 @@ class FaultInjector:
         return targets
 
     def grad(self, step: int, spec_list: Sequence[FaultSpec], grad: torch.Tensor) -> torch.Tensor:
-        if not any(f.active(step) for f in spec_list):
+        if not any(f.active(step) for f in spec_list) or (step, "inf_grad") in self._spent:
             return grad
         self._fire(step, "inf_grad")
         out = grad.clone()

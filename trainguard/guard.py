@@ -73,7 +73,7 @@ class StepGuard:
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
-        self.policy = Policy(cfg.detectors.nonfinite)
+        self.policy = Policy(cfg.detectors.nonfinite, cfg.recovery)
         self.faults = FaultInjector(cfg.faults, rank)
         self.loss_spike = LossSpikeDetector(cfg.detectors.loss_spike)
         self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
@@ -91,6 +91,7 @@ class StepGuard:
         self.last_metrics: dict = {}            # the last metric line (for checkpoint health)
         self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
         self.last_anomaly_step = 0
+        self.culprit_samples: dict[int, list[int]] = {}
         self._pending: dict | None = None       # the previous step's metric line, awaiting its norm
         self._pending_norm: Any = None          # the framework's norm of that step (maybe a device tensor)
         self._reset_step()
@@ -298,8 +299,11 @@ class StepGuard:
         if nonfinite is not None:
             verdicts.append(nonfinite)
         verdicts += spikes
-        decision = self.policy.decide(verdicts)
+        rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
+        decision = self.policy.decide(verdicts, step, rise_onset)
         self.last_decision = decision
+        self.culprit_samples = self._culprit_samples(decision, everyone)
+        self._watch_suspects(step, decision, everyone)
         if verdicts:
             self.last_anomaly_step = step
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
@@ -314,7 +318,7 @@ class StepGuard:
 
     def on_step(self, step: int, decision: Decision, applied: bool) -> None:
         """STEP: the adapter applied or skipped the optimizer step; check it did what was decided."""
-        if decision.action is Action.SKIP_STEP:
+        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
             if applied:
                 raise RuntimeError(f"rank {self.rank}: step {step} was decided SKIP_STEP but the framework "
                                    "applied it; this optimizer is not supported by the skip path")
@@ -350,6 +354,7 @@ class StepGuard:
             rank_line = {"rank": self.rank, "local_loss": me.loss, "local_grad_norm": me.grad_norm,
                          "sample_ids": self._sample_ids,
                          "position": self._position.as_dict() if self._position else None}
+        self.faults.step_done(step)
         self.last_metrics = line
         self._pending = {"step": step, "line": line, "rank_line": rank_line, "due": due, "limit": limit,
                          "applied": metrics.get("applied", True)}
@@ -429,15 +434,46 @@ class StepGuard:
             per_rank[str(r)] = d
         if per_rank:
             detail["per_rank"] = per_rank
+        from trainguard.policy import anomaly_class
+
         is_nonfinite = v.anomaly == "nonfinite"
-        action = decision.action.value if is_nonfinite else ALERT
+        acting = anomaly_class(v) is not None and anomaly_class(v) in (decision.anomaly, "nonfinite")
+        action = decision.action.value if acting and decision.action is not Action.CONTINUE else ALERT
         if is_nonfinite:
             detail["reason"] = decision.reason
             if everyone and not any(e["sample_ids"] for e in everyone):
                 detail["sample_ids_note"] = ("unknown: pass training_data to ds_plugins.initialize so the "
                                              "loader can report sample ids")
-        extra = {"skipped_steps": self.skipped_steps + (decision.action is Action.SKIP_STEP)} if is_nonfinite else {}
+        extra = {"skipped_steps": self.skipped_steps + (decision.action in (Action.SKIP_STEP, Action.ROLLBACK))} \
+            if is_nonfinite else {}
         self._emit(step, v.anomaly, v.ranks, action, detail, rank_local=self.rank in v.ranks, **extra)
+
+    def _culprit_samples(self, decision: Decision, everyone: list[dict] | None) -> dict[int, list[int]]:
+        """Dirty-data isolation: the samples of the culprit ranks only (another rank's batch was
+        fine, even though the all-reduce would have carried the damage to it)."""
+        from trainguard.policy import anomaly_class
+
+        if decision.action not in (Action.SKIP_STEP, Action.ROLLBACK) or not everyone:
+            return {}
+        ranks = {r for v in decision.verdicts if anomaly_class(v) in ("nonfinite", "instant_burst") for r in v.ranks}
+        return {r: list(everyone[r]["sample_ids"]) for r in sorted(ranks) if r < len(everyone)}
+
+    def _watch_suspects(self, step: int, decision: Decision, everyone: list[dict] | None) -> None:
+        """A rank that is the culprit again and again, on different data, is suspect hardware."""
+        if not hasattr(self, "_suspects"):
+            self._suspects: dict[int, list] = {}
+            self._suspected: set[int] = set()
+        for r, ids in self.culprit_samples.items():
+            seen = self._suspects.setdefault(r, [])
+            if not any(set(ids) == set(prev) for _, prev in seen):
+                seen.append((step, ids))
+            if len(seen) >= self.cfg.recovery.suspect_after and r not in self._suspected:
+                self._suspected.add(r)
+                coords = self.coords[r].as_dict() if r < len(self.coords) else {"rank": r}
+                self._emit(step, Record.SUSPECT_RANK.value, [r], ALERT, {
+                    "coords": coords, "host": coords.get("host"), "occurrences": [s for s, _ in seen],
+                    "advice": "the same rank produced anomalies on different data: suspect its GPU or host; "
+                              "the elastic restart can exclude it"})
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
@@ -449,7 +485,10 @@ class StepGuard:
                   "coords": {str(r): self.coords[r].as_dict() for r in culprits if r < len(self.coords)},
                   "samples": {str(r): {k: everyone[r].get(k) for k in ("sample_ids", "position")}
                               for r in culprits},
-                  "tried": {"skipped_steps": self.skipped_steps, **self.policy.state_dict()}}
+                  "tried": {"skipped_steps": self.skipped_steps, "rollbacks": self.policy.tried,
+                            "lr_factor": self.policy.lr_factor,
+                            "consecutive_nonfinite": self.policy.consecutive_nonfinite,
+                            "total_nonfinite": self.policy.total_nonfinite}}
         self._emit(step, Record.ABORT.value, culprits, Action.ABORT.value, report)
         return TrainguardAbort(f"trainguard aborted the run at step {step}: {decision.reason}", report)
 

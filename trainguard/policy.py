@@ -1,17 +1,28 @@
-"""Verdicts -> one action. Pure: the same inputs give the same action on every rank.
+"""Verdicts -> one action, with escalation ladders and budgets. Pure: the same inputs give the
+same action on every rank (every rank feeds it the same gathered verdicts).
 
-This issue's ladder is short: a non-finite verdict skips the step (or aborts, when configured),
-and ``max_consecutive`` non-finite steps in a row abort with a report, so a run that cannot
-recover does not skip forever.
+Anomaly classes and their default ladders (the k-th occurrence within ``ladder_window`` steps takes
+the k-th entry; the last one repeats):
+
+- ``nonfinite``: skip the step, skip it again, then roll back (3 within 100 steps);
+- ``instant_burst``: roll back and skip the window (a bad batch);
+- ``slow_rise``: roll back and lower the LR (too high an LR or too short a warmup).
+
+Budgets: at most ``max_rollbacks`` rollbacks per ``rollback_window`` steps, and the accumulated LR
+factor never below ``lr_floor``; exhausting either -- like ``nonfinite.action: "abort"`` or
+``max_consecutive`` non-finite steps -- is ABORT, with a report of what was tried.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from trainguard.config import NonfiniteConfig
+from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.detectors.base import Verdict
 from trainguard.events import Action
+
+SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "abort": 4}
 
 
 @dataclass(frozen=True)
@@ -19,35 +30,101 @@ class Decision:
     action: Action
     reason: str
     verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
+    lower_lr: bool = False          # ROLLBACK: also scale the LR by lr_factor
+    onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
+    anomaly: str | None = None      # the class that drove the decision
+
+
+def anomaly_class(v: Verdict) -> str | None:
+    if v.anomaly == "nonfinite":
+        return "nonfinite"
+    if v.anomaly in ("instant_burst", "slow_rise"):
+        return v.anomaly
+    return None
 
 
 class Policy:
-    def __init__(self, nonfinite: NonfiniteConfig):
+    def __init__(self, nonfinite: NonfiniteConfig, recovery: RecoveryConfig | None = None):
         self.nonfinite = nonfinite
+        self.recovery = recovery or RecoveryConfig(enabled=False)
         self.consecutive_nonfinite = 0
         self.total_nonfinite = 0
+        self.history: dict[str, deque] = {k: deque() for k in ("nonfinite", "instant_burst", "slow_rise")}
+        self.rollback_steps: deque = deque()
+        self.lr_factor = 1.0
+        self.tried: list[dict] = []
 
-    def decide(self, verdicts: Sequence[Verdict]) -> Decision:
+    def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None) -> Decision:
         verdicts = tuple(verdicts)
-        nonfinite = [v for v in verdicts if v.anomaly == "nonfinite"]
-        if not nonfinite:
+        classes = {c for c in map(anomaly_class, verdicts) if c}
+        if "nonfinite" in classes:
+            self.consecutive_nonfinite += 1
+            self.total_nonfinite += 1
+        else:
             self.consecutive_nonfinite = 0
-            return Decision(Action.CONTINUE, "healthy", verdicts)
-        self.consecutive_nonfinite += 1
-        self.total_nonfinite += 1
-        ranks = sorted({r for v in nonfinite for r in v.ranks})
-        if self.nonfinite.action == "abort":
-            return Decision(Action.ABORT, f"non-finite values on rank(s) {ranks}; action is 'abort'", verdicts)
-        if self.consecutive_nonfinite >= self.nonfinite.max_consecutive:
-            return Decision(
-                Action.ABORT,
-                f"{self.consecutive_nonfinite} non-finite steps in a row (max_consecutive="
-                f"{self.nonfinite.max_consecutive}); last on rank(s) {ranks}", verdicts)
-        return Decision(Action.SKIP_STEP, f"non-finite values on rank(s) {ranks}", verdicts)
+        if not classes:
+            return Decision(Action.CONTINUE, "healthy" if not verdicts else "alerts only", verdicts)
+        ranks = sorted({r for v in verdicts if anomaly_class(v) for r in v.ranks})
+        if "nonfinite" in classes:
+            if self.nonfinite.action == "abort":
+                return self._abort(f"non-finite values on rank(s) {ranks}; action is 'abort'", verdicts, step)
+            if self.consecutive_nonfinite >= self.nonfinite.max_consecutive:
+                return self._abort(f"{self.consecutive_nonfinite} non-finite steps in a row (max_consecutive="
+                                   f"{self.nonfinite.max_consecutive}); last on rank(s) {ranks}", verdicts, step)
+
+        # the most severe rung of any present class's ladder
+        chosen, driver, onset = "alert", None, step
+        for c in sorted(classes):
+            h = self.history[c]
+            h.append(step)
+            while h and h[0] <= step - self.recovery.ladder_window:
+                h.popleft()
+            if not self.recovery.enabled:
+                rung = "skip_step" if c == "nonfinite" else "alert"
+            else:
+                ladder = self.recovery.ladders.get(c) or ["alert"]
+                rung = ladder[min(len(h), len(ladder)) - 1]
+            if SEVERITY[rung] > SEVERITY[chosen]:
+                chosen, driver = rung, c
+                onset = h[0] if c == "nonfinite" else (rise_onset if c == "slow_rise" and rise_onset else step)
+        reason = f"{driver or sorted(classes)[0]} on rank(s) {ranks}"
+        if chosen == "abort":
+            return self._abort(f"{reason}: the ladder says abort", verdicts, step)
+        if chosen in ("rollback", "rollback_lower_lr"):
+            while self.rollback_steps and self.rollback_steps[0] <= step - self.recovery.rollback_window:
+                self.rollback_steps.popleft()
+            if len(self.rollback_steps) >= self.recovery.max_rollbacks:
+                return self._abort(f"{reason}: rollback budget exhausted ({len(self.rollback_steps)} rollbacks "
+                                   f"within {self.recovery.rollback_window} steps)", verdicts, step)
+            lower = chosen == "rollback_lower_lr"
+            if lower and self.lr_factor * self.recovery.lr_factor < self.recovery.lr_floor:
+                return self._abort(f"{reason}: the LR factor would fall below lr_floor {self.recovery.lr_floor}",
+                                   verdicts, step)
+            return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver)
+        if chosen == "skip_step":
+            return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
+        return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
+
+    def rolled_back(self, step: int, lower_lr: bool, detail: dict) -> None:
+        """The adapter carried out a rollback: count it against the budget."""
+        self.rollback_steps.append(step)
+        if lower_lr:
+            self.lr_factor *= self.recovery.lr_factor
+        self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
+
+    def _abort(self, reason: str, verdicts, step: int) -> Decision:
+        return Decision(Action.ABORT, reason, tuple(verdicts))
 
     def state_dict(self) -> dict:
-        return {"consecutive_nonfinite": self.consecutive_nonfinite, "total_nonfinite": self.total_nonfinite}
+        return {"consecutive_nonfinite": self.consecutive_nonfinite, "total_nonfinite": self.total_nonfinite,
+                "history": {k: list(v) for k, v in self.history.items()},
+                "rollback_steps": list(self.rollback_steps), "lr_factor": self.lr_factor, "tried": self.tried[-20:]}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
         self.total_nonfinite = int(state["total_nonfinite"])
+        for k, v in state.get("history", {}).items():
+            self.history[k] = deque(v)
+        self.rollback_steps = deque(state.get("rollback_steps", []))
+        self.lr_factor = float(state.get("lr_factor", 1.0))
+        self.tried = list(state.get("tried", []))

@@ -28,6 +28,21 @@ class GradNormDetector:
         self.recent = RollingWindow(max(cfg.trend_steps, 3))
         self.in_rise = False
         self.last_z = 0.0
+        self.history: list[tuple[int, float]] = []   # (step, norm) of the last `window` steps
+
+    def onset(self, step: int) -> int:
+        """Where the current rise began: the first of the uninterrupted run of steps whose norm
+        lies above the window median, counting back from now. A creep starts before it is
+        detected, and the checkpoint to return to must predate its start, not its detection."""
+        if not len(self.window):
+            return step - self.cfg.trend_steps
+        med = self.window.median()
+        start = step
+        for s, v in reversed(self.history):
+            if v <= med:
+                break
+            start = s
+        return min(start, step - self.cfg.trend_steps)
 
     def trend(self) -> str | None:
         """'rising' when the steps *before* the current one show a sustained creep."""
@@ -54,6 +69,7 @@ class GradNormDetector:
                     "grad_norm": norm, "median": self.window.median(), "z": round(z, 2),
                     "trend": rising_before or "flat"}))
         self.recent.push(norm)
+        self.history = (self.history + [(step, norm)])[-self.cfg.window:]
         if not verdicts:  # surges stay out of the baseline
             self.window.push(norm)
         rising_now = self.trend()
@@ -67,6 +83,12 @@ class GradNormDetector:
         elif not rising_now:
             self.in_rise = False
         return verdicts
+
+    def reset_trend(self) -> None:
+        """After a rollback the trajectory is a new one: the creep measured on the old one is void."""
+        self.recent = RollingWindow(self.recent.size)
+        self.in_rise = False
+        self.history = []
 
     def state_dict(self) -> dict:
         return {"window": self.window.state_dict(), "recent": self.recent.state_dict(), "in_rise": self.in_rise}

@@ -1,0 +1,94 @@
+"""Recovery under torchrun with real DeepSpeed engines: ladders, in-process rollback to the last
+stable checkpoint, data skipped past the bad batches, quarantine of the culprit rank's samples,
+lowered LR, suspect_rank, and ABORT when the budget is spent."""
+import pytest
+
+from tests.dist.conftest import make_config
+
+pytestmark = pytest.mark.dist
+
+
+def block(tmp_path, **recovery):
+    return {"metrics": {"per_rank": True},
+            "checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 10, "stable_after": 5, "verify_steps": 2},
+            "recovery": {"skip_batches": 5, **recovery}}
+
+
+def events(run, name):
+    return [e for e in run.events if e["event"] == name]
+
+
+def test_nonfinite_ladder_rolls_back_and_never_replays_a_quarantined_sample(tmp_path, torchrun):
+    faults = [{"type": "nan_loss", "step": s, "rank": 1} for s in (22, 24, 26)]
+    cfg = make_config(tmp_path, block=block(tmp_path), faults=faults, bf16={"enabled": True})
+    run = torchrun(cfg, 40).ok()
+    # the ladder: skip, skip, then (3 within 100 steps) roll back
+    assert [(e["step"], e["action"]) for e in events(run, "nonfinite")] == [(22, "skip_step"), (24, "skip_step"),
+                                                                            (26, "rollback")]
+    (rb,) = events(run, "rollback")
+    d = rb["detail"]
+    # the newest *stable* checkpoint from before the onset (22): 20 was spoiled by the NaN at 22
+    assert d["to_tag"] == "step00000010" and d["onset_step"] == 22 and d["to_step"] == 10
+    assert d["abandoned"] == ["step00000020"]
+    # dirty-data isolation: only rank 1's samples of the bad steps are quarantined
+    bad_ids = [i for e in events(run, "nonfinite") for i in e["detail"]["per_rank"]["1"]["sample_ids"]]
+    assert list(d["quarantined"]) == ["1"] and sorted(d["quarantined"]["1"]) == sorted(bad_ids[-4:])
+    # the data position moved past what was seen (26 batches) plus skip_batches (5)
+    assert d["position_after"]["batch_in_epoch"] == 31
+    quarantined = set(d["quarantined"]["1"])
+    for rank in (0, 1):
+        after = [x for x in run.rank_lines(rank) if x["type"] == "metric" and x["position"]["batch_in_epoch"] > 26]
+        assert after and min(x["position"]["batch_in_epoch"] for x in after) == 32  # 27..31 never read
+        assert not quarantined & {i for x in after for i in x["sample_ids"]}
+    # the faults stood for bad batches: they do not come back when steps 23..26 are re-run
+    assert len(events(run, "fault_injected")) == 3
+    # one rank, three times, on different data: suspect it
+    (sus,) = events(run, "suspect_rank")
+    assert sus["ranks"] == [1] and sus["detail"]["coords"]["dp"] == 1 and sus["detail"]["occurrences"] == [22, 24, 26]
+    assert all(r["global_steps"] == 40 and r["weights_finite"] for r in run.results)
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
+
+
+def test_instant_burst_rolls_back_and_slow_rise_lowers_the_lr(tmp_path, torchrun):
+    faults = [{"type": "spike_batch", "step": 27, "rank": 0},
+              {"type": "lr_ramp", "step": 33, "steps": 60, "factor": 1.2}]
+    cfg = make_config(tmp_path, block=block(tmp_path, lr_factor=0.5, lr_cooldown_steps=200, max_rollbacks=10),
+                      faults=faults)
+    run = torchrun(cfg, 80).ok()
+    rbs = events(run, "rollback")
+    assert rbs[0]["detail"]["anomaly"] == "instant_burst" and rbs[0]["step"] == 27
+    assert rbs[0]["detail"]["lr_factor"] is None and rbs[0]["detail"]["quarantined"].keys() == {"0"}
+    lowered = [r for r in rbs if r["detail"]["anomaly"] == "slow_rise"]
+    assert lowered and lowered[0]["detail"]["lr_factor"] == 0.5
+    # the checkpoint predates where the creep began, not only where it was detected
+    assert lowered[0]["detail"]["to_step"] < lowered[0]["detail"]["onset_step"] <= lowered[0]["step"] - 12
+    # after that rollback (until the next one, if any), the updates used half the LR: the ramp
+    # fault stands for a bad schedule, which the recovery's LR reduction overrides
+    t0 = lowered[0]["time"]
+    t1 = min([e["time"] for e in run.events if e["event"] in ("rollback", "abort") and e["time"] > t0] + [1e12])
+    lrs = {m["lr"] for m in run.metrics if t0 < m["time"] < t1 and m["applied"]}
+    assert lrs and all(abs(lr - 0.0015) < 1e-9 for lr in lrs), lrs
+    assert all(r["weights_finite"] for r in run.results)
+
+
+def test_rollback_budget_exhausted_aborts_with_a_report(tmp_path, torchrun):
+    faults = [{"type": "spike_batch", "step": 27, "rank": 1}, {"type": "spike_batch", "step": 31, "rank": 1}]
+    cfg = make_config(tmp_path, block=block(tmp_path, max_rollbacks=1), faults=faults)
+    run = torchrun(cfg, 45).ok()
+    assert len(events(run, "rollback")) == 1
+    for r in run.results:
+        rep = r["aborted"]["report"]
+        assert "rollback budget exhausted" in rep["reason"]
+        assert rep["verdicts"] and 1 in rep["verdicts"][0]["ranks"]
+        assert rep["coords"]["1"]["dp"] == 1 and rep["samples"]["1"]["sample_ids"]
+        assert rep["tried"]["rollbacks"][0]["anomaly"] == "instant_burst"
+    assert [e["event"] for e in run.events if e["event"] == "abort"] == ["abort"]
+
+
+def test_no_checkpoint_means_skip_not_crash(tmp_path, torchrun):
+    cfg = make_config(tmp_path, block={"recovery": {"skip_batches": 3}},
+                      faults=[{"type": "spike_batch", "step": 25, "rank": 1}])
+    run = torchrun(cfg, 30).ok()
+    (u,) = events(run, "rollback_unavailable")
+    assert u["step"] == 25 and "checkpoint" in u["detail"]["reason"]
+    assert all(r["skipped_steps"] == 1 and r["global_steps"] == 30 for r in run.results)
