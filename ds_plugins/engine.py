@@ -329,10 +329,8 @@ class EngineGuard:
             "lr": self._step_lr if self._step_lr is not None else _lr(eng),
             "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
             "applied": applied, "action": decision.action.value})
-        if decision.action is Action.ROLLBACK:
-            self._rollback(step, decision)
-        else:
-            self._after_step(step, obs, decision)
+        if decision.action is not Action.ROLLBACK or not self._rollback(step, decision):
+            self._after_step(step, obs, decision)  # (a rollback that happened re-runs from its checkpoint)
         return result
 
     # ------------------------------------------------------------------ recovery
@@ -345,7 +343,7 @@ class EngineGuard:
         roots = list(self.checkpointer.roots.values()) if self.checkpointer else []
         return roots[-1] if roots else None
 
-    def _rollback(self, step: int, decision) -> None:
+    def _rollback(self, step: int, decision) -> bool:
         """In-process rollback, on every rank together: load the chosen checkpoint (RNG with it),
         keep the data position where it is and move it ``skip_batches`` further, quarantine the
         culprit rank's samples, lower the LR if asked. The user's loop just gets the next batch."""
@@ -367,7 +365,7 @@ class EngineGuard:
             guard._emit(step, "rollback_unavailable", [], "skip_step", {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
                 "lr_factor": self._lr_scale if decision.lower_lr else None, "quarantined": quarantined})
-            return
+            return False
         position = loader.state_dict() if loader is not None else None
         self.checkpointer.wait_pending()
         self.checkpointer.load(root, tag=tag, purpose="rollback")
@@ -391,6 +389,7 @@ class EngineGuard:
         if self.faults is not None:
             self.faults.rolled_back()
         guard._emit(step, "rollback", sorted(quarantined) or [], "rollback", detail)
+        return True
 
     def _after_step(self, step: int, obs, decision) -> None:
         """Checkpoint health (stable marks, post-save trajectory, resume check) and periodic saves."""

@@ -16,9 +16,9 @@ def test_demo_prints_the_table(tmp_path):
     assert [r[:6] for r in rows] == [
         ["20", "1", "nan_loss", "nonfinite", "(loss)", "skip_step"],
         ["60", "0", "inf_grad", "nonfinite", "(gradients)", "skip_step"],
-        ["100", "1", "nan_batch", "nonfinite", "(loss)", "skip_step"],
+        ["100", "1", "nan_batch", "nonfinite", "(loss)", "skip_step"],   # 3rd in 100 steps: no ckpt before 20
         ["120", "0", "bad_label", "samples_rejected", "drop_sample", "sample"],
-        ["150", "0", "spike_batch", "instant_burst", "alert", rows[4][5]],
+        ["150", "0", "spike_batch", "instant_burst", "rollback", rows[4][5]],  # back to the stable step 100
         ["180", "1", "inf_activation", "nonfinite", "(loss)", "skip_step"],
         ["200", "1", "attention_collapse", "entropy_collapse", "alert", "blocks.1.attn.softmax"],
     ]

@@ -17,7 +17,8 @@ def test_burst_activation_and_attention_faults_are_classified_and_located(tmp_pa
               {"type": "attention_collapse", "step": 60, "rank": 0, "module": "blocks.0.attn.softmax", "head": 2,
                "steps": 5}]
     block = {"detectors": {"attention_entropy": {"every": 5}, "activation_range": {"every": 5}},
-             "metrics": {"per_rank": True, "tensorboard": str(tmp_path / "tb")}}
+             "metrics": {"per_rank": True, "tensorboard": str(tmp_path / "tb")},
+             "recovery": {"enabled": False}}  # detection only here; tests/dist/test_recovery_dist.py acts
     cfg = make_config(tmp_path, faults=faults, block=block)
     run = torchrun(cfg, 66).ok()
 
@@ -54,7 +55,8 @@ def test_burst_activation_and_attention_faults_are_classified_and_located(tmp_pa
 
 
 def test_lr_ramp_is_flagged_slow_rise_before_the_loss_explodes(tmp_path, torchrun):
-    cfg = make_config(tmp_path, faults=[{"type": "lr_ramp", "step": 40, "steps": 60, "factor": 1.15}])
+    cfg = make_config(tmp_path, faults=[{"type": "lr_ramp", "step": 40, "steps": 60, "factor": 1.15}],
+                      block={"recovery": {"enabled": False}})
     run = torchrun(cfg, 90).ok()
     rises = events(run, "slow_rise", detector="grad_norm")
     assert rises, [e["event"] for e in run.events]
@@ -98,7 +100,8 @@ def test_clipping_modes_log_raw_and_clipped_norms(tmp_path, torchrun, mode):
                 "adaptive": {"mode": "adaptive", "warmup_steps": 10, "z": 1.0},
                 "value": {"mode": "value", "value": 1e-5}}[mode]
     faults = [{"type": "spike_batch", "step": 20, "rank": 1}] if mode == "adaptive" else []
-    cfg = make_config(tmp_path, block={"clipping": clipping}, bf16={"enabled": True}, faults=faults)
+    cfg = make_config(tmp_path, block={"clipping": clipping, "recovery": {"enabled": False}}, bf16={"enabled": True},
+                      faults=faults)
     run = torchrun(cfg, 30).ok()
     lines = [m for m in run.metrics if m["grad_norm"] is not None]
     assert len(lines) == 30

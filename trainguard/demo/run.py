@@ -89,7 +89,7 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
     return rc, results
 
 
-VERDICT_PRIORITY = ["nonfinite", "instant_burst", "slow_rise", "entropy_collapse", "samples_rejected",
+VERDICT_PRIORITY = ["nonfinite", "instant_burst", "slow_rise", "suspect_rank", "entropy_collapse", "samples_rejected",
                     "activation_range", "grad_surge", "entropy_saturation", "framework_skip"]
 
 
@@ -132,9 +132,12 @@ def fault_table(events: list[dict]) -> list[dict]:
                 where = "; ".join(f"sample {x['sample_id']}: {x['problems'][0]}" for x in d.get("rejected", [])[:1])
             cur.update({"verdict": label, "action": e["action"] or "-", "where": where, "_prio": prio,
                         "samples": d.get("sample_ids", [])})
+    unavailable = {e["step"] for e in events if e.get("event") == "rollback_unavailable"}
     out = [rows[k] for k in sorted(rows)]
     for r in out:
         r.pop("_prio", None)
+        if r.get("action") == "rollback" and r["step"] in unavailable:
+            r["action"] = "skip_step"  # the ladder said roll back, but no checkpoint predated the onset
         if "fault" not in r and (r["step"], r["rank"]) in late_faults:
             r["fault"] = f"({late_faults[(r['step'], r['rank'])]})"
     return out

@@ -37,6 +37,9 @@ def build_config(path: str, out: Path, zero_stage: int | None, dtype: str | None
             # small initial scale: the default 2**16 wastes the first steps halving it
             cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 50}
     block = cfg.setdefault("trainguard", {})
+    ck = block.get("checkpoint")
+    if isinstance(ck, dict) and ck.get("every_steps") and not ck.get("dir"):
+        ck["dir"] = str(out / "ckpt")  # the demo keeps its checkpoints beside its logs
     metrics = block.setdefault("metrics", {})
     metrics["jsonl"] = str(out / ("plain.jsonl" if plain else "trainguard.jsonl"))
     return cfg
