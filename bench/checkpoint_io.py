@@ -25,12 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("RANK", "0")
-os.environ.setdefault("LOCAL_RANK", "0")
-os.environ.setdefault("WORLD_SIZE", "1")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", str(30500 + os.getpid() % 1000))
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _single_rank import single_rank_env  # noqa: E402
+
+single_rank_env(30500)
 
 import torch  # noqa: E402
 
