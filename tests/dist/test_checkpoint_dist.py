@@ -170,7 +170,7 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_sav
                     if staging.is_dir() and any(staging.iterdir()):
                         break
                     time.sleep(0.002)
-                time.sleep(rnd.uniform(0.0, 0.12))
+                time.sleep(rnd.uniform(0.0, 0.04))
                 victims = worker_pids(proc.pid)
                 assert victims, f"trial {trial}: no worker to kill (log: {out / 'log'})"
                 staged_at_kill += staging.is_dir() and any(staging.iterdir())
