@@ -68,6 +68,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is not None or config_params is not None:
         kwargs["config"], kwargs["config_params"] = ds_dict, None
     kwargs["training_data"] = None
+    _collective_timeouts(deepspeed, block, kwargs)
     engine, opt, _, scheduler = deepspeed.initialize(**kwargs)
 
     from ds_plugins.engine import attach
@@ -87,6 +88,33 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         state.loader = loader
     _auto_resume(engine, state, block)
     return engine, opt, loader, scheduler
+
+
+def _collective_timeouts(deepspeed, block, kwargs) -> None:
+    """``distributed.collective_timeout_s``: every group honours it. Groups created without an
+    explicit timeout (DeepSpeed's ZeRO groups) take torch's module default at creation time, so
+    that default is set; the default group is created here with it, unless it already exists."""
+    seconds = block.distributed.collective_timeout_s
+    if not seconds:
+        return
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    td = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = td
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = td
+    if not dist.is_initialized():
+        extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
+        deepspeed.init_distributed(timeout=td, **extra)
+    else:
+        import warnings
+
+        warnings.warn("trainguard: the default process group existed before ds_plugins.initialize, so its timeout "
+                      "stays as it was; groups created from now on use distributed.collective_timeout_s",
+                      stacklevel=3)
 
 
 def _auto_resume(engine, state, block) -> None:

@@ -211,6 +211,16 @@ class RecoveryConfig(_Section):
                                "on different data.")
 
 
+class DistributedConfig(_Section):
+    """Process-group settings trainguard applies before the framework builds its groups."""
+
+    collective_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Timeout of every collective in every process group - the default group and "
+        "DeepSpeed's ZeRO/data-parallel groups alike (DeepSpeed's own `timeout` and DEEPSPEED_TIMEOUT reach only "
+        "the default group, so a hung rank otherwise stalls the others for 30 minutes on gloo). null: the "
+        "frameworks' defaults.")
+
+
 class ChecksConfig(_Section):
     """Start-of-run checks (one warning event each)."""
 
@@ -296,6 +306,7 @@ class TrainguardConfig(_Section):
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     allow_faults: bool = Field(
