@@ -7,9 +7,10 @@ the guard's state (``guard.json``); lineage and health go into ``manifest.json``
 
 Commit protocol (every rank takes part; rank 0 does the renames):
 
-1. rank 0 picks a staging name; DeepSpeed writes into ``<dir>/.staging/<name>/<tag>``;
-2. each rank writes its sidecar; barrier;
-3. the files are split among the ranks, each fsyncs and hashes its share; one gather;
+1. rank 0 picks a staging name; DeepSpeed writes into ``<dir>/.staging/<name>/<tag>``, each rank
+   hashing and fsyncing the files it writes while it writes them;
+2. each rank writes its sidecar the same way; barrier;
+3. one gather of every rank's file table (rank 0 hashes anything written outside them);
 4. rank 0 writes ``manifest.json`` (last), fsyncs the tree, renames the tag directory into
    ``<dir>/<tag>``, fsyncs ``<dir>``, then replaces ``latest`` atomically; barrier;
 5. retention (rank 0) renames doomed checkpoints into staging before deleting them, so a crash
@@ -33,12 +34,13 @@ import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint import rng
-from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir, make_durable, save_hashed
+from trainguard.checkpoint.fsio import atomic_write_json, atomic_write_text, fsync_dir, make_durable, save_hashed
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import (LATEST, SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError,
                                           CheckpointLayout, step_tag, validate_tag)
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
 from trainguard.checkpoint.retention import to_delete
+from trainguard.guard import config_hash
 from trainguard.isolation import gather_objects
 
 
@@ -99,21 +101,13 @@ class DeepSpeedCheckpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, client_state: dict | None = None) -> str:
-        if self.cfg.async_:
-            return self._save_async(Path(root), tag, client_state)
-        self.wait_pending()
-        eng = self.engine
-        t0 = time.perf_counter()
         root = Path(root)
-        layout = CheckpointLayout(root)
-        tag = validate_tag(tag if tag is not None else step_tag(eng.global_steps))
-        nonce = _broadcast(f"{tag}.{uuid.uuid4().hex[:10]}")
-        staging_root = layout.staging_root(nonce)
-        if _rank() == 0:
-            staging_root.mkdir(parents=True, exist_ok=True)
-        _barrier()
-        cs = dict(client_state or {})
-        cs["trainguard"] = {"tag": tag, "step": eng.global_steps, "version": __version__}
+        self.wait_pending()  # a new save waits for the previous one
+        t0 = time.perf_counter()
+        tag, nonce, staging_root, cs = self._begin_save(root, tag, client_state)
+        if self.cfg.async_:
+            return self._save_async(root, tag, nonce, staging_root, cs, t0)
+        eng = self.engine
         # each rank hashes (and fsyncs) the files it writes while it writes them
         hashing = _Hashing(eng.checkpoint_engine)
         if hashing.active:
@@ -135,13 +129,12 @@ class DeepSpeedCheckpointer:
         hashed = {}
         for part in gather_objects(own):
             hashed.update(part)
-        files = list_files(staged)
-        if _rank() == 0:  # anything written outside the checkpoint engine: hash it now
+        if _rank() == 0:
+            files = list_files(staged)  # anything written outside the checkpoint engine: hash it now
             hashed.update(hash_files(staged, [f for f in files if f not in hashed]))
             if set(hashed) != set(files):
                 raise CheckpointError(f"checkpoint {tag}: {sorted(set(hashed) ^ set(files))[:5]} differ between "
                                       f"what the ranks wrote and what is in {staged}")
-        if _rank() == 0:
             self._commit(root, tag, staging_root, nonce, eng.global_steps, hashed)
         _barrier()
         self.roots[tag] = root
@@ -166,18 +159,16 @@ class DeepSpeedCheckpointer:
             os.replace(final, aside)
         os.replace(staged, final)
         fsync_dir(root)
-        atomic_write_json_text(root / LATEST, tag)
+        atomic_write_text(root / LATEST, tag)
         shutil.rmtree(staging_root, ignore_errors=True)
         shutil.rmtree(aside, ignore_errors=True)
         self._retention(layout)
 
     # ------------------------------------------------------------------ async save
-    def _save_async(self, root: Path, tag: str | None, client_state: dict | None) -> str:
-        from trainguard.checkpoint.async_writer import BackgroundCommit, snapshot
-
-        self.wait_pending()  # a new save waits for the previous one
+    def _begin_save(self, root: Path, tag: str | None, client_state: dict | None):
+        """Every rank: the tag, one staging name agreed from rank 0, the staging directory, and the
+        client_state DeepSpeed stores (the user's, plus trainguard's own entry)."""
         eng = self.engine
-        t0 = time.perf_counter()
         tag = validate_tag(tag if tag is not None else step_tag(eng.global_steps))
         nonce = _broadcast(f"{tag}.{uuid.uuid4().hex[:10]}")
         staging_root = CheckpointLayout(root).staging_root(nonce)
@@ -186,6 +177,12 @@ class DeepSpeedCheckpointer:
         _barrier()
         cs = dict(client_state or {})
         cs["trainguard"] = {"tag": tag, "step": eng.global_steps, "version": __version__}
+        return tag, nonce, staging_root, cs
+
+    def _save_async(self, root: Path, tag: str, nonce: str, staging_root: Path, cs: dict, t0: float) -> str:
+        from trainguard.checkpoint.async_writer import BackgroundCommit, snapshot
+
+        eng = self.engine
         capture = _Capture(eng.checkpoint_engine, snapshot)
         original, eng.checkpoint_engine = eng.checkpoint_engine, capture
         try:
@@ -255,7 +252,7 @@ class DeepSpeedCheckpointer:
                     "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
                     "gradient_accumulation_steps": eng.gradient_accumulation_steps()},
             lineage={"dataset_id": self.cfg.dataset_id, "dataset_version": self.cfg.dataset_version,
-                     "config_hash": _config_hash(self.state.cfg),
+                     "config_hash": config_hash(self.state.cfg),
                      "versions": {"trainguard": __version__, "deepspeed": deepspeed.__version__,
                                   "torch": torch.__version__},
                      "code_revision": self._revision},
@@ -318,12 +315,8 @@ class DeepSpeedCheckpointer:
         choice = None
         if _rank() == 0:
             layout = CheckpointLayout(root)
-            valid = []
-            for tag in reversed(layout.tags()):
-                if Manifest.read(layout.tag_dir(tag)).step >= onset:
-                    continue
-                if verify(layout.tag_dir(tag)).ok:
-                    valid.append(tag)
+            valid = [tag for tag, step in reversed(layout.steps())
+                     if step < onset and verify(layout.tag_dir(tag)).ok]
             stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
             if mode == "stable" and stable:
                 choice = (stable[0], "newest stable checkpoint before the onset")
@@ -340,8 +333,8 @@ class DeepSpeedCheckpointer:
         moved = []
         if _rank() == 0:
             layout = CheckpointLayout(root)
-            for tag in layout.tags():
-                if Manifest.read(layout.tag_dir(tag)).step > step:
+            for tag, saved_at in layout.steps():
+                if saved_at > step:
                     dest = root / ".abandoned" / f"{tag}.{uuid.uuid4().hex[:6]}"
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(layout.tag_dir(tag), dest)
@@ -350,7 +343,7 @@ class DeepSpeedCheckpointer:
                 fsync_dir(root)
                 remaining = layout.tags()
                 if remaining:
-                    atomic_write_json_text(root / LATEST, remaining[-1])
+                    atomic_write_text(root / LATEST, remaining[-1])
         self.health.watching = [w for w in self.health.watching if w.step <= step]
         return _broadcast(moved)
 
@@ -445,27 +438,23 @@ class DeepSpeedCheckpointer:
     def _restore_sidecars(self, tag_dir: Path, resharded: bool = False, rng_only: bool = False) -> None:
         side = tag_dir / SIDECAR
         mine = side / f"rank{_rank()}.pt"
+        loader = self.state.loader
+        if not resharded and mine.exists():
+            st = torch.load(mine, weights_only=True)
+            if st.get("world") == _world():
+                rng.restore(st["rng"])
+                if not rng_only and st.get("data") is not None and loader is not None:
+                    loader.load_state_dict(st["data"])
         if rng_only:
-            if mine.exists() and not resharded:
-                st = torch.load(mine, weights_only=True)
-                if st.get("world") == _world():
-                    rng.restore(st["rng"])
             return
         if resharded:
             # the ranks are new: RNG streams start afresh (documented); the data position is the
             # old ranks' common prefix of the epoch, split the new way; quarantines are merged
-            parts = sorted(side.glob("rank*.pt"))
-            states = [torch.load(p, weights_only=True) for p in parts]
-            if states and states[0].get("data") is not None and self.state.loader is not None:
+            states = [torch.load(p, weights_only=True) for p in sorted(side.glob("rank*.pt"))]
+            if states and states[0].get("data") is not None and loader is not None:
                 data = dict(states[0]["data"])
                 data["quarantine"] = sorted({i for st in states for i in (st["data"] or {}).get("quarantine", [])})
-                self.state.loader.load_state_dict(data)
-        elif mine.exists():
-            st = torch.load(mine, weights_only=True)
-            if st.get("world") == _world():
-                rng.restore(st["rng"])
-                if st.get("data") is not None and self.state.loader is not None:
-                    self.state.loader.load_state_dict(st["data"])
+                loader.load_state_dict(data)
         guard_file = side / "guard.json"
         if guard_file.exists() and self.guard is not None:
             self.guard.load_state_dict(json.loads(guard_file.read_text()))
@@ -505,13 +494,3 @@ class _Capture:
         return getattr(self._real, name)
 
 
-def atomic_write_json_text(path: Path, text: str) -> None:
-    from trainguard.checkpoint.fsio import atomic_write_text
-
-    atomic_write_text(path, text)
-
-
-def _config_hash(cfg) -> str:
-    from trainguard.guard import config_hash
-
-    return config_hash(cfg)

@@ -54,9 +54,9 @@ class CheckpointLayout:
         except CheckpointError:
             return None
 
-    def tags(self) -> list[str]:
-        """Directories that look like committed checkpoints (a manifest exists), oldest first by
-        the step recorded in the manifest, then by name."""
+    def steps(self) -> list[tuple[str, int]]:
+        """``(tag, step)`` of the directories that look like committed checkpoints (a manifest
+        exists), oldest first by the step recorded in the manifest, then by name."""
         import json
 
         out = []
@@ -70,4 +70,7 @@ class CheckpointLayout:
             except (OSError, ValueError):
                 step = -1
             out.append((step, d.name))
-        return [name for _, name in sorted(out)]
+        return [(name, step) for step, name in sorted(out)]
+
+    def tags(self) -> list[str]:
+        return [tag for tag, _ in self.steps()]
