@@ -351,7 +351,7 @@ class EngineGuard:
         guard, eng, loader = self.guard, self.engine, self.loader
         quarantined = guard.culprit_samples
         if loader is not None and self.rank in quarantined:
-            loader.quarantine += [i for i in quarantined[self.rank] if i not in set(loader.quarantine)]
+            loader.set_aside(quarantined[self.rank])
         root = self._rollback_root()
         tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None or \
             self.checkpointer is None else self.checkpointer.rollback_target(root, decision.onset_step or step,

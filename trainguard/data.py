@@ -96,7 +96,8 @@ class TrackedLoader:
         self.rank = rank
         self.sanitize_cfg = sanitize_cfg if sanitize_cfg is not None and sanitize_active(sanitize_cfg) else None
         self.sample_hook = sample_hook
-        self.quarantine: list[int] = []
+        self.quarantine: list[int] = []   # in the order set aside (what state_dict persists)
+        self._quarantined: set[int] = set()
         self.epoch_offset = 0  # order positions consumed in this epoch under another world size
         if len(self) == 0:
             raise ValueError(f"the dataset ({len(dataset)} samples) does not fill one micro-batch of "
@@ -105,7 +106,17 @@ class TrackedLoader:
     def __len__(self) -> int:
         per_rank = len(self.sampler.indices(self.epoch, self.epoch_offset)) if self.epoch_offset \
             else self.sampler.per_rank()
-        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+        return self._batches(per_rank)
+
+    def _batches(self, samples: int) -> int:
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+
+    def set_aside(self, ids) -> None:
+        """Quarantine sample ids: never read again, and persisted with the position."""
+        for i in ids:
+            if i not in self._quarantined:
+                self._quarantined.add(i)
+                self.quarantine.append(i)
 
     @property
     def position(self) -> DataPosition:
@@ -114,16 +125,16 @@ class TrackedLoader:
     def __iter__(self) -> Iterator:
         epoch0 = self.epoch
         order = self.sampler.indices(self.epoch, self.epoch_offset)
+        n_batches = self._batches(len(order))  # epoch and offset stay fixed for this pass
         rejected: list = []
         # a rollback may move the position (even into a later epoch) while this loop runs
-        while self.epoch == epoch0 and self.batch_in_epoch < len(self):
+        while self.epoch == epoch0 and self.batch_in_epoch < n_batches:
             start = self.batch_in_epoch * self.batch_size
             ids = order[start:start + self.batch_size]
             self.batch_in_epoch += 1
             self.consumed_samples += len(ids) * self.world
-            if self.quarantine:  # quarantined samples are never read again
-                bad = set(self.quarantine)
-                ids = [i for i in ids if i not in bad]
+            if self._quarantined:  # quarantined samples are never read again
+                ids = [i for i in ids if i not in self._quarantined]
                 if not ids:
                     continue
             samples = [self.dataset[i] for i in ids]
@@ -132,7 +143,7 @@ class TrackedLoader:
             if self.sanitize_cfg is not None:
                 ids, samples, bad = sanitize(ids, samples, self.sanitize_cfg, self.rank)
                 rejected += bad
-                self.quarantine += [i for i, _ in bad]
+                self.set_aside(i for i, _ in bad)
                 if not samples:  # quarantined, or every sample dropped: read the next batch
                     continue
             batch = self.collate_fn(samples)
@@ -167,7 +178,8 @@ class TrackedLoader:
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.consumed_samples = int(state["consumed_samples"])
-        self.quarantine = [int(i) for i in state.get("quarantine", [])]
+        self.quarantine, self._quarantined = [], set()
+        self.set_aside(int(i) for i in state.get("quarantine", []))
         self.epoch_offset = int(state.get("epoch_offset", 0))
         old_world = int(state.get("world", self.world))
         old_batch = int(state.get("batch_size", self.batch_size))
