@@ -11,6 +11,7 @@ every stage, and names the rank that produced them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -137,7 +138,7 @@ class EngineGuard:
         self._last_inputs = None      # (args, kwargs, poison_output) of the last micro-batch, for a replay
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
         self.checkpointer = None
-        self._lr_scale, self._lr_until = 1.0, 0   # recovery's lowered LR and until which step
+        self._lr_until = 0            # recovery's lowered LR (the policy's lr_factor) applies until this step
         self._step_lr = None
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
@@ -252,7 +253,9 @@ class EngineGuard:
     def forward(self, base_forward, inputs, kwargs):
         step = self.step_number()
         poison_output = False
-        if self.faults is not None:
+        if self.guard is not None:
+            (inputs, kwargs), poison_output = self.guard.on_forward(step, (inputs, kwargs))
+        elif self.faults is not None:
             (inputs, kwargs), poison_output = self.faults.batch(step, (inputs, kwargs))
         if self.guard is not None and self.cfg.detectors.localize.enabled:
             self._last_inputs = (inputs, kwargs, poison_output)
@@ -356,15 +359,13 @@ class EngineGuard:
         tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None or \
             self.checkpointer is None else self.checkpointer.rollback_target(root, decision.onset_step or step,
                                                                              rc.rollback_to)
-        if decision.lower_lr:
-            self._lr_scale = guard.policy.lr_factor * rc.lr_factor
         if tag is None:
             if decision.lower_lr:
-                guard.policy.lr_factor *= rc.lr_factor
+                guard.policy.lower_lr()
                 self._lr_until = eng.global_steps + rc.lr_cooldown_steps
             guard._emit(step, "rollback_unavailable", [], "skip_step", {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
-                "lr_factor": self._lr_scale if decision.lower_lr else None, "quarantined": quarantined})
+                "lr_factor": guard.policy.lr_factor if decision.lower_lr else None, "quarantined": quarantined})
             return False
         position = loader.state_dict() if loader is not None else None
         self.checkpointer.wait_pending()
@@ -374,6 +375,7 @@ class EngineGuard:
             loader.load_state_dict(position)       # where we were, quarantine included ...
             loader.skip(rc.skip_batches)           # ... and then some
         abandoned = self.checkpointer.abandon_after(root, to_step)
+        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "anomaly": decision.anomaly})
         if decision.lower_lr:
             self._lr_until = to_step + rc.lr_cooldown_steps
         if rc.reset_optimizer_moments:
@@ -382,9 +384,8 @@ class EngineGuard:
                   "onset_step": decision.onset_step, "skip_batches": rc.skip_batches,
                   "position_after": loader.position.as_dict() if loader is not None else None,
                   "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
-                  "lr_factor": self._lr_scale if decision.lower_lr else None,
+                  "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
                   "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason}
-        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "anomaly": decision.anomaly})
         guard.grad_norm.reset_trend()
         if self.faults is not None:
             self.faults.rolled_back()
@@ -396,7 +397,7 @@ class EngineGuard:
         if self.checkpointer is None:
             return
         losses = [o.loss for o in obs]
-        loss = sum(losses) / len(losses) if losses and all(x == x for x in losses) else None
+        loss = sum(losses) / len(losses) if losses and all(math.isfinite(x) for x in losses) else None
         self.checkpointer.on_step_end(step, loss, anomaly=bool(decision.verdicts))
         c = self.cfg.checkpoint
         if c.dir and c.every_steps and step % c.every_steps == 0:
@@ -407,8 +408,8 @@ class EngineGuard:
         """The LR for this step's update x (lr_ramp fault) x (recovery's lowered LR, during its
         cooldown); afterwards the scheduled LR is put back."""
         mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
-        if self._lr_scale != 1.0 and self.engine.global_steps < self._lr_until:
-            mult *= self._lr_scale
+        if self.engine.global_steps < self._lr_until:  # only a lowering by the policy sets _lr_until
+            mult *= self.guard.policy.lr_factor
         self._step_lr = None
         if mult == 1.0:
             yield

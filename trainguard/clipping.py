@@ -30,10 +30,6 @@ class Clipper:
             return max(self.ema.mean + self.cfg.z * self.ema.std, 1e-6)
         return None
 
-    def effective_max_norm(self) -> float:
-        m = self.max_norm()
-        return m if m is not None else self.framework_max_norm
-
     def clipped(self, raw: float | None, limit: float) -> float | None:
         if raw is None or not math.isfinite(raw):
             return None

@@ -90,8 +90,11 @@ class StepGuard:
         self.last_step = 0
         self.last_metrics: dict = {}            # the last metric line (for checkpoint health)
         self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
-        self.last_anomaly_step = 0
         self.culprit_samples: dict[int, list[int]] = {}
+        self._suspects: dict[int, list] = {}    # rank -> [(step, sample ids)] it was the culprit
+        self._suspected: set[int] = set()
+        self._everyone: list[dict] | None = None  # the last anomaly step's object gather
+        self._probe_values: dict = {}
         self._pending: dict | None = None       # the previous step's metric line, awaiting its norm
         self._pending_norm: Any = None          # the framework's norm of that step (maybe a device tensor)
         self._reset_step()
@@ -152,6 +155,9 @@ class StepGuard:
     def clip_limit(self) -> float | None:
         """The max-norm to hand the framework for the coming step (None: leave it)."""
         return self.clipper.max_norm()
+
+    def _coords_of(self, rank: int) -> dict:
+        return self.coords[rank].as_dict() if rank < len(self.coords) else {"rank": rank}
 
     def _emit(self, step: int, event: str, ranks, action, detail, rank_local: bool = False, **extra) -> None:
         sinks = [self.log] + ([self.rank_log] if rank_local else [])
@@ -305,7 +311,6 @@ class StepGuard:
         self.culprit_samples = self._culprit_samples(decision, everyone)
         self._watch_suspects(step, decision, everyone)
         if verdicts:
-            self.last_anomaly_step = step
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self._everyone = everyone
         self._probe_values = {"activation": activation, "entropy": entropy}
@@ -341,7 +346,7 @@ class StepGuard:
         line = {"loss": loss, "loss_median": self.loss_spike.window.median() if len(self.loss_spike.window) else None,
                 **metrics, "guard_skipped_steps": self.skipped_steps,
                 "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs]}
-        probes = getattr(self, "_probe_values", {}) or {}
+        probes = self._probe_values
         if probes.get("entropy"):
             line["attention_entropy_ratio"] = {k: v["ratio"] for k, v in probes["entropy"].items()}
             line["attention_entropy"] = {k: v["entropy"] for k, v in probes["entropy"].items()}
@@ -408,7 +413,7 @@ class StepGuard:
 
     def _log_rejections(self, step: int, everyone: list[dict]) -> None:
         per_rank = {str(r): {"rejected": [{"sample_id": i, "problems": p} for i, p in e["rejected"]],
-                             "coords": self.coords[r].as_dict() if r < len(self.coords) else {"rank": r}}
+                             "coords": self._coords_of(r)}
                     for r, e in enumerate(everyone) if e["rejected"]}
         if per_rank:
             ranks = sorted(int(r) for r in per_rank)
@@ -422,7 +427,7 @@ class StepGuard:
         for r in v.ranks:
             raw = v.detail.get("per_rank", {}).get(r, {}) if isinstance(v.detail.get("per_rank"), dict) else {}
             d = {"values": raw} if isinstance(raw, list) else dict(raw)
-            d["coords"] = self.coords[r].as_dict() if r < len(self.coords) else {"rank": r}
+            d["coords"] = self._coords_of(r)
             if everyone:
                 e = everyone[r]
                 d.update({"sample_ids": e["sample_ids"], "position": e["position"]})
@@ -460,16 +465,13 @@ class StepGuard:
 
     def _watch_suspects(self, step: int, decision: Decision, everyone: list[dict] | None) -> None:
         """A rank that is the culprit again and again, on different data, is suspect hardware."""
-        if not hasattr(self, "_suspects"):
-            self._suspects: dict[int, list] = {}
-            self._suspected: set[int] = set()
         for r, ids in self.culprit_samples.items():
             seen = self._suspects.setdefault(r, [])
             if not any(set(ids) == set(prev) for _, prev in seen):
                 seen.append((step, ids))
             if len(seen) >= self.cfg.recovery.suspect_after and r not in self._suspected:
                 self._suspected.add(r)
-                coords = self.coords[r].as_dict() if r < len(self.coords) else {"rank": r}
+                coords = self._coords_of(r)
                 self._emit(step, Record.SUSPECT_RANK.value, [r], ALERT, {
                     "coords": coords, "host": coords.get("host"), "occurrences": [s for s, _ in seen],
                     "advice": "the same rank produced anomalies on different data: suspect its GPU or host; "
@@ -477,12 +479,12 @@ class StepGuard:
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
-        everyone = getattr(self, "_everyone", None) or [{}] * self.world
+        everyone = self._everyone or [{}] * self.world
         culprits = sorted({r for v in decision.verdicts for r in v.ranks})
         report = {"step": step, "reason": decision.reason,
                   "verdicts": [{"detector": v.detector, "anomaly": v.anomaly, "ranks": list(v.ranks),
                                 "detail": v.detail} for v in decision.verdicts],
-                  "coords": {str(r): self.coords[r].as_dict() for r in culprits if r < len(self.coords)},
+                  "coords": {str(r): self._coords_of(r) for r in culprits if r < len(self.coords)},
                   "samples": {str(r): {k: everyone[r].get(k) for k in ("sample_ids", "position")}
                               for r in culprits},
                   "tried": {"skipped_steps": self.skipped_steps, "rollbacks": self.policy.tried,

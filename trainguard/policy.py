@@ -105,11 +105,16 @@ class Policy:
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
 
+    def lower_lr(self) -> float:
+        """Scale the accumulated LR factor by lr_factor (the floor was checked when deciding)."""
+        self.lr_factor *= self.recovery.lr_factor
+        return self.lr_factor
+
     def rolled_back(self, step: int, lower_lr: bool, detail: dict) -> None:
         """The adapter carried out a rollback: count it against the budget."""
         self.rollback_steps.append(step)
         if lower_lr:
-            self.lr_factor *= self.recovery.lr_factor
+            self.lower_lr()
         self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
 
     def _abort(self, reason: str, verdicts, step: int) -> Decision:

@@ -81,5 +81,6 @@ def sanitize(ids: list[int], samples: list, cfg: SanitizeConfig, rank: int = 0):
 
 
 def active(cfg: SanitizeConfig) -> bool:
-    return cfg.enabled and any(x is not None for x in (cfg.max_seq_len, cfg.vocab_size, cfg.pad_id)) \
-        or (cfg.enabled and cfg.reject_all_zero)
+    """Whether any check is configured (else the loader skips the sanitiser altogether)."""
+    return cfg.enabled and (cfg.reject_all_zero or
+                            any(x is not None for x in (cfg.max_seq_len, cfg.vocab_size, cfg.pad_id)))
