@@ -69,11 +69,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         kwargs["config"], kwargs["config_params"] = ds_dict, None
     kwargs["training_data"] = None
     _collective_timeouts(deepspeed, block, kwargs)
+    recipe = None
+    if isinstance(ds_dict, dict):  # what a bf16 fallback needs to build the engine again
+        from ds_plugins.precision import recipe_for
+
+        recipe = recipe_for(ds_dict, optimizer, lr_scheduler, mpu)
     engine, opt, _, scheduler = deepspeed.initialize(**kwargs)
 
     from ds_plugins.engine import attach
 
     state = attach(engine, block, client_scheduler=lr_scheduler)
+    state.recipe = recipe
     loader = None
     if training_data is not None:
         import torch.distributed as dist

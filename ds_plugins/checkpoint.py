@@ -309,14 +309,15 @@ class DeepSpeedCheckpointer:
             return tag, skipped
         return None, skipped
 
-    def rollback_target(self, root: Path, onset: int, mode: str) -> tuple[str | None, str]:
+    def rollback_target(self, root: Path, onset: int, mode: str, not_before: int = 0) -> tuple[str | None, str]:
         """Rank 0 chooses, every rank learns: the newest checkpoint from before ``onset`` that
-        verifies, stable if ``mode`` is "stable" (else, or failing that, the newest valid one)."""
+        verifies, stable if ``mode`` is "stable" (else, or failing that, the newest valid one).
+        ``not_before``: older checkpoints do not fit this engine any more (a precision change)."""
         choice = None
         if _rank() == 0:
             layout = CheckpointLayout(root)
             valid = [tag for tag, step in reversed(layout.steps())
-                     if step < onset and verify(layout.tag_dir(tag)).ok]
+                     if not_before <= step < onset and verify(layout.tag_dir(tag)).ok]
             stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
             if mode == "stable" and stable:
                 choice = (stable[0], "newest stable checkpoint before the onset")
@@ -389,6 +390,7 @@ class DeepSpeedCheckpointer:
             eng._config.load_universal_checkpoint = previous
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {load_root}")
+        self.state.after_load()  # e.g. the fp16 scaler object came back from the checkpoint
         self._restore_sidecars(root / tag, resharded=universal, rng_only=purpose == "rollback")
         self.roots[tag] = root
         if purpose == "rollback":

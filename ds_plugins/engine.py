@@ -17,6 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ds_plugins.loss_scale import ScalerView
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
@@ -140,6 +141,9 @@ class EngineGuard:
         self.checkpointer = None
         self._lr_until = 0            # recovery's lowered LR (the policy's lr_factor) applies until this step
         self._step_lr = None
+        self.scaler = ScalerView(engine)
+        self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
+        self._rollback_floor = 0      # checkpoints older than this step do not fit the engine (precision change)
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
@@ -150,9 +154,11 @@ class EngineGuard:
             self.faults = self.guard.faults if cfg.faults else None  # one injector, owned by the guard
             if cfg.clipping.mode == "norm":
                 self._set_clip(cfg.clipping.max_norm)
+            self.after_load()
         elif cfg.faults:
             self.faults = FaultInjector(cfg.faults, self.rank)
         if self.faults is not None:
+            self.faults.precision = self._dtype()
             self._hooks += self.faults.install_module_faults(engine.module, self.step_number)
         self._install_grad_hooks()
         if self.guard is not None:
@@ -161,6 +167,11 @@ class EngineGuard:
             base = _plain_class(type(engine))
             self.checkpointer = DeepSpeedCheckpointer(self, base.save_checkpoint, base.load_checkpoint)
             self.guard.on_begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
+
+    def after_load(self) -> None:
+        """After initialize and after every checkpoint load: the guard owns the fp16 scaler's floor."""
+        if self.guard is not None and self.cfg.detectors.loss_scale.enabled:
+            self.scaler.arm()
 
     def step_number(self) -> int:
         """The optimizer step being computed (1-based, as logged)."""
@@ -303,7 +314,8 @@ class EngineGuard:
         with self._lr_fault(step):
             if guard is None:  # faults only (the demo's plain-DeepSpeed comparison)
                 return ds_step()
-            obs = guard.on_agree(step, loss_scale=_loss_scale(eng), grad_divisor=eng.gradient_accumulation_steps())
+            obs = guard.on_agree(step, loss_scale=_loss_scale(eng), grad_divisor=eng.gradient_accumulation_steps(),
+                                 dynamic_scale=self.scaler.active())
             decision = guard.on_decide(step, obs)
             if decision.action is Action.ABORT:
                 raise guard.abort(step, decision)
@@ -311,6 +323,7 @@ class EngineGuard:
             if limit is not None and self.cfg.clipping.mode == "adaptive":
                 self._set_clip(limit)
             own_norm = None
+            scaler_before = self.scaler.state()
             if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
                 with forced_skip(eng.optimizer):
                     result = ds_step()
@@ -322,7 +335,7 @@ class EngineGuard:
                     own_norm = torch.nn.utils.get_total_norm(grads) if grads else None
                 result = ds_step()
         applied = eng.was_step_applied()
-        guard.on_step(step, decision, applied)
+        scale_decision = guard.on_step(step, decision, applied, scaler_before)
         norm = eng.get_global_grad_norm() if applied else None
         if norm is None and applied:
             norm = own_norm
@@ -332,7 +345,10 @@ class EngineGuard:
             "lr": self._step_lr if self._step_lr is not None else _lr(eng),
             "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
             "applied": applied, "action": decision.action.value})
-        if decision.action is not Action.ROLLBACK or not self._rollback(step, decision):
+        acting = scale_decision or decision
+        if acting.action is Action.ABORT:
+            raise guard.abort(step, acting)
+        if acting.action is not Action.ROLLBACK or not self._rollback(step, acting):
             self._after_step(step, obs, decision)  # (a rollback that happened re-runs from its checkpoint)
         return result
 
@@ -349,23 +365,31 @@ class EngineGuard:
     def _rollback(self, step: int, decision) -> bool:
         """In-process rollback, on every rank together: load the chosen checkpoint (RNG with it),
         keep the data position where it is and move it ``skip_batches`` further, quarantine the
-        culprit rank's samples, lower the LR if asked. The user's loop just gets the next batch."""
+        culprit rank's samples, lower the LR if asked. The user's loop just gets the next batch.
+
+        A ``loss_scale`` decision (the fp16 scaler collapsed) skips no batches -- the data is not
+        to blame -- and then applies its remedy: reset the scale, raise its floor, or continue in
+        bf16. Returns whether a checkpoint was loaded."""
         rc = self.cfg.recovery
         guard, eng, loader = self.guard, self.engine, self.loader
+        scale_case = decision.anomaly == "loss_scale"
+        skip = 0 if scale_case else rc.skip_batches
         quarantined = guard.culprit_samples
         if loader is not None and self.rank in quarantined:
             loader.set_aside(quarantined[self.rank])
         root = self._rollback_root()
         tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None or \
-            self.checkpointer is None else self.checkpointer.rollback_target(root, decision.onset_step or step,
-                                                                             rc.rollback_to)
+            self.checkpointer is None else self.checkpointer.rollback_target(
+                root, decision.onset_step or step, rc.rollback_to, not_before=self._rollback_floor)
         if tag is None:
             if decision.lower_lr:
                 guard.policy.lower_lr()
                 self._lr_until = eng.global_steps + rc.lr_cooldown_steps
+            remedy = self._scale_remedy(step, decision) if scale_case else None
             guard._emit(step, "rollback_unavailable", [], "skip_step", {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
-                "lr_factor": guard.policy.lr_factor if decision.lower_lr else None, "quarantined": quarantined})
+                "lr_factor": guard.policy.lr_factor if decision.lower_lr else None, "quarantined": quarantined,
+                "remedy": remedy})
             return False
         position = loader.state_dict() if loader is not None else None
         self.checkpointer.wait_pending()
@@ -373,7 +397,7 @@ class EngineGuard:
         to_step = eng.global_steps
         if loader is not None:
             loader.load_state_dict(position)       # where we were, quarantine included ...
-            loader.skip(rc.skip_batches)           # ... and then some
+            loader.skip(skip)                      # ... and then some
         abandoned = self.checkpointer.abandon_after(root, to_step)
         guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "anomaly": decision.anomaly})
         if decision.lower_lr:
@@ -381,7 +405,7 @@ class EngineGuard:
         if rc.reset_optimizer_moments:
             _reset_moments(eng.optimizer)
         detail = {"to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
-                  "onset_step": decision.onset_step, "skip_batches": rc.skip_batches,
+                  "onset_step": decision.onset_step, "skip_batches": skip,
                   "position_after": loader.position.as_dict() if loader is not None else None,
                   "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
                   "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
@@ -390,7 +414,62 @@ class EngineGuard:
         if self.faults is not None:
             self.faults.rolled_back()
         guard._emit(step, "rollback", sorted(quarantined) or [], "rollback", detail)
+        if scale_case:
+            self._scale_remedy(step, decision)
         return True
+
+    def _scale_remedy(self, step: int, decision) -> dict:
+        """The loss_scale rung's remedy, after its rollback: reset the scale, also raise its floor,
+        or re-create the engine in bf16 (an event each)."""
+        guard = self.guard
+        guard.loss_scale.reset()
+        if decision.remedy == "bf16":
+            from ds_plugins.precision import FallbackUnavailable, fallback_to_bf16
+
+            self.checkpointer.wait_pending()
+            try:
+                detail = self._rebuilt(lambda: fallback_to_bf16(self.engine, self.recipe))
+            except FallbackUnavailable as e:
+                from trainguard.policy import Decision
+
+                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
+                                                 decision.verdicts)) from None
+            detail = {"from": "fp16", "to": "bf16", "at_step": self.engine.global_steps, **detail}
+            guard.policy.tried_also(step, "bf16_fallback", detail)
+            guard._emit(step, "precision_fallback", [], "bf16_fallback", detail)
+            c = self.cfg.checkpoint
+            if c.dir:  # a checkpoint of the new engine at once: older fp16 ones are not rollback targets now
+                self._rollback_floor = self.engine.global_steps
+                self.checkpointer.save(c.dir)
+            return detail
+        detail = {}
+        if decision.remedy == "raise_floor":
+            detail.update(self.scaler.raise_floor(self.cfg.recovery.floor_factor))
+        detail.update(self.scaler.reset())
+        guard.policy.tried_also(step, decision.remedy, detail)
+        guard._emit(step, "loss_scale_reset", [], decision.remedy, detail)
+        return detail
+
+    def _rebuilt(self, rebuild) -> dict:
+        """Run ``rebuild`` (which replaces the engine's state in place), then guard the new state:
+        the user's engine object keeps its identity, its class and this adapter."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        engine = self.engine
+        cls = type(engine)
+        detail = rebuild()
+        object.__setattr__(engine, "_trainguard", self)
+        engine.__class__ = cls
+        self.scaler = ScalerView(engine)
+        if self.faults is not None:
+            self.faults.precision = self._dtype()
+            self._hooks += self.faults.install_module_faults(engine.module, self.step_number)
+        self._install_grad_hooks()
+        if self.cfg.clipping.mode == "norm":
+            self._set_clip(self.cfg.clipping.max_norm)
+        self.after_load()
+        return detail
 
     def _after_step(self, step: int, obs, decision) -> None:
         """Checkpoint health (stable marks, post-save trajectory, resume check) and periodic saves."""
@@ -398,7 +477,8 @@ class EngineGuard:
             return
         losses = [o.loss for o in obs]
         loss = sum(losses) / len(losses) if losses and all(math.isfinite(x) for x in losses) else None
-        self.checkpointer.on_step_end(step, loss, anomaly=bool(decision.verdicts))
+        # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy
+        self.checkpointer.on_step_end(step, loss, anomaly=any(v.anomaly != "overflow" for v in decision.verdicts))
         c = self.cfg.checkpoint
         if c.dir and c.every_steps and step % c.every_steps == 0:
             self.checkpointer.save(c.dir)

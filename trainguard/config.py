@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainguard.errors import ConfigError
 
@@ -109,8 +109,20 @@ class LocalizeConfig(_Section):
                           "Sampled checking during the normal forward is activation_range's (every N steps).")
 
 
+class LossScaleConfig(_Section):
+    """fp16 dynamic loss scaling: the scaler's collapse, caught before DeepSpeed stops the run."""
+
+    enabled: bool = Field(True, description="Watch the fp16 loss scaler (scale, floor, overflow streak). With it "
+                          "on, DeepSpeed's own stop at the minimum scale is disarmed: the recovery ladder "
+                          "'loss_scale' acts instead. No effect in fp32/bf16.")
+    max_overflow_streak: int = Field(
+        40, ge=2, description="Also a collapse: this many overflowing steps in a row, once the scaler had "
+        "found a working scale (an fp16 run that only skips does not train).")
+
+
 class DetectorsConfig(_Section):
     nonfinite: NonfiniteConfig = Field(default_factory=NonfiniteConfig)
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
     grad_norm: GradNormConfig = Field(default_factory=GradNormConfig)
     attention_entropy: AttentionEntropyConfig = Field(default_factory=AttentionEntropyConfig)
@@ -175,12 +187,14 @@ class CheckpointConfig(_Section):
     dataset_version: Optional[str] = Field(None, description="Lineage: its version or content hash.")
 
 
-LadderStep = Literal["alert", "skip_step", "rollback", "rollback_lower_lr", "abort"]
+LadderStep = Literal["alert", "skip_step", "rollback", "rollback_lower_lr", "raise_floor", "bf16_fallback",
+                     "abort"]
+SCALE_ONLY_STEPS = ("raise_floor", "bf16_fallback")
 
 
 def _default_ladders() -> dict:
     return {"nonfinite": ["skip_step", "skip_step", "rollback"], "instant_burst": ["rollback"],
-            "slow_rise": ["rollback_lower_lr"]}
+            "slow_rise": ["rollback_lower_lr"], "loss_scale": ["rollback", "raise_floor", "bf16_fallback"]}
 
 
 class RecoveryConfig(_Section):
@@ -188,12 +202,14 @@ class RecoveryConfig(_Section):
 
     enabled: bool = Field(True, description="Act on spikes and repeated non-finite steps (false: alerts and "
                           "skipped steps only).")
-    ladders: dict[Literal["nonfinite", "instant_burst", "slow_rise"], list[LadderStep]] = Field(
+    ladders: dict[Literal["nonfinite", "instant_burst", "slow_rise", "loss_scale"], list[LadderStep]] = Field(
         default_factory=_default_ladders,
         description="Per anomaly class, the action for its 1st, 2nd, ... occurrence within ladder_window steps "
         "(the last entry repeats). rollback: to the newest stable checkpoint from before the anomaly's onset, "
         "skipping the batches seen since plus skip_batches; rollback_lower_lr: the same, and the LR x lr_factor "
-        "for lr_cooldown_steps.")
+        "for lr_cooldown_steps. loss_scale (the fp16 scaler collapsed) also takes raise_floor (roll back, reset "
+        "the scale, min scale x floor_factor) and bf16_fallback (roll back, then continue in bf16, see "
+        "fp16_fallback); its rollbacks reset the scale and skip no batches. A class left out keeps its default.")
     ladder_window: int = Field(100, ge=1, description="Occurrences older than this many steps no longer count.")
     rollback_to: Literal["stable", "latest_valid"] = Field(
         "stable", description="Which checkpoint from before the onset: the newest stable one, or the newest valid.")
@@ -207,8 +223,23 @@ class RecoveryConfig(_Section):
                                           "does) instead of keeping the checkpoint's.")
     max_rollbacks: int = Field(5, ge=0, description="Rollbacks allowed within rollback_window steps; one more aborts.")
     rollback_window: int = Field(1000, ge=1, description="Window of the rollback budget, in steps.")
+    fp16_fallback: Literal["bf16", "none"] = Field(
+        "bf16", description="bf16_fallback rung: re-create the engine in bf16 from the rolled-back state (ZeRO 0-2; "
+        "the optimizer state is carried over where the optimizer class stays the same). none: abort instead.")
+    floor_factor: float = Field(16.0, gt=1, description="raise_floor rung: DeepSpeed's min loss scale x this.")
     suspect_after: int = Field(3, ge=2, description="Raise suspect_rank when one rank is the culprit this many times "
                                "on different data.")
+
+    @field_validator("ladders")
+    @classmethod
+    def _ladders_complete(cls, ladders: dict) -> dict:
+        for name, steps in ladders.items():
+            if not steps:
+                raise ValueError(f"ladders.{name}: give at least one step")
+            wrong = [x for x in steps if x in SCALE_ONLY_STEPS and name != "loss_scale"]
+            if wrong:
+                raise ValueError(f"ladders.{name}: {wrong[0]!r} applies only to the 'loss_scale' ladder")
+        return {**_default_ladders(), **ladders}
 
 
 class DistributedConfig(_Section):
@@ -256,7 +287,7 @@ class FaultSpec(_Section):
     """One injected fault. Used by tests, the demo and fire drills; refused unless allow_faults."""
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
-                  "attention_collapse", "bad_label"] = Field(
+                  "attention_collapse", "bad_label", "fp16_overflow"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -264,12 +295,16 @@ class FaultSpec(_Section):
         "multiplied by `factor` more each step (all ranks). inf_activation: +Inf in the output of `module`. "
         "attention_collapse: the logits into the softmax `module` for `head`, standardised per query, are "
         "multiplied by `factor` (the head collapses onto its top key). "
-        "bad_label: one label of the batch becomes vocab-size (out of range), in the loader.")
+        "bad_label: one label of the batch becomes vocab-size (out of range), in the loader. "
+        "fp16_overflow: +Inf in one parameter's local gradient on every step of [step, step+steps) while the "
+        "engine runs fp16, also when those steps re-run after a rollback (values beyond fp16's range: no loss "
+        "scale fixes it, bf16 does).")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
     param: Optional[str] = Field(
-        None, description="inf_grad only: parameter name (as in model.named_parameters()); default the first.")
+        None, description="inf_grad, fp16_overflow: parameter name (as in model.named_parameters()); default the "
+        "first.")
     module: Optional[str] = Field(None, description="inf_activation, attention_collapse: module path.")
     factor: Optional[float] = Field(None, description="spike_batch (default 50), lr_ramp (per-step growth, "
                                     "default 1.15), attention_collapse (default 50).")
@@ -277,8 +312,8 @@ class FaultSpec(_Section):
 
     @model_validator(mode="after")
     def _fields_fit_the_type(self):
-        if self.param is not None and self.type != "inf_grad":
-            raise ValueError(f"'param' applies only to type 'inf_grad', not '{self.type}'")
+        if self.param is not None and self.type not in ("inf_grad", "fp16_overflow"):
+            raise ValueError(f"'param' applies only to types 'inf_grad' and 'fp16_overflow', not '{self.type}'")
         needs_module = self.type in ("inf_activation", "attention_collapse")
         if needs_module and not self.module:
             raise ValueError(f"type '{self.type}' needs 'module' (a module path, as in model.named_modules())")

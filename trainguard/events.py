@@ -63,6 +63,10 @@ class Record(str, enum.Enum):
     SAMPLES_REJECTED = "samples_rejected"      # the sanitiser dropped samples or quarantined a batch
     ROLLBACK = "rollback"                      # in-process rollback carried out (to_tag, skipped batches, LR)
     ROLLBACK_UNAVAILABLE = "rollback_unavailable"  # no checkpoint predates the onset: the step was skipped
+    OVERFLOW = "overflow"                      # fp16: gradients overflowed, losses finite (the scaler's routine)
+    LOSS_SCALE = "loss_scale"                  # fp16 scaler collapsed (overflow at its floor / endless streak)
+    LOSS_SCALE_RESET = "loss_scale_reset"      # scale reset (and floor raised) after a loss_scale rollback
+    PRECISION_FALLBACK = "precision_fallback"  # the engine was re-created in bf16
     SUSPECT_RANK = "suspect_rank"              # one rank is the culprit again and again, on different data
     FP16_WHERE_BF16 = "fp16_where_bf16"        # start-of-run checks (action "warn")
     NO_WARMUP = "no_warmup"

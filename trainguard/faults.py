@@ -15,6 +15,10 @@ attention_collapse     FORWARD      one head's logits into the softmax ``module`
                                     standardised per query, x factor
 nan_loss               LOSS         the loss passed to backward becomes NaN
 inf_grad               BACKWARD     +Inf in one parameter's local gradient
+fp16_overflow          BACKWARD     the same, on every step of its window while the engine
+                                    runs fp16 -- also when steps re-run after a rollback: it
+                                    stands for a model whose values exceed fp16's range, which
+                                    no loss scale fixes (bf16 does)
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
 =====================  ===========  =====================================================
 
@@ -67,6 +71,8 @@ class FaultInjector:
         self.fired: list[tuple[int, str]] = []  # (step, type), for the record
         self._scale_loss: dict[int, float] = {}
         self._spent: set[tuple[int, str]] = set()  # (step, type) already fired in an earlier pass
+        self.precision: str = "fp32"  # the engine's, set by the adapter (fp16_overflow needs "fp16")
+        self._now: set[tuple[int, str]] = set()    # fired in the current pass over the step
 
     def _due(self, kind: str, step: int) -> list[FaultSpec]:
         # a fault fires at most once per step: after a rollback re-runs steps, the bad batch
@@ -74,6 +80,7 @@ class FaultInjector:
         return [f for f in self.faults if f.type == kind and f.active(step) and (step, kind) not in self._spent]
 
     def _fire(self, step: int, kind: str) -> None:
+        self._now.add((step, kind))
         if (step, kind) not in self.fired:
             self.fired.append((step, kind))
 
@@ -88,9 +95,10 @@ class FaultInjector:
     def step_done(self, step: int) -> None:
         """Called at the end of every step: what fired in it is spent."""
         self._spent |= {(s, k) for s, k in self.fired if s == step}
+        self._now = {(s, k) for s, k in self._now if s != step}
 
     def fired_in(self, step: int) -> int:
-        return sum(1 for s, k in self.fired if s == step and (s, k) not in self._spent)
+        return sum(1 for s, _ in self._now if s == step)
 
 
     # BATCH -----------------------------------------------------------------------------------
@@ -173,7 +181,7 @@ class FaultInjector:
         """Which parameters get an inf_grad hook (default: the first parameter)."""
         targets: dict[str, list[FaultSpec]] = {}
         for f in self.faults:
-            if f.type != "inf_grad":
+            if f.type not in ("inf_grad", "fp16_overflow"):
                 continue
             name = f.param or names[0]
             if name not in names:
@@ -183,9 +191,13 @@ class FaultInjector:
         return targets
 
     def grad(self, step: int, spec_list: Sequence[FaultSpec], grad: torch.Tensor) -> torch.Tensor:
-        if not any(f.active(step) for f in spec_list) or (step, "inf_grad") in self._spent:
+        kinds = {f.type for f in spec_list if f.active(step)}
+        if "fp16_overflow" in kinds and self.precision == "fp16":
+            self._fire(step, "fp16_overflow")  # never spent: re-run steps overflow again
+        elif "inf_grad" in kinds and (step, "inf_grad") not in self._spent:
+            self._fire(step, "inf_grad")
+        else:
             return grad
-        self._fire(step, "inf_grad")
         out = grad.clone()
         out.view(-1)[0] = float("inf")
         return out

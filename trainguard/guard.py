@@ -31,6 +31,7 @@ from trainguard.detectors import RankObservation, Verdict, detect_nonfinite
 from trainguard.detectors.activation import detect_activation
 from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
+from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event, Record
@@ -77,6 +78,8 @@ class StepGuard:
         self.faults = FaultInjector(cfg.faults, rank)
         self.loss_spike = LossSpikeDetector(cfg.detectors.loss_spike)
         self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
+        self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
+        self._scaled = False  # an fp16 loss scale is on (set at AGREE)
         self.clipper = Clipper(cfg.clipping)
         self.localize = localize
         self.range_probe: RangeProbe | None = None
@@ -231,8 +234,10 @@ class StepGuard:
         self._grad_norms.append(_local_norm(grad.detach()))
         self._grad_hooks += 1
 
-    def on_agree(self, step: int, loss_scale: float = 1.0, grad_divisor: float = 1.0) -> list[RankObservation]:
-        """AGREE: the one collective. Every rank calls it at every optimizer step."""
+    def on_agree(self, step: int, loss_scale: float = 1.0, grad_divisor: float = 1.0,
+                 dynamic_scale: bool = False) -> list[RankObservation]:
+        """AGREE: the one collective. Every rank calls it at every optimizer step. ``dynamic_scale``:
+        an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
         host = [0.0] * len(FIELDS)  # the host-known fields, in one small copy
         host[F["micro_batches"]] = self._micro
         host[F["grad_checked"]] = self._grad_hooks
@@ -255,13 +260,14 @@ class StepGuard:
             row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
         table = agree(row, self.group)
         obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor)
+        self._scaled = dynamic_scale
         self._flush_pending(obs[0].prev_grad_norm)
         return obs
 
     def on_decide(self, step: int, obs: list[RankObservation]) -> Decision:
         """DECIDE: pure detectors -> policy -> one action, identical on every rank."""
         verdicts: list[Verdict] = []
-        nonfinite = detect_nonfinite(obs) if self.checking else None
+        nonfinite = detect_nonfinite(obs, scaled=self._scaled) if self.checking else None
         spikes: list[Verdict] = []
         if nonfinite is None:
             norms = [o.grad_norm for o in obs]
@@ -278,7 +284,8 @@ class StepGuard:
                 if v is not None:
                     spikes.append(v)
         localized = None
-        if nonfinite is not None and self.cfg.detectors.localize.enabled and self.localize is not None:
+        if nonfinite is not None and nonfinite.anomaly == "nonfinite" and self.cfg.detectors.localize.enabled \
+                and self.localize is not None:
             localized = self.localize()  # every rank replays together (ZeRO-3 / TP forwards are collective)
         sampled = self.sampled(step)
         activation = self.range_probe.collect() if "activation_range" in sampled else None
@@ -321,8 +328,24 @@ class StepGuard:
             self._log_verdict(step, v, decision, everyone)
         return decision
 
-    def on_step(self, step: int, decision: Decision, applied: bool) -> None:
-        """STEP: the adapter applied or skipped the optimizer step; check it did what was decided."""
+    def on_step(self, step: int, decision: Decision, applied: bool,
+                scaler: ScalerState | None = None) -> Decision | None:
+        """STEP: the adapter applied or skipped the optimizer step; check it did what was decided.
+
+        ``scaler`` (fp16 with a dynamic loss scale): the scaler as it was when the step began. A
+        collapse (overflow at the minimum scale, or an endless overflow streak) returns the
+        ``loss_scale`` ladder's decision, which the adapter carries out now; otherwise None."""
+        self._check_applied(step, decision, applied)
+        if scaler is None or not self.cfg.detectors.loss_scale.enabled:
+            return None
+        verdict = self.loss_scale.observe(step, scaler, overflowed=not applied)
+        if verdict is None:
+            return None
+        scale_decision = self.policy.decide_loss_scale(verdict, step)
+        self._log_verdict(step, verdict, scale_decision, None)
+        return scale_decision
+
+    def _check_applied(self, step: int, decision: Decision, applied: bool) -> None:
         if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
             if applied:
                 raise RuntimeError(f"rank {self.rank}: step {step} was decided SKIP_STEP but the framework "

@@ -6,7 +6,13 @@ the k-th entry; the last one repeats):
 
 - ``nonfinite``: skip the step, skip it again, then roll back (3 within 100 steps);
 - ``instant_burst``: roll back and skip the window (a bad batch);
-- ``slow_rise``: roll back and lower the LR (too high an LR or too short a warmup).
+- ``slow_rise``: roll back and lower the LR (too high an LR or too short a warmup);
+- ``loss_scale`` (the fp16 scaler collapsed, see ``detectors.loss_scale``): roll back and reset the
+  scale; then also raise its floor; then continue in bf16 (decided after the step, by
+  :meth:`Policy.decide_loss_scale`, since only the step shows whether the scaler overflowed).
+
+An fp16 ``overflow`` (gradients overflowed, every loss finite) is the scaler's routine: the step
+is skipped and the scaler lowers its scale, outside any ladder.
 
 Budgets: at most ``max_rollbacks`` rollbacks per ``rollback_window`` steps, and the accumulated LR
 factor never below ``lr_floor``; exhausting either -- like ``nonfinite.action: "abort"`` or
@@ -22,7 +28,9 @@ from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.detectors.base import Verdict
 from trainguard.events import Action
 
-SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "abort": 4}
+SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "raise_floor": 3,
+            "bf16_fallback": 3, "abort": 4}
+REMEDY = {"rollback": "reset_scale", "raise_floor": "raise_floor", "bf16_fallback": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -33,12 +41,13 @@ class Decision:
     lower_lr: bool = False          # ROLLBACK: also scale the LR by lr_factor
     onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
     anomaly: str | None = None      # the class that drove the decision
+    remedy: str | None = None       # loss_scale ROLLBACK: "reset_scale" | "raise_floor" | "bf16"
 
 
 def anomaly_class(v: Verdict) -> str | None:
     if v.anomaly == "nonfinite":
         return "nonfinite"
-    if v.anomaly in ("instant_burst", "slow_rise"):
+    if v.anomaly in ("instant_burst", "slow_rise", "overflow", "loss_scale"):
         return v.anomaly
     return None
 
@@ -49,7 +58,8 @@ class Policy:
         self.recovery = recovery or RecoveryConfig(enabled=False)
         self.consecutive_nonfinite = 0
         self.total_nonfinite = 0
-        self.history: dict[str, deque] = {k: deque() for k in ("nonfinite", "instant_burst", "slow_rise")}
+        self.history: dict[str, deque] = {k: deque() for k in ("nonfinite", "instant_burst", "slow_rise",
+                                                                 "loss_scale")}
         self.rollback_steps: deque = deque()
         self.lr_factor = 1.0
         self.tried: list[dict] = []
@@ -64,6 +74,11 @@ class Policy:
             self.consecutive_nonfinite = 0
         if not classes:
             return Decision(Action.CONTINUE, "healthy" if not verdicts else "alerts only", verdicts)
+        if classes == {"overflow"}:
+            ranks = sorted({r for v in verdicts for r in v.ranks})
+            return Decision(Action.SKIP_STEP, f"fp16 overflow on rank(s) {ranks}: the loss scaler lowers its scale",
+                            verdicts, anomaly="overflow")
+        classes.discard("overflow")
         ranks = sorted({r for v in verdicts if anomaly_class(v) for r in v.ranks})
         if "nonfinite" in classes:
             if self.nonfinite.action == "abort":
@@ -75,27 +90,19 @@ class Policy:
         # the most severe rung of any present class's ladder
         chosen, driver, onset = "alert", None, step
         for c in sorted(classes):
-            h = self.history[c]
-            h.append(step)
-            while h and h[0] <= step - self.recovery.ladder_window:
-                h.popleft()
+            rung = self._climb(c, step)
             if not self.recovery.enabled:
                 rung = "skip_step" if c == "nonfinite" else "alert"
-            else:
-                ladder = self.recovery.ladders.get(c) or ["alert"]
-                rung = ladder[min(len(h), len(ladder)) - 1]
             if SEVERITY[rung] > SEVERITY[chosen]:
                 chosen, driver = rung, c
-                onset = h[0] if c == "nonfinite" else (rise_onset if c == "slow_rise" and rise_onset else step)
+                onset = self.history[c][0] if c == "nonfinite" else (rise_onset if c == "slow_rise" and rise_onset else step)
         reason = f"{driver or sorted(classes)[0]} on rank(s) {ranks}"
         if chosen == "abort":
             return self._abort(f"{reason}: the ladder says abort", verdicts, step)
         if chosen in ("rollback", "rollback_lower_lr"):
-            while self.rollback_steps and self.rollback_steps[0] <= step - self.recovery.rollback_window:
-                self.rollback_steps.popleft()
-            if len(self.rollback_steps) >= self.recovery.max_rollbacks:
-                return self._abort(f"{reason}: rollback budget exhausted ({len(self.rollback_steps)} rollbacks "
-                                   f"within {self.recovery.rollback_window} steps)", verdicts, step)
+            exhausted = self._budget_exhausted(reason, verdicts, step)
+            if exhausted is not None:
+                return exhausted
             lower = chosen == "rollback_lower_lr"
             if lower and self.lr_factor * self.recovery.lr_factor < self.recovery.lr_floor:
                 return self._abort(f"{reason}: the LR factor would fall below lr_floor {self.recovery.lr_floor}",
@@ -104,6 +111,45 @@ class Policy:
         if chosen == "skip_step":
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
+
+    def decide_loss_scale(self, verdict: Verdict, step: int) -> Decision:
+        """The fp16 scaler collapsed on this (already skipped) step: the ``loss_scale`` ladder's rung.
+        Every rank sees the same scaler (DeepSpeed agrees on overflow across ranks), so every rank
+        decides the same."""
+        reason = f"loss_scale: {verdict.detail.get('why', 'the fp16 loss scaler collapsed')}"
+        if not self.recovery.enabled:
+            return self._abort(f"{reason}; recovery is disabled", (verdict,), step)
+        rung = self._climb("loss_scale", step)
+        if rung in ("alert", "skip_step"):
+            return Decision(Action.CONTINUE, reason + f" ({rung})", (verdict,), anomaly="loss_scale")
+        if rung == "abort":
+            return self._abort(f"{reason}: the ladder says abort", (verdict,), step)
+        if rung == "bf16_fallback" and self.recovery.fp16_fallback == "none":
+            return self._abort(f"{reason}: the ladder reached bf16_fallback and recovery.fp16_fallback is 'none'",
+                               (verdict,), step)
+        exhausted = self._budget_exhausted(reason, (verdict,), step)
+        if exhausted is not None:
+            return exhausted
+        remedy = REMEDY.get(rung, "reset_scale")  # rollback_lower_lr here means a plain rollback too
+        return Decision(Action.ROLLBACK, f"{reason} -> {remedy}", (verdict,), lower_lr=rung == "rollback_lower_lr",
+                        onset_step=verdict.detail.get("onset_step") or step, anomaly="loss_scale", remedy=remedy)
+
+    def _climb(self, cls: str, step: int) -> str:
+        """Count one occurrence of ``cls`` and return its ladder's rung for it."""
+        h = self.history[cls]
+        h.append(step)
+        while h and h[0] <= step - self.recovery.ladder_window:
+            h.popleft()
+        ladder = self.recovery.ladders.get(cls) or ["alert"]
+        return ladder[min(len(h), len(ladder)) - 1]
+
+    def _budget_exhausted(self, reason: str, verdicts, step: int) -> Decision | None:
+        while self.rollback_steps and self.rollback_steps[0] <= step - self.recovery.rollback_window:
+            self.rollback_steps.popleft()
+        if len(self.rollback_steps) >= self.recovery.max_rollbacks:
+            return self._abort(f"{reason}: rollback budget exhausted ({len(self.rollback_steps)} rollbacks "
+                               f"within {self.recovery.rollback_window} steps)", verdicts, step)
+        return None
 
     def lower_lr(self) -> float:
         """Scale the accumulated LR factor by lr_factor (the floor was checked when deciding)."""
@@ -116,6 +162,10 @@ class Policy:
         if lower_lr:
             self.lower_lr()
         self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
+
+    def tried_also(self, step: int, action: str, detail: dict) -> None:
+        """Record a remedy beyond the rollback itself (raise_floor, bf16_fallback) for the abort report."""
+        self.tried.append({"step": step, "action": action, **detail})
 
     def _abort(self, reason: str, verdicts, step: int) -> Decision:
         return Decision(Action.ABORT, reason, tuple(verdicts))

@@ -4,6 +4,7 @@ lowered LR, suspect_rank, and ABORT when the budget is spent."""
 import pytest
 
 from tests.dist.conftest import make_config
+from trainguard.metrics.jsonl import read
 
 pytestmark = pytest.mark.dist
 
@@ -92,3 +93,50 @@ def test_no_checkpoint_means_skip_not_crash(tmp_path, torchrun):
     (u,) = events(run, "rollback_unavailable")
     assert u["step"] == 25 and "checkpoint" in u["detail"]["reason"]
     assert all(r["skipped_steps"] == 1 and r["global_steps"] == 30 for r in run.results)
+
+
+FP16_COLLAPSE = [{"type": "fp16_overflow", "step": 25, "rank": 1, "steps": 40}]
+
+
+def test_fp16_scale_collapse_kills_plain_deepspeed(tmp_path, torchrun):
+    """The baseline the next test improves on: DeepSpeed alone stops at the minimum loss scale."""
+    cfg = make_config(tmp_path, faults=FP16_COLLAPSE)
+    run = torchrun(cfg, 60, "--dtype", "fp16", "--plain")
+    assert run.rc != 0
+    assert "Current loss scale already at minimum" in (run.out / "torchrun.log").read_text()
+
+
+def test_fp16_scale_collapse_ladder_ends_in_bf16_and_finishes(tmp_path, torchrun):
+    """Overflow after overflow on rank 1 in fp16 (a model beyond fp16's range): the loss_scale
+    ladder rolls back and resets the scale, then also raises the floor, then re-creates the engine in
+    bf16 with the optimizer state carried over -- and the run finishes, where DeepSpeed alone stops."""
+    cfg = make_config(tmp_path, block=block(tmp_path), faults=FP16_COLLAPSE)
+    run = torchrun(cfg, 60, "--dtype", "fp16").ok()
+    scale = events(run, "loss_scale")
+    assert [e["action"] for e in scale] == ["rollback", "rollback", "rollback"]
+    assert all(e["detail"]["at_floor"] and e["detail"]["onset_step"] == 25 for e in scale)
+    rbs = events(run, "rollback")
+    assert [r["detail"]["anomaly"] for r in rbs] == ["loss_scale"] * 3
+    assert all(r["detail"]["to_tag"] == "step00000020" and r["detail"]["skip_batches"] == 0 for r in rbs)
+    resets = events(run, "loss_scale_reset")
+    assert [e["action"] for e in resets] == ["reset_scale", "raise_floor"]
+    assert resets[1]["detail"]["min_scale_after"] == 16.0
+    (fb,) = events(run, "precision_fallback")
+    assert fb["detail"]["to"] == "bf16" and fb["detail"]["optimizer_state"] == "carried"
+    # no overflow after the switch: bf16 has fp32's range
+    lines = read(run.out / "trainguard.jsonl")
+    # (the metric line of the step that decided it is written one step late, after the event)
+    after = [m for m in lines[lines.index(fb) + 1:] if m["type"] == "metric"]
+    assert after[0]["step"] == fb["step"] and not after[0]["applied"]
+    after = after[1:]
+    assert [m["step"] for m in after] == list(range(21, 61))
+    assert all(m["applied"] and m["loss_scale"] == 1.0 for m in after)
+    for r in run.results:
+        assert r["global_steps"] == 60 and r["weights_finite"] and r["aborted"] is None
+        assert r["engine_class"].startswith("Trainguard")
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
+    clean = torchrun(make_config(tmp_path, block=block(tmp_path / "clean")), 60, "--dtype", "bf16",
+                     out_name="clean").ok()
+    # the loss ends where a clean bf16 run ends (the rolled-back steps were re-trained in bf16)
+    got, want = run.results[0]["eval_loss"], clean.results[0]["eval_loss"]
+    assert abs(got - want) / want < 0.05

@@ -59,3 +59,58 @@ def test_custom_ladder_and_recovery_off():
     r = Policy(NonfiniteConfig(), RecoveryConfig())
     r.load_state_dict(state)
     assert r.state_dict() == state
+
+
+def test_fp16_overflow_is_routine_and_the_loss_scale_ladder_climbs():
+    from trainguard.config import LossScaleConfig
+    from trainguard.detectors.base import RankObservation
+    from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
+    from trainguard.detectors.nonfinite import detect_nonfinite
+
+    # gradients overflowed with a finite loss: with a dynamic scale, an "overflow" the scaler handles
+    ob = RankObservation(rank=1, loss=2.0, micro_batches=1, loss_nonfinite=0, grad_norm=float("inf"))
+    assert detect_nonfinite([ob], scaled=True).anomaly == "overflow"
+    assert detect_nonfinite([ob], scaled=False).anomaly == "nonfinite"
+    p = Policy(NonfiniteConfig(max_consecutive=3), RecoveryConfig())
+    for step in range(1, 10):  # never climbs the nonfinite ladder, never counts as consecutive
+        d = p.decide([v("overflow")], step=step)
+        assert d.action is Action.SKIP_STEP and d.anomaly == "overflow"
+
+    # the watch: halvings are routine; an overflow at the floor is the collapse, its onset the descent's start
+    w = LossScaleWatch(LossScaleConfig())
+    assert w.observe(1, ScalerState(256, 1, 2), overflowed=False) is None
+    assert w.observe(2, ScalerState(256, 1, 2), overflowed=True) is None
+    assert w.observe(3, ScalerState(256, 1, 1), overflowed=True) is None
+    assert w.observe(4, ScalerState(2, 1, 2), overflowed=True) is None   # hysteresis still absorbs one
+    collapse = w.observe(5, ScalerState(1, 1, 1), overflowed=True)
+    assert collapse.anomaly == "loss_scale" and collapse.detail["onset_step"] == 2 and collapse.detail["at_floor"]
+    # an endless streak once the scaler had found a working scale is a collapse too
+    s = LossScaleWatch(LossScaleConfig(max_overflow_streak=3))
+    s.observe(1, ScalerState(1024, 1), overflowed=False)
+    assert [s.observe(k, ScalerState(1024 / 2 ** k, 1), overflowed=True) is None for k in (2, 3, 4)] == \
+        [True, True, False]
+
+    # the ladder: reset the scale, then raise the floor, then bf16; "none" as fallback aborts instead
+    p = Policy(NonfiniteConfig(), RecoveryConfig(max_rollbacks=10))
+    remedies = []
+    for step in (30, 31, 32):
+        d = p.decide_loss_scale(collapse, step)
+        assert d.action is Action.ROLLBACK and d.onset_step == 2
+        p.rolled_back(step, False, {})
+        remedies.append(d.remedy)
+    assert remedies == ["reset_scale", "raise_floor", "bf16"]
+    q = Policy(NonfiniteConfig(), RecoveryConfig(fp16_fallback="none", ladders={"loss_scale": ["bf16_fallback"]}))
+    d = q.decide_loss_scale(collapse, 30)
+    assert d.action is Action.ABORT and "fp16_fallback is 'none'" in d.reason
+
+
+def test_scale_rungs_only_in_the_loss_scale_ladder():
+    import pytest
+
+    from trainguard.errors import ConfigError
+    from trainguard.config import parse_block
+
+    with pytest.raises(ConfigError, match="raise_floor.*only to the 'loss_scale' ladder"):
+        parse_block({"recovery": {"ladders": {"nonfinite": ["raise_floor"]}}})
+    cfg = parse_block({"recovery": {"ladders": {"instant_burst": ["skip_step"]}}})
+    assert cfg.recovery.ladders["loss_scale"] == ["rollback", "raise_floor", "bf16_fallback"]  # the others keep theirs

@@ -10,8 +10,12 @@ from typing import Sequence
 from trainguard.detectors.base import RankObservation, Verdict
 
 
-def detect_nonfinite(observations: Sequence[RankObservation]) -> Verdict | None:
+def detect_nonfinite(observations: Sequence[RankObservation], scaled: bool = False) -> Verdict | None:
     """Return a verdict naming every rank whose local loss or local gradients were NaN/Inf.
+
+    ``scaled`` (an fp16 dynamic loss scale is on): gradients that overflowed while every loss was
+    finite are the scaler's routine business -- anomaly ``overflow``, which skips the step and
+    lets the scaler lower its scale (the loss-scale watch catches a collapse) -- not ``nonfinite``.
 
     ``origin`` per rank: ``"loss"`` when the loss itself was non-finite (the gradients then are
     too), ``"gradients"`` when the loss was finite but the backward pass produced NaN/Inf (an
@@ -30,5 +34,6 @@ def detect_nonfinite(observations: Sequence[RankObservation]) -> Verdict | None:
         }
     if not culprits:
         return None
-    return Verdict(detector="nonfinite", anomaly="nonfinite", ranks=tuple(sorted(culprits)),
+    overflow = scaled and all(c["origin"] == "gradients" for c in culprits.values())
+    return Verdict(detector="nonfinite", anomaly="overflow" if overflow else "nonfinite", ranks=tuple(sorted(culprits)),
                    detail={"per_rank": culprits})
