@@ -140,6 +140,7 @@ class DeepSpeedCheckpointer:
         self.roots[tag] = root
         self.health.saved(tag, eng.global_steps)
         seconds = time.perf_counter() - t0
+        self.state.goodput.overhead(seconds)
         self._event(eng.global_steps, "checkpoint_saved", {
             "tag": tag, "dir": str(root), "files": len(hashed),
             "bytes": sum(f["size"] for f in hashed.values()), "blocking_s": round(seconds, 3),
@@ -201,6 +202,7 @@ class DeepSpeedCheckpointer:
             def finish(table, root=root, tag=tag, staging_root=staging_root, nonce=nonce, step=step):
                 self._commit(root, tag, staging_root, nonce, step, table)
         blocking = time.perf_counter() - t0
+        self.state.goodput.overhead(blocking)
         self._pending = (BackgroundCommit(staged, _rank(), _world(), writes, json_writes, finish),
                          {"tag": tag, "dir": str(root), "step": step, "blocking_s": blocking, "t0": t0})
         self.roots[tag] = root
@@ -309,24 +311,36 @@ class DeepSpeedCheckpointer:
             return tag, skipped
         return None, skipped
 
-    def rollback_target(self, root: Path, onset: int, mode: str, not_before: int = 0) -> tuple[str | None, str]:
+    def rollback_target(self, root: Path, onset: int, mode: str, not_before: int = 0,
+                        inclusive: bool = False) -> tuple[str | None, str]:
         """Rank 0 chooses, every rank learns: the newest checkpoint from before ``onset`` that
         verifies, stable if ``mode`` is "stable" (else, or failing that, the newest valid one).
-        ``not_before``: older checkpoints do not fit this engine any more (a precision change)."""
+        ``inclusive``: one saved at ``onset`` itself qualifies (that step was skipped, so its state
+        is the state before the anomaly). ``not_before``: older checkpoints do not fit this engine
+        any more (a precision change)."""
         choice = None
         if _rank() == 0:
             layout = CheckpointLayout(root)
-            valid = [tag for tag, step in reversed(layout.steps())
-                     if not_before <= step < onset and verify(layout.tag_dir(tag)).ok]
+            valid, bad = [], []
+            for tag, step in reversed(layout.steps()):
+                if not_before <= step < onset + (1 if inclusive else 0):
+                    res = verify(layout.tag_dir(tag))
+                    if res.ok:
+                        valid.append(tag)
+                    elif not valid:  # newer than anything chosen: say why it was passed over
+                        bad.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
             stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
             if mode == "stable" and stable:
-                choice = (stable[0], "newest stable checkpoint before the onset")
+                choice = (stable[0], "newest stable checkpoint before the onset", bad)
             elif valid:
                 choice = (valid[0], "newest valid checkpoint before the onset" +
-                          (" (none was stable yet)" if mode == "stable" else ""))
+                          (" (none was stable yet)" if mode == "stable" else ""), bad)
             else:
-                choice = (None, f"no valid checkpoint in {root} predates step {onset}")
-        return _broadcast(choice)
+                choice = (None, f"no valid checkpoint in {root} predates step {onset}", bad)
+        tag, why, bad = _broadcast(choice)
+        for b in bad:
+            self._event(self.engine.global_steps, "checkpoint_invalid", b)
+        return tag, why
 
     def abandon_after(self, root: Path, step: int) -> list[str]:
         """After a rollback to ``step``: checkpoints from the abandoned trajectory move out of the

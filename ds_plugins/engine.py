@@ -23,6 +23,7 @@ from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
 from trainguard.events import Action
 from trainguard.faults import FaultInjector
+from trainguard.goodput import GoodputMeter
 from trainguard.guard import StepGuard
 from trainguard.isolation import gather_coords
 from trainguard.probes import first_nonfinite, preserved_rng
@@ -142,6 +143,7 @@ class EngineGuard:
         self._lr_until = 0            # recovery's lowered LR (the policy's lr_factor) applies until this step
         self._step_lr = None
         self.scaler = ScalerView(engine)
+        self.goodput = GoodputMeter()
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._rollback_floor = 0      # checkpoints older than this step do not fit the engine (precision change)
         if guard_enabled:
@@ -263,6 +265,7 @@ class EngineGuard:
     # ------------------------------------------------------------------ loop points
     def forward(self, base_forward, inputs, kwargs):
         step = self.step_number()
+        self.goodput.begin_step()
         poison_output = False
         if self.guard is not None:
             (inputs, kwargs), poison_output = self.guard.on_forward(step, (inputs, kwargs))
@@ -344,12 +347,14 @@ class EngineGuard:
             "clip_limit": float(eng.gradient_clipping() or 0.0),
             "lr": self._step_lr if self._step_lr is not None else _lr(eng),
             "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
-            "applied": applied, "action": decision.action.value})
+            "applied": applied, "action": decision.action.value, "goodput": self.goodput.ratio()})
         acting = scale_decision or decision
         if acting.action is Action.ABORT:
             raise guard.abort(step, acting)
-        if acting.action is not Action.ROLLBACK or not self._rollback(step, acting):
+        rolled_back = acting.action is Action.ROLLBACK and self._rollback(step, acting)
+        if not rolled_back:
             self._after_step(step, obs, decision)  # (a rollback that happened re-runs from its checkpoint)
+        self.goodput.step_done(step, applied and not rolled_back)
         return result
 
     # ------------------------------------------------------------------ recovery
@@ -380,7 +385,8 @@ class EngineGuard:
         root = self._rollback_root()
         tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None or \
             self.checkpointer is None else self.checkpointer.rollback_target(
-                root, decision.onset_step or step, rc.rollback_to, not_before=self._rollback_floor)
+                root, decision.onset_step or step, rc.rollback_to, not_before=self._rollback_floor,
+                inclusive=decision.onset_skipped)
         if tag is None:
             if decision.lower_lr:
                 guard.policy.lower_lr()
@@ -395,11 +401,13 @@ class EngineGuard:
         self.checkpointer.wait_pending()
         self.checkpointer.load(root, tag=tag, purpose="rollback")
         to_step = eng.global_steps
+        self.goodput.rollback(to_step)
         if loader is not None:
             loader.load_state_dict(position)       # where we were, quarantine included ...
             loader.skip(skip)                      # ... and then some
         abandoned = self.checkpointer.abandon_after(root, to_step)
-        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "anomaly": decision.anomaly})
+        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
+                                                           "anomaly": decision.anomaly})
         if decision.lower_lr:
             self._lr_until = to_step + rc.lr_cooldown_steps
         if rc.reset_optimizer_moments:
@@ -482,6 +490,13 @@ class EngineGuard:
         c = self.cfg.checkpoint
         if c.dir and c.every_steps and step % c.every_steps == 0:
             self.checkpointer.save(c.dir)
+        if self.faults is not None and c.dir and self.faults.checkpoint_due(step):
+            from trainguard.faults import corrupt_newest_checkpoint
+
+            path = corrupt_newest_checkpoint(c.dir)
+            self.guard._emit(step, "fault_injected", [self.rank], None, {
+                "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": self.rank}], "file": path},
+                rank_local=True)
 
     @contextlib.contextmanager
     def _lr_fault(self, step: int):
@@ -522,7 +537,7 @@ class EngineGuard:
             self.checkpointer.close()  # the last async save commits before the logs close
         if self.guard is not None:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
-                                 "global_steps": self.engine.global_steps})
+                                 "global_steps": self.engine.global_steps, "goodput": self.goodput.summary()})
 
 
 def _reset_moments(optimizer) -> None:

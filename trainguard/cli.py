@@ -4,6 +4,10 @@
     trainguard demo [--config FILE] [--steps N] [--out DIR]
                                    2-rank torchrun demo: faults, verdicts, actions, and the same run
                                    under plain DeepSpeed beside it
+    trainguard drill [--steps N] [--out DIR]
+                                   fire drill: a schedule of faults (NaN, poisoned batches, corrupt
+                                   checkpoint, LR ramp, fp16 scale collapse) under trainguard and
+                                   under plain DeepSpeed, against a clean run; exit 0 when the goals hold
     trainguard ckpt list DIR | verify DIR [TAG] | inspect DIR TAG
                                    committed checkpoints: step, stable, size, checksums, lineage
     trainguard report LOG [--out DIR]
@@ -61,6 +65,13 @@ def _demo(args) -> int:
     return demo(args.config, args.steps, args.out, extra=extra)
 
 
+def _drill(args) -> int:
+    from trainguard.drill import drill
+
+    rc, _ = drill(args.steps, args.out)
+    return rc
+
+
 def _report(args) -> int:
     from trainguard.report import render
 
@@ -100,6 +111,11 @@ def main(argv=None) -> int:
     d.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
     d.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="override the config's precision")
     d.set_defaults(func=_demo)
+
+    dr = sub.add_parser("drill", help="fire drill: trainguard vs plain DeepSpeed under a schedule of faults")
+    dr.add_argument("--steps", type=int, default=1000, help="drill length (the fault schedule scales with it)")
+    dr.add_argument("--out", default="trainguard-drill", help="where logs, checkpoints and drill.json go")
+    dr.set_defaults(func=_drill)
 
     r = sub.add_parser("report", help="PNG plots from a trainguard JSONL log")
     r.add_argument("log")

@@ -287,7 +287,7 @@ class FaultSpec(_Section):
     """One injected fault. Used by tests, the demo and fire drills; refused unless allow_faults."""
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
-                  "attention_collapse", "bad_label", "fp16_overflow"] = Field(
+                  "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -298,7 +298,8 @@ class FaultSpec(_Section):
         "bad_label: one label of the batch becomes vocab-size (out of range), in the loader. "
         "fp16_overflow: +Inf in one parameter's local gradient on every step of [step, step+steps) while the "
         "engine runs fp16, also when those steps re-run after a rollback (values beyond fp16's range: no loss "
-        "scale fixes it, bf16 does).")
+        "scale fixes it, bf16 does). corrupt_checkpoint: at the end of `step`, bytes are flipped in the largest "
+        "file of the newest committed checkpoint under checkpoint.dir (storage rot; `rank` does it).")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")

@@ -20,6 +20,8 @@ fp16_overflow          BACKWARD     the same, on every step of its window while 
                                     stands for a model whose values exceed fp16's range, which
                                     no loss scale fixes (bf16 does)
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
+corrupt_checkpoint     END          bytes flipped in the largest file of the newest committed
+                                    checkpoint (storage rot: the next load must notice)
 =====================  ===========  =====================================================
 
 It works without the guard too, so the demo can inject the same faults into plain DeepSpeed.
@@ -73,6 +75,7 @@ class FaultInjector:
         self._spent: set[tuple[int, str]] = set()  # (step, type) already fired in an earlier pass
         self.precision: str = "fp32"  # the engine's, set by the adapter (fp16_overflow needs "fp16")
         self._now: set[tuple[int, str]] = set()    # fired in the current pass over the step
+        self._ramp_steps: set[int] = set()         # steps an lr_ramp applied on (every rank, not only f.rank)
 
     def _due(self, kind: str, step: int) -> list[FaultSpec]:
         # a fault fires at most once per step: after a rollback re-runs steps, the bad batch
@@ -87,7 +90,7 @@ class FaultInjector:
     def rolled_back(self) -> None:
         """A rollback happened: an LR ramp that already began stands for a misconfigured schedule,
         which the recovery's LR reduction overrides -- it does not resume afterwards."""
-        began = {s for s, k in self.fired if k == "lr_ramp"}
+        began = self._ramp_steps
         for f in self.faults:
             if f.type == "lr_ramp" and any(f.active(s) for s in began):
                 self._spent |= {(s, "lr_ramp") for s in range(f.step, f.step + f.steps)}
@@ -202,11 +205,43 @@ class FaultInjector:
         out.view(-1)[0] = float("inf")
         return out
 
+    # END -------------------------------------------------------------------------------------
+    def checkpoint_due(self, step: int) -> bool:
+        if not self._due("corrupt_checkpoint", step):
+            return False
+        self.fired.append((step, "corrupt_checkpoint"))  # after END: spent at once, logged by the caller
+        self._spent.add((step, "corrupt_checkpoint"))
+        return True
+
     # STEP ------------------------------------------------------------------------------------
     def lr_multiplier(self, step: int) -> float:
         mult = 1.0
         for f in self._due("lr_ramp", step):
+            self._ramp_steps.add(step)  # every rank: all must stop the ramp alike after a rollback
             if f.rank == self.rank:
                 self._fire(step, "lr_ramp")
             mult *= f.factor_or_default() ** (step - f.step + 1)
         return mult
+
+
+def corrupt_newest_checkpoint(root) -> str | None:
+    """Flip 64 bytes in the middle of the largest file of the newest committed checkpoint under
+    ``root`` (as storage rot would, size unchanged). Returns the file's path, or None."""
+    from pathlib import Path
+
+    from trainguard.checkpoint.layout import CheckpointLayout
+
+    layout = CheckpointLayout(Path(root))
+    tags = layout.tags()
+    if not tags:
+        return None
+    files = [p for p in layout.tag_dir(tags[-1]).rglob("*") if p.is_file() and p.stat().st_size > 128]
+    if not files:
+        return None
+    target = max(files, key=lambda p: p.stat().st_size)
+    with open(target, "r+b") as f:
+        f.seek(target.stat().st_size // 2)
+        chunk = f.read(64)
+        f.seek(-len(chunk), 1)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    return str(target)

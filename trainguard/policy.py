@@ -42,6 +42,8 @@ class Decision:
     onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
     anomaly: str | None = None      # the class that drove the decision
     remedy: str | None = None       # loss_scale ROLLBACK: "reset_scale" | "raise_floor" | "bf16"
+    onset_skipped: bool = False     # ROLLBACK: the onset step itself was skipped, so a checkpoint saved
+                                    # at it holds the state from before the anomaly and may be chosen
 
 
 def anomaly_class(v: Verdict) -> str | None:
@@ -63,6 +65,7 @@ class Policy:
         self.rollback_steps: deque = deque()
         self.lr_factor = 1.0
         self.tried: list[dict] = []
+        self.last_rollback_to: int | None = None  # the step the last rollback returned to
 
     def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None) -> Decision:
         verdicts = tuple(verdicts)
@@ -107,7 +110,16 @@ class Policy:
             if lower and self.lr_factor * self.recovery.lr_factor < self.recovery.lr_floor:
                 return self._abort(f"{reason}: the LR factor would fall below lr_floor {self.recovery.lr_floor}",
                                    verdicts, step)
-            return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver)
+            skipped_onset = driver == "nonfinite"  # (every non-finite step was skipped)
+            last = self.last_rollback_to
+            if driver in ("instant_burst", "slow_rise") and last is not None and \
+                    0 <= step - last <= self.recovery.ladder_window and last <= onset:
+                # the last rollback did not hold: the state it returned to was already damaged (e.g. by an
+                # LR ramp that began before the onset any detector saw) -- go further back than last time
+                onset, skipped_onset = last, False
+                reason += f"; the rollback to step {last} did not hold, going further back"
+            return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
+                            onset_skipped=skipped_onset)
         if chosen == "skip_step":
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
@@ -132,7 +144,8 @@ class Policy:
             return exhausted
         remedy = REMEDY.get(rung, "reset_scale")  # rollback_lower_lr here means a plain rollback too
         return Decision(Action.ROLLBACK, f"{reason} -> {remedy}", (verdict,), lower_lr=rung == "rollback_lower_lr",
-                        onset_step=verdict.detail.get("onset_step") or step, anomaly="loss_scale", remedy=remedy)
+                        onset_step=verdict.detail.get("onset_step") or step, anomaly="loss_scale", remedy=remedy,
+                        onset_skipped=True)  # the descent began with an overflow, which was skipped
 
     def _climb(self, cls: str, step: int) -> str:
         """Count one occurrence of ``cls`` and return its ladder's rung for it."""
@@ -159,6 +172,15 @@ class Policy:
     def rolled_back(self, step: int, lower_lr: bool, detail: dict) -> None:
         """The adapter carried out a rollback: count it against the budget."""
         self.rollback_steps.append(step)
+        if detail.get("to_step") is not None:
+            self.last_rollback_to = int(detail["to_step"])
+        cls = detail.get("anomaly")
+        if cls in self.history and self.history[cls]:
+            ladder = self.recovery.ladders.get(cls) or []
+            if len(self.history[cls]) >= len(ladder):
+                # the ladder's top remedy was applied: that episode is over, the next occurrence starts
+                # again from the bottom rung (the rollback budget still counts every rollback)
+                self.history[cls].clear()
         if lower_lr:
             self.lower_lr()
         self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
@@ -173,7 +195,8 @@ class Policy:
     def state_dict(self) -> dict:
         return {"consecutive_nonfinite": self.consecutive_nonfinite, "total_nonfinite": self.total_nonfinite,
                 "history": {k: list(v) for k, v in self.history.items()},
-                "rollback_steps": list(self.rollback_steps), "lr_factor": self.lr_factor, "tried": self.tried[-20:]}
+                "rollback_steps": list(self.rollback_steps), "lr_factor": self.lr_factor, "tried": self.tried[-20:],
+                "last_rollback_to": self.last_rollback_to}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
@@ -183,3 +206,4 @@ class Policy:
         self.rollback_steps = deque(state.get("rollback_steps", []))
         self.lr_factor = float(state.get("lr_factor", 1.0))
         self.tried = list(state.get("tried", []))
+        self.last_rollback_to = state.get("last_rollback_to")

@@ -22,6 +22,7 @@ from trainguard import config as tg_config
 from trainguard.demo.corpus import MarkovCorpus
 from trainguard.demo.model import TinyGPT
 from trainguard.errors import TrainguardAbort
+from trainguard.goodput import GoodputMeter
 
 
 def build_config(path: str, out: Path, zero_stage: int | None, dtype: str | None, plain: bool) -> dict:
@@ -54,6 +55,10 @@ def _full_params(engine):
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
             return [(n, p.detach().float().cpu().clone()) for n, p in params]
     return [(n, p.detach().float().cpu().clone()) for n, p in params]
+
+
+def _finite(result: dict) -> dict:
+    return {**result, "losses": [x if x is not None and math.isfinite(x) else None for x in result["losses"]]}
 
 
 def main(argv=None) -> int:
@@ -102,9 +107,16 @@ def main(argv=None) -> int:
     result = {"rank": rank, "plain": args.plain, "losses": [], "aborted": None,
               "engine_class": type(engine).__name__, "first_step": engine.global_steps}
     micro = []
+    meter = GoodputMeter()  # the plain run's goodput (a guarded run's own meter reports in run_end)
+    epoch = 0
     try:
         while engine.global_steps < args.steps:
+            sampler = getattr(loader, "data_sampler", None)
+            if hasattr(sampler, "set_epoch"):  # DeepSpeed's loader reshuffles only when told (as torch's does)
+                sampler.set_epoch(epoch)
+            epoch += 1
             for batch in loader:
+                meter.begin_step()
                 loss = engine(batch)
                 engine.backward(loss)
                 micro.append(loss.detach().float().item())
@@ -113,10 +125,17 @@ def main(argv=None) -> int:
                 if boundary:
                     result["losses"].append(sum(micro) / len(micro))
                     micro = []
+                    meter.step_done(engine.global_steps, engine.was_step_applied())
                 if engine.global_steps >= args.steps:
                     break
     except TrainguardAbort as e:
         result["aborted"] = {"message": str(e), "report": e.report}
+    except Exception as e:  # plain DeepSpeed stopping (e.g. at the minimum loss scale): say where, then fail
+        result.update({"died": f"{type(e).__name__}: {e}"[:400], "global_steps": engine.global_steps,
+                       "goodput": meter.summary()})
+        (out / f"result.rank{rank}.json").write_text(json.dumps(_finite(result), indent=1))
+        raise
+    result["goodput"] = meter.summary()
 
     params = _full_params(engine)
     digest = hashlib.sha256()
@@ -139,8 +158,7 @@ def main(argv=None) -> int:
         "nonfinite_train_losses": sum(1 for x in result["losses"] if not math.isfinite(x)),
         "sample_ids_known": hasattr(loader, "last_sample_ids"),
     })
-    result["losses"] = [x if math.isfinite(x) else None for x in result["losses"]]
-    (out / f"result.rank{rank}.json").write_text(json.dumps(result, indent=1))
+    (out / f"result.rank{rank}.json").write_text(json.dumps(_finite(result), indent=1))
     engine.destroy()
     torch.distributed.destroy_process_group()
     return 0

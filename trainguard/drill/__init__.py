@@ -1,0 +1,149 @@
+"""The fire drill: the demo model under a schedule of real-world faults, with trainguard and with
+plain DeepSpeed, against a fault-free run with the same seeds and data.
+
+    trainguard drill [--steps 1000] [--out DIR]      (also: python bench/fire_drill.py)
+
+Four runs: plain DeepSpeed without faults (the reference loss), trainguard without faults (what
+the insurance costs: the guard and a checkpoint every 10 steps), trainguard with the faults, plain
+DeepSpeed with the same faults.
+
+The schedule (``drill.json``, written for 1,000 steps; a shorter drill scales the fault steps):
+NaN loss on one rank, a burst of three poisoned batches, a corrupted newest checkpoint just before
+a loss burst that needs a rollback, an LR ramp (slow rise), and an fp16 loss-scale collapse (a
+model whose values leave fp16's range). The run is 2 ranks, ZeRO-2, fp16 with DeepSpeed's dynamic
+loss scaler (enabled on CPU by the worker's test switch).
+
+Goals (issue 5): trainguard completes, within 2% of the clean run's final loss, with goodput
+>= 0.97; plain DeepSpeed fails to complete or ends worse. Exit code 0 when they hold.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from trainguard.demo.run import run_worker
+from trainguard.metrics.jsonl import read
+
+DRILL_CONFIG = Path(__file__).with_name("drill.json")
+SCHEDULE_STEPS = 1000
+GOALS = {"loss_within": 0.02, "goodput": 0.97}
+
+
+def drill_config(steps: int, faults: bool = True) -> dict:
+    """The packaged drill config, its fault steps scaled to a drill of ``steps`` steps."""
+    cfg = json.loads(DRILL_CONFIG.read_text())
+    block = cfg["trainguard"]
+    if not faults:
+        block.pop("faults", None)
+        block["allow_faults"] = False
+        return cfg
+    scale = steps / SCHEDULE_STEPS
+    block["faults"] = [dict(f, step=max(1, round(f["step"] * scale))) for f in block["faults"]]
+    return cfg
+
+
+def _write(cfg: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def _row(name: str, rc: int, results: list, log: Path | None, clean_loss: float | None, steps: int) -> dict:
+    ok = [r for r in results if r]
+    r0 = ok[0] if ok else {}
+    died = next((r.get("died") for r in ok if r.get("died")), None)
+    completed = rc == 0 and len(ok) == len(results) and not any(r.get("aborted") for r in ok) and \
+        r0.get("global_steps") == steps
+    row = {"run": name, "completed": completed, "reached_step": r0.get("global_steps"),
+           "died": died or (r0.get("aborted") or {}).get("message") if not completed else None,
+           "eval_loss": r0.get("eval_loss") if completed else None}
+    events = [x for x in read(log) if x["type"] == "event"] if log is not None and log.exists() else []
+    end = next((e for e in reversed(events) if e["event"] == "run_end"), None)
+    good = (end or {}).get("detail", {}).get("goodput") or r0.get("goodput") or {}
+    row.update({"goodput": good.get("goodput"), "steps_lost": good.get("steps_lost"),
+                "skipped_steps": good.get("skipped_steps"),
+                "rollbacks": sum(1 for e in events if e["event"] == "rollback"),
+                "precision_fallback": any(e["event"] == "precision_fallback" for e in events),
+                "checkpoint_invalid": sum(1 for e in events if e["event"] == "checkpoint_invalid")})
+    if clean_loss and row["eval_loss"] is not None:
+        row["loss_vs_clean"] = (row["eval_loss"] - clean_loss) / clean_loss
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    def pct(x):
+        return "-" if x is None else f"{x * 100:+.2f}%"
+
+    def num(x, fmt="{:.4f}"):
+        return "-" if x is None else fmt.format(x)
+
+    head = (f"{'run':<22}{'completed':<22}{'final loss':>11}{'vs clean':>10}{'steps lost':>12}{'goodput':>9}"
+            f"{'rollbacks':>11}{'skipped':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        done = "yes" if r["completed"] else f"no (died at {r.get('reached_step')})"
+        lines.append(f"{r['run']:<22}{done:<22}{num(r.get('eval_loss')):>11}{pct(r.get('loss_vs_clean')):>10}"
+                     f"{num(r.get('steps_lost'), '{}'):>12}{num(r.get('goodput'), '{:.3f}'):>9}"
+                     f"{r.get('rollbacks', 0):>11}{num(r.get('skipped_steps'), '{}'):>9}")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
+    by = {r["run"]: r for r in rows}
+    tg, plain = by["trainguard"], by["plain DeepSpeed"]
+    checks = [
+        (tg["completed"], "trainguard completed"),
+        (tg.get("loss_vs_clean") is not None and abs(tg["loss_vs_clean"]) <= GOALS["loss_within"],
+         f"trainguard's final loss within {GOALS['loss_within']:.0%} of the clean run"),
+        (tg.get("goodput") is not None and tg["goodput"] >= GOALS["goodput"],
+         f"trainguard's goodput >= {GOALS['goodput']}"),
+        (not plain["completed"] or (plain.get("loss_vs_clean") or 0) > (tg.get("loss_vs_clean") or 0),
+         "plain DeepSpeed failed to complete or ended worse"),
+    ]
+    return all(ok for ok, _ in checks), [f"[{'x' if ok else ' '}] {what}" for ok, what in checks]
+
+
+def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-drill", extra: Sequence[str] = (),
+          stream=sys.stdout, timeout: float = 900) -> tuple[int, list[dict]]:
+    out = Path(out)
+    runs = [("clean (no faults)", drill_config(steps, faults=False), ["--plain"]),
+            ("trainguard, no faults", drill_config(steps, faults=False), []),
+            ("trainguard", drill_config(steps), []),
+            ("plain DeepSpeed", drill_config(steps), ["--plain"])]
+    print(f"trainguard fire drill: 2 ranks, {steps} steps, ZeRO-2 fp16; faults at "
+          + ", ".join(f"{f['type']}@{f['step']}" for f in runs[2][1]["trainguard"]["faults"]), file=stream)
+    rows = []
+    clean_loss = None
+    for i, (name, cfg, flags) in enumerate(runs):
+        d = out / name.replace(",", "").replace("(", "").replace(")", "").replace(" ", "_").lower()
+        print(f"  run {i + 1}/{len(runs)}: {name} ...", file=stream, flush=True)
+        cfg = copy.deepcopy(cfg)
+        ck = cfg["trainguard"].get("checkpoint", {})
+        if "--plain" in flags:
+            cfg["trainguard"].pop("checkpoint", None)  # plain DeepSpeed has no trainguard checkpoints
+        else:
+            ck["dir"] = str(d / "ckpt")
+        rc, results = run_worker(_write(cfg, d / "ds_config.json"), d, steps, extra=[*flags, *extra],
+                                 timeout=timeout)
+        log = d / ("plain.jsonl" if "--plain" in flags else "trainguard.jsonl")
+        row = _row(name, rc, results, None if "--plain" in flags else log, clean_loss, steps)
+        if i == 0:
+            clean_loss = row["eval_loss"]
+            row["loss_vs_clean"] = 0.0 if clean_loss is not None else None
+        rows.append(row)
+    ok, lines = verdict(rows)
+    print("", file=stream)
+    print(format_table(rows), file=stream)
+    for r in rows:
+        if r.get("died"):
+            print(f"  {r['run']}: {r['died'][:160]}", file=stream)
+    print("", file=stream)
+    print("goals:", file=stream)
+    for line in lines:
+        print("  " + line, file=stream)
+    (out / "drill.json").write_text(json.dumps({"steps": steps, "rows": rows, "goals_met": ok}, indent=1))
+    return (0 if ok else 1), rows
