@@ -14,6 +14,7 @@ arguments are passed through and the same objects come back, untouched.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from trainguard import config as tg_config
@@ -68,7 +69,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is not None or config_params is not None:
         kwargs["config"], kwargs["config_params"] = ds_dict, None
     kwargs["training_data"] = None
-    _collective_timeouts(deepspeed, block, kwargs)
+    _process_group(deepspeed, block, kwargs)
     recipe = None
     if isinstance(ds_dict, dict):  # what a bf16 fallback needs to build the engine again
         from ds_plugins.precision import recipe_for
@@ -93,34 +94,66 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                sample_hook=state.sample_hook if state.faults is not None else None)
         state.loader = loader
     _auto_resume(engine, state, block)
+    state.start_watchdog()
     return engine, opt, loader, scheduler
 
 
-def _collective_timeouts(deepspeed, block, kwargs) -> None:
-    """``distributed.collective_timeout_s``: every group honours it. Groups created without an
+def _process_group(deepspeed, block, kwargs) -> None:
+    """The default process group, created by trainguard before DeepSpeed builds its own groups.
+
+    ``distributed.collective_timeout_s``: every group honours it. Groups created without an
     explicit timeout (DeepSpeed's ZeRO groups) take torch's module default at creation time, so
-    that default is set; the default group is created here with it, unless it already exists."""
-    seconds = block.distributed.collective_timeout_s
-    if not seconds:
-        return
+    that default is set, and the default group is created with it.
+
+    ``distributed.fresh_store_per_attempt`` (under torchrun): the group is created on
+    ``PrefixStore("trainguard/attempt_<TORCHELASTIC_RESTART_COUNT>", store)``, so that workers of
+    a restart attempt never meet keys (gloo peer addresses) left by the attempt before."""
     from datetime import timedelta
 
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    td = timedelta(seconds=seconds)
-    c10d.default_pg_timeout = td
-    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
-        c10d.default_pg_nccl_timeout = td
-    if not dist.is_initialized():
-        extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
-        deepspeed.init_distributed(timeout=td, **extra)
-    else:
-        import warnings
+    d = block.distributed
+    td = timedelta(seconds=d.collective_timeout_s) if d.collective_timeout_s else None
+    if td is not None:
+        c10d.default_pg_timeout = td
+        if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+            c10d.default_pg_nccl_timeout = td
+    if dist.is_initialized():
+        if td is not None:
+            import warnings
 
-        warnings.warn("trainguard: the default process group existed before ds_plugins.initialize, so its timeout "
-                      "stays as it was; groups created from now on use distributed.collective_timeout_s",
-                      stacklevel=3)
+            warnings.warn("trainguard: the default process group existed before ds_plugins.initialize, so its "
+                          "timeout stays as it was; groups created from now on use distributed.collective_timeout_s",
+                          stacklevel=3)
+        return
+    env = os.environ
+    if d.fresh_store_per_attempt and "TORCHELASTIC_RESTART_COUNT" in env and "MASTER_ADDR" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        timeout = td or c10d.default_pg_timeout
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                              is_master=not agent_store and rank == 0, timeout=timeout,
+                              **({} if agent_store else {"multi_tenant": True}))
+        attempt = env["TORCHELASTIC_RESTART_COUNT"]
+        dist.init_process_group(_backend(), store=dist.PrefixStore(f"trainguard/attempt_{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+        return
+    extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
+    if td is not None:
+        deepspeed.init_distributed(timeout=td, **extra)
+
+
+def _backend() -> str:
+    """DeepSpeed's accelerator's backend, or gloo when torch lacks it (e.g. ccl on a plain CPU)."""
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().communication_backend_name()
+    try:
+        return name if dist.is_backend_available(name) else "gloo"
+    except Exception:  # noqa: BLE001 - older torch without is_backend_available
+        return name
 
 
 def _auto_resume(engine, state, block) -> None:

@@ -242,6 +242,34 @@ class RecoveryConfig(_Section):
         return {**_default_ladders(), **ladders}
 
 
+class WatchdogConfig(_Section):
+    """Heartbeats and hang detection (trainguard.watchdog)."""
+
+    enabled: bool = Field(True, description="Publish a heartbeat per rank and watch everyone's from a "
+                          "background thread (no work on the training thread beyond attribute writes).")
+    interval_s: float = Field(5.0, gt=0, description="How often each rank publishes and checks.")
+    hang_timeout_s: float = Field(
+        900.0, gt=0, description="A rank that has not progressed (changed phase) for this long is hung. Keep it "
+        "below collective_timeout_s, so that the watchdog (which names the rank and dumps stacks) acts before "
+        "a collective times out.")
+    board: Literal["store", "dir"] = Field(
+        "store", description="store: the rendezvous store (torchrun's, multi-node). dir: files in `dir` (a "
+        "directory every rank can read).")
+    dir: Optional[str] = Field(None, description="board 'dir': where the heartbeat files go.")
+    stacks_dir: Optional[str] = Field(None, description="Where `stacks.rank<r>.txt` go on a hang (default: beside "
+                                      "metrics.jsonl, else the working directory).")
+    exit_code: int = Field(75, ge=1, le=255, description="Exit code of every live rank after a hang (75, "
+                           "EX_TEMPFAIL: retry). torchrun restarts on any non-zero code; see the README.")
+    kill_hung_local: bool = Field(True, description="SIGKILL the hung ranks on this host before exiting (a "
+                                  "stopped process otherwise holds torchrun for its SIGTERM grace period).")
+
+    @model_validator(mode="after")
+    def _dir_for_dir_board(self):
+        if self.enabled and self.board == "dir" and not self.dir:
+            raise ValueError("board 'dir' needs 'dir' (a directory every rank can read)")
+        return self
+
+
 class DistributedConfig(_Section):
     """Process-group settings trainguard applies before the framework builds its groups."""
 
@@ -250,6 +278,11 @@ class DistributedConfig(_Section):
         "DeepSpeed's ZeRO/data-parallel groups alike (DeepSpeed's own `timeout` and DEEPSPEED_TIMEOUT reach only "
         "the default group, so a hung rank otherwise stalls the others for 30 minutes on gloo). null: the "
         "frameworks' defaults.")
+    fresh_store_per_attempt: bool = Field(
+        True, description="Under torchrun, create the default process group on a store prefix of its own per "
+        "restart attempt (TORCHELASTIC_RESTART_COUNT): restarted gloo workers otherwise often fail to connect "
+        "through stale peer addresses.")
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
 
 class ChecksConfig(_Section):
@@ -287,7 +320,8 @@ class FaultSpec(_Section):
     """One injected fault. Used by tests, the demo and fire drills; refused unless allow_faults."""
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
-                  "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint"] = Field(
+                  "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint", "kill_rank",
+                  "hang_rank"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -299,7 +333,9 @@ class FaultSpec(_Section):
         "fp16_overflow: +Inf in one parameter's local gradient on every step of [step, step+steps) while the "
         "engine runs fp16, also when those steps re-run after a rollback (values beyond fp16's range: no loss "
         "scale fixes it, bf16 does). corrupt_checkpoint: at the end of `step`, bytes are flipped in the largest "
-        "file of the newest committed checkpoint under checkpoint.dir (storage rot; `rank` does it).")
+        "file of the newest committed checkpoint under checkpoint.dir (storage rot; `rank` does it). "
+        "kill_rank: the rank SIGKILLs itself at the start of `step` (a dead node). hang_rank: the rank SIGSTOPs "
+        "itself there (a hung node). Both only in restart attempt `attempt` (TORCHELASTIC_RESTART_COUNT).")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
@@ -310,6 +346,7 @@ class FaultSpec(_Section):
     factor: Optional[float] = Field(None, description="spike_batch (default 50), lr_ramp (per-step growth, "
                                     "default 1.15), attention_collapse (default 50).")
     head: int = Field(0, ge=0, description="attention_collapse: the head whose logits are scaled.")
+    attempt: int = Field(0, ge=0, description="kill_rank, hang_rank: the restart attempt in which it fires.")
 
     @model_validator(mode="after")
     def _fields_fit_the_type(self):

@@ -20,6 +20,8 @@ fp16_overflow          BACKWARD     the same, on every step of its window while 
                                     stands for a model whose values exceed fp16's range, which
                                     no loss scale fixes (bf16 does)
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
+kill_rank, hang_rank   FORWARD      the process SIGKILLs / SIGSTOPs itself (restart attempt
+                                    ``attempt`` only: the restarted job must get past it)
 corrupt_checkpoint     END          bytes flipped in the largest file of the newest committed
                                     checkpoint (storage rot: the next load must notice)
 =====================  ===========  =====================================================
@@ -118,6 +120,17 @@ class FaultInjector:
         return samples
 
     # FORWARD ---------------------------------------------------------------------------------
+    def process(self, step: int) -> None:
+        """kill_rank / hang_rank: this process dies or stops here, like a failed or hung node."""
+        import os
+        import signal
+
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        for kind, sig in (("kill_rank", signal.SIGKILL), ("hang_rank", signal.SIGSTOP)):
+            if any(f.attempt == attempt for f in self._due(kind, step)):
+                self._fire(step, kind)
+                os.kill(os.getpid(), sig)
+
     def batch(self, step: int, inputs: Any) -> tuple[Any, bool]:
         """nan_batch / spike_batch on the inputs. Returns ``(inputs, poison_first_module_output)``."""
         poison_output = False

@@ -36,6 +36,7 @@ from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
+from trainguard.goodput import GoodputMeter
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
 from trainguard.metrics.jsonl import JsonlSink
 from trainguard.policy import Decision, Policy
@@ -79,6 +80,7 @@ class StepGuard:
         self.loss_spike = LossSpikeDetector(cfg.detectors.loss_spike)
         self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
         self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
+        self.goodput = GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
         self.clipper = Clipper(cfg.clipping)
         self.localize = localize
@@ -497,8 +499,22 @@ class StepGuard:
                 coords = self._coords_of(r)
                 self._emit(step, Record.SUSPECT_RANK.value, [r], ALERT, {
                     "coords": coords, "host": coords.get("host"), "occurrences": [s for s, _ in seen],
+                    "file": self._write_suspects(),
                     "advice": "the same rank produced anomalies on different data: suspect its GPU or host; "
-                              "the elastic restart can exclude it"})
+                              "a restart can exclude the host (scripts/launch/slurm_deepspeed.sbatch reads the "
+                              "file)"})
+
+    def _write_suspects(self) -> str | None:
+        """``suspect_hosts.json`` beside the event log (rank 0): what a launcher excludes on restart."""
+        if self.rank != 0 or not self.cfg.metrics.jsonl:
+            return None
+        from trainguard.checkpoint.fsio import atomic_write_json
+
+        path = Path(self.cfg.metrics.jsonl).with_name("suspect_hosts.json")
+        ranks = sorted(self._suspected)
+        atomic_write_json(path, {"ranks": ranks, "hosts": sorted({str(self._coords_of(r).get("host")) for r in ranks}),
+                                 "coords": [self._coords_of(r) for r in ranks]})
+        return str(path)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
@@ -521,7 +537,7 @@ class StepGuard:
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
                 "loss_spike": self.loss_spike.state_dict(), "grad_norm": self.grad_norm.state_dict(),
-                "clipper": self.clipper.state_dict()}
+                "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = int(state["skipped_steps"])
@@ -529,6 +545,8 @@ class StepGuard:
         self.loss_spike.load_state_dict(state["loss_spike"])
         self.grad_norm.load_state_dict(state["grad_norm"])
         self.clipper.load_state_dict(state["clipper"])
+        if "goodput" in state:
+            self.goodput.load_state_dict(state["goodput"])
 
 
 def _local_norm(grad: torch.Tensor) -> torch.Tensor:

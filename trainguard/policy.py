@@ -65,7 +65,8 @@ class Policy:
         self.rollback_steps: deque = deque()
         self.lr_factor = 1.0
         self.tried: list[dict] = []
-        self.last_rollback_to: int | None = None  # the step the last rollback returned to
+        self.last_rollback_to: int | None = None    # the step the last rollback returned to ...
+        self.last_rollback_from: int | None = None  # ... from this step
 
     def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None) -> Decision:
         verdicts = tuple(verdicts)
@@ -111,11 +112,12 @@ class Policy:
                 return self._abort(f"{reason}: the LR factor would fall below lr_floor {self.recovery.lr_floor}",
                                    verdicts, step)
             skipped_onset = driver == "nonfinite"  # (every non-finite step was skipped)
-            last = self.last_rollback_to
-            if driver in ("instant_burst", "slow_rise") and last is not None and \
-                    0 <= step - last <= self.recovery.ladder_window and last <= onset:
-                # the last rollback did not hold: the state it returned to was already damaged (e.g. by an
-                # LR ramp that began before the onset any detector saw) -- go further back than last time
+            last, was_at = self.last_rollback_to, self.last_rollback_from
+            if driver in ("instant_burst", "slow_rise") and last is not None and was_at is not None and \
+                    0 <= step - last < 2 * (was_at - last) and last <= onset:
+                # the last rollback did not hold: a spike again before the run got twice as far past its
+                # target as it had been when it rolled back, so the state it returned to was already damaged
+                # (e.g. by an LR ramp that began before any detector could see it) -- go further back
                 onset, skipped_onset = last, False
                 reason += f"; the rollback to step {last} did not hold, going further back"
             return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
@@ -173,7 +175,7 @@ class Policy:
         """The adapter carried out a rollback: count it against the budget."""
         self.rollback_steps.append(step)
         if detail.get("to_step") is not None:
-            self.last_rollback_to = int(detail["to_step"])
+            self.last_rollback_to, self.last_rollback_from = int(detail["to_step"]), step
         cls = detail.get("anomaly")
         if cls in self.history and self.history[cls]:
             ladder = self.recovery.ladders.get(cls) or []
@@ -196,7 +198,7 @@ class Policy:
         return {"consecutive_nonfinite": self.consecutive_nonfinite, "total_nonfinite": self.total_nonfinite,
                 "history": {k: list(v) for k, v in self.history.items()},
                 "rollback_steps": list(self.rollback_steps), "lr_factor": self.lr_factor, "tried": self.tried[-20:],
-                "last_rollback_to": self.last_rollback_to}
+                "last_rollback_to": self.last_rollback_to, "last_rollback_from": self.last_rollback_from}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
@@ -207,3 +209,4 @@ class Policy:
         self.lr_factor = float(state.get("lr_factor", 1.0))
         self.tried = list(state.get("tried", []))
         self.last_rollback_to = state.get("last_rollback_to")
+        self.last_rollback_from = state.get("last_rollback_from")

@@ -53,9 +53,9 @@ def make_config(tmp: Path, *, faults=(), block=None, **ds) -> Path:
 
 @pytest.fixture
 def torchrun(tmp_path):
-    def go(config: Path, steps: int, *extra, out_name="run", timeout=240) -> Run:
+    def go(config: Path, steps: int, *extra, out_name="run", timeout=240, launcher=()) -> Run:
         out = tmp_path / out_name
-        rc, results = run_worker(config, out, steps, nproc=2, extra=list(extra), timeout=timeout)
+        rc, results = run_worker(config, out, steps, nproc=2, extra=list(extra), timeout=timeout, launcher=launcher)
         run = Run(rc, results, out)
         log = out / ("plain.jsonl" if "--plain" in extra else "trainguard.jsonl")
         if log.exists():

@@ -1,5 +1,6 @@
-"""The fire drill (issue 5): 1,000 steps, 2 ranks, ZeRO-2 fp16, a schedule of faults; trainguard
-against plain DeepSpeed and a fault-free run with the same seeds and data (~2 minutes)."""
+"""The fire drill (issues 5 and 7): 1,000 steps, 2 ranks, ZeRO-2 fp16, a schedule of faults -- a
+killed and a hung rank among them, under torchrun --max-restarts=2; trainguard against plain
+DeepSpeed and a fault-free run with the same seeds and data (~3 minutes)."""
 import io
 import json
 
@@ -21,13 +22,15 @@ def test_fire_drill(tmp_path):
     assert clean["completed"] and insured["completed"] and insured["eval_loss"] == clean["eval_loss"]
     # under the faults trainguard finishes, within 2% of the clean loss ...
     assert tg["completed"] and abs(tg["loss_vs_clean"]) <= 0.02
-    # ... having rolled back (past the corrupted checkpoint) and fallen back from fp16 to bf16
+    # ... having rolled back (past the corrupted checkpoint), fallen back from fp16 to bf16, been restarted
+    # after the killed rank and after the hung one (named: rank 0), resuming by itself each time
     assert tg["rollbacks"] >= 4 and tg["checkpoint_invalid"] >= 1 and tg["precision_fallback"]
+    assert tg["restarts"] == 2 and tg["hangs_named"] == [0]
     # while DeepSpeed alone stops at the minimum loss scale
     assert not plain["completed"] and "Current loss scale already at minimum" in plain["died"]
     # goodput is measured for every run (the 0.97 goal is not met at this fault density on CPU:
     # see the README's drill section; this bounds a regression)
-    assert 0.85 < tg["goodput"] < insured["goodput"] <= clean["goodput"] <= 1.0
+    assert 0.3 < tg["goodput"] < insured["goodput"] <= clean["goodput"] <= 1.0
     assert rc == (0 if tg["goodput"] >= 0.97 else 1)
     saved = json.loads((tmp_path / "drill.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))

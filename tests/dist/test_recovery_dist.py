@@ -46,6 +46,11 @@ def test_nonfinite_ladder_rolls_back_and_never_replays_a_quarantined_sample(tmp_
     # one rank, three times, on different data: suspect it
     (sus,) = events(run, "suspect_rank")
     assert sus["ranks"] == [1] and sus["detail"]["coords"]["dp"] == 1 and sus["detail"]["occurrences"] == [22, 24, 26]
+    import json
+    from pathlib import Path
+
+    excluded = json.loads(Path(sus["detail"]["file"]).read_text())  # what a launcher excludes on restart
+    assert excluded["ranks"] == [1] and excluded["hosts"] == [sus["detail"]["host"]]
     assert all(r["global_steps"] == 40 and r["weights_finite"] for r in run.results)
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
 

@@ -114,3 +114,22 @@ def test_scale_rungs_only_in_the_loss_scale_ladder():
         parse_block({"recovery": {"ladders": {"nonfinite": ["raise_floor"]}}})
     cfg = parse_block({"recovery": {"ladders": {"instant_burst": ["skip_step"]}}})
     assert cfg.recovery.ladders["loss_scale"] == ["rollback", "raise_floor", "bf16_fallback"]  # the others keep theirs
+
+
+def test_a_spike_soon_after_a_rollback_goes_further_back_a_later_one_does_not():
+    p = Policy(NonfiniteConfig(), RecoveryConfig(max_rollbacks=10))
+    d = p.decide([v("instant_burst")], step=615)
+    assert d.onset_step == 615
+    p.rolled_back(615, False, {"to_step": 600, "anomaly": "instant_burst"})
+    d = p.decide([v("instant_burst")], step=623)  # 23 steps past the target, it had been 15: did not hold
+    assert d.action is Action.ROLLBACK and d.onset_step == 600 and "further back" in d.reason
+    p.rolled_back(623, False, {"to_step": 590, "anomaly": "instant_burst"})
+    d = p.decide([v("instant_burst")], step=700)  # long after: a new problem, its own onset
+    assert d.onset_step == 700 and "further back" not in d.reason
+    # non-finite steps are bad data, not a damaged state: never further back; and after the ladder's top
+    # rung (the rollback) the episode is over: the next occurrence is skipped again
+    q = Policy(NonfiniteConfig(), RecoveryConfig())
+    assert [q.decide([v("nonfinite")], step=s).action for s in (90, 91, 92)] == \
+        [Action.SKIP_STEP, Action.SKIP_STEP, Action.ROLLBACK]
+    q.rolled_back(92, False, {"to_step": 80, "anomaly": "nonfinite"})
+    assert q.decide([v("nonfinite")], step=85).action is Action.SKIP_STEP

@@ -62,7 +62,8 @@ def worker_pids(agent_pid: int) -> list[int]:
 
 
 def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, nproc: int = 2,
-               extra: Sequence[str] = (), timeout: float = 300, log_name: str = "torchrun.log") -> tuple[int, list[dict]]:
+               extra: Sequence[str] = (), timeout: float = 300, log_name: str = "torchrun.log",
+               launcher: Sequence[str] = ()) -> tuple[int, list[dict]]:
     """Run ``nproc`` ranks of trainguard.demo.worker; return ``(exit code, per-rank results)``.
 
     Bounded: the whole process group is killed after ``timeout`` seconds (exit code 124), so a
@@ -70,7 +71,7 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
            "-m", "trainguard.demo.worker", "--config", str(config), "--steps", str(steps), "--out", str(out),
            *extra]
     with open(out / log_name, "w") as log:

@@ -13,7 +13,9 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--step-sleep", type=float, default=0.0,
+                    help="seconds to sleep after each step (stands in for a bigger model in liveness tests)")
     ap.add_argument("--d-model", type=int, default=96)
     ap.add_argument("--layers", type=int, default=3)
     args = ap.parse_args(argv)
@@ -109,6 +113,9 @@ def main(argv=None) -> int:
     micro = []
     meter = GoodputMeter()  # the plain run's goodput (a guarded run's own meter reports in run_end)
     epoch = 0
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    with open(out / f"starts.rank{rank}.txt", "a") as f:  # one line per (re)start: the drill's wall clock
+        f.write(f"{attempt} {time.time():.3f}\n")
     try:
         while engine.global_steps < args.steps:
             sampler = getattr(loader, "data_sampler", None)
@@ -126,16 +133,19 @@ def main(argv=None) -> int:
                     result["losses"].append(sum(micro) / len(micro))
                     micro = []
                     meter.step_done(engine.global_steps, engine.was_step_applied())
+                    if args.step_sleep:
+                        time.sleep(args.step_sleep)
                 if engine.global_steps >= args.steps:
                     break
     except TrainguardAbort as e:
         result["aborted"] = {"message": str(e), "report": e.report}
     except Exception as e:  # plain DeepSpeed stopping (e.g. at the minimum loss scale): say where, then fail
         result.update({"died": f"{type(e).__name__}: {e}"[:400], "global_steps": engine.global_steps,
-                       "goodput": meter.summary()})
+                       "goodput": meter.summary(), "t_end": time.time()})
         (out / f"result.rank{rank}.json").write_text(json.dumps(_finite(result), indent=1))
         raise
     result["goodput"] = meter.summary()
+    result["t_end"] = time.time()
 
     params = _full_params(engine)
     digest = hashlib.sha256()

@@ -8,9 +8,11 @@ the insurance costs: the guard and a checkpoint every 10 steps), trainguard with
 DeepSpeed with the same faults.
 
 The schedule (``drill.json``, written for 1,000 steps; a shorter drill scales the fault steps):
-NaN loss on one rank, a burst of three poisoned batches, a corrupted newest checkpoint just before
-a loss burst that needs a rollback, an LR ramp (slow rise), and an fp16 loss-scale collapse (a
-model whose values leave fp16's range). The run is 2 ranks, ZeRO-2, fp16 with DeepSpeed's dynamic
+NaN loss on one rank, a corrupted newest checkpoint just before a burst of three poisoned batches
+(whose rollback needs it), a killed rank, an LR ramp (slow rise), a hung rank, and an fp16
+loss-scale collapse (a model whose values leave fp16's range). Every run is launched with
+``torchrun --max-restarts=2``: trainguard resumes by itself from its checkpoints; plain DeepSpeed
+restarts from step 0. The run is 2 ranks, ZeRO-2, fp16 with DeepSpeed's dynamic
 loss scaler (enabled on CPU by the worker's test switch).
 
 Goals (issue 5): trainguard completes, within 2% of the clean run's final loss, with goodput
@@ -30,6 +32,7 @@ from trainguard.metrics.jsonl import read
 
 DRILL_CONFIG = Path(__file__).with_name("drill.json")
 SCHEDULE_STEPS = 1000
+LAUNCHER = ["--max-restarts=2", "--monitor-interval=0.5"]
 GOALS = {"loss_within": 0.02, "goodput": 0.97}
 
 
@@ -52,7 +55,28 @@ def _write(cfg: dict, path: Path) -> Path:
     return path
 
 
-def _row(name: str, rc: int, results: list, log: Path | None, clean_loss: float | None, steps: int) -> dict:
+def _restarts(d: Path, rc: int) -> int:
+    """How many times torchrun restarted the workers: its failure lines, less a final one."""
+    try:
+        failures = (d / "torchrun.log").read_text(errors="replace").count("failed (exitcode")
+    except OSError:
+        return 0
+    return max(0, failures - (1 if rc != 0 else 0))
+
+
+def _external_goodput(d: Path, r0: dict) -> float | None:
+    """A run without trainguard's meter across restarts (plain DeepSpeed restarts from step 0): the
+    final attempt's productive time over the wall time since the first attempt's first step."""
+    try:
+        starts = [float(line.split()[1]) for line in (d / "starts.rank0.txt").read_text().splitlines()]
+        wall = float(r0["t_end"]) - min(starts)
+        return round(r0["goodput"]["productive_s"] / wall, 4) if wall > 0 else None
+    except (OSError, KeyError, ValueError, TypeError, IndexError):
+        return None
+
+
+def _row(name: str, rc: int, results: list, log: Path | None, clean_loss: float | None, steps: int,
+         restarts: int = 0) -> dict:
     ok = [r for r in results if r]
     r0 = ok[0] if ok else {}
     died = next((r.get("died") for r in ok if r.get("died")), None)
@@ -66,7 +90,9 @@ def _row(name: str, rc: int, results: list, log: Path | None, clean_loss: float 
     good = (end or {}).get("detail", {}).get("goodput") or r0.get("goodput") or {}
     row.update({"goodput": good.get("goodput"), "steps_lost": good.get("steps_lost"),
                 "skipped_steps": good.get("skipped_steps"),
-                "rollbacks": sum(1 for e in events if e["event"] == "rollback"),
+                "rollbacks": sum(1 for e in events if e["event"] == "rollback"), "restarts": restarts,
+                "hangs_named": [c["rank"] for e in events if e["event"] == "hang_detected"
+                                for c in e["detail"]["culprits"]],
                 "precision_fallback": any(e["event"] == "precision_fallback" for e in events),
                 "checkpoint_invalid": sum(1 for e in events if e["event"] == "checkpoint_invalid")})
     if clean_loss and row["eval_loss"] is not None:
@@ -82,13 +108,13 @@ def format_table(rows: list[dict]) -> str:
         return "-" if x is None else fmt.format(x)
 
     head = (f"{'run':<22}{'completed':<22}{'final loss':>11}{'vs clean':>10}{'steps lost':>12}{'goodput':>9}"
-            f"{'rollbacks':>11}{'skipped':>9}")
+            f"{'rollbacks':>11}{'restarts':>10}{'skipped':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         done = "yes" if r["completed"] else f"no (died at {r.get('reached_step')})"
         lines.append(f"{r['run']:<22}{done:<22}{num(r.get('eval_loss')):>11}{pct(r.get('loss_vs_clean')):>10}"
                      f"{num(r.get('steps_lost'), '{}'):>12}{num(r.get('goodput'), '{:.3f}'):>9}"
-                     f"{r.get('rollbacks', 0):>11}{num(r.get('skipped_steps'), '{}'):>9}")
+                     f"{r.get('rollbacks', 0):>11}{r.get('restarts', 0):>10}{num(r.get('skipped_steps'), '{}'):>9}")
     return "\n".join(lines)
 
 
@@ -128,9 +154,11 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
         else:
             ck["dir"] = str(d / "ckpt")
         rc, results = run_worker(_write(cfg, d / "ds_config.json"), d, steps, extra=[*flags, *extra],
-                                 timeout=timeout)
+                                 timeout=timeout, launcher=LAUNCHER)
         log = d / ("plain.jsonl" if "--plain" in flags else "trainguard.jsonl")
-        row = _row(name, rc, results, None if "--plain" in flags else log, clean_loss, steps)
+        row = _row(name, rc, results, None if "--plain" in flags else log, clean_loss, steps, _restarts(d, rc))
+        if "--plain" in flags and row["restarts"]:
+            row["goodput"] = _external_goodput(d, next((r for r in results if r), {}))
         if i == 0:
             clean_loss = row["eval_loss"]
             row["loss_vs_clean"] = 0.0 if clean_loss is not None else None

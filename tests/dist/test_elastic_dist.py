@@ -1,0 +1,76 @@
+"""Liveness under torchrun (issue 7): a killed rank and a hung rank, each restarted by torchrun
+(--max-restarts=1), resume from the newest valid checkpoint by themselves and end with the same
+parameters as an uninterrupted run."""
+import pytest
+
+from tests.dist.conftest import make_config
+from trainguard.metrics.jsonl import read
+
+pytestmark = pytest.mark.dist
+
+STEPS = 30
+RESTART = ["--max-restarts=1", "--monitor-interval=0.5"]
+
+
+def block(tmp_path, name, **watchdog):
+    return {"metrics": {"per_rank": True},
+            "checkpoint": {"dir": str(tmp_path / name / "ck"), "every_steps": 5, "stable_after": 2},
+            "distributed": {"collective_timeout_s": 120,
+                            "watchdog": {"interval_s": 0.5, "hang_timeout_s": 5, **watchdog}}}
+
+
+def events(run, name):
+    return [e for e in run.events if e["event"] == name]
+
+
+@pytest.fixture
+def uninterrupted(tmp_path, torchrun):
+    cfg = make_config(tmp_path, block=block(tmp_path, "clean"), bf16={"enabled": True})
+    return torchrun(cfg, STEPS, out_name="clean").ok()
+
+
+def test_sigkill_of_a_rank_restarts_and_resumes_exactly(tmp_path, torchrun, uninterrupted):
+    fault = [{"type": "kill_rank", "step": 18, "rank": 1}]
+    (tmp_path / "k").mkdir()
+    cfg = make_config(tmp_path / "k", block=block(tmp_path, "killed"), faults=fault, bf16={"enabled": True})
+    run = torchrun(cfg, STEPS, launcher=RESTART, out_name="killed").ok()
+    (restart,) = events(run, "restart")
+    assert restart["detail"]["attempt"] == 1 and restart["detail"]["downtime_s"] is not None
+    assert restart["detail"]["downtime_s"] < 60
+    resumes = events(run, "resume")
+    assert resumes and resumes[-1]["detail"]["tag"] == "step00000015"  # the newest valid one before the kill
+    # the same final parameters as the run that was never interrupted
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
+        uninterrupted.results[0]["param_sha256"]
+    assert run.results[0]["global_steps"] == STEPS
+    # goodput carried across the restart: the killed attempt's work after the save counts as lost
+    end = events(run, "run_end")[-1]["detail"]["goodput"]
+    assert 0 < end["goodput"] < 1 and end["downtime_s"] > 0
+
+
+def test_sigstop_of_a_rank_is_named_restarted_and_resumed(tmp_path, torchrun, uninterrupted):
+    fault = [{"type": "hang_rank", "step": 18, "rank": 1}]
+    (tmp_path / "h").mkdir()
+    cfg = make_config(tmp_path / "h", block=block(tmp_path, "hung"), faults=fault, bf16={"enabled": True})
+    run = torchrun(cfg, STEPS, "--step-sleep", "0.1", launcher=RESTART, out_name="hung").ok()
+    (hang,) = events(run, "hang_detected")
+    assert hang["ranks"] == [1] and hang["action"] == "restart"
+    (culprit,) = hang["detail"]["culprits"]
+    # a stopped process publishes nothing more: its step and phase are the last ones it published, at most
+    # interval_s (0.5 s = 5 steps of 0.1 s here) before it stopped in step 18
+    assert culprit["rank"] == 1 and 13 <= culprit["step"] <= 18 and culprit["phase"] in ("data", "forward", "backward",
+                                                                                        "collective")
+    assert culprit["silent_s"] > 2 and culprit["no_progress_s"] > 5
+    # detected within hang_timeout_s + 10 s of the last progress the log shows before it (in file order:
+    # the restarted attempt logs the same steps again later)
+    lines = read(run.out / "trainguard.jsonl")
+    before = [x for x in lines[:lines.index(hang)] if x["type"] == "metric"]
+    assert before and 5 <= hang["time"] - before[-1]["time"] < 5 + 10
+    # torchrun restarted the job at once: no SIGTERM grace spent on the stopped rank (it was killed)
+    (restart,) = events(run, "restart")
+    assert restart["time"] - hang["time"] < 20
+    stacks = (run.out / "stacks.rank0.txt").read_text()
+    assert "Current thread" in stacks or "Thread" in stacks  # rank 0's own stacks, at the hang
+    assert 13 <= restart["detail"]["previous"]["1"]["step"] <= 18
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
+        uninterrupted.results[0]["param_sha256"]

@@ -1,0 +1,203 @@
+"""Liveness: per-rank heartbeats, a monitor that names a hung rank, and what happens then.
+
+Every rank keeps a :class:`Heartbeat` -- the step, the phase (``data``, ``forward``, ``backward``,
+``collective``, ``checkpoint``) and the time of the last *progress* (a phase change). Setting it
+is a few attribute writes on the training thread, no I/O. A background thread publishes it every
+``interval_s`` to a board -- the rendezvous store (one key per rank) or a directory -- together
+with its own publish time, and reads everyone else's.
+
+A rank is *hung* when its last progress is older than ``hang_timeout_s``. Every rank waiting in a
+collective for a hung peer stops progressing too, so :func:`find_hung` names the culprit by what
+distinguishes it: its publisher went silent (the process is stopped or dead), else it is behind
+in steps, else it is the one *not* waiting in a collective. Then the monitor (on every live rank)
+dumps its own Python stacks (faulthandler) and asks hung ranks on its host to dump theirs
+(SIGUSR1), writes ``hang_detected`` naming rank, host, phase and step, optionally kills the hung
+local ranks (a stopped process would otherwise hold the launcher for its SIGTERM grace), and ends
+its process with ``exit_code``, so that the launcher restarts the job (see the README's
+"Restarts and exit codes").
+
+Framework-free: the adapter supplies the board and says when phases change.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+PHASES = ("start", "data", "forward", "backward", "collective", "checkpoint", "done")
+
+
+@dataclass
+class Beat:
+    rank: int
+    host: str
+    pid: int
+    step: int
+    phase: str
+    progress: float      # wall time of the last phase change
+    published: float     # wall time this record was written (the publisher's own liveness)
+
+    @classmethod
+    def parse(cls, text: str | bytes) -> "Beat":
+        d = json.loads(text)
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+class Heartbeat:
+    """What the training thread updates (cheap: attribute writes under the GIL)."""
+
+    def __init__(self, rank: int):
+        self.rank, self.host, self.pid = rank, socket.gethostname(), os.getpid()
+        self.step, self.phase, self.progress = 0, "start", time.time()
+
+    def beat(self, phase: str, step: int | None = None) -> None:
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self.progress = time.time()
+
+    def record(self) -> Beat:
+        return Beat(self.rank, self.host, self.pid, self.step, self.phase, self.progress, time.time())
+
+
+# ---------------------------------------------------------------------------------- boards
+class StoreBoard:
+    """Heartbeats in a c10d store (the rendezvous store), under ``prefix``."""
+
+    def __init__(self, store, prefix: str, world: int):
+        self.store, self.prefix, self.world = store, prefix, world
+
+    def publish(self, beat: Beat) -> None:
+        self.store.set(f"{self.prefix}/hb/{beat.rank}", json.dumps(asdict(beat)))
+
+    def read(self) -> dict[int, Beat]:
+        keys = [f"{self.prefix}/hb/{r}" for r in range(self.world)]
+        present = [k for k in keys if self.store.check([k])]
+        if not present:
+            return {}
+        return {b.rank: b for b in (Beat.parse(v) for v in self.store.multi_get(present))}
+
+
+class DirBoard:
+    """Heartbeats as one small JSON file per rank in a directory (shared across nodes, or one node)."""
+
+    def __init__(self, path: str | os.PathLike, world: int):
+        self.path, self.world = Path(path), world
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def publish(self, beat: Beat) -> None:
+        tmp = self.path / f".hb.rank{beat.rank}.{os.getpid()}"
+        tmp.write_text(json.dumps(asdict(beat)))
+        os.replace(tmp, self.path / f"hb.rank{beat.rank}.json")
+
+    def read(self) -> dict[int, Beat]:
+        out = {}
+        for r in range(self.world):
+            try:
+                out[r] = Beat.parse((self.path / f"hb.rank{r}.json").read_text())
+            except (OSError, ValueError, KeyError):
+                continue
+        return out
+
+
+# ---------------------------------------------------------------------------------- decision
+@dataclass
+class HangVerdict:
+    culprits: list[int]
+    why: str
+    beats: dict[int, Beat] = field(default_factory=dict)
+
+    def describe(self) -> list[dict]:
+        now = time.time()
+        return [{"rank": r, "host": b.host, "pid": b.pid, "phase": b.phase, "step": b.step,
+                 "no_progress_s": round(now - b.progress, 1), "silent_s": round(now - b.published, 1)}
+                for r, b in sorted(self.beats.items()) if r in self.culprits]
+
+
+def find_hung(beats: dict[int, Beat], world: int, now: float, hang_timeout_s: float,
+              interval_s: float) -> HangVerdict | None:
+    """Pure: from everyone's last heartbeat, is the job hung, and which rank(s) caused it?"""
+    if len(beats) < world:
+        return None  # not everyone has started yet: startup is not a hang
+    stalled = {r: b for r, b in beats.items() if now - b.progress > hang_timeout_s}
+    if not stalled:
+        return None
+    silent = [r for r, b in stalled.items() if now - b.published > max(3 * interval_s, 2.0)]
+    if silent:
+        return HangVerdict(sorted(silent), "its heartbeat stopped: the process is stopped, dead or wedged "
+                           "without the GIL", beats)
+    top = max(b.step for b in beats.values())
+    behind = [r for r, b in stalled.items() if b.step < top]
+    if behind:
+        return HangVerdict(sorted(behind), f"behind the others (step < {top}) and not progressing", beats)
+    outside = [r for r, b in stalled.items() if b.phase != "collective"]
+    if outside and len(outside) < len(stalled):
+        return HangVerdict(sorted(outside), "not progressing outside a collective while the others wait in one",
+                           beats)
+    return HangVerdict(sorted(stalled), "no rank progresses (a deadlock, or a hung collective)", beats)
+
+
+# ---------------------------------------------------------------------------------- monitor
+class Monitor(threading.Thread):
+    """Publishes this rank's heartbeat and watches everyone's. On a hang: ``on_hang(verdict)``."""
+
+    def __init__(self, heart: Heartbeat, board, world: int, interval_s: float, hang_timeout_s: float,
+                 on_hang: Callable[[HangVerdict], None]):
+        super().__init__(name=f"trainguard-watchdog-{heart.rank}", daemon=True)
+        self.heart, self.board, self.world = heart, board, world
+        self.interval_s, self.hang_timeout_s, self.on_hang = interval_s, hang_timeout_s, on_hang
+        self._stop = threading.Event()
+        self.errors = 0
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.board.publish(self.heart.record())
+                verdict = find_hung(self.board.read(), self.world, time.time(), self.hang_timeout_s,
+                                    self.interval_s)
+            except Exception:  # noqa: BLE001 - a board hiccup must never kill training
+                self.errors += 1
+                continue
+            if verdict is not None and not self._stop.is_set():
+                self.on_hang(verdict)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def install_stack_dump_signal(path: str | os.PathLike | None) -> None:
+    """SIGUSR1 makes this process write every thread's Python stack (to ``path`` or stderr)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    target = open(path, "a") if path else sys.stderr  # noqa: SIM115 - kept open for the handler
+    faulthandler.register(signal.SIGUSR1, file=target, all_threads=True, chain=False)
+
+
+def dump_own_stacks(path: str | os.PathLike) -> None:
+    with open(path, "a") as f:
+        f.write(f"--- rank stacks at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}) ---\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+
+
+def signal_local(verdict: HangVerdict, host: str, sig: int) -> list[int]:
+    """Send ``sig`` to the culprit ranks that run on this host; returns their pids."""
+    sent = []
+    for r in verdict.culprits:
+        b = verdict.beats.get(r)
+        if b is not None and b.host == host and b.pid != os.getpid():
+            try:
+                os.kill(b.pid, sig)
+                sent.append(b.pid)
+            except OSError:
+                pass
+    return sent
