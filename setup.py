@@ -39,7 +39,7 @@ setup(
     ],
     extras_require={
         "deepspeed": ["deepspeed>=0.16,<0.20"],
-        "megatron": ["megatron-core>=0.12,<0.17", "psutil"],
+        "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
         "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6"],
         "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6"],
     },

@@ -1,7 +1,309 @@
-"""Megatron-core adapter (forward hooks, parallel_state coordinates, grad-scaler fallback,
-dist_checkpointing snapshots, a ``--trainguard-config`` argument for Megatron-LM).
+"""Megatron-core adapter: the same guard, config block, events and JSONL as the DeepSpeed one.
 
-Not built yet: this package exists so the distribution's layout is the one users install, and it
-exposes nothing until the adapter lands (see the README's status table).
+    import megatron_hooks
+    model = [DistributedDataParallel(config, ddp_config, gpt_model)]        # your model chunks
+    optimizer = get_megatron_optimizer(opt_config, model)
+    guard = megatron_hooks.install(model, optimizer, "trainguard.json")   # or a dict / the ds_config
+    for iteration in ...:
+        losses = forward_backward_func(...)                                # unchanged
+        update_successful, grad_norm, num_zeros = optimizer.step()         # the guard decides here
+    guard.close()
+
+What ``install`` does, on every rank:
+
+- puts the guard's AGREE/DECIDE around ``optimizer.step()``: one all-reduce of the ``[world, 8]``
+  table over the default group, then every rank applies the step or skips it (a skipped step is
+  ``optimizer.step()`` not called and the gradients zeroed: ``(False, None, None)`` comes back, as
+  for an fp16 overflow);
+- a tensor hook per parameter: each rank's *local* gradient is checked before megatron's
+  data-parallel reduction (no second synchronisation: it rides in the same table);
+- on the last pipeline stage, a forward hook reads the model's per-token loss (the local loss);
+- forward hooks on every module record whether its output was finite (a device flag, read only on
+  a non-finite step): the first non-finite module, the global layer number across pipeline stages
+  (``TransformerLayer.layer_number``), and the *origin* rank -- a NaN that spread down the
+  pipeline or through a tensor-parallel all-reduce is attributed to where it came first;
+- the sampled probes (attention entropy from ``core_attention.scale_mask_softmax`` -- the local
+  attention path only: fused/flash attention never materialises the probabilities -- and
+  activation range) on sampled steps;
+- every rank's (dp, tp, pp, cp, ep) coordinates from ``parallel_state``, in every verdict.
+
+Sample ids: call ``guard.on_batch(sample_ids)`` in your ``forward_step`` (optional).
+
+Megatron-LM: :func:`extra_args_provider` adds ``--trainguard-config FILE``.
+
+Not built yet (issue 6 stays open): the fp16 grad-scaler fallback ladder, dist_checkpointing
+snapshots with manifests and rollback.
 """
-__all__: list[str] = []
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainguard import config as tg_config
+from trainguard.checks import RunFacts
+from trainguard.events import Action
+from trainguard.guard import StepGuard
+from trainguard.isolation import gather_coords
+
+__all__ = ["install", "extra_args_provider", "MegatronGuard"]
+
+
+def _block(config) -> tg_config.TrainguardConfig:
+    if isinstance(config, tg_config.TrainguardConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        raw = tg_config.read_json(str(config))
+        raw = raw.get("trainguard", raw)  # a ds_config-style file with a block, or the block itself
+        return tg_config.parse_block(raw)
+    if isinstance(config, dict):
+        return tg_config.parse_block(config.get("trainguard", config))
+    raise TypeError(f"megatron_hooks.install: config must be a path, a dict or a TrainguardConfig, not "
+                    f"{type(config).__name__}")
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+class _Finite:
+    """Per-module 'was the output finite' flags, in forward order (device tensors, no sync)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], stage: int):
+        self.stage = stage
+        self.names: list[str] = []
+        self.layer_of: dict[str, int | None] = {}
+        self.flags: list[tuple[int, torch.Tensor]] = []
+        self.handles = []
+        for ci, chunk in enumerate(chunks):
+            layer = None
+            for name, m in _unwrap(chunk).named_modules():
+                if not name:
+                    continue
+                path = f"{ci}.{name}" if len(chunks) > 1 else name
+                layer_number = getattr(m, "layer_number", None)
+                if isinstance(layer_number, int) and type(m).__name__ == "TransformerLayer":
+                    layer = layer_number
+                self.layer_of[path] = layer if name.startswith("decoder.layers.") else None
+                idx = len(self.names)
+                self.names.append(path)
+                self.handles.append(m.register_forward_hook(self._hook(idx)))
+
+    def _hook(self, idx: int):
+        def hook(module, args, output):
+            t = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.flags.append((idx, torch.isfinite(t.detach()).all()))
+            return None
+        return hook
+
+    def first_nonfinite(self) -> dict:
+        """The first module, in the order outputs were produced (a module's output comes after its
+        children's), whose output was non-finite. Anomaly steps only: reading the flags syncs."""
+        for pos, (idx, ok) in enumerate(self.flags):
+            if not bool(ok):
+                name = self.names[idx]
+                return {"module": name, "global_layer": self.layer_of.get(name), "pipeline_stage": self.stage,
+                        "order": [self.stage, pos], "modules_checked": len(self.names)}
+        return {"module": None, "note": "every module output was finite (the loss or a gradient was not)"}
+
+    def reset(self) -> None:
+        self.flags.clear()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class MegatronGuard:
+    """The adapter's state on one rank (``install`` returns it)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer, cfg: tg_config.TrainguardConfig,
+                 start_iteration: int = 0):
+        from megatron.core import parallel_state as ps
+
+        self.chunks = list(chunks)
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.iteration = start_iteration
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.last_stage = ps.is_pipeline_last_stage()
+        self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device(),
+                               localize=self._localize)
+        self.faults = self.guard.faults if cfg.faults else None
+        self.guard.attach_model(_unwrap(self.chunks[0]) if len(self.chunks) == 1 else torch.nn.ModuleList(
+            [_unwrap(c) for c in self.chunks]))
+        self._hooks: list = []
+        self._probing = None
+        self._install_hooks()  # (fault hooks first, so that the finiteness flags see what they did)
+        self._finite = _Finite(self.chunks, self.stage) if cfg.detectors.localize.enabled else None
+        self._base_step = optimizer.step
+        optimizer.step = self.step  # the instance's step: the guard decides first
+        coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
+                               pp=self.stage, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        self.extra_coords = {"cp": ps.get_context_parallel_rank(), "ep": ps.get_expert_model_parallel_rank()}
+        import megatron.core
+
+        self.guard.on_begin(coords, {
+            "framework": "megatron-core", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
+            "parallel": {"tp": ps.get_tensor_model_parallel_world_size(),
+                         "pp": ps.get_pipeline_model_parallel_world_size(),
+                         "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()},
+            "optimizer": type(optimizer).__name__,
+            "grad_check_point": "local, before the data-parallel reduction (tensor hooks)"},
+            RunFacts(dtype=_dtype(self.chunks[0]), bf16_supported=True, warmup_steps=-1, scheduler=None,
+                     framework_clip=float(getattr(getattr(optimizer, "config", None), "clip_grad", 0.0) or 0.0)))
+
+    def step_number(self) -> int:
+        return self.iteration + 1
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self) -> None:
+        named = [(n, p) for c in self.chunks for n, p in _unwrap(c).named_parameters() if p.requires_grad]
+        targets = self.faults.grad_targets([n for n, _ in named]) if self.faults else {}
+        check = self.cfg.detectors.nonfinite.enabled and self.cfg.detectors.nonfinite.check_grads
+        for name, p in named:
+            specs = targets.get(name)
+            if specs:
+                self._hooks.append(p.register_hook(
+                    lambda g, specs=specs: self.faults.grad(self.step_number(), specs, g)))
+            if check:
+                self._hooks.append(p.register_hook(self._on_grad))
+        for chunk in self.chunks:
+            inner = _unwrap(chunk)
+            self._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))
+            if self.last_stage:
+                self._hooks.append(inner.register_forward_hook(self._on_output))
+            if self.faults is not None:
+                self._hooks += self.faults.install_module_faults(inner, self.step_number)
+
+    def _on_grad(self, grad):
+        self.guard.on_backward(grad)
+        return None
+
+    def _on_forward_pre(self, module, args):
+        if self._probing is None:  # the first micro-batch of the step opens the sampled probes
+            self._probing = self.guard.probing(self.step_number())
+            self._probing.__enter__()
+        if self.faults is not None:
+            self.faults.process(self.step_number())
+        return None
+
+    def _on_output(self, module, args, output):
+        """Last stage: ``output`` is the per-token loss (labels were given); its mean is the local loss."""
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        scalar = output.detach().float().mean()
+        seen = self.guard.on_loss(self.step_number(), scalar)
+        if seen is not scalar:  # a loss fault (nan_loss, spike) changed it: carry that into the real loss
+            return output * (seen / scalar).to(output.dtype)
+        return None
+
+    def on_batch(self, sample_ids: Sequence[int] | None = None, position=None) -> None:
+        """Optional, from your forward_step: this micro-batch's sample ids (named in verdicts)."""
+        self.guard.on_batch(list(sample_ids or []), position)
+
+    def _localize(self) -> dict:
+        if self._finite is None:
+            return {"module": None, "note": "detectors.localize is off"}
+        report = self._finite.first_nonfinite()
+        report["rank"] = self.rank
+        return report
+
+    # ------------------------------------------------------------------ the step
+    def step(self, *args, **kwargs):
+        """``optimizer.step()`` with the guard's decision first; the same return value."""
+        guard = self.guard
+        step = self.step_number()
+        if self._probing is not None:
+            self._probing.__exit__(None, None, None)
+            self._probing = None
+        obs = guard.on_agree(step)
+        decision = guard.on_decide(step, obs)
+        if decision.action is Action.ABORT:
+            raise guard.abort(step, decision)
+        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
+            self.optimizer.zero_grad()
+            for chunk in self.chunks:
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
+            result, applied, norm = (False, None, None), False, None
+        else:
+            result = self._base_step(*args, **kwargs)
+            applied = bool(result[0]) if isinstance(result, tuple) else True
+            norm = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+        guard.on_step(step, decision, applied)
+        lr = None
+        groups = getattr(self.optimizer, "param_groups", None)
+        if groups:
+            lr = float(groups[0].get("lr", 0.0))
+        guard.on_end(step, obs, {"grad_norm": norm, "clip_limit": None, "lr": lr, "loss_scale": 1.0,
+                                 "skipped_steps": guard.skipped_steps, "applied": applied,
+                                 "action": decision.action.value, "goodput": guard.goodput.ratio()})
+        guard.goodput.step_done(step, applied)
+        if self._finite is not None:
+            self._finite.reset()
+        self.iteration += 1
+        return result
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._finite is not None:
+            self._finite.remove()
+        if getattr(self.optimizer, "step", None) == self.step:
+            self.optimizer.step = self._base_step
+        self.guard.on_close({"iterations": self.iteration, "goodput": self.guard.goodput.summary()})
+
+
+def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,
+            start_iteration: int = 0) -> MegatronGuard:
+    """Guard a megatron-core model (a module or a list of model chunks) and its optimizer.
+
+    ``config``: the trainguard block as a dict, a JSON file (the block itself, or a ds_config-style
+    file holding a ``"trainguard"`` key), or a parsed :class:`trainguard.config.TrainguardConfig`.
+    Call after ``parallel_state.initialize_model_parallel`` and after the optimizer is built."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    cfg = _block(config)
+    return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration)
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """For Megatron-LM's ``pretrain(..., extra_args_provider=...)``: adds ``--trainguard-config``."""
+    group = parser.add_argument_group(title="trainguard")
+    group.add_argument("--trainguard-config", type=_existing_file, default=None, metavar="FILE",
+                       help="JSON file with the trainguard block (or a ds_config-style file holding one); the "
+                            "block is validated here, so a bad key stops the launch at once")
+    return parser
+
+
+def _existing_file(value: str) -> str:
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"--trainguard-config: {value} is not a file")
+    try:
+        _block(str(path))
+    except tg_config.ConfigError as e:
+        raise argparse.ArgumentTypeError(f"--trainguard-config {value}: {e}") from None
+    return str(path)
+
+
+def _dtype(chunk: torch.nn.Module) -> str:
+    p = next(_unwrap(chunk).parameters(), None)
+    if p is None:
+        return "fp32"
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(p.dtype, "fp32")
+
+
+def _collective_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

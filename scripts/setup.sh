@@ -17,10 +17,16 @@ VENV="${TRAINGUARD_VENV:-.venv}"
 
 # Reinstall only when the requirements changed (setup.py, this script).
 stamp="$VENV/.trainguard-installed"
-want="$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)-$what"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[deepspeed,monitor,test]"
+  if [ "$what" = "test" ]; then
+    # the tests cover both adapters: megatron-core 0.16.1 is the newest for Python 3.11 (PLATFORM.md)
+    python -m pip install -q -e ".[deepspeed,monitor,test,megatron]"
+    python -c "import megatron.core as m; assert m.__version__.startswith('0.16'), m.__version__"
+  else
+    python -m pip install -q -e ".[deepspeed,monitor,test]"
+  fi
   python -c "import torch, deepspeed; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   echo "$want" > "$stamp"
 fi

@@ -280,7 +280,8 @@ class StepGuard:
             else:
                 rising_before = None
             if self.cfg.detectors.loss_spike.enabled:
-                mean_loss = sum(o.loss for o in obs) / len(obs)
+                with_loss = [o.loss for o in obs if o.has_loss]
+                mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
                 v = self.loss_spike.observe(step, mean_loss, rising_before, self.grad_norm.last_z,
                                             ranks=[_argmax([o.loss for o in obs])])
                 if v is not None:
@@ -300,6 +301,8 @@ class StepGuard:
                                        "position": self._position.as_dict() if self._position else None,
                                        "localized": localized, "activation": activation, "entropy": entropy},
                                       self.group)
+        if nonfinite is not None and everyone:
+            nonfinite = _narrow_to_origin(nonfinite, everyone, self.coords)
         if everyone and activation is not None:
             found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
                                       self.cfg.detectors.activation_range)
@@ -366,8 +369,9 @@ class StepGuard:
         limit = metrics.pop("clip_limit", None)
         due = step % self.cfg.metrics.every_steps == 0 or (
             self.last_decision is not None and self.last_decision.action is not Action.CONTINUE)
-        finite = [o.loss for o in obs if o.micro_batches and math.isfinite(o.loss)]
-        loss = (sum(finite) / len(finite)) if len(finite) == len(obs) and finite else float("nan")
+        with_loss = [o for o in obs if o.has_loss]
+        finite = [o.loss for o in with_loss if math.isfinite(o.loss)]
+        loss = (sum(finite) / len(finite)) if len(finite) == len(with_loss) and finite else float("nan")
         line = {"loss": loss, "loss_median": self.loss_spike.window.median() if len(self.loss_spike.window) else None,
                 **metrics, "guard_skipped_steps": self.skipped_steps,
                 "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs]}
@@ -556,6 +560,43 @@ def _local_norm(grad: torch.Tensor) -> torch.Tensor:
     if grad.dtype == torch.float16 or not hasattr(torch, "_foreach_norm"):
         return torch.linalg.vector_norm(grad, dtype=torch.float32)
     return torch._foreach_norm([grad])[0]
+
+
+def _narrow_to_origin(v: Verdict, everyone: list[dict], coords: Sequence[RankCoords]) -> Verdict:
+    """Non-finite values spread inside a model-parallel group (the ranks that share a data-parallel
+    index): down the pipeline in the forward (stage 0's NaN is stage 1's NaN loss), back up it in
+    the backward (stage 1's NaN loss is stage 0's NaN gradients), and across a tensor-parallel
+    group through its all-reduces. Within each such group the origin is, in this order: the rank(s)
+    whose first non-finite module came earliest (localisations with an ``order``: pipeline stage,
+    then position in the forward), else the rank(s) whose loss was non-finite, else all. Others are
+    listed as ``affected_ranks``. Data-parallel replicas never share values before the check, so
+    each group is judged alone (with pure data parallelism every rank is its own group)."""
+    def dp_of(r: int) -> int:
+        return coords[r].dp if r < len(coords) else r
+
+    per_rank = v.detail.get("per_rank", {})
+    groups: dict[int, list[int]] = {}
+    for r in v.ranks:
+        groups.setdefault(dp_of(r), []).append(r)
+    origin: list[int] = []
+    for members in groups.values():
+        orders = {}
+        for r in members:
+            loc = everyone[r].get("localized") if r < len(everyone) else None
+            if loc and loc.get("order") is not None:
+                orders[r] = tuple(loc["order"])
+        if orders:
+            first = min(orders.values())
+            origin += [r for r in members if orders.get(r) == first]
+            continue
+        lossy = [r for r in members if per_rank.get(r, {}).get("origin") == "loss"]
+        origin += lossy or members
+    origin_t = tuple(sorted(origin))
+    if origin_t == v.ranks:
+        return v
+    return Verdict(v.detector, v.anomaly, origin_t, {**v.detail,
+                                                     "per_rank": {r: d for r, d in per_rank.items() if r in origin_t},
+                                                     "affected_ranks": list(v.ranks)})
 
 
 def _merge_nonfinite(a: Verdict | None, b: Verdict) -> Verdict:

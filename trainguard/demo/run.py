@@ -63,7 +63,7 @@ def worker_pids(agent_pid: int) -> list[int]:
 
 def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, nproc: int = 2,
                extra: Sequence[str] = (), timeout: float = 300, log_name: str = "torchrun.log",
-               launcher: Sequence[str] = ()) -> tuple[int, list[dict]]:
+               launcher: Sequence[str] = (), module: str = "trainguard.demo.worker") -> tuple[int, list[dict]]:
     """Run ``nproc`` ranks of trainguard.demo.worker; return ``(exit code, per-rank results)``.
 
     Bounded: the whole process group is killed after ``timeout`` seconds (exit code 124), so a
@@ -72,7 +72,7 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
-           "-m", "trainguard.demo.worker", "--config", str(config), "--steps", str(steps), "--out", str(out),
+           "-m", module, *(["--config", str(config)] if config else []), "--steps", str(steps), "--out", str(out),
            *extra]
     with open(out / log_name, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env(),

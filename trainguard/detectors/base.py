@@ -24,8 +24,13 @@ class RankObservation:
     prev_grad_norm: float = float("nan")   # the framework's global norm of the previous step (deferred)
 
     @property
+    def has_loss(self) -> bool:
+        """False on a rank that computes no loss (a pipeline stage before the last)."""
+        return self.micro_batches > 0
+
+    @property
     def loss_finite(self) -> bool:
-        return self.loss_nonfinite == 0 and math.isfinite(self.loss)
+        return not self.has_loss or (self.loss_nonfinite == 0 and math.isfinite(self.loss))
 
     @property
     def grad_finite(self) -> bool:

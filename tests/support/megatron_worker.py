@@ -1,0 +1,134 @@
+"""One rank of a tiny megatron-core GPT under torchrun, for the Megatron tests (test support only).
+
+    torchrun --standalone --nproc_per_node 2 -m tests.support.megatron_worker --tp 2 --steps 20 --out DIR
+        [--pp 2] [--config trainguard.json] [--no-guard]
+
+megatron-core's own parts: ``parallel_state`` groups, ``GPTModel`` (local layer spec), its
+``DistributedDataParallel``, ``get_megatron_optimizer`` and ``get_forward_backward_func``; the
+CPU compatibility layer of tests/support/megatron_cpu.py. Each rank writes
+``DIR/result.rank<r>.json``: losses (last pipeline stage), steps applied/skipped, a checksum of its
+parameters, whether they are finite.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.support import megatron_cpu
+
+SEQ, VOCAB, MICRO = 32, 128, 4
+
+
+def batches(seed: int, dp_rank: int, dp_world: int):
+    """Token sequences from the demo corpus, split across data-parallel ranks; sample ids with them."""
+    from trainguard.demo.corpus import MarkovCorpus
+
+    corpus = MarkovCorpus(seed=seed, seq_len=SEQ)
+    i = dp_rank * MICRO
+    while True:
+        ids = [(i + k) % len(corpus) for k in range(MICRO)]
+        samples = [corpus[j] for j in ids]
+        yield {"tokens": torch.stack([s["input_ids"] for s in samples]),
+               "labels": torch.stack([s["labels"] for s in samples]), "sample_ids": ids}
+        i += MICRO * dp_world
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", help="a JSON file with the trainguard block")
+    ap.add_argument("--no-guard", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    megatron_cpu.enable()
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    cfg = TransformerConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                            pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    from megatron.core.distributed import finalize_model_grads
+
+    cfg.finalize_model_grads_func = finalize_model_grads  # the data-parallel (and embedding) gradient reduction
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), [ddp])
+
+    guard = None
+    if not args.no_guard and args.config:
+        import megatron_hooks
+
+        block = json.loads(Path(args.config).read_text())
+        block.setdefault("metrics", {})["jsonl"] = str(out / "trainguard.jsonl")
+        guard = megatron_hooks.install([ddp], opt, block)
+
+    data = batches(1234, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    position = torch.arange(SEQ).unsqueeze(0).expand(MICRO, SEQ)
+    mask = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)).logical_not().unsqueeze(0).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        if guard is not None:
+            guard.on_batch(b["sample_ids"])
+        output = model(b["tokens"], position, mask, labels=b["labels"])
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach().clone()}
+        return output, loss_func
+
+    fb = get_forward_backward_func()
+    result = {"rank": dist.get_rank(), "losses": [], "applied": [], "coords": {
+        "dp": ps.get_data_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank()}}
+    for _ in range(args.steps):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        losses = fb(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=2,
+                    seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
+        applied, _, _ = opt.step()
+        if not applied and guard is None:  # (megatron alone: a skipped step leaves its gradients)
+            opt.zero_grad()
+        result["applied"].append(bool(applied))
+        if losses:
+            result["losses"].append(float(sum(x["loss"] for x in losses) / len(losses)))
+    params = [p.detach().float() for p in model.parameters()]
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.numpy().tobytes())
+    result.update({"param_sha256": digest.hexdigest(), "weights_finite": all(bool(torch.isfinite(p).all())
+                                                                             for p in params)})
+    (out / f"result.rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
+    if guard is not None:
+        guard.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
