@@ -21,7 +21,7 @@ from trainguard import config as tg_config
 from trainguard.data import TrackedLoader
 from trainguard.errors import ConfigError, TrainguardAbort, TrainguardError
 
-__all__ = ["initialize", "attach", "ConfigError", "TrainguardAbort", "TrainguardError"]
+__all__ = ["initialize", "attach", "alive", "close", "ConfigError", "TrainguardAbort", "TrainguardError"]
 
 
 def _deepspeed():
@@ -183,6 +183,15 @@ def attach(engine, block: dict | tg_config.TrainguardConfig):
 
     cfg = block if isinstance(block, tg_config.TrainguardConfig) else tg_config.parse_block(block)
     return _attach(engine, cfg)
+
+
+def alive(engine, phase: str = "eval") -> None:
+    """Tell the watchdog this rank is making progress outside training steps (e.g. a long
+    evaluation through ``engine.module`` rather than ``engine(...)``, which counts by itself).
+    Without it, a pause longer than ``distributed.watchdog.hang_timeout_s`` reads as a hang."""
+    state = getattr(engine, "_trainguard", None)
+    if state is not None:
+        state.heart.beat(phase)
 
 
 def close(engine) -> None:

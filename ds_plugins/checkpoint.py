@@ -102,6 +102,7 @@ class DeepSpeedCheckpointer:
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, client_state: dict | None = None) -> str:
         root = Path(root)
+        self.state.heart.beat("checkpoint")  # (the watchdog: progress, in a phase of its own)
         self.wait_pending()  # a new save waits for the previous one
         t0 = time.perf_counter()
         tag, nonce, staging_root, cs = self._begin_save(root, tag, client_state)
@@ -369,6 +370,7 @@ class DeepSpeedCheckpointer:
         ``purpose="rollback"`` (in-process): RNG comes back, but the data position, the guard's
         statistics and budgets stay as they are now -- the run moves on, it does not relive."""
         root = Path(root)
+        self.state.heart.beat("checkpoint")
         decision = None
         if _rank() == 0:
             if tag is not None:

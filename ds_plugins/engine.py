@@ -619,10 +619,7 @@ class EngineGuard:
             self.guard.rank_log.event(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
         if w.kill_hung_local:
             signal_local(verdict, self.heart.host, signal.SIGKILL)
-        for sink in (self.guard.log, self.guard.rank_log) if self.guard is not None else ():
-            if sink is not None:
-                sink._f.flush()
-        os._exit(w.exit_code)
+        os._exit(w.exit_code)  # (the JSONL sinks flush every line)
 
     def close(self) -> None:
         if self._closed:

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-PHASES = ("start", "data", "forward", "backward", "collective", "checkpoint", "done")
+PHASES = ("start", "data", "forward", "backward", "collective", "checkpoint", "eval", "done")
 
 
 @dataclass
@@ -154,11 +154,11 @@ class Monitor(threading.Thread):
         super().__init__(name=f"trainguard-watchdog-{heart.rank}", daemon=True)
         self.heart, self.board, self.world = heart, board, world
         self.interval_s, self.hang_timeout_s, self.on_hang = interval_s, hang_timeout_s, on_hang
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # (not _stop: threading.Thread has a method of that name)
         self.errors = 0
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._halt.wait(self.interval_s):
             try:
                 self.board.publish(self.heart.record())
                 verdict = find_hung(self.board.read(), self.world, time.time(), self.hang_timeout_s,
@@ -166,12 +166,12 @@ class Monitor(threading.Thread):
             except Exception:  # noqa: BLE001 - a board hiccup must never kill training
                 self.errors += 1
                 continue
-            if verdict is not None and not self._stop.is_set():
+            if verdict is not None and not self._halt.is_set():
                 self.on_hang(verdict)
                 return
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 def install_stack_dump_signal(path: str | os.PathLike | None) -> None:
