@@ -27,12 +27,15 @@ What ``install`` does, on every rank:
   activation range) on sampled steps;
 - every rank's (dp, tp, pp, cp, ep) coordinates from ``parallel_state``, in every verdict.
 
-Sample ids: call ``guard.on_batch(sample_ids)`` in your ``forward_step`` (optional).
+Sample ids: call ``guard.on_batch(sample_ids)`` in your ``forward_step`` (optional). Forward
+passes in eval mode (``model.eval()``, as Megatron-LM's ``evaluate`` does) are ignored.
 
 Megatron-LM: :func:`extra_args_provider` adds ``--trainguard-config FILE``.
 
-Not built yet (issue 6 stays open): the fp16 grad-scaler fallback ladder, dist_checkpointing
-snapshots with manifests and rollback.
+Snapshots: ``guard.checkpointer.save(dir, data_state=...)`` / ``.load(dir)`` (megatron_hooks.checkpoint).
+
+Not built yet (issue 6 stays open): the fp16 grad-scaler fallback ladder, in-process rollback to a
+snapshot, the watchdog thread (the heartbeat is kept).
 """
 from __future__ import annotations
 
@@ -97,6 +100,8 @@ class _Finite:
 
     def _hook(self, idx: int):
         def hook(module, args, output):
+            if not module.training:
+                return None
             t = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 self.flags.append((idx, torch.isfinite(t.detach()).all()))
@@ -146,6 +151,11 @@ class MegatronGuard:
         self._finite = _Finite(self.chunks, self.stage) if cfg.detectors.localize.enabled else None
         self._base_step = optimizer.step
         optimizer.step = self.step  # the instance's step: the guard decides first
+        from megatron_hooks.checkpoint import MegatronCheckpointer
+        from trainguard.watchdog import Heartbeat
+
+        self.heart = Heartbeat(self.rank)
+        self.checkpointer = MegatronCheckpointer(self)
         coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
                                pp=self.stage, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         self.extra_coords = {"cp": ps.get_context_parallel_rank(), "ep": ps.get_expert_model_parallel_rank()}
@@ -163,6 +173,9 @@ class MegatronGuard:
 
     def step_number(self) -> int:
         return self.iteration + 1
+
+    def heart_beat(self, phase: str) -> None:
+        self.heart.beat(phase, self.iteration)
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
@@ -189,6 +202,8 @@ class MegatronGuard:
         return None
 
     def _on_forward_pre(self, module, args):
+        if not module.training:  # evaluation passes (model.eval()) are not training steps
+            return None
         if self._probing is None:  # the first micro-batch of the step opens the sampled probes
             self._probing = self.guard.probing(self.step_number())
             self._probing.__enter__()
@@ -198,7 +213,7 @@ class MegatronGuard:
 
     def _on_output(self, module, args, output):
         """Last stage: ``output`` is the per-token loss (labels were given); its mean is the local loss."""
-        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        if not module.training or not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return None
         scalar = output.detach().float().mean()
         seen = self.guard.on_loss(self.step_number(), scalar)
@@ -207,8 +222,10 @@ class MegatronGuard:
         return None
 
     def on_batch(self, sample_ids: Sequence[int] | None = None, position=None) -> None:
-        """Optional, from your forward_step: this micro-batch's sample ids (named in verdicts)."""
-        self.guard.on_batch(list(sample_ids or []), position)
+        """Optional, from your forward_step: this micro-batch's sample ids (named in verdicts).
+        Ignored while the model is in eval mode (evaluation is not a training step)."""
+        if all(_unwrap(c).training for c in self.chunks):
+            self.guard.on_batch(list(sample_ids or []), position)
 
     def _localize(self) -> dict:
         if self._finite is None:

@@ -84,3 +84,49 @@ def test_megatron_lm_argument_extension(tmp_path):
         parser.parse_args(["--trainguard-config", str(bad)])
     with pytest.raises(SystemExit):
         parser.parse_args(["--trainguard-config", str(tmp_path / "missing.json")])
+
+
+def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
+    """dist_checkpointing snapshots under trainguard's commit protocol: a TP=2 run saved at
+    iterations 4 and 6 resumes at TP=2 to the same parameters and losses as if never stopped, and
+    at TP=1 with the same weights (the same loss on a fixed batch); a corrupted newest snapshot is
+    passed over for the one before."""
+    from trainguard.checkpoint.manifest import verify
+
+    ck = tmp_path / "ck"
+    block = {"checks": {"enabled": False}}
+    extra = ["--ckpt", str(ck)]
+
+    def go(name, layout, more):
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps(block))
+        rc, res = run_worker(cfg, tmp_path / name, 12, extra=LAYOUTS[layout] + extra + more,
+                             module="tests.support.megatron_worker", timeout=300)
+        assert rc == 0 and all(res), (tmp_path / name / "torchrun.log").read_text()[-3000:]
+        return res, read(tmp_path / name / "trainguard.jsonl")
+
+    full, _ = go("full", "tp", ["--save-at", "4", "--save-at", "6"])
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step")) == ["step00000004", "step00000006"]
+    assert all(verify(ck / t).ok for t in ("step00000004", "step00000006"))
+
+    resumed, lines = go("resumed", "tp", ["--resume"])
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    assert resume["detail"]["tag"] == "step00000006" and resume["detail"]["rng_restored"]
+    for f, r in zip(full, resumed):
+        assert r["first_iteration"] == 6 and r["losses"] == f["losses"][6:]
+        assert r["param_sha256"] == f["param_sha256"]
+
+    tp1, lines = go("tp1", "dp", ["--resume"])
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    assert resume["detail"]["resharded"]["from"]["tp"] == 2 and resume["detail"]["resharded"]["to"]["tp"] == 1
+    assert all(r["probe"]["6"] == full[0]["probe"]["6"] for r in tp1)
+
+    victim = max((p for p in (ck / "step00000006" / "dist").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    fell_back, lines = go("fell_back", "tp", ["--resume"])
+    (bad,) = [x for x in lines if x.get("event") == "checkpoint_invalid"]
+    assert bad["detail"]["tag"] == "step00000006" and "sha256" in bad["detail"]["reason"]
+    assert all(r["first_iteration"] == 4 for r in fell_back)
+    assert fell_back[0]["param_sha256"] == full[0]["param_sha256"]  # 4 -> 12 replays the same steps

@@ -26,12 +26,13 @@ from tests.support import megatron_cpu
 SEQ, VOCAB, MICRO = 32, 128, 4
 
 
-def batches(seed: int, dp_rank: int, dp_world: int):
-    """Token sequences from the demo corpus, split across data-parallel ranks; sample ids with them."""
+def batches(seed: int, dp_rank: int, dp_world: int, consumed: int = 0):
+    """Token sequences from the demo corpus, split across data-parallel ranks; sample ids with them.
+    ``consumed``: micro-batches every rank has read already (a resume)."""
     from trainguard.demo.corpus import MarkovCorpus
 
     corpus = MarkovCorpus(seed=seed, seq_len=SEQ)
-    i = dp_rank * MICRO
+    i = dp_rank * MICRO + consumed * MICRO * dp_world
     while True:
         ids = [(i + k) % len(corpus) for k in range(MICRO)]
         samples = [corpus[j] for j in ids]
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="a JSON file with the trainguard block")
     ap.add_argument("--no-guard", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--ckpt", help="snapshot directory (megatron_hooks.checkpoint)")
+    ap.add_argument("--save-at", type=int, action="append", default=[], help="save after this iteration")
+    ap.add_argument("--resume", action="store_true", help="load the newest valid snapshot from --ckpt first")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +91,13 @@ def main(argv=None) -> int:
         block.setdefault("metrics", {})["jsonl"] = str(out / "trainguard.jsonl")
         guard = megatron_hooks.install([ddp], opt, block)
 
-    data = batches(1234, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    start, consumed = 0, 0
+    if args.resume:
+        state = guard.checkpointer.load(args.ckpt)
+        if state is not None:
+            start, consumed = guard.iteration, int(state["consumed"])
+    data = batches(1234, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), consumed)
+    MICROBATCHES = 2
     position = torch.arange(SEQ).unsqueeze(0).expand(MICRO, SEQ)
     mask = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)).logical_not().unsqueeze(0).unsqueeze(0)
 
@@ -106,10 +116,22 @@ def main(argv=None) -> int:
     result = {"rank": dist.get_rank(), "losses": [], "applied": [], "coords": {
         "dp": ps.get_data_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
         "pp": ps.get_pipeline_model_parallel_rank()}}
-    for _ in range(args.steps):
+    def probe() -> float | None:
+        """Loss on a fixed batch, forward only: the same on every layout when the weights are."""
+        fixed = iter([next(batches(99, 0, 1))] * 1)
+        ddp.eval()
+        with torch.no_grad():
+            out = fb(forward_step_func=forward_step, data_iterator=fixed, model=[ddp], num_microbatches=1,
+                     seq_length=SEQ, micro_batch_size=MICRO, forward_only=True)
+        ddp.train()
+        return float(out[0]["loss"]) if out else None
+
+    result["first_iteration"] = start
+    result["probe"] = {str(start): probe()}
+    for it in range(start, args.steps):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        losses = fb(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=2,
+        losses = fb(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=MICROBATCHES,
                     seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
         applied, _, _ = opt.step()
         if not applied and guard is None:  # (megatron alone: a skipped step leaves its gradients)
@@ -117,6 +139,9 @@ def main(argv=None) -> int:
         result["applied"].append(bool(applied))
         if losses:
             result["losses"].append(float(sum(x["loss"] for x in losses) / len(losses)))
+        if it + 1 in args.save_at:
+            guard.checkpointer.save(args.ckpt, data_state={"consumed": (it + 1) * MICROBATCHES})
+            result["probe"][str(it + 1)] = probe()
     params = [p.detach().float() for p in model.parameters()]
     digest = hashlib.sha256()
     for p in params:

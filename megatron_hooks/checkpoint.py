@@ -1,0 +1,178 @@
+"""Full snapshots of a megatron-core run through ``megatron.core.dist_checkpointing``, committed
+with the same protocol, manifest and layout as the DeepSpeed path (trainguard.checkpoint).
+
+    ckpt = guard.checkpointer                      # megatron_hooks.install(...) made it
+    ckpt.save("ckpt", data_state={"consumed": n})  # every rank; returns the tag
+    state = ckpt.load("ckpt")                      # every rank: the newest that verifies; your data_state
+
+A snapshot holds: the sharded model and optimizer state (``sharded_state_dict`` of each model
+chunk and of the optimizer, written by dist_checkpointing's own writer), and per rank a sidecar
+with every RNG (python, numpy, torch, CUDA) *and megatron's tensor-parallel RNG tracker states*,
+the iteration and your ``data_state``; rank 0 adds the guard's state. The commit: staging
+directory, files hashed, manifest last, rename, ``latest`` -- so a crash leaves either the old
+snapshot or the new one, never half of one. A load verifies the sha256 of every file first and
+falls back past a bad snapshot (``checkpoint_invalid``). dist_checkpointing reshards on load: a
+TP=2 snapshot loads into TP=1; the RNG sidecars then do not map rank to rank, and are skipped
+(the resume event says so).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainguard import __version__
+from trainguard.checkpoint import rng
+from trainguard.checkpoint.fsio import atomic_write_json, atomic_write_text, fsync_dir, make_durable
+from trainguard.checkpoint.layout import LATEST, STAGING, CheckpointError, CheckpointLayout, step_tag
+from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
+
+SIDECAR = "trainguard"
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class MegatronCheckpointer:
+    def __init__(self, mg):
+        self.mg = mg  # megatron_hooks.MegatronGuard
+
+    # ------------------------------------------------------------------ state
+    def _sharded(self, is_loading: bool = False) -> dict:
+        from megatron_hooks import _unwrap
+
+        model_sd = {}
+        sd = {}
+        for i, chunk in enumerate(self.mg.chunks):
+            key = f"model{i}" if len(self.mg.chunks) > 1 else "model"
+            sd[key] = _unwrap(chunk).sharded_state_dict()
+            model_sd.update(sd[key])
+        sd["optimizer"] = self.mg.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        return sd
+
+    def _layout(self) -> dict:
+        from megatron.core import parallel_state as ps
+
+        return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+                "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+                "framework": "megatron-core"}
+
+    def _sidecar(self, data_state) -> dict:
+        from megatron.core import tensor_parallel
+
+        return {"rng": rng.capture(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+                "iteration": self.mg.iteration, "data_state": data_state}
+
+    # ------------------------------------------------------------------ save
+    def save(self, root: str | os.PathLike, data_state: dict | None = None) -> str:
+        """Every rank. Commits ``<root>/<tag>`` (tag = the iteration) or raises; never half-writes."""
+        from megatron.core import dist_checkpointing
+
+        mg = self.mg
+        mg.heart_beat("checkpoint")
+        root = Path(root)
+        t0 = time.perf_counter()
+        tag = step_tag(mg.iteration)
+        nonce = _broadcast(f"{tag}.{uuid.uuid4().hex[:10]}")
+        layout = CheckpointLayout(root)
+        staging_root = layout.staging_root(nonce)
+        staged = staging_root / tag
+        if dist.get_rank() == 0:
+            (staged / SIDECAR).mkdir(parents=True, exist_ok=True)
+            (staged / "dist").mkdir()
+        dist.barrier()
+        dist_checkpointing.save(self._sharded(), str(staged / "dist"))
+        torch.save(self._sidecar(data_state), staged / SIDECAR / f"rank{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:
+            atomic_write_json(staged / SIDECAR / "guard.json", mg.guard.state_dict())
+        dist.barrier()
+        if dist.get_rank() == 0:
+            files = hash_files(staged, list_files(staged))
+            make_durable(staged)
+            last = getattr(mg.guard, "last_metrics", {}) or {}
+            Manifest(tag=tag, step=mg.iteration, files=files, layout=self._layout(),
+                     lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
+                     health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,
+                             "recent_anomalies": list(mg.guard.recent_anomalies)[-10:]}).write(staged)
+            fsync_dir(staged)
+            final = layout.tag_dir(tag)
+            if final.exists():
+                os.replace(final, staging_root / f"replaced.{nonce}")
+            os.replace(staged, final)
+            fsync_dir(root)
+            atomic_write_text(root / LATEST, tag)
+            shutil.rmtree(staging_root, ignore_errors=True)
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        mg.guard.goodput.overhead(seconds)
+        mg.guard._emit(mg.iteration, "checkpoint_saved", [], None, {
+            "tag": tag, "dir": str(root), "format": "megatron dist_checkpointing", "blocking_s": round(seconds, 3)})
+        return tag
+
+    # ------------------------------------------------------------------ load
+    def load(self, root: str | os.PathLike, tag: str | None = None) -> dict | None:
+        """Every rank: load the newest snapshot that verifies (or ``tag``). Returns the
+        ``data_state`` saved with it (None when there is nothing to load)."""
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        mg = self.mg
+        mg.heart_beat("checkpoint")
+        root = Path(root)
+        choice = None
+        if dist.get_rank() == 0:
+            layout = CheckpointLayout(root)
+            skipped, chosen = [], None
+            for t in reversed([tag] if tag else layout.tags()):
+                res = verify(layout.tag_dir(t))
+                if res.ok:
+                    chosen = t
+                    break
+                skipped.append({"tag": t, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
+            choice = (chosen, skipped)
+        chosen, skipped = _broadcast(choice)
+        for s in skipped:
+            mg.guard._emit(mg.iteration, "checkpoint_invalid", [], None, s)
+        if chosen is None:
+            if tag is not None:
+                raise CheckpointError(f"snapshot {tag} in {root} does not verify: {skipped[0]['reason']}")
+            return None
+        tag_dir = CheckpointLayout(root).tag_dir(chosen)
+        man = Manifest.read(tag_dir)
+        loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(tag_dir / "dist"))
+        from megatron_hooks import _unwrap
+
+        for i, chunk in enumerate(mg.chunks):
+            key = f"model{i}" if len(mg.chunks) > 1 else "model"
+            _unwrap(chunk).load_state_dict(loaded[key])
+        mg.optimizer.load_state_dict(loaded["optimizer"])
+        same_layout = {k: man.layout.get(k) for k in ("world", "tp", "pp", "dp")} == \
+            {k: self._layout()[k] for k in ("world", "tp", "pp", "dp")}
+        side = torch.load(tag_dir / SIDECAR / f"rank{dist.get_rank()}.pt", weights_only=True) \
+            if same_layout else None
+        if side is not None:
+            rng.restore(side["rng"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
+        import json
+
+        guard_state = json.loads((tag_dir / SIDECAR / "guard.json").read_text())
+        mg.guard.load_state_dict(guard_state)
+        mg.iteration = man.step
+        mg.guard._emit(mg.iteration, "resume", list(range(dist.get_world_size())), None, {
+            "tag": chosen, "dir": str(root), "step": man.step, "fell_back_past": skipped,
+            "resharded": None if same_layout else {"from": man.layout, "to": self._layout()},
+            "rng_restored": side is not None})
+        if side is not None:
+            return side.get("data_state")
+        rank0 = torch.load(tag_dir / SIDECAR / "rank0.pt", weights_only=True)
+        return rank0.get("data_state")
+
+
+__all__ = ["MegatronCheckpointer", "STAGING"]  # (STAGING: where uncommitted snapshots live, under root)
