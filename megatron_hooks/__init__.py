@@ -126,12 +126,52 @@ class _Finite:
             h.remove()
 
 
+class _GradScaler:
+    """megatron's ``DynamicGradScaler`` (of a MixedPrecisionOptimizer, or the first of a chained
+    one), read and adjusted in one place. It clamps at its minimum scale silently and skips every
+    step from then on: the guard's loss-scale watch is what notices."""
+
+    def __init__(self, optimizer):
+        opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        self.scalers = [o.grad_scaler for o in opts if getattr(o, "grad_scaler", None) is not None
+                        and hasattr(o.grad_scaler, "min_scale")]
+        cfg = getattr(opts[0], "config", None)
+        self.initial = float(getattr(cfg, "initial_loss_scale", None) or 2.0 ** 32)
+
+    def active(self) -> bool:
+        return bool(self.scalers)
+
+    def state(self):
+        from trainguard.detectors.loss_scale import ScalerState
+
+        g = self.scalers[0]
+        return ScalerState(float(g.scale), float(g.min_scale), int(g._hysteresis_tracker))  # (one host read)
+
+    def reset(self) -> dict:
+        before = float(self.scalers[0].scale)
+        for g in self.scalers:
+            start = max(self.initial, float(g.min_scale))
+            g._scale = torch.full_like(g._scale, start)
+            g._hysteresis_tracker, g._growth_tracker = g.hysteresis, 0
+        return {"scale_before": before, "scale_after": float(self.scalers[0].scale)}
+
+    def raise_floor(self, factor: float) -> dict:
+        old = float(self.scalers[0].min_scale)
+        for g in self.scalers:
+            g.min_scale = g.min_scale * factor
+        return {"min_scale_before": old, "min_scale_after": old * factor}
+
+
 class MegatronGuard:
     """The adapter's state on one rank (``install`` returns it)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer, cfg: tg_config.TrainguardConfig,
-                 start_iteration: int = 0):
+                 start_iteration: int = 0, guard_enabled: bool = True):
         from megatron.core import parallel_state as ps
+
+        from megatron_hooks.checkpoint import MegatronCheckpointer
+        from trainguard.faults import FaultInjector
+        from trainguard.watchdog import Heartbeat
 
         self.chunks = list(chunks)
         self.optimizer = optimizer
@@ -140,25 +180,34 @@ class MegatronGuard:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
-        self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device(),
-                               localize=self._localize)
-        self.faults = self.guard.faults if cfg.faults else None
-        self.guard.attach_model(_unwrap(self.chunks[0]) if len(self.chunks) == 1 else torch.nn.ModuleList(
-            [_unwrap(c) for c in self.chunks]))
+        self.heart = Heartbeat(self.rank)
+        self.guard: StepGuard | None = None
+        if guard_enabled:
+            self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device(),
+                                   localize=self._localize)
+            self.faults = self.guard.faults if cfg.faults else None
+        else:  # faults only: plain megatron with the same injected faults, for comparisons
+            self.faults = FaultInjector(cfg.faults, self.rank) if cfg.faults else None
+        if self.faults is not None:
+            self.faults.precision = _dtype(self.chunks[0])
+        scaler = _GradScaler(optimizer)
+        self.scaler = scaler if scaler.active() and cfg.detectors.loss_scale.enabled and guard_enabled else None
+        if self.guard is not None:
+            self.guard.attach_model(_unwrap(self.chunks[0]) if len(self.chunks) == 1 else torch.nn.ModuleList(
+                [_unwrap(c) for c in self.chunks]))
         self._hooks: list = []
         self._probing = None
         self._install_hooks()  # (fault hooks first, so that the finiteness flags see what they did)
-        self._finite = _Finite(self.chunks, self.stage) if cfg.detectors.localize.enabled else None
+        self._finite = _Finite(self.chunks, self.stage) if cfg.detectors.localize.enabled and guard_enabled \
+            else None
         self._base_step = optimizer.step
         optimizer.step = self.step  # the instance's step: the guard decides first
-        from megatron_hooks.checkpoint import MegatronCheckpointer
-        from trainguard.watchdog import Heartbeat
-
-        self.heart = Heartbeat(self.rank)
-        self.checkpointer = MegatronCheckpointer(self)
+        self.checkpointer = MegatronCheckpointer(self) if self.guard is not None else None
+        if self.guard is None:
+            return
         coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
-                               pp=self.stage, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-        self.extra_coords = {"cp": ps.get_context_parallel_rank(), "ep": ps.get_expert_model_parallel_rank()}
+                               pp=self.stage, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                               cp=ps.get_context_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
         import megatron.core
 
         self.guard.on_begin(coords, {
@@ -181,7 +230,8 @@ class MegatronGuard:
     def _install_hooks(self) -> None:
         named = [(n, p) for c in self.chunks for n, p in _unwrap(c).named_parameters() if p.requires_grad]
         targets = self.faults.grad_targets([n for n, _ in named]) if self.faults else {}
-        check = self.cfg.detectors.nonfinite.enabled and self.cfg.detectors.nonfinite.check_grads
+        check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
+            self.cfg.detectors.nonfinite.check_grads
         for name, p in named:
             specs = targets.get(name)
             if specs:
@@ -192,7 +242,7 @@ class MegatronGuard:
         for chunk in self.chunks:
             inner = _unwrap(chunk)
             self._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))
-            if self.last_stage:
+            if self.last_stage and (self.guard is not None or self.faults is not None):
                 self._hooks.append(inner.register_forward_hook(self._on_output))
             if self.faults is not None:
                 self._hooks += self.faults.install_module_faults(inner, self.step_number)
@@ -204,7 +254,8 @@ class MegatronGuard:
     def _on_forward_pre(self, module, args):
         if not module.training:  # evaluation passes (model.eval()) are not training steps
             return None
-        if self._probing is None:  # the first micro-batch of the step opens the sampled probes
+        self.heart.beat("forward", self.step_number())
+        if self._probing is None and self.guard is not None:  # the first micro-batch of the step opens the sampled probes
             self._probing = self.guard.probing(self.step_number())
             self._probing.__enter__()
         if self.faults is not None:
@@ -216,7 +267,8 @@ class MegatronGuard:
         if not module.training or not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return None
         scalar = output.detach().float().mean()
-        seen = self.guard.on_loss(self.step_number(), scalar)
+        seen = self.guard.on_loss(self.step_number(), scalar) if self.guard is not None else \
+            self.faults.loss(self.step_number(), scalar)
         if seen is not scalar:  # a loss fault (nan_loss, spike) changed it: carry that into the real loss
             return output * (seen / scalar).to(output.dtype)
         return None
@@ -224,7 +276,7 @@ class MegatronGuard:
     def on_batch(self, sample_ids: Sequence[int] | None = None, position=None) -> None:
         """Optional, from your forward_step: this micro-batch's sample ids (named in verdicts).
         Ignored while the model is in eval mode (evaluation is not a training step)."""
-        if all(_unwrap(c).training for c in self.chunks):
+        if self.guard is not None and all(_unwrap(c).training for c in self.chunks):
             self.guard.on_batch(list(sample_ids or []), position)
 
     def _localize(self) -> dict:
@@ -239,36 +291,71 @@ class MegatronGuard:
         """``optimizer.step()`` with the guard's decision first; the same return value."""
         guard = self.guard
         step = self.step_number()
+        self.heart.beat("collective", step)
+        if guard is None:  # faults only
+            result = self._base_step(*args, **kwargs)
+            self.faults.step_done(step)
+            self.iteration += 1
+            return result
         if self._probing is not None:
             self._probing.__exit__(None, None, None)
             self._probing = None
-        obs = guard.on_agree(step)
+        before = self.scaler.state() if self.scaler is not None else None
+        obs = guard.on_agree(step, loss_scale=before.scale if before else 1.0, dynamic_scale=before is not None)
         decision = guard.on_decide(step, obs)
         if decision.action is Action.ABORT:
             raise guard.abort(step, decision)
-        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
+        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK) and decision.anomaly != "overflow":
             self.optimizer.zero_grad()
             for chunk in self.chunks:
                 if hasattr(chunk, "zero_grad_buffer"):
                     chunk.zero_grad_buffer()
             result, applied, norm = (False, None, None), False, None
-        else:
+        else:  # (an fp16 overflow too: megatron finds it, skips and lowers its scale itself)
             result = self._base_step(*args, **kwargs)
             applied = bool(result[0]) if isinstance(result, tuple) else True
             norm = result[1] if isinstance(result, tuple) and len(result) > 1 else None
-        guard.on_step(step, decision, applied)
+        scale_decision = guard.on_step(step, decision, applied, before)
         lr = None
         groups = getattr(self.optimizer, "param_groups", None)
         if groups:
             lr = float(groups[0].get("lr", 0.0))
-        guard.on_end(step, obs, {"grad_norm": norm, "clip_limit": None, "lr": lr, "loss_scale": 1.0,
+        guard.on_end(step, obs, {"grad_norm": norm, "clip_limit": None, "lr": lr,
+                                 "loss_scale": before.scale if before else 1.0,
                                  "skipped_steps": guard.skipped_steps, "applied": applied,
                                  "action": decision.action.value, "goodput": guard.goodput.ratio()})
         guard.goodput.step_done(step, applied)
         if self._finite is not None:
             self._finite.reset()
         self.iteration += 1
+        if scale_decision is not None:
+            self._scale_remedy(step, scale_decision)
         return result
+
+    def _scale_remedy(self, step: int, decision) -> None:
+        """The loss_scale ladder on megatron: its remedies in place (reset the scale, raise the floor);
+        the snapshot rollback before them and the bf16 fallback are DeepSpeed-only so far."""
+        guard = self.guard
+        if decision.action is Action.ABORT:
+            raise guard.abort(step, decision)
+        if decision.action is not Action.ROLLBACK:
+            return
+        if decision.remedy == "bf16":
+            from trainguard.policy import Decision
+
+            raise guard.abort(step, Decision(
+                Action.ABORT, f"{decision.reason}: the bf16 fallback is not available for megatron-core runs yet; "
+                "restart from the newest snapshot with bf16 enabled", decision.verdicts))
+        detail = {}
+        if decision.remedy == "raise_floor":
+            detail.update(self.scaler.raise_floor(self.cfg.recovery.floor_factor))
+        detail.update(self.scaler.reset())
+        guard.loss_scale.reset()
+        guard.policy.tried_also(step, decision.remedy, detail)
+        guard._emit(step, "rollback_unavailable", [], "skip_step", {
+            "reason": "in-process rollback to a snapshot is not built for megatron-core yet: the remedy is applied "
+                      "in place", "anomaly": "loss_scale", "onset_step": decision.onset_step, "remedy": detail})
+        guard._emit(step, "loss_scale_reset", [], decision.remedy, detail)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -278,19 +365,22 @@ class MegatronGuard:
             self._finite.remove()
         if getattr(self.optimizer, "step", None) == self.step:
             self.optimizer.step = self._base_step
-        self.guard.on_close({"iterations": self.iteration, "goodput": self.guard.goodput.summary()})
+        if self.guard is not None:
+            self.guard.on_close({"iterations": self.iteration, "goodput": self.guard.goodput.summary()})
 
 
 def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,
-            start_iteration: int = 0) -> MegatronGuard:
+            start_iteration: int = 0, guard_enabled: bool = True) -> MegatronGuard:
     """Guard a megatron-core model (a module or a list of model chunks) and its optimizer.
 
     ``config``: the trainguard block as a dict, a JSON file (the block itself, or a ds_config-style
     file holding a ``"trainguard"`` key), or a parsed :class:`trainguard.config.TrainguardConfig`.
-    Call after ``parallel_state.initialize_model_parallel`` and after the optimizer is built."""
+    Call after ``parallel_state.initialize_model_parallel`` and after the optimizer is built.
+    ``guard_enabled=False``: only the configured faults (plain megatron under the same faults, for
+    comparisons and drills)."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = _block(config)
-    return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration)
+    return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -34,14 +34,18 @@ class RankCoords:
     pp: int
     host: str
     local_rank: int
+    cp: int = 0      # context-parallel rank (megatron)
+    ep: int = 0      # expert-parallel rank (megatron)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def gather_coords(dp: int, tp: int, pp: int, local_rank: int, group=None) -> list[RankCoords]:
+def gather_coords(dp: int, tp: int, pp: int, local_rank: int, group=None, cp: int = 0,
+                  ep: int = 0) -> list[RankCoords]:
     """Once at BEGIN: every rank learns every rank's coordinates and host (object gather)."""
-    mine = RankCoords(rank=_rank(), dp=dp, tp=tp, pp=pp, host=socket.gethostname(), local_rank=local_rank)
+    mine = RankCoords(rank=_rank(), dp=dp, tp=tp, pp=pp, host=socket.gethostname(), local_rank=local_rank,
+                      cp=cp, ep=ep)
     if not _distributed():
         return [mine]
     out: list = [None] * dist.get_world_size(group)

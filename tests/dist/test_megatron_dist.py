@@ -130,3 +130,31 @@ def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
     assert bad["detail"]["tag"] == "step00000006" and "sha256" in bad["detail"]["reason"]
     assert all(r["first_iteration"] == 4 for r in fell_back)
     assert fell_back[0]["param_sha256"] == full[0]["param_sha256"]  # 4 -> 12 replays the same steps
+
+
+def test_fp16_grad_scaler_clamp_is_detected_and_the_scale_reset(tmp_path):
+    """megatron's DynamicGradScaler clamps silently at its minimum: under 16 overflowing steps plain
+    megatron ends at scale 1.0 for good; the guard sees the overflow at the floor, says so, and resets
+    the scale (the loss_scale ladder's remedy, applied in place on megatron)."""
+    block = {"checks": {"enabled": False}, "allow_faults": True,
+             "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 16}]}
+    cfg = tmp_path / "fp16.json"
+    cfg.write_text(json.dumps(block))
+    runs = {}
+    for name, more in (("guarded", []), ("plain", ["--no-guard"])):
+        rc, res = run_worker(cfg, tmp_path / name, 30, extra=["--fp16", *more], module="tests.support.megatron_worker",
+                             timeout=300)
+        assert rc == 0 and all(res), (tmp_path / name / "torchrun.log").read_text()[-3000:]
+        runs[name] = res
+    plain, guarded = runs["plain"][0], runs["guarded"][0]
+    # both skipped the 16 overflowing steps (megatron's own found_inf path) and nothing else
+    assert plain["applied"] == guarded["applied"] == [True] * 4 + [False] * 16 + [True] * 10
+    assert plain["loss_scale"][-1] == 1.0 and min(plain["loss_scale"]) == 1.0  # clamped, silently, for good
+    lines = read(tmp_path / "guarded" / "trainguard.jsonl")
+    (collapse,) = [x for x in lines if x.get("event") == "loss_scale"]
+    assert collapse["detail"]["at_floor"] and collapse["detail"]["onset_step"] == 5
+    (reset,) = [x for x in lines if x.get("event") == "loss_scale_reset"]
+    assert reset["action"] == "reset_scale" and reset["detail"]["scale_after"] == 1024.0
+    overflows = [x for x in lines if x.get("event") == "overflow"]
+    assert len(overflows) == 16 and all(x["ranks"] == [1] for x in overflows)
+    assert guarded["loss_scale"][-1] > 1.0 and all(r["weights_finite"] for r in runs["guarded"])

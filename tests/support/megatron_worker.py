@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="a JSON file with the trainguard block")
     ap.add_argument("--no-guard", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--fp16", action="store_true", help="fp16 with megatron's Float16Module and DynamicGradScaler")
     ap.add_argument("--ckpt", help="snapshot directory (megatron_hooks.checkpoint)")
     ap.add_argument("--save-at", type=int, action="append", default=[], help="save after this iteration")
     ap.add_argument("--resume", action="store_true", help="load the newest valid snapshot from --ckpt first")
@@ -73,23 +74,33 @@ def main(argv=None) -> int:
     torch.manual_seed(1234)
     cfg = TransformerConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                             pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-                            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+                            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                            fp16=args.fp16, params_dtype=torch.half if args.fp16 else torch.float32)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     from megatron.core.distributed import finalize_model_grads
 
     cfg.finalize_model_grads_func = finalize_model_grads  # the data-parallel (and embedding) gradient reduction
+    if args.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, fp16=args.fp16,
+                                                 initial_loss_scale=1024.0, min_loss_scale=1.0, hysteresis=2,
+                                                 loss_scale_window=1000), [ddp])
 
     guard = None
-    if not args.no_guard and args.config:
+    if args.config:
         import megatron_hooks
 
         block = json.loads(Path(args.config).read_text())
         block.setdefault("metrics", {})["jsonl"] = str(out / "trainguard.jsonl")
-        guard = megatron_hooks.install([ddp], opt, block)
+        # --no-guard with a config: plain megatron, with the config's faults injected
+        guard = megatron_hooks.install([ddp], opt, block, guard_enabled=not args.no_guard)
+        if guard.guard is None:
+            guard, faults_only = None, guard
 
     start, consumed = 0, 0
     if args.resume:
@@ -137,6 +148,7 @@ def main(argv=None) -> int:
         if not applied and guard is None:  # (megatron alone: a skipped step leaves its gradients)
             opt.zero_grad()
         result["applied"].append(bool(applied))
+        result.setdefault("loss_scale", []).append(float(opt.get_loss_scale()))
         if losses:
             result["losses"].append(float(sum(x["loss"] for x in losses) / len(losses)))
         if it + 1 in args.save_at:
