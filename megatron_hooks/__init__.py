@@ -115,7 +115,7 @@ class _Finite:
             if not bool(ok):
                 name = self.names[idx]
                 return {"module": name, "global_layer": self.layer_of.get(name), "pipeline_stage": self.stage,
-                        "order": [self.stage, pos], "modules_checked": len(self.names)}
+                        "origin_order": [self.stage, pos], "modules_checked": len(self.names)}
         return {"module": None, "note": "every module output was finite (the loss or a gradient was not)"}
 
     def reset(self) -> None:

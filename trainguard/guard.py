@@ -567,7 +567,7 @@ def _narrow_to_origin(v: Verdict, everyone: list[dict], coords: Sequence[RankCoo
     index): down the pipeline in the forward (stage 0's NaN is stage 1's NaN loss), back up it in
     the backward (stage 1's NaN loss is stage 0's NaN gradients), and across a tensor-parallel
     group through its all-reduces. Within each such group the origin is, in this order: the rank(s)
-    whose first non-finite module came earliest (localisations with an ``order``: pipeline stage,
+    whose first non-finite module came earliest (localisations with an ``origin_order``: pipeline stage,
     then position in the forward), else the rank(s) whose loss was non-finite, else all. Others are
     listed as ``affected_ranks``. Data-parallel replicas never share values before the check, so
     each group is judged alone (with pure data parallelism every rank is its own group)."""
@@ -583,8 +583,8 @@ def _narrow_to_origin(v: Verdict, everyone: list[dict], coords: Sequence[RankCoo
         orders = {}
         for r in members:
             loc = everyone[r].get("localized") if r < len(everyone) else None
-            if loc and loc.get("order") is not None:
-                orders[r] = tuple(loc["order"])
+            if loc and loc.get("origin_order") is not None:
+                orders[r] = tuple(loc["origin_order"])
         if orders:
             first = min(orders.values())
             origin += [r for r in members if orders.get(r) == first]

@@ -111,3 +111,24 @@ def test_guard_abort_report_names_everything(tmp_path):
     assert err.report["step"] == 5 and err.report["coords"]["0"]["host"] == "node7"
     assert err.report["samples"]["0"]["sample_ids"] == [50, 51]
     assert any(x.get("event") == "abort" for x in read(tmp_path / "log.jsonl"))
+
+
+def test_origin_within_model_parallel_groups():
+    """A NaN spreads inside a model-parallel group (same dp index): the earliest first-bad module is
+    the origin, else the rank whose loss was non-finite; data-parallel replicas are judged alone."""
+    from trainguard.detectors.base import Verdict
+    from trainguard.guard import _narrow_to_origin
+    from trainguard.isolation import RankCoords
+
+    coords = [RankCoords(rank=r, dp=r // 2, tp=0, pp=r % 2, host="h", local_rank=r) for r in range(4)]
+    per_rank = {0: {"origin": "gradients"}, 1: {"origin": "loss"}, 2: {"origin": "loss"}, 3: {"origin": "loss"}}
+    v = Verdict("nonfinite", "nonfinite", (0, 1, 2, 3), {"per_rank": per_rank})
+    everyone = [{"localized": {"origin_order": [0, 7]}}, {"localized": {"origin_order": [1, 2]}},
+                {"localized": None}, {"localized": {"module": "x", "order": 3}}]  # DeepSpeed's own "order": ignored
+    out = _narrow_to_origin(v, everyone, coords)
+    # group dp=0: stage 0's module came first -> rank 0; group dp=1: no module orders -> the loss ranks (2, 3)
+    assert out.ranks == (0, 2, 3) and out.detail["affected_ranks"] == [0, 1, 2, 3]
+    assert set(out.detail["per_rank"]) == {0, 2, 3}
+    # pure data parallelism (DeepSpeed): every rank is its own group, nothing changes
+    flat = [RankCoords(rank=r, dp=r, tp=0, pp=0, host="h", local_rank=r) for r in range(4)]
+    assert _narrow_to_origin(v, everyone, flat) is v
