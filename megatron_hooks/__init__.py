@@ -40,6 +40,7 @@ snapshot, the watchdog thread (the heartbeat is kept).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -325,6 +326,11 @@ class MegatronGuard:
                                  "skipped_steps": guard.skipped_steps, "applied": applied,
                                  "action": decision.action.value, "goodput": guard.goodput.ratio()})
         guard.goodput.step_done(step, applied)
+        if self.checkpointer is not None:
+            losses = [o.loss for o in obs if o.has_loss]
+            loss = sum(losses) / len(losses) if losses and all(math.isfinite(x) for x in losses) else None
+            self.checkpointer.on_step_end(step, loss, anomaly=any(v.anomaly != "overflow"
+                                                                  for v in decision.verdicts))
         if self._finite is not None:
             self._finite.reset()
         self.iteration += 1

@@ -17,6 +17,7 @@ TP=2 snapshot loads into TP=1; the RNG sidecars then do not map rank to rank, an
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -29,7 +30,9 @@ import torch.distributed as dist
 from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.fsio import atomic_write_json, atomic_write_text, fsync_dir, make_durable
-from trainguard.checkpoint.layout import LATEST, STAGING, CheckpointError, CheckpointLayout, step_tag
+from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
+from trainguard.checkpoint.layout import (LATEST, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
+                                          step_tag)
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
 
 SIDECAR = "trainguard"
@@ -44,6 +47,30 @@ def _broadcast(obj):
 class MegatronCheckpointer:
     def __init__(self, mg):
         self.mg = mg  # megatron_hooks.MegatronGuard
+        c = mg.cfg.checkpoint
+        self.health = CheckpointHealth(c.stable_after, c.verify_steps)
+        self.resume_check: ResumeCheck | None = None
+        self.roots: dict[str, Path] = {}
+
+    def on_step_end(self, step: int, loss: float | None, anomaly: bool) -> None:
+        """After every step (the guard calls it): stable marks, the post-save trajectory, and the
+        resume self-test -- the same health bookkeeping as the DeepSpeed path."""
+        if self.resume_check is not None:
+            result = self.resume_check.on_step(step, loss)
+            if result is not None:
+                self.mg.guard._emit(step, "resume_verified" if result["ok"] else "resume_discontinuity", [], None,
+                                    result)
+                self.resume_check = None
+        for kind, tag, value in self.health.on_step(step, loss, anomaly):
+            root = self.roots.get(tag)
+            if dist.get_rank() != 0 or root is None or not (root / tag).is_dir():
+                continue
+            if kind == "trajectory":
+                atomic_write_json(root / tag / TRAJECTORY, {"losses": {str(k): v for k, v in value.items()}})
+            else:
+                atomic_write_json(root / tag / STABLE, {"stable_at_step": value,
+                                                        "stable_after": self.mg.cfg.checkpoint.stable_after})
+                self.mg.guard._emit(step, "checkpoint_stable", [], None, {"tag": tag, "dir": str(root)})
 
     # ------------------------------------------------------------------ state
     def _sharded(self, is_loading: bool = False) -> dict:
@@ -111,6 +138,8 @@ class MegatronCheckpointer:
             atomic_write_text(root / LATEST, tag)
             shutil.rmtree(staging_root, ignore_errors=True)
         dist.barrier()
+        self.roots[tag] = root
+        self.health.saved(tag, mg.iteration)
         seconds = time.perf_counter() - t0
         mg.guard.goodput.overhead(seconds)
         mg.guard._emit(mg.iteration, "checkpoint_saved", [], None, {
@@ -118,9 +147,11 @@ class MegatronCheckpointer:
         return tag
 
     # ------------------------------------------------------------------ load
-    def load(self, root: str | os.PathLike, tag: str | None = None) -> dict | None:
-        """Every rank: load the newest snapshot that verifies (or ``tag``). Returns the
-        ``data_state`` saved with it (None when there is nothing to load)."""
+    def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid") -> dict | None:
+        """Every rank: load the newest snapshot that verifies (and is stable, with ``mode="stable"``),
+        or ``tag``. Returns the ``data_state`` saved with it (None when there is nothing to load).
+        The first ``verify_steps`` losses after it are checked against those the original run
+        recorded after the save (``resume_verified`` / ``resume_discontinuity``)."""
         from megatron.core import dist_checkpointing, tensor_parallel
 
         mg = self.mg
@@ -132,10 +163,11 @@ class MegatronCheckpointer:
             skipped, chosen = [], None
             for t in reversed([tag] if tag else layout.tags()):
                 res = verify(layout.tag_dir(t))
-                if res.ok:
+                if res.ok and (mode != "stable" or tag or (layout.tag_dir(t) / STABLE).exists()):
                     chosen = t
                     break
-                skipped.append({"tag": t, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
+                if not res.ok:
+                    skipped.append({"tag": t, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
             choice = (chosen, skipped)
         chosen, skipped = _broadcast(choice)
         for s in skipped:
@@ -160,11 +192,15 @@ class MegatronCheckpointer:
         if side is not None:
             rng.restore(side["rng"])
             tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
-        import json
 
         guard_state = json.loads((tag_dir / SIDECAR / "guard.json").read_text())
         mg.guard.load_state_dict(guard_state)
         mg.iteration = man.step
+        self.roots[chosen] = root
+        traj = tag_dir / TRAJECTORY
+        if mg.cfg.checkpoint.verify_steps and traj.exists():
+            losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}
+            self.resume_check = ResumeCheck(chosen, losses, mg.cfg.checkpoint.verify_rtol)
         mg.guard._emit(mg.iteration, "resume", list(range(dist.get_world_size())), None, {
             "tag": chosen, "dir": str(root), "step": man.step, "fell_back_past": skipped,
             "resharded": None if same_layout else {"from": man.layout, "to": self._layout()},

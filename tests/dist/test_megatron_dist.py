@@ -94,7 +94,7 @@ def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
     from trainguard.checkpoint.manifest import verify
 
     ck = tmp_path / "ck"
-    block = {"checks": {"enabled": False}}
+    block = {"checks": {"enabled": False}, "checkpoint": {"stable_after": 2, "verify_steps": 2}}
     extra = ["--ckpt", str(ck)]
 
     def go(name, layout, more):
@@ -108,6 +108,8 @@ def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
     full, _ = go("full", "tp", ["--save-at", "4", "--save-at", "6"])
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step")) == ["step00000004", "step00000006"]
     assert all(verify(ck / t).ok for t in ("step00000004", "step00000006"))
+    assert all((ck / t / "stable.json").exists() and (ck / t / "trajectory.json").exists()
+               for t in ("step00000004", "step00000006"))
 
     resumed, lines = go("resumed", "tp", ["--resume"])
     (resume,) = [x for x in lines if x.get("event") == "resume"]
@@ -115,6 +117,8 @@ def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
     for f, r in zip(full, resumed):
         assert r["first_iteration"] == 6 and r["losses"] == f["losses"][6:]
         assert r["param_sha256"] == f["param_sha256"]
+    (check,) = [x for x in lines if x.get("event") == "resume_verified"]  # the resume's own self-test
+    assert check["detail"]["ok"] and check["detail"]["max_rel_diff"] == 0.0
 
     tp1, lines = go("tp1", "dp", ["--resume"])
     (resume,) = [x for x in lines if x.get("event") == "resume"]
