@@ -38,6 +38,7 @@ from trainguard.checkpoint.fsio import atomic_write_json, atomic_write_text, fsy
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import (LATEST, SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError,
                                           CheckpointLayout, step_tag, validate_tag)
+from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
 from trainguard.checkpoint.retention import to_delete
 from trainguard.guard import config_hash
@@ -314,52 +315,16 @@ class DeepSpeedCheckpointer:
 
     def rollback_target(self, root: Path, onset: int, mode: str, not_before: int = 0,
                         inclusive: bool = False) -> tuple[str | None, str]:
-        """Rank 0 chooses, every rank learns: the newest checkpoint from before ``onset`` that
-        verifies, stable if ``mode`` is "stable" (else, or failing that, the newest valid one).
-        ``inclusive``: one saved at ``onset`` itself qualifies (that step was skipped, so its state
-        is the state before the anomaly). ``not_before``: older checkpoints do not fit this engine
-        any more (a precision change)."""
-        choice = None
-        if _rank() == 0:
-            layout = CheckpointLayout(root)
-            valid, bad = [], []
-            for tag, step in reversed(layout.steps()):
-                if not_before <= step < onset + (1 if inclusive else 0):
-                    res = verify(layout.tag_dir(tag))
-                    if res.ok:
-                        valid.append(tag)
-                    elif not valid:  # newer than anything chosen: say why it was passed over
-                        bad.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
-            stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
-            if mode == "stable" and stable:
-                choice = (stable[0], "newest stable checkpoint before the onset", bad)
-            elif valid:
-                choice = (valid[0], "newest valid checkpoint before the onset" +
-                          (" (none was stable yet)" if mode == "stable" else ""), bad)
-            else:
-                choice = (None, f"no valid checkpoint in {root} predates step {onset}", bad)
+        """Rank 0 chooses (trainguard.checkpoint.rollback.choose_rollback), every rank learns."""
+        choice = choose_rollback(root, onset, mode, not_before, inclusive) if _rank() == 0 else None
         tag, why, bad = _broadcast(choice)
         for b in bad:
             self._event(self.engine.global_steps, "checkpoint_invalid", b)
         return tag, why
 
     def abandon_after(self, root: Path, step: int) -> list[str]:
-        """After a rollback to ``step``: checkpoints from the abandoned trajectory move out of the
-        way, so that no later resume picks them (they may hold the damage)."""
-        moved = []
-        if _rank() == 0:
-            layout = CheckpointLayout(root)
-            for tag, saved_at in layout.steps():
-                if saved_at > step:
-                    dest = root / ".abandoned" / f"{tag}.{uuid.uuid4().hex[:6]}"
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(layout.tag_dir(tag), dest)
-                    moved.append(tag)
-            if moved:
-                fsync_dir(root)
-                remaining = layout.tags()
-                if remaining:
-                    atomic_write_text(root / LATEST, remaining[-1])
+        """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside."""
+        moved = abandon_after(root, step) if _rank() == 0 else None
         self.health.watching = [w for w in self.health.watching if w.step <= step]
         return _broadcast(moved)
 

@@ -146,7 +146,7 @@ class EngineGuard:
         self.scaler = ScalerView(engine)
         self.goodput = GoodputMeter()
         self.heart = Heartbeat(self.rank)
-        self.monitor = None           # trainguard.watchdog.Monitor, started by start_watchdog()
+        self.watchdog = None          # trainguard.watchdog.Watchdog, started by start_watchdog()
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._rollback_floor = 0      # checkpoints older than this step do not fit the engine (precision change)
         if guard_enabled:
@@ -539,94 +539,21 @@ class EngineGuard:
     # ------------------------------------------------------------------ liveness
     def start_watchdog(self) -> None:
         """Heartbeats and hang detection (distributed.watchdog), and the ``restart`` record of a
-        restarted attempt (with the downtime since the previous attempt's last heartbeat)."""
-        import time
+        restarted attempt (trainguard.watchdog.Watchdog)."""
+        from trainguard.watchdog import Watchdog
 
-        from trainguard.watchdog import DirBoard, Monitor, StoreBoard, install_stack_dump_signal
-
-        w = self.cfg.distributed.watchdog
-        if not w.enabled or not dist.is_initialized() or self.monitor is not None:
+        if self.guard is None or self.watchdog is not None or not dist.is_initialized():
             return
-        if w.board == "dir":
-            board = DirBoard(w.dir, self.world)
-        else:
-            store = _default_store()
-            if store is None:
-                return
-            while hasattr(store, "underlying_store"):  # above the per-attempt prefix: attempts see each other
-                store = store.underlying_store
-            board = StoreBoard(store.clone() if hasattr(store, "clone") else store, "trainguard/watchdog", self.world)
-        self._stacks_dir().mkdir(parents=True, exist_ok=True)
-        install_stack_dump_signal(self._stacks_dir() / f"stacks.rank{self.rank}.txt")
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        previous = board.read()  # the last heartbeats of the attempt before, if any
-        if attempt > 0 and self.guard is not None:
-            last_alive = max((b.published for b in previous.values()), default=None)
-            if last_alive is None:
-                last_alive = _last_logged_time(self.cfg.metrics.jsonl) if self.rank == 0 else None
-            down = time.time() - last_alive if last_alive is not None else None
-            if down is not None:
-                self.goodput.downtime(down)
-            if previous:  # the failed attempt's steps after the checkpoint are lost
-                self.goodput.lost_in_restart(max(b.step for b in previous.values()) - self.engine.global_steps)
-            self.guard._emit(self.engine.global_steps, "restart", list(range(self.world)), None, {
-                "attempt": attempt, "downtime_s": round(down, 3) if down is not None else None,
-                "resumed_at_step": self.engine.global_steps, "world": self.world,
-                "previous": {str(r): {"host": b.host, "phase": b.phase, "step": b.step}
-                             for r, b in sorted(previous.items())}})
-        self.heart.beat("data", self.engine.global_steps)
-        board.publish(self.heart.record())
-        self.monitor = Monitor(self.heart, board, self.world, w.interval_s, w.hang_timeout_s, self._on_hang)
-        self.monitor.start()
-
-    def _stacks_dir(self):
-        from pathlib import Path
-
-        w = self.cfg.distributed.watchdog
-        if w.stacks_dir:
-            return Path(w.stacks_dir)
-        return Path(self.cfg.metrics.jsonl).parent if self.cfg.metrics.jsonl else Path.cwd()
-
-    def _on_hang(self, verdict) -> None:
-        """On the monitor thread of every live rank: stacks, the record, then exit for a restart."""
-        import signal
-        import time
-
-        from trainguard.metrics.jsonl import JsonlSink
-        from trainguard.watchdog import dump_own_stacks, signal_local
-
-        w = self.cfg.distributed.watchdog
-        stacks = self._stacks_dir()
-        if self.rank in verdict.culprits and len(verdict.culprits) < self.world:
-            return  # a culprit that can still think leaves the decision to the others
-        dump_own_stacks(stacks / f"stacks.rank{self.rank}.txt")
-        asked = signal_local(verdict, self.heart.host, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else []
-        if asked:
-            time.sleep(1.0)  # a hung (not stopped) rank writes its stacks meanwhile
-        detail = {"culprits": verdict.describe(), "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,
-                  "detected_by": self.rank, "stacks": str(stacks), "exit_code": w.exit_code,
-                  "advice": "the launcher restarts the job (torchrun --max-restarts); it resumes from the newest "
-                            "valid checkpoint"}
-        live = [r for r in range(self.world) if r not in verdict.culprits]
-        if self.guard is not None and live and self.rank == live[0]:
-            if self.guard.log is not None:
-                self.guard._emit(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
-            elif self.cfg.metrics.jsonl:  # rank 0 is the hung one: write its log from here
-                sink = JsonlSink(self.cfg.metrics.jsonl)
-                sink.event(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
-                sink.close()
-        if self.guard is not None and self.guard.rank_log is not None:
-            self.guard.rank_log.event(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
-        if w.kill_hung_local:
-            signal_local(verdict, self.heart.host, signal.SIGKILL)
-        os._exit(w.exit_code)  # (the JSONL sinks flush every line)
+        self.watchdog = Watchdog(self.cfg, self.guard, self.heart, self.rank, self.world,
+                                 lambda: self.engine.global_steps)
+        self.watchdog.start()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.monitor is not None:
-            self.monitor.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -635,30 +562,6 @@ class EngineGuard:
         if self.guard is not None:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
                                  "global_steps": self.engine.global_steps, "goodput": self.goodput.summary()})
-
-
-def _last_logged_time(path) -> float | None:
-    """The time of the last line of a JSONL log (what a restarted rank 0 knows of the attempt before)."""
-    import json
-
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().splitlines()
-        return float(json.loads(lines[-1])["time"]) if lines else None
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
-
-
-def _default_store():
-    """The default process group's store (the rendezvous store under torchrun), or None."""
-    try:
-        import torch.distributed.distributed_c10d as c10d
-
-        return c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - private API: no store, no store board
-        return None
 
 
 def _reset_moments(optimizer) -> None:

@@ -34,8 +34,8 @@ Megatron-LM: :func:`extra_args_provider` adds ``--trainguard-config FILE``.
 
 Snapshots: ``guard.checkpointer.save(dir, data_state=...)`` / ``.load(dir)`` (megatron_hooks.checkpoint).
 
-Not built yet (issue 6 stays open): the fp16 grad-scaler fallback ladder, in-process rollback to a
-snapshot, the watchdog thread (the heartbeat is kept).
+The watchdog (``distributed.watchdog``) runs as on the DeepSpeed path: heartbeats, a hung rank
+named, stacks, exit 75 for a restart.
 """
 from __future__ import annotations
 
@@ -204,6 +204,7 @@ class MegatronGuard:
         self._base_step = optimizer.step
         optimizer.step = self.step  # the instance's step: the guard decides first
         self.checkpointer = MegatronCheckpointer(self) if self.guard is not None else None
+        self.watchdog = None
         if self.guard is None:
             return
         coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
@@ -220,6 +221,10 @@ class MegatronGuard:
             "grad_check_point": "local, before the data-parallel reduction (tensor hooks)"},
             RunFacts(dtype=_dtype(self.chunks[0]), bf16_supported=True, warmup_steps=-1, scheduler=None,
                      framework_clip=float(getattr(getattr(optimizer, "config", None), "clip_grad", 0.0) or 0.0)))
+        from trainguard.watchdog import Watchdog
+
+        self.watchdog = Watchdog(cfg, self.guard, self.heart, self.rank, self.world, lambda: self.iteration)
+        self.watchdog.start()
 
     def step_number(self) -> int:
         return self.iteration + 1
@@ -334,18 +339,56 @@ class MegatronGuard:
         if self._finite is not None:
             self._finite.reset()
         self.iteration += 1
-        if scale_decision is not None:
-            self._scale_remedy(step, scale_decision)
+        self.heart.beat("data", self.iteration)
+        acting = scale_decision or decision
+        if acting.action is Action.ABORT:
+            raise guard.abort(step, acting)
+        if acting.action is Action.ROLLBACK:
+            rolled = self._rollback(step, acting)
+            if acting.anomaly == "loss_scale":
+                self._scale_remedy(step, acting, rolled)
         return result
 
-    def _scale_remedy(self, step: int, decision) -> None:
-        """The loss_scale ladder on megatron: its remedies in place (reset the scale, raise the floor);
-        the snapshot rollback before them and the bf16 fallback are DeepSpeed-only so far."""
+    def _rollback_root(self) -> Path | None:
+        if self.cfg.checkpoint.dir:
+            return Path(self.cfg.checkpoint.dir)
+        roots = list(self.checkpointer.roots.values())
+        return roots[-1] if roots else None
+
+    def _rollback(self, step: int, decision) -> bool:
+        """In-process rollback to a snapshot (checkpoint.dir, else where the last one was saved), on
+        every rank together: weights, optimizer state and RNG come back; the iteration count goes back
+        with them. Your data iterator is not rewound -- it continues past the batches already seen,
+        which is the point (so ``skip_batches`` and the quarantine of sample ids are DeepSpeed-only:
+        megatron's data is yours); the LR scheduler is yours too, so ``lr_factor`` is not applied."""
+        guard, rc = self.guard, self.cfg.recovery
+        root = self._rollback_root()
+        tag, why = (None, "no snapshot directory: set trainguard.checkpoint.dir or call guard.checkpointer.save") \
+            if root is None else self.checkpointer.rollback_target(root, decision.onset_step or step, rc.rollback_to,
+                                                                  inclusive=decision.onset_skipped)
+        if tag is None:
+            guard._emit(step, "rollback_unavailable", [], "skip_step", {
+                "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step})
+            return False
+        self.checkpointer.load(root, tag=tag, purpose="rollback")
+        to_step = self.iteration
+        guard.goodput.rollback(to_step)
+        abandoned = self.checkpointer.abandon_after(root, to_step)
+        guard.policy.rolled_back(step, False, {"to_tag": tag, "to_step": to_step, "anomaly": decision.anomaly})
+        guard.grad_norm.reset_trend()
+        if self.faults is not None:
+            self.faults.rolled_back()
+        guard._emit(step, "rollback", [], "rollback", {
+            "to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
+            "onset_step": decision.onset_step, "abandoned": abandoned, "reason": decision.reason,
+            "lr_factor": None, "skip_batches": 0,
+            "note": "megatron: the data iterator is yours and continues; the LR schedule is yours and is unchanged"})
+        return True
+
+    def _scale_remedy(self, step: int, decision, rolled_back: bool) -> None:
+        """The loss_scale ladder's remedy, after its rollback (or in place, without a snapshot): reset
+        the scale, raise the floor; the bf16 fallback is DeepSpeed-only so far (abort with the report)."""
         guard = self.guard
-        if decision.action is Action.ABORT:
-            raise guard.abort(step, decision)
-        if decision.action is not Action.ROLLBACK:
-            return
         if decision.remedy == "bf16":
             from trainguard.policy import Decision
 
@@ -357,13 +400,12 @@ class MegatronGuard:
             detail.update(self.scaler.raise_floor(self.cfg.recovery.floor_factor))
         detail.update(self.scaler.reset())
         guard.loss_scale.reset()
-        guard.policy.tried_also(step, decision.remedy, detail)
-        guard._emit(step, "rollback_unavailable", [], "skip_step", {
-            "reason": "in-process rollback to a snapshot is not built for megatron-core yet: the remedy is applied "
-                      "in place", "anomaly": "loss_scale", "onset_step": decision.onset_step, "remedy": detail})
+        guard.policy.tried_also(step, decision.remedy, {**detail, "after_rollback": rolled_back})
         guard._emit(step, "loss_scale_reset", [], decision.remedy, detail)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

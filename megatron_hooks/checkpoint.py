@@ -34,6 +34,7 @@ from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import (LATEST, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
                                           step_tag)
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
+from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 
 SIDECAR = "trainguard"
 
@@ -146,8 +147,22 @@ class MegatronCheckpointer:
             "tag": tag, "dir": str(root), "format": "megatron dist_checkpointing", "blocking_s": round(seconds, 3)})
         return tag
 
+    # ------------------------------------------------------------------ rollback
+    def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
+        choice = choose_rollback(root, onset, mode, 0, inclusive) if dist.get_rank() == 0 else None
+        tag, why, bad = _broadcast(choice)
+        for b in bad:
+            self.mg.guard._emit(self.mg.iteration, "checkpoint_invalid", [], None, b)
+        return tag, why
+
+    def abandon_after(self, root: Path, step: int) -> list[str]:
+        moved = abandon_after(root, step) if dist.get_rank() == 0 else None
+        self.health.watching = [w for w in self.health.watching if w.step <= step]
+        return _broadcast(moved)
+
     # ------------------------------------------------------------------ load
-    def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid") -> dict | None:
+    def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid",
+             purpose: str = "resume") -> dict | None:
         """Every rank: load the newest snapshot that verifies (and is stable, with ``mode="stable"``),
         or ``tag``. Returns the ``data_state`` saved with it (None when there is nothing to load).
         The first ``verify_steps`` losses after it are checked against those the original run
@@ -192,11 +207,11 @@ class MegatronCheckpointer:
         if side is not None:
             rng.restore(side["rng"])
             tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
-
-        guard_state = json.loads((tag_dir / SIDECAR / "guard.json").read_text())
-        mg.guard.load_state_dict(guard_state)
         mg.iteration = man.step
         self.roots[chosen] = root
+        if purpose == "rollback":  # the run moves on: the guard's statistics, budgets and data stay as they are
+            return None
+        mg.guard.load_state_dict(json.loads((tag_dir / SIDECAR / "guard.json").read_text()))
         traj = tag_dir / TRAJECTORY
         if mg.cfg.checkpoint.verify_steps and traj.exists():
             losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}

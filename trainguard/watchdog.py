@@ -201,3 +201,115 @@ def signal_local(verdict: HangVerdict, host: str, sig: int) -> list[int]:
             except OSError:
                 pass
     return sent
+
+
+# ---------------------------------------------------------------------------------- the whole
+def default_board(cfg, world: int):
+    """The board ``distributed.watchdog`` asks for: files in ``dir``, or the default process
+    group's store -- above any per-attempt prefix, so that an attempt sees the one before."""
+    if cfg.board == "dir":
+        return DirBoard(cfg.dir, world)
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API: no store, no store board
+        return None
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return StoreBoard(store.clone() if hasattr(store, "clone") else store, "trainguard/watchdog", world)
+
+
+def last_logged_time(path) -> float | None:
+    """The time of the last line of a JSONL log (what a restarted rank 0 knows of the attempt before)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+        return float(json.loads(lines[-1])["time"]) if lines else None
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+class Watchdog:
+    """Heartbeats, hang detection and restart bookkeeping for one rank, on top of a StepGuard.
+    Both adapters use it; ``step_fn`` gives the framework's step count."""
+
+    def __init__(self, cfg, guard, heart: Heartbeat, rank: int, world: int, step_fn: Callable[[], int]):
+        self.cfg, self.guard, self.heart = cfg, guard, heart   # cfg: the whole TrainguardConfig
+        self.rank, self.world, self.step_fn = rank, world, step_fn
+        self.monitor: Monitor | None = None
+
+    def stacks_dir(self) -> Path:
+        w = self.cfg.distributed.watchdog
+        if w.stacks_dir:
+            return Path(w.stacks_dir)
+        return Path(self.cfg.metrics.jsonl).parent if self.cfg.metrics.jsonl else Path.cwd()
+
+    def start(self) -> None:
+        """Start the monitor; on a restarted attempt (TORCHELASTIC_RESTART_COUNT > 0) first write
+        ``restart`` with the downtime since the previous attempt's last heartbeat."""
+        w = self.cfg.distributed.watchdog
+        if not w.enabled or self.monitor is not None:
+            return
+        board = default_board(w, self.world)
+        if board is None:
+            return
+        self.stacks_dir().mkdir(parents=True, exist_ok=True)
+        install_stack_dump_signal(self.stacks_dir() / f"stacks.rank{self.rank}.txt")
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        previous = board.read()  # the last heartbeats of the attempt before, if any
+        step = self.step_fn()
+        if attempt > 0:
+            last_alive = max((b.published for b in previous.values()), default=None)
+            if last_alive is None and self.rank == 0 and self.cfg.metrics.jsonl:
+                last_alive = last_logged_time(self.cfg.metrics.jsonl)
+            down = time.time() - last_alive if last_alive is not None else None
+            if down is not None:
+                self.guard.goodput.downtime(down)
+            if previous:  # the failed attempt's steps after the checkpoint are lost
+                self.guard.goodput.lost_in_restart(max(b.step for b in previous.values()) - step)
+            self.guard._emit(step, "restart", list(range(self.world)), None, {
+                "attempt": attempt, "downtime_s": round(down, 3) if down is not None else None,
+                "resumed_at_step": step, "world": self.world,
+                "previous": {str(r): {"host": b.host, "phase": b.phase, "step": b.step}
+                             for r, b in sorted(previous.items())}})
+        self.heart.beat("data", step)
+        board.publish(self.heart.record())
+        self.monitor = Monitor(self.heart, board, self.world, w.interval_s, w.hang_timeout_s, self.on_hang)
+        self.monitor.start()
+
+    def on_hang(self, verdict: HangVerdict) -> None:
+        """On the monitor thread of every live rank: stacks, the record, then exit for a restart."""
+        from trainguard.metrics.jsonl import JsonlSink
+
+        w = self.cfg.distributed.watchdog
+        stacks = self.stacks_dir()
+        if self.rank in verdict.culprits and len(verdict.culprits) < self.world:
+            return  # a culprit that can still think leaves the decision to the others
+        dump_own_stacks(stacks / f"stacks.rank{self.rank}.txt")
+        asked = signal_local(verdict, self.heart.host, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else []
+        if asked:
+            time.sleep(1.0)  # a hung (not stopped) rank writes its stacks meanwhile
+        detail = {"culprits": verdict.describe(), "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,
+                  "detected_by": self.rank, "stacks": str(stacks), "exit_code": w.exit_code,
+                  "advice": "the launcher restarts the job (torchrun --max-restarts); it resumes from the newest "
+                            "valid checkpoint"}
+        live = [r for r in range(self.world) if r not in verdict.culprits]
+        if live and self.rank == live[0]:
+            if self.guard.log is not None:
+                self.guard._emit(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
+            elif self.cfg.metrics.jsonl:  # rank 0 is the hung one: write its log from here
+                sink = JsonlSink(self.cfg.metrics.jsonl)
+                sink.event(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
+                sink.close()
+        if self.guard.rank_log is not None:
+            self.guard.rank_log.event(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
+        if w.kill_hung_local:
+            signal_local(verdict, self.heart.host, signal.SIGKILL)
+        os._exit(w.exit_code)  # (the JSONL sinks flush every line)
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()

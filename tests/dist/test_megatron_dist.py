@@ -162,3 +162,26 @@ def test_fp16_grad_scaler_clamp_is_detected_and_the_scale_reset(tmp_path):
     overflows = [x for x in lines if x.get("event") == "overflow"]
     assert len(overflows) == 16 and all(x["ranks"] == [1] for x in overflows)
     assert guarded["loss_scale"][-1] > 1.0 and all(r["weights_finite"] for r in runs["guarded"])
+
+
+def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path):
+    """DP=2: NaN losses on rank 1 at iterations 10, 11, 12 -> skip, skip, then (3 within the ladder
+    window) an in-process rollback to the newest stable snapshot from before the first one; both
+    replicas end identical and finite, and the snapshots of the abandoned trajectory are set aside."""
+    ck = tmp_path / "ck"
+    block = {"checks": {"enabled": False}, "allow_faults": True,
+             "checkpoint": {"dir": str(ck), "stable_after": 1, "verify_steps": 1},
+             "faults": [{"type": "nan_loss", "step": s, "rank": 1} for s in (10, 11, 12)]}
+    cfg = tmp_path / "rb.json"
+    cfg.write_text(json.dumps(block))
+    rc, res = run_worker(cfg, tmp_path / "rb", 16, extra=["--ckpt", str(ck), "--save-at", "4", "--save-at", "8"],
+                         module="tests.support.megatron_worker", timeout=300)
+    assert rc == 0 and all(res), (tmp_path / "rb" / "torchrun.log").read_text()[-3000:]
+    lines = read(tmp_path / "rb" / "trainguard.jsonl")
+    actions = [(x["step"], x["action"]) for x in lines if x.get("event") == "nonfinite"]
+    assert actions == [(10, "skip_step"), (11, "skip_step"), (12, "rollback")]
+    (rb,) = [x for x in lines if x.get("event") == "rollback"]
+    assert rb["detail"]["to_tag"] == "step00000008" and rb["detail"]["to_step"] == 8  # 8 stayed clean for 1 step
+    # the loop ran 16 iterations; 12 -> 8 put the guard's count 4 back
+    assert all(r["guard_iteration"] == 12 for r in res)
+    assert res[0]["param_sha256"] == res[1]["param_sha256"] and all(r["weights_finite"] for r in res)

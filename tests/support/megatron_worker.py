@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     digest = hashlib.sha256()
     for p in params:
         digest.update(p.numpy().tobytes())
+    if guard is not None:
+        result["guard_iteration"] = guard.iteration
     result.update({"param_sha256": digest.hexdigest(), "weights_finite": all(bool(torch.isfinite(p).all())
                                                                              for p in params)})
     (out / f"result.rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))

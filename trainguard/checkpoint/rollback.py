@@ -1,0 +1,55 @@
+"""Which checkpoint a rollback returns to, and what it sets aside -- one rank's filesystem view
+(rank 0 decides; the adapters broadcast the answer and emit the events)."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir
+from trainguard.checkpoint.layout import LATEST, STABLE, CheckpointLayout
+from trainguard.checkpoint.manifest import verify
+
+
+def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
+                    inclusive: bool = False) -> tuple[str | None, str, list[dict]]:
+    """The newest checkpoint from before ``onset`` that verifies, stable if ``mode`` is "stable"
+    (else, or failing that, the newest valid one). ``inclusive``: one saved at ``onset`` itself
+    qualifies (that step was skipped, so its state is the state before the anomaly).
+    ``not_before``: older checkpoints do not fit the engine any more (a precision change).
+    Returns ``(tag or None, why, [newer invalid ones: {tag, bad_file, reason, dir}])``."""
+    layout = CheckpointLayout(root)
+    valid, bad = [], []
+    for tag, step in reversed(layout.steps()):
+        if not_before <= step < onset + (1 if inclusive else 0):
+            res = verify(layout.tag_dir(tag))
+            if res.ok:
+                valid.append(tag)
+            elif not valid:  # newer than anything chosen: say why it was passed over
+                bad.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
+    stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
+    if mode == "stable" and stable:
+        return stable[0], "newest stable checkpoint before the onset", bad
+    if valid:
+        return valid[0], "newest valid checkpoint before the onset" + (
+            " (none was stable yet)" if mode == "stable" else ""), bad
+    return None, f"no valid checkpoint in {root} predates step {onset}", bad
+
+
+def abandon_after(root: Path, step: int) -> list[str]:
+    """After a rollback to ``step``: checkpoints of the abandoned trajectory move to ``.abandoned/``
+    (never deleted here), so that no later resume picks them (they may hold the damage)."""
+    layout = CheckpointLayout(root)
+    moved = []
+    for tag, saved_at in layout.steps():
+        if saved_at > step:
+            dest = root / ".abandoned" / f"{tag}.{uuid.uuid4().hex[:6]}"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(layout.tag_dir(tag), dest)
+            moved.append(tag)
+    if moved:
+        fsync_dir(root)
+        remaining = layout.tags()
+        if remaining:
+            atomic_write_text(root / LATEST, remaining[-1])
+    return moved
