@@ -26,8 +26,10 @@ def test_fire_drill(tmp_path):
     # after the killed rank and after the hung one (named: rank 0), resuming by itself each time
     assert tg["rollbacks"] >= 4 and tg["checkpoint_invalid"] >= 1 and tg["precision_fallback"]
     assert tg["restarts"] == 2 and tg["hangs_named"] == [0]
-    # while DeepSpeed alone stops at the minimum loss scale
-    assert not plain["completed"] and "Current loss scale already at minimum" in plain["died"]
+    # while DeepSpeed alone does not finish: it stops at the minimum loss scale, or -- restarted by
+    # torchrun after the killed rank, without a fresh store prefix -- hangs at its rendezvous
+    assert not plain["completed"]
+    assert "Current loss scale already at minimum" in plain["died"] or plain.get("hung")
     # goodput is measured for every run (the 0.97 goal is not met at this fault density on CPU:
     # see the README's drill section; this bounds a regression)
     assert 0.3 < tg["goodput"] < insured["goodput"] <= clean["goodput"] <= 1.0

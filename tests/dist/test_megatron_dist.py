@@ -38,22 +38,26 @@ def run(tmp_path, name, layout, steps, block=None):
     return results, (read(out / "trainguard.jsonl") if cfg else [])
 
 
-@pytest.mark.parametrize("layout,rank", sorted(CASES))
-def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout, rank):
-    fault, coords, layer = CASES[(layout, rank)]
-    block = {"checks": {"enabled": False}, "allow_faults": True, "faults": [{**fault, "step": 3, "rank": rank}]}
-    results, lines = run(tmp_path, "run", layout, 6, block)
-    (e,) = [x for x in lines if x.get("event") == "nonfinite"]
-    assert e["step"] == 3 and e["ranks"] == [rank] and e["action"] == "skip_step"
-    named = e["detail"]["per_rank"][str(rank)]
-    assert {k: named["coords"][k] for k in coords} == coords
-    if layer is not None:  # the first non-finite module, with its layer number across pipeline stages
-        assert named["localized"]["global_layer"] == layer
-        assert fault["module"].split(".", 3)[-1] in named["first_nonfinite_module"]
-        assert e["detail"]["affected_ranks"] == [0, 1] or layout == "dp"
-    # every rank skipped step 3 together (no hang), and only it; weights stayed finite
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout):
+    """One run per layout: a fault on rank 0 at step 3, one on rank 1 at step 5."""
+    steps = {0: 3, 1: 5}
+    faults = [{**CASES[(layout, r)][0], "step": steps[r], "rank": r} for r in (0, 1)]
+    block = {"checks": {"enabled": False}, "allow_faults": True, "faults": faults}
+    results, lines = run(tmp_path, "run", layout, 7, block)
+    events = [x for x in lines if x.get("event") == "nonfinite"]
+    assert [(e["step"], e["ranks"], e["action"]) for e in events] == [(3, [0], "skip_step"), (5, [1], "skip_step")]
+    for e, rank in zip(events, (0, 1)):
+        fault, coords, layer = CASES[(layout, rank)]
+        named = e["detail"]["per_rank"][str(rank)]
+        assert {k: named["coords"][k] for k in coords} == coords
+        if layer is not None:  # the first non-finite module, with its layer number across pipeline stages
+            assert named["localized"]["global_layer"] == layer
+            assert fault["module"].split(".", 3)[-1] in named["first_nonfinite_module"]
+            assert e["detail"]["affected_ranks"] == [0, 1]
+    # every rank skipped steps 3 and 5 together (no hang), and only them; weights stayed finite
     for r in results:
-        assert r["applied"] == [True, True, False, True, True, True] and r["weights_finite"]
+        assert r["applied"] == [True, True, False, True, False, True, True] and r["weights_finite"]
 
 
 def test_guard_changes_nothing_when_no_fault_fires(tmp_path):

@@ -119,3 +119,23 @@ def test_snapshot_is_a_detached_cpu_copy():
     t.data.add_(1)
     assert s["w"].tolist() == [1.0, 1.0, 1.0] and not s["w"].requires_grad
     assert s["nested"][1][1] == 1 and s["n"] == 5
+
+
+def test_rollback_choice_names_every_invalid_checkpoint_it_passed_over(tmp_path):
+    """Newest first: 30 (valid, not stable), 20 (corrupt), 10 (valid, stable) -> 10 is chosen, and 20
+    is reported although the newer 30 verified."""
+    from trainguard.checkpoint.layout import STABLE
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+    from trainguard.checkpoint.rollback import choose_rollback
+
+    for step in (10, 20, 30):
+        d = tmp_path / f"step{step:08d}"
+        d.mkdir()
+        (d / "weights.pt").write_bytes(b"x" * 256)
+        Manifest(tag=d.name, step=step, files=hash_files(d, list_files(d))).write(d)
+    (tmp_path / "step00000010" / STABLE).write_text("{}")
+    (tmp_path / "step00000020" / "weights.pt").write_bytes(b"y" * 256)
+    tag, why, bad = choose_rollback(tmp_path, onset=35, mode="stable")
+    assert tag == "step00000010" and "stable" in why and [b["tag"] for b in bad] == ["step00000020"]
+    tag, _, bad = choose_rollback(tmp_path, onset=35, mode="latest_valid")
+    assert tag == "step00000030" and bad == []

@@ -19,21 +19,26 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     ``not_before``: older checkpoints do not fit the engine any more (a precision change).
     Returns ``(tag or None, why, [newer invalid ones: {tag, bad_file, reason, dir}])``."""
     layout = CheckpointLayout(root)
-    valid, bad = [], []
+    seen = []  # (tag, verify result), newest first
     for tag, step in reversed(layout.steps()):
         if not_before <= step < onset + (1 if inclusive else 0):
-            res = verify(layout.tag_dir(tag))
-            if res.ok:
-                valid.append(tag)
-            elif not valid:  # newer than anything chosen: say why it was passed over
-                bad.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
+            seen.append((tag, verify(layout.tag_dir(tag))))
+    valid = [t for t, res in seen if res.ok]
     stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
     if mode == "stable" and stable:
-        return stable[0], "newest stable checkpoint before the onset", bad
-    if valid:
-        return valid[0], "newest valid checkpoint before the onset" + (
-            " (none was stable yet)" if mode == "stable" else ""), bad
-    return None, f"no valid checkpoint in {root} predates step {onset}", bad
+        chosen, why = stable[0], "newest stable checkpoint before the onset"
+    elif valid:
+        chosen, why = valid[0], "newest valid checkpoint before the onset" + (
+            " (none was stable yet)" if mode == "stable" else "")
+    else:
+        chosen, why = None, f"no valid checkpoint in {root} predates step {onset}"
+    bad = []
+    for tag, res in seen:  # the invalid ones newer than the choice: say why they were passed over
+        if tag == chosen:
+            break
+        if not res.ok:
+            bad.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
+    return chosen, why, bad
 
 
 def abandon_after(root: Path, step: int) -> list[str]:

@@ -24,6 +24,7 @@ import copy
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -111,7 +112,8 @@ def format_table(rows: list[dict]) -> str:
             f"{'rollbacks':>11}{'restarts':>10}{'skipped':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        done = "yes" if r["completed"] else f"no (died at {r.get('reached_step')})"
+        done = "yes" if r["completed"] else "no (hung)" if r.get("hung") else \
+            f"no (died at {r.get('reached_step')})"
         lines.append(f"{r['run']:<22}{done:<22}{num(r.get('eval_loss')):>11}{pct(r.get('loss_vs_clean')):>10}"
                      f"{num(r.get('steps_lost'), '{}'):>12}{num(r.get('goodput'), '{:.3f}'):>9}"
                      f"{r.get('rollbacks', 0):>11}{r.get('restarts', 0):>10}{num(r.get('skipped_steps'), '{}'):>9}")
@@ -144,6 +146,7 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
           + ", ".join(f"{f['type']}@{f['step']}" for f in runs[2][1]["trainguard"]["faults"]), file=stream)
     rows = []
     clean_loss = None
+    bound = timeout
     for i, (name, cfg, flags) in enumerate(runs):
         d = out / name.replace(",", "").replace("(", "").replace(")", "").replace(" ", "_").lower()
         print(f"  run {i + 1}/{len(runs)}: {name} ...", file=stream, flush=True)
@@ -153,10 +156,19 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
             cfg["trainguard"].pop("checkpoint", None)  # plain DeepSpeed has no trainguard checkpoints
         else:
             ck["dir"] = str(d / "ckpt")
+        t0 = time.monotonic()
         rc, results = run_worker(_write(cfg, d / "ds_config.json"), d, steps, extra=[*flags, *extra],
-                                 timeout=timeout, launcher=LAUNCHER)
+                                 timeout=bound, launcher=LAUNCHER)
+        if i == 0:
+            # a run that makes no progress (plain DeepSpeed's restarted gloo workers can hang at their
+            # rendezvous, PLATFORM.md) is stopped after twice the clean run's time
+            bound = min(timeout, 2 * (time.monotonic() - t0) + 20)
         log = d / ("plain.jsonl" if "--plain" in flags else "trainguard.jsonl")
         row = _row(name, rc, results, None if "--plain" in flags else log, clean_loss, steps, _restarts(d, rc))
+        if rc == 124:
+            row["hung"] = True
+            row["died"] = (f"made no progress for {bound:.0f} s and was stopped (after {row['restarts']} restart(s)"
+                           "; a restarted plain gloo job can hang at its rendezvous)")
         if "--plain" in flags and row["restarts"]:
             row["goodput"] = _external_goodput(d, next((r for r in results if r), {}))
         if i == 0:
