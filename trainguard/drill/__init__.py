@@ -62,7 +62,7 @@ def _restarts(d: Path, rc: int) -> int:
         failures = (d / "torchrun.log").read_text(errors="replace").count("failed (exitcode")
     except OSError:
         return 0
-    return max(0, failures - (1 if rc != 0 else 0))
+    return max(0, failures - (1 if rc not in (0, 124) else 0))  # (124: stopped by us, not a torchrun failure)
 
 
 def _external_goodput(d: Path, r0: dict) -> float | None:
