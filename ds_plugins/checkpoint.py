@@ -34,15 +34,16 @@ import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint import rng
-from trainguard.checkpoint.fsio import atomic_write_json, atomic_write_text, fsync_dir, make_durable, save_hashed
+from trainguard.checkpoint.commit import commit_staged
+from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir, make_durable, save_hashed
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import (LATEST, SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError,
+from trainguard.checkpoint.layout import (SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError,
                                           CheckpointLayout, step_tag, validate_tag)
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
 from trainguard.checkpoint.retention import to_delete
 from trainguard.guard import config_hash
-from trainguard.isolation import gather_objects
+from trainguard.isolation import broadcast_from_rank0, gather_objects
 
 
 def _rank() -> int:
@@ -58,12 +59,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast(obj):
-    if not dist.is_initialized():
-        return obj
-    box = [obj if _rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+_broadcast = broadcast_from_rank0
 
 
 def code_revision() -> str | None:
@@ -150,22 +146,9 @@ class DeepSpeedCheckpointer:
         return tag
 
     def _commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
-        """Rank 0, once every file is written and hashed: manifest last, rename, latest, retention."""
-        layout = CheckpointLayout(root)
-        staged = staging_root / tag
-        make_durable(staged)
-        self._manifest(tag, step, files).write(staged)
-        fsync_dir(staged)
-        final = layout.tag_dir(tag)
-        aside = root / STAGING / f"replaced.{nonce}"
-        if final.exists():  # the same tag saved again: the old one goes aside first
-            os.replace(final, aside)
-        os.replace(staged, final)
-        fsync_dir(root)
-        atomic_write_text(root / LATEST, tag)
-        shutil.rmtree(staging_root, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
-        self._retention(layout)
+        """Rank 0, once every file is written and hashed: the commit, then retention."""
+        commit_staged(root, staging_root, nonce, self._manifest(tag, step, files))
+        self._retention(CheckpointLayout(root))
 
     # ------------------------------------------------------------------ async save
     def _begin_save(self, root: Path, tag: str | None, client_state: dict | None):

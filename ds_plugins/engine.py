@@ -26,7 +26,7 @@ from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.watchdog import Heartbeat
 from trainguard.guard import StepGuard
-from trainguard.isolation import gather_coords
+from trainguard.isolation import collective_device, gather_coords
 from trainguard.probes import first_nonfinite, preserved_rng
 
 _GUARDED_CLASSES: dict[type, type] = {}
@@ -158,15 +158,9 @@ class EngineGuard:
             self.goodput = self.guard.goodput  # one meter: the guard checkpoints it with its state
             self.guard.clipper.framework_max_norm = float(engine.gradient_clipping() or 0.0)
             self.faults = self.guard.faults if cfg.faults else None  # one injector, owned by the guard
-            if cfg.clipping.mode == "norm":
-                self._set_clip(cfg.clipping.max_norm)
-            self.after_load()
         elif cfg.faults:
             self.faults = FaultInjector(cfg.faults, self.rank)
-        if self.faults is not None:
-            self.faults.precision = self._dtype()
-            self._hooks += self.faults.install_module_faults(engine.module, self.step_number)
-        self._install_grad_hooks()
+        self._hook_engine()
         if self.guard is not None:
             from ds_plugins.checkpoint import DeepSpeedCheckpointer
 
@@ -232,6 +226,17 @@ class EngineGuard:
             name, warmup = type(client_scheduler).__name__, -1
         return RunFacts(dtype=self._dtype(), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
                         framework_clip=float(eng.gradient_clipping() or 0.0))
+
+    def _hook_engine(self) -> None:
+        """What the adapter puts on the engine: fault hooks, gradient hooks, the clip limit, the fp16
+        scaler's arming. At attach, and again after the engine was rebuilt in place (bf16 fallback)."""
+        if self.faults is not None:
+            self.faults.precision = self._dtype()
+            self._hooks += self.faults.install_module_faults(self.engine.module, self.step_number)
+        self._install_grad_hooks()
+        if self.guard is not None and self.cfg.clipping.mode == "norm":
+            self._set_clip(self.cfg.clipping.max_norm)
+        self.after_load()
 
     def _install_grad_hooks(self) -> None:
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
@@ -480,13 +485,7 @@ class EngineGuard:
         object.__setattr__(engine, "_trainguard", self)
         engine.__class__ = cls
         self.scaler = ScalerView(engine)
-        if self.faults is not None:
-            self.faults.precision = self._dtype()
-            self._hooks += self.faults.install_module_faults(engine.module, self.step_number)
-        self._install_grad_hooks()
-        if self.cfg.clipping.mode == "norm":
-            self._set_clip(self.cfg.clipping.max_norm)
-        self.after_load()
+        self._hook_engine()
         return detail
 
     def _after_step(self, step: int, obs, decision) -> None:
@@ -580,18 +579,15 @@ def _plain_class(cls: type) -> type:
 
 
 def _collective_device() -> torch.device:
-    """Where the AGREE tensor must live for the default group's backend."""
-    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+    """Where the AGREE tensor must live (trainguard.isolation.collective_device), with DeepSpeed's
+    accelerator as the device of any other backend."""
     try:
         from deepspeed.accelerator import get_accelerator
 
         name = get_accelerator().current_device_name()
-        if dist.is_initialized() and dist.get_backend() in ("gloo", "ccl"):
-            return torch.device("cpu")
-        return torch.device(name)
     except Exception:  # noqa: BLE001
-        return torch.device("cpu")
+        name = None
+    return collective_device(name)
 
 
 def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None) -> EngineGuard:

@@ -52,7 +52,7 @@ from trainguard import config as tg_config
 from trainguard.checks import RunFacts
 from trainguard.events import Action
 from trainguard.guard import StepGuard
-from trainguard.isolation import gather_coords
+from trainguard.isolation import collective_device, gather_coords
 
 __all__ = ["install", "extra_args_provider", "MegatronGuard"]
 
@@ -184,7 +184,7 @@ class MegatronGuard:
         self.heart = Heartbeat(self.rank)
         self.guard: StepGuard | None = None
         if guard_enabled:
-            self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device(),
+            self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=collective_device(),
                                    localize=self._localize)
             self.faults = self.guard.faults if cfg.faults else None
         else:  # faults only: plain megatron with the same injected faults, for comparisons
@@ -456,9 +456,3 @@ def _dtype(chunk: torch.nn.Module) -> str:
     if p is None:
         return "fp32"
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(p.dtype, "fp32")
-
-
-def _collective_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -29,20 +28,16 @@ import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint import rng
-from trainguard.checkpoint.fsio import atomic_write_json, atomic_write_text, fsync_dir, make_durable
+from trainguard.checkpoint.commit import commit_staged
+from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import (LATEST, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
+from trainguard.checkpoint.layout import (STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
                                           step_tag)
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
+from trainguard.isolation import broadcast_from_rank0
 
 SIDECAR = "trainguard"
-
-
-def _broadcast(obj):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class MegatronCheckpointer:
@@ -109,7 +104,7 @@ class MegatronCheckpointer:
         root = Path(root)
         t0 = time.perf_counter()
         tag = step_tag(mg.iteration)
-        nonce = _broadcast(f"{tag}.{uuid.uuid4().hex[:10]}")
+        nonce = broadcast_from_rank0(f"{tag}.{uuid.uuid4().hex[:10]}")
         layout = CheckpointLayout(root)
         staging_root = layout.staging_root(nonce)
         staged = staging_root / tag
@@ -123,21 +118,12 @@ class MegatronCheckpointer:
             atomic_write_json(staged / SIDECAR / "guard.json", mg.guard.state_dict())
         dist.barrier()
         if dist.get_rank() == 0:
-            files = hash_files(staged, list_files(staged))
-            make_durable(staged)
             last = getattr(mg.guard, "last_metrics", {}) or {}
-            Manifest(tag=tag, step=mg.iteration, files=files, layout=self._layout(),
-                     lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
-                     health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,
-                             "recent_anomalies": list(mg.guard.recent_anomalies)[-10:]}).write(staged)
-            fsync_dir(staged)
-            final = layout.tag_dir(tag)
-            if final.exists():
-                os.replace(final, staging_root / f"replaced.{nonce}")
-            os.replace(staged, final)
-            fsync_dir(root)
-            atomic_write_text(root / LATEST, tag)
-            shutil.rmtree(staging_root, ignore_errors=True)
+            commit_staged(root, staging_root, nonce, Manifest(
+                tag=tag, step=mg.iteration, files=hash_files(staged, list_files(staged)), layout=self._layout(),
+                lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
+                health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,
+                        "recent_anomalies": list(mg.guard.recent_anomalies)[-10:]}))
         dist.barrier()
         self.roots[tag] = root
         self.health.saved(tag, mg.iteration)
@@ -150,7 +136,7 @@ class MegatronCheckpointer:
     # ------------------------------------------------------------------ rollback
     def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
         choice = choose_rollback(root, onset, mode, 0, inclusive) if dist.get_rank() == 0 else None
-        tag, why, bad = _broadcast(choice)
+        tag, why, bad = broadcast_from_rank0(choice)
         for b in bad:
             self.mg.guard._emit(self.mg.iteration, "checkpoint_invalid", [], None, b)
         return tag, why
@@ -158,7 +144,7 @@ class MegatronCheckpointer:
     def abandon_after(self, root: Path, step: int) -> list[str]:
         moved = abandon_after(root, step) if dist.get_rank() == 0 else None
         self.health.watching = [w for w in self.health.watching if w.step <= step]
-        return _broadcast(moved)
+        return broadcast_from_rank0(moved)
 
     # ------------------------------------------------------------------ load
     def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid",
@@ -184,7 +170,7 @@ class MegatronCheckpointer:
                 if not res.ok:
                     skipped.append({"tag": t, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
             choice = (chosen, skipped)
-        chosen, skipped = _broadcast(choice)
+        chosen, skipped = broadcast_from_rank0(choice)
         for s in skipped:
             mg.guard._emit(mg.iteration, "checkpoint_invalid", [], None, s)
         if chosen is None:

@@ -90,6 +90,26 @@ def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
     return out
 
 
+def broadcast_from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (one object broadcast; the others' arguments are ignored)."""
+    if not _distributed():
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def collective_device(accelerator: str | None = None) -> torch.device:
+    """Where the AGREE tensor must live for the default group's backend: the current CUDA device
+    under NCCL, the CPU under gloo/ccl, else ``accelerator`` (the CPU when there is none)."""
+    backend = dist.get_backend() if _distributed() else None
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend in ("gloo", "ccl") or accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator)
+
+
 def gather_objects(obj, group=None) -> list:
     """Only on anomaly steps: a second, variable-size gather (sample ids, data positions)."""
     if not _distributed():
