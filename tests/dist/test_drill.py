@@ -27,9 +27,9 @@ def test_fire_drill(tmp_path):
     assert tg["rollbacks"] >= 4 and tg["checkpoint_invalid"] >= 1 and tg["precision_fallback"]
     assert tg["restarts"] == 2 and tg["hangs_named"] == [0]
     # while DeepSpeed alone does not finish: it stops at the minimum loss scale, or -- restarted by
-    # torchrun after the killed rank, without a fresh store prefix -- hangs at its rendezvous
-    assert not plain["completed"]
-    assert "Current loss scale already at minimum" in plain["died"] or plain.get("hung")
+    # torchrun after the killed rank, without a fresh store prefix -- its workers hang or fail at the
+    # rendezvous (all three seen on this machine); the row says which
+    assert not plain["completed"] and plain["died"]
     # goodput is measured for every run (the 0.97 goal is not met at this fault density on CPU:
     # see the README's drill section; this bounds a regression)
     assert 0.3 < tg["goodput"] < insured["goodput"] <= clean["goodput"] <= 1.0

@@ -65,6 +65,17 @@ def _restarts(d: Path, rc: int) -> int:
     return max(0, failures - (1 if rc not in (0, 124) else 0))  # (124: stopped by us, not a torchrun failure)
 
 
+def _last_error(d: Path, rc: int, restarts: int) -> str:
+    """Why a run without a result of its own ended: the last error line of its torchrun log (e.g.
+    restarted gloo workers that could not connect: PLATFORM.md)."""
+    try:
+        lines = (d / "torchrun.log").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    errors = [ln.strip() for ln in lines if "Error" in ln and "Traceback" not in ln]
+    return f"exit {rc} after {restarts} restart(s)" + (f": {errors[-1][:200]}" if errors else "")
+
+
 def _external_goodput(d: Path, r0: dict) -> float | None:
     """A run without trainguard's meter across restarts (plain DeepSpeed restarts from step 0): the
     final attempt's productive time over the wall time since the first attempt's first step."""
@@ -165,6 +176,8 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
             bound = min(timeout, 2 * (time.monotonic() - t0) + 20)
         log = d / ("plain.jsonl" if "--plain" in flags else "trainguard.jsonl")
         row = _row(name, rc, results, None if "--plain" in flags else log, clean_loss, steps, _restarts(d, rc))
+        if not row["completed"] and not row.get("died"):
+            row["died"] = _last_error(d, rc, row["restarts"])
         if rc == 124:
             row["hung"] = True
             row["died"] = (f"made no progress for {bound:.0f} s and was stopped (after {row['restarts']} restart(s)"
