@@ -25,7 +25,10 @@ What ``install`` does, on every rank:
 - the sampled probes (attention entropy from ``core_attention.scale_mask_softmax`` -- the local
   attention path only: fused/flash attention never materialises the probabilities -- and
   activation range) on sampled steps;
-- every rank's (dp, tp, pp, cp, ep) coordinates from ``parallel_state``, in every verdict.
+- every rank's (dp, tp, pp, cp, ep) coordinates from ``parallel_state``, in every verdict;
+- fp16: megatron's ``DynamicGradScaler`` watched (its silent clamp at the minimum is a
+  ``loss_scale`` collapse); the ladder resets the scale, raises its floor, and last turns the
+  model chunks and optimizer into bf16 ones in place (megatron_hooks.precision).
 
 Sample ids: call ``guard.on_batch(sample_ids)`` in your ``forward_step`` (optional). Forward
 passes in eval mode (``model.eval()``, as Megatron-LM's ``evaluate`` does) are ignored.
@@ -387,14 +390,13 @@ class MegatronGuard:
 
     def _scale_remedy(self, step: int, decision, rolled_back: bool) -> None:
         """The loss_scale ladder's remedy, after its rollback (or in place, without a snapshot): reset
-        the scale, raise the floor; the bf16 fallback is DeepSpeed-only so far (abort with the report)."""
+        the scale, raise the floor, or continue in bf16 (megatron_hooks.precision)."""
         guard = self.guard
         if decision.remedy == "bf16":
-            from trainguard.policy import Decision
-
-            raise guard.abort(step, Decision(
-                Action.ABORT, f"{decision.reason}: the bf16 fallback is not available for megatron-core runs yet; "
-                "restart from the newest snapshot with bf16 enabled", decision.verdicts))
+            detail = self.fallback_to_bf16(step, decision)
+            guard.policy.tried_also(step, "bf16_fallback", {**detail, "after_rollback": rolled_back})
+            guard._emit(step, "precision_fallback", [], "bf16_fallback", {**detail, "after_rollback": rolled_back})
+            return
         detail = {}
         if decision.remedy == "raise_floor":
             detail.update(self.scaler.raise_floor(self.cfg.recovery.floor_factor))
@@ -402,6 +404,28 @@ class MegatronGuard:
         guard.loss_scale.reset()
         guard.policy.tried_also(step, decision.remedy, {**detail, "after_rollback": rolled_back})
         guard._emit(step, "loss_scale_reset", [], decision.remedy, detail)
+
+    def fallback_to_bf16(self, step: int, decision=None) -> dict:
+        """Turn the fp16 model chunks and optimizer into bf16 ones, in place (every rank). Without a
+        ``decision`` (a resume from a bf16 snapshot) a failure raises; with one, it aborts the run
+        with the ladder's report."""
+        from megatron_hooks.precision import FallbackUnavailable, fallback_to_bf16
+
+        try:
+            detail = fallback_to_bf16(self.chunks, self.optimizer)
+        except FallbackUnavailable as e:
+            if decision is None:
+                raise
+            from trainguard.policy import Decision
+
+            raise self.guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}; "
+                                                  "restart from the newest snapshot with bf16 enabled",
+                                                  decision.verdicts)) from None
+        self.scaler = None  # bf16: no loss scale to watch
+        self.guard.loss_scale.reset()
+        if self.faults is not None:
+            self.faults.precision = "bf16"
+        return {"from": "fp16", "to": "bf16", "at_step": self.iteration, **detail}
 
     def close(self) -> None:
         if self.watchdog is not None:

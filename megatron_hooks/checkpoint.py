@@ -84,9 +84,31 @@ class MegatronCheckpointer:
     def _layout(self) -> dict:
         from megatron.core import parallel_state as ps
 
+        from megatron_hooks import _dtype
+
         return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
-                "framework": "megatron-core"}
+                "framework": "megatron-core", "precision": _dtype(self.mg.chunks[0])}
+
+    def _match_precision(self, saved: str | None, tag: str) -> str | None:
+        """A bf16 snapshot (written after the ladder's bf16 fallback) loaded by a run launched in
+        fp16: the run is turned into bf16 first, as it was when the snapshot was written -- a restart
+        does not bring the fp16 trouble back. Returns the precision the run had before."""
+        from megatron_hooks import _dtype
+
+        now = _dtype(self.mg.chunks[0])
+        if saved == "bf16" and now == "fp16":
+            detail = self.mg.fallback_to_bf16(self.mg.iteration)
+            self.mg.guard._emit(self.mg.iteration, "precision_fallback", [], "bf16_fallback", {
+                **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"})
+        return now
+
+    def _main_params_to_model(self) -> None:
+        """After loading a snapshot of another precision (fp16 into a bf16 run): the model parameters
+        from the exact fp32 main parameters, as the optimizer's step writes them."""
+        for o in getattr(self.mg.optimizer, "chained_optimizers", None) or [self.mg.optimizer]:
+            if hasattr(o, "_copy_main_params_to_model_params"):
+                o._copy_main_params_to_model_params()
 
     def _sidecar(self, data_state) -> dict:
         from megatron.core import tensor_parallel
@@ -179,6 +201,7 @@ class MegatronCheckpointer:
             return None
         tag_dir = CheckpointLayout(root).tag_dir(chosen)
         man = Manifest.read(tag_dir)
+        before = self._match_precision(man.layout.get("precision"), chosen)
         loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(tag_dir / "dist"))
         from megatron_hooks import _unwrap
 
@@ -186,6 +209,8 @@ class MegatronCheckpointer:
             key = f"model{i}" if len(mg.chunks) > 1 else "model"
             _unwrap(chunk).load_state_dict(loaded[key])
         mg.optimizer.load_state_dict(loaded["optimizer"])
+        if man.layout.get("precision") not in (None, before):
+            self._main_params_to_model()
         same_layout = {k: man.layout.get(k) for k in ("world", "tp", "pp", "dp")} == \
             {k: self._layout()[k] for k in ("world", "tp", "pp", "dp")}
         side = torch.load(tag_dir / SIDECAR / f"rank{dist.get_rank()}.pt", weights_only=True) \

@@ -189,3 +189,69 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path):
     # the loop ran 16 iterations; 12 -> 8 put the guard's count 4 back
     assert all(r["guard_iteration"] == 12 for r in res)
     assert res[0]["param_sha256"] == res[1]["param_sha256"] and all(r["weights_finite"] for r in res)
+
+
+def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path):
+    """Overflow after overflow on rank 1 in fp16 (DP=2, megatron's Float16Module, its fp16 optimizer
+    and DynamicGradScaler): the loss_scale ladder rolls back and resets the scale, then also raises
+    the floor, then turns the same DDP/optimizer objects into bf16 ones with the fp32 main parameters
+    and Adam state carried -- and training goes on to a clean bf16 run's loss. A restart of the fp16
+    launch script from a snapshot written after the switch comes back in bf16 and continues exactly;
+    an fp16 snapshot loads into a bf16 run."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    block = {"checks": {"enabled": False}, "allow_faults": True,
+             "checkpoint": {"stable_after": 1, "verify_steps": 2},
+             "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 40}]}
+
+    def go(name, steps, more):
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(json.dumps(block))
+        rc, res = run_worker(cfg, tmp_path / name, steps, extra=["--ckpt", str(ck), *more],
+                             module="tests.support.megatron_worker", timeout=300)
+        assert rc == 0 and all(res), (tmp_path / name / "torchrun.log").read_text()[-3000:]
+        return res, read(tmp_path / name / "trainguard.jsonl")
+
+    # 120 loop iterations; saves after loop iterations 4 (fp16) and 100 (bf16, after the switch)
+    res, lines = go("fp16", 120, ["--fp16", "--save-at", "4", "--save-at", "100"])
+    scale = [x for x in lines if x.get("event") == "loss_scale"]
+    assert [e["action"] for e in scale] == ["rollback"] * 3
+    assert all(e["detail"]["at_floor"] and e["detail"]["onset_step"] == 5 for e in scale)
+    rbs = [x for x in lines if x.get("event") == "rollback"]
+    assert [r["detail"]["to_tag"] for r in rbs] == ["step00000004"] * 3
+    resets = [x for x in lines if x.get("event") == "loss_scale_reset"]
+    assert [e["action"] for e in resets] == ["reset_scale", "raise_floor"]
+    assert resets[1]["detail"]["min_scale_after"] == 16.0
+    (fb,) = [x for x in lines if x.get("event") == "precision_fallback"]
+    assert fb["detail"]["to"] == "bf16" and fb["detail"]["optimizer_state"] == "carried"
+    assert fb["detail"]["after_rollback"] and fb["detail"]["softmax_modules"] == 4
+    # after the switch: no overflow, every step applied (the fault fires while the model is fp16 only)
+    after = [m for m in lines[lines.index(fb) + 1:] if m["type"] == "metric"]
+    assert not [x for x in lines[lines.index(fb):] if x.get("event") == "overflow"]
+    assert [m["step"] for m in after][-1] == 88 and all(m["applied"] and m["loss_scale"] == 1.0 for m in after[1:])
+    for r in res:  # 120 iterations, 32 of them undone by the rollbacks or skipped
+        assert r["guard_iteration"] == 88 and r["param_dtype"] == "bfloat16" and r["weights_finite"]
+    assert res[0]["param_sha256"] == res[1]["param_sha256"]
+    clean, _ = go("clean", 88, ["--bf16"])
+    got, want = res[0]["eval_loss"], clean[0]["eval_loss"]  # held-out sequences of the training chain
+    assert abs(got - want) / want < 0.05, (got, want)
+
+    # a restart of the same fp16 launch: the newest snapshot (iteration 68 = loop 100) is bf16
+    resumed, lines = go("restart", 88, ["--fp16", "--resume"])
+    (fb,) = [x for x in lines if x.get("event") == "precision_fallback"]
+    assert "bf16" in fb["detail"]["reason"] and fb["step"] == 0
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    assert resume["detail"]["tag"] == "step00000068"
+    (check,) = [x for x in lines if x.get("event") == "resume_verified"]
+    assert check["detail"]["ok"]
+    for r, f in zip(resumed, res):  # iterations 68 -> 88 again, on the same batches: the same weights
+        assert r["first_iteration"] == 68 and r["param_dtype"] == "bfloat16"
+        assert r["param_sha256"] == f["param_sha256"]
+
+    # and the fp16 snapshot of iteration 4 loads into a bf16 run: its weights, from the fp32 masters
+    shutil.rmtree(ck / "step00000068")
+    (ck / "latest").unlink(missing_ok=True)
+    old, _ = go("fp16_into_bf16", 6, ["--bf16", "--resume"])
+    assert old[0]["first_iteration"] == 4
+    assert abs(old[0]["probe"]["4"] - res[0]["probe"]["4"]) / res[0]["probe"]["4"] < 1e-3  # (not the initial 4.88)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,12 +25,12 @@ from tests.support import megatron_cpu
 SEQ, VOCAB, MICRO = 32, 128, 4
 
 
-def batches(seed: int, dp_rank: int, dp_world: int, consumed: int = 0):
+def batches(seed: int, dp_rank: int, dp_world: int, consumed: int = 0, split: str = "train"):
     """Token sequences from the demo corpus, split across data-parallel ranks; sample ids with them.
     ``consumed``: micro-batches every rank has read already (a resume)."""
     from trainguard.demo.corpus import MarkovCorpus
 
-    corpus = MarkovCorpus(seed=seed, seq_len=SEQ)
+    corpus = MarkovCorpus(seed=seed, seq_len=SEQ, split=split)
     i = dp_rank * MICRO + consumed * MICRO * dp_world
     while True:
         ids = [(i + k) % len(corpus) for k in range(MICRO)]
@@ -51,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-guard", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--fp16", action="store_true", help="fp16 with megatron's Float16Module and DynamicGradScaler")
+    ap.add_argument("--bf16", action="store_true", help="bf16 with megatron's Float16Module (no loss scale)")
     ap.add_argument("--ckpt", help="snapshot directory (megatron_hooks.checkpoint)")
     ap.add_argument("--save-at", type=int, action="append", default=[], help="save after this iteration")
     ap.add_argument("--resume", action="store_true", help="load the newest valid snapshot from --ckpt first")
@@ -75,19 +75,20 @@ def main(argv=None) -> int:
     cfg = TransformerConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                             pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
                             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                            fp16=args.fp16, params_dtype=torch.half if args.fp16 else torch.float32)
+                            fp16=args.fp16, bf16=args.bf16,
+                            params_dtype=torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32)
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     from megatron.core.distributed import finalize_model_grads
 
     cfg.finalize_model_grads_func = finalize_model_grads  # the data-parallel (and embedding) gradient reduction
-    if args.fp16:
+    if args.fp16 or args.bf16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, fp16=args.fp16,
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, fp16=args.fp16, bf16=args.bf16,
                                                  initial_loss_scale=1024.0, min_loss_scale=1.0, hysteresis=2,
                                                  loss_scale_window=1000), [ddp])
 
@@ -154,6 +155,15 @@ def main(argv=None) -> int:
         if it + 1 in args.save_at:
             guard.checkpointer.save(args.ckpt, data_state={"consumed": (it + 1) * MICROBATCHES})
             result["probe"][str(it + 1)] = probe()
+    result["probe"]["end"] = probe()
+    held = batches(1234, 0, 1, split="heldout")  # the training chain's held-out sequences
+    ddp.eval()
+    with torch.no_grad():
+        held_out = fb(forward_step_func=forward_step, data_iterator=held, model=[ddp], num_microbatches=4,
+                 seq_length=SEQ, micro_batch_size=MICRO, forward_only=True)
+    ddp.train()
+    result["eval_loss"] = float(sum(x["loss"] for x in held_out) / len(held_out)) if held_out else None
+    result["param_dtype"] = str(next(ddp.parameters()).dtype).replace("torch.", "")
     params = [p.detach().float() for p in model.parameters()]
     digest = hashlib.sha256()
     for p in params:
