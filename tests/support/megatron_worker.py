@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     cfg = TransformerConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                            pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                            pipeline_dtype=torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
                             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             fp16=args.fp16, bf16=args.bf16,
                             params_dtype=torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32)
