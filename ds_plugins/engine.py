@@ -239,20 +239,14 @@ class EngineGuard:
         self.after_load()
 
     def _install_grad_hooks(self) -> None:
+        from trainguard import gradhooks
+
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
-        targets = self.faults.grad_targets([n for n, _ in named]) if self.faults else {}
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
         clamp = self.guard is not None and self.guard.clipper.value_bound() is not None
-        for name, p in named:
-            specs = targets.get(name)
-            if specs:  # the fault first, so the check sees what it did
-                self._hooks.append(p.register_hook(
-                    lambda g, specs=specs: self.faults.grad(self.step_number(), specs, g)))
-            if check:  # then the check, on the raw local gradient
-                self._hooks.append(p.register_hook(self._on_grad))
-            if clamp:  # then clipping by value, still before the reduction
-                self._hooks.append(p.register_hook(self._clamp_grad))
+        self._hooks += gradhooks.install(named, self.faults, self.step_number, self._on_grad if check else None,
+                                         [self._clamp_grad] if clamp else [])  # (clipping by value: last)
 
     def _on_grad(self, grad):
         self.guard.on_backward(grad)

@@ -237,17 +237,12 @@ class MegatronGuard:
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
+        from trainguard import gradhooks
+
         named = [(n, p) for c in self.chunks for n, p in _unwrap(c).named_parameters() if p.requires_grad]
-        targets = self.faults.grad_targets([n for n, _ in named]) if self.faults else {}
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
-        for name, p in named:
-            specs = targets.get(name)
-            if specs:
-                self._hooks.append(p.register_hook(
-                    lambda g, specs=specs: self.faults.grad(self.step_number(), specs, g)))
-            if check:
-                self._hooks.append(p.register_hook(self._on_grad))
+        self._hooks += gradhooks.install(named, self.faults, self.step_number, self._on_grad if check else None)
         for chunk in self.chunks:
             inner = _unwrap(chunk)
             self._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))
@@ -421,6 +416,8 @@ class MegatronGuard:
             raise self.guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}; "
                                                   "restart from the newest snapshot with bf16 enabled",
                                                   decision.verdicts)) from None
+        if getattr(self.optimizer, "step", None) != self.step:  # (a rebuilt optimizer: the guard decides again)
+            self.optimizer.step = self.step
         self.scaler = None  # bf16: no loss scale to watch
         self.guard.loss_scale.reset()
         if self.faults is not None:

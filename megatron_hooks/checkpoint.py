@@ -38,6 +38,7 @@ from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 from trainguard.isolation import broadcast_from_rank0
 
 SIDECAR = "trainguard"
+OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
 
 
 class MegatronCheckpointer:
@@ -70,6 +71,11 @@ class MegatronCheckpointer:
 
     # ------------------------------------------------------------------ state
     def _sharded(self, is_loading: bool = False) -> dict:
+        """The sharded state of the model chunks and the optimizer. The distributed optimizer's
+        state is written ``dp_reshardable`` (Megatron-LM's default: each rank its own shard, no
+        gather; a resume may change the data-parallel size only). megatron-core 0.16's own default
+        (fully_sharded_model_space) fails its own checks, and ``fully_reshardable`` does not load
+        over torch's Adam (without apex/TE)."""
         from megatron_hooks import _unwrap
 
         model_sd = {}
@@ -78,7 +84,8 @@ class MegatronCheckpointer:
             key = f"model{i}" if len(self.mg.chunks) > 1 else "model"
             sd[key] = _unwrap(chunk).sharded_state_dict()
             model_sd.update(sd[key])
-        sd["optimizer"] = self.mg.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        sd["optimizer"] = self.mg.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_FORMAT})
         return sd
 
     def _layout(self) -> dict:
@@ -88,7 +95,8 @@ class MegatronCheckpointer:
 
         return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
-                "framework": "megatron-core", "precision": _dtype(self.mg.chunks[0])}
+                "framework": "megatron-core", "precision": _dtype(self.mg.chunks[0]),
+                "distributed_optimizer": _distributed(self.mg.optimizer)}
 
     def _match_precision(self, saved: str | None, tag: str) -> str | None:
         """A bf16 snapshot (written after the ladder's bf16 fallback) loaded by a run launched in
@@ -157,11 +165,30 @@ class MegatronCheckpointer:
 
     # ------------------------------------------------------------------ rollback
     def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
-        choice = choose_rollback(root, onset, mode, 0, inclusive) if dist.get_rank() == 0 else None
+        choice = choose_rollback(root, onset, mode, self._not_before(root), inclusive) if dist.get_rank() == 0 \
+            else None
         tag, why, bad = broadcast_from_rank0(choice)
         for b in bad:
             self.mg.guard._emit(self.mg.iteration, "checkpoint_invalid", [], None, b)
         return tag, why
+
+    def _not_before(self, root: Path) -> int:
+        """With the distributed optimizer, snapshots of another precision do not load (its on-disk
+        layout names the buffers by dtype): after a bf16 fallback, the fp16 ones before it are no
+        rollback targets. (megatron's own fp16 optimizer loads either.)"""
+        if not _distributed(self.mg.optimizer):
+            return 0
+        from megatron_hooks import _dtype
+
+        now, floor = _dtype(self.mg.chunks[0]), 0
+        layout = CheckpointLayout(root)
+        for tag, step in layout.steps():
+            try:
+                if Manifest.read(layout.tag_dir(tag)).layout.get("precision", now) != now:
+                    floor = step + 1
+            except Exception:  # (an unreadable manifest: choose_rollback reports it)
+                pass
+        return floor
 
     def abandon_after(self, root: Path, step: int) -> list[str]:
         moved = abandon_after(root, step) if dist.get_rank() == 0 else None
@@ -201,7 +228,25 @@ class MegatronCheckpointer:
             return None
         tag_dir = CheckpointLayout(root).tag_dir(chosen)
         man = Manifest.read(tag_dir)
+        now = self._layout()
+        if (man.layout.get("distributed_optimizer") or now["distributed_optimizer"]) and \
+                any(man.layout.get(k) != now[k] for k in ("tp", "pp")):
+            raise CheckpointError(
+                f"snapshot {chosen} in {root} was written at TP={man.layout.get('tp')}, PP={man.layout.get('pp')} "
+                f"and this run is TP={now['tp']}, PP={now['pp']}: with the distributed optimizer (state written "
+                f"{OPTIMIZER_FORMAT}) only the data-parallel size may change between save and load")
+        if man.layout.get("distributed_optimizer") and now["distributed_optimizer"] and \
+                man.layout.get("precision") == "fp16" and now["precision"] == "bf16":
+            raise CheckpointError(
+                f"snapshot {chosen} in {root} was written in fp16 with the distributed optimizer, and this run is "
+                f"bf16: its on-disk layout ({OPTIMIZER_FORMAT}) names the buffers by dtype, so it loads into an fp16 "
+                "run only -- relaunch in fp16 (the loss_scale ladder can turn it into bf16 again)")
         before = self._match_precision(man.layout.get("precision"), chosen)
+        for o in getattr(mg.optimizer, "chained_optimizers", None) or [mg.optimizer]:
+            if hasattr(o, "_init_optimizer_states_with_dummy_values") and not o.optimizer.state:
+                # a distributed optimizer before its first step has no state to load into, and without
+                # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
+                o._init_optimizer_states_with_dummy_values()
         loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(tag_dir / "dist"))
         from megatron_hooks import _unwrap
 
@@ -209,6 +254,7 @@ class MegatronCheckpointer:
             key = f"model{i}" if len(mg.chunks) > 1 else "model"
             _unwrap(chunk).load_state_dict(loaded[key])
         mg.optimizer.load_state_dict(loaded["optimizer"])
+        _step_from_groups(mg.optimizer)
         if man.layout.get("precision") not in (None, before):
             self._main_params_to_model()
         same_layout = {k: man.layout.get(k) for k in ("world", "tp", "pp", "dp")} == \
@@ -235,6 +281,31 @@ class MegatronCheckpointer:
             return side.get("data_state")
         rank0 = torch.load(tag_dir / SIDECAR / "rank0.pt", weights_only=True)
         return rank0.get("data_state")
+
+
+def _distributed(optimizer) -> bool:
+    return any(hasattr(o, "_init_optimizer_states_with_dummy_values")
+               for o in getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _step_from_groups(optimizer) -> None:
+    """The distributed optimizer over torch's Adam (no apex/TE) keeps the step count twice: in its
+    param groups (what its state_dict saves, and loads correctly) and in each parameter's Adam
+    state. megatron-core 0.16's load gives every parameter's state *one shared* step tensor (torch's
+    Adam then adds 1 per parameter per step: 29 parameters, +29 a step) or leaves the value the
+    state had before the load. Give each parameter its own step, the groups' value -- else Adam's
+    bias correction is off after every resume and rollback."""
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if not _distributed(o):
+            continue
+        for group in o.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = o.optimizer.state.get(p)
+                if state and torch.is_tensor(state.get("step")):
+                    old = state["step"]
+                    state["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
 
 
 __all__ = ["MegatronCheckpointer", "STAGING"]  # (STAGING: where uncommitted snapshots live, under root)

@@ -17,12 +17,18 @@ in place, so that the user's ``model`` list, ``optimizer`` and LR scheduler obje
    DDP's hooks no longer fire; tensor hooks on the parameters -- the guard's -- survive.)
 4. the optimizer keeps its fp32 main parameters and their Adam state (nothing is lost: those are
    the exact values), drops its grad scaler (megatron's bf16 runs have none), and writes the main
-   parameters into the now-bf16 model parameters.
+   parameters into the now-bf16 model parameters. The *distributed* optimizer is built from the
+   DDP's buffers, so it is built again (``get_megatron_optimizer`` with the bf16 config, over the
+   new DDP); each rank's shard of the main parameters and their Adam state is staged through host
+   memory (the old optimizer's device memory freed first) and written into the new one, parameter
+   by parameter; the user's optimizer object is given its ``__dict__``; the parameters are then
+   all-gathered as after a step.
 
-Not covered (:class:`FallbackUnavailable`, the ladder then aborts with its report): the
-distributed optimizer (its buffers and shard ranges are built from the fp16 DDP's buckets),
-FP32 or other optimizer classes, a DDP built with a custom ``pg_collection``, and model chunks
-that are not ``DistributedDataParallel(Float16Module(...))``.
+Not covered (:class:`FallbackUnavailable`, the ladder then aborts with its report): FP32 or
+other optimizer classes, megatron FSDP, the precision-aware optimizer, a distributed optimizer
+whose parameter groups ``get_megatron_optimizer`` does not rebuild as they were (custom
+``config_overrides``), a DDP built with a custom ``pg_collection``, and model chunks that are not
+``DistributedDataParallel(Float16Module(...))``.
 """
 from __future__ import annotations
 
@@ -45,19 +51,21 @@ def check(chunks, optimizer) -> None:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from megatron.core.transformer.module import Float16Module
 
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
     for o in _optimizers(optimizer):
-        if type(o) is not Float16OptimizerWithFloat16Params:
-            what = "the distributed optimizer" if "Distributed" in type(o).__name__ else type(o).__name__
-            raise FallbackUnavailable(f"{what} is not covered (only Float16OptimizerWithFloat16Params, megatron's "
-                                      "fp16 optimizer without use_distributed_optimizer)")
+        if type(o) not in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+            raise FallbackUnavailable(f"{type(o).__name__} is not covered (megatron's fp16 optimizers are: "
+                                      "Float16OptimizerWithFloat16Params, DistributedOptimizer)")
         if not o.config.fp16:
             raise FallbackUnavailable("the optimizer is not an fp16 one")
+        if isinstance(o, DistributedOptimizer) and (o.ddp_config.use_megatron_fsdp or
+                                                    o.config.use_precision_aware_optimizer):
+            raise FallbackUnavailable("megatron FSDP and the precision-aware optimizer are not covered")
     for i, chunk in enumerate(chunks):
         if not isinstance(chunk, DistributedDataParallel) or not isinstance(chunk.module, Float16Module):
             raise FallbackUnavailable(f"model chunk {i} is {type(chunk).__name__}, not "
                                       "DistributedDataParallel(Float16Module(...))")
-        if chunk.ddp_config.use_distributed_optimizer:
-            raise FallbackUnavailable("use_distributed_optimizer is not covered")
         if chunk.dp_group is not ps.get_data_parallel_group(with_context_parallel=False) or \
                 chunk.tp_group is not ps.get_tensor_model_parallel_group():
             raise FallbackUnavailable(f"model chunk {i}'s DDP was built with a custom pg_collection")
@@ -73,6 +81,8 @@ def fallback_to_bf16(chunks, optimizer) -> dict:
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 
     check(chunks, optimizer)
+    distributed = chunks[0].ddp_config.use_distributed_optimizer
+    staged = [_stage_to_host(o) for o in _optimizers(optimizer)] if distributed else None
     configs = {id(c.config): c.config for c in chunks} | {id(c.module.config): c.module.config for c in chunks}
     for cfg in configs.values():
         cfg.fp16, cfg.bf16 = False, True
@@ -93,6 +103,8 @@ def fallback_to_bf16(chunks, optimizer) -> dict:
             _pp_rank(chunk) == 0
         new = DistributedDataParallel(chunk.config, chunk.ddp_config, chunk.module, disable_bucketing=disable_bucketing)
         object.__setattr__(chunk, "__dict__", new.__dict__)  # the user's DDP object is the new one
+    if distributed:
+        return _rebuild_distributed(chunks, optimizer, staged, softmaxes)
     carried = 0
     outer = getattr(optimizer, "config", None)
     if outer is not None:
@@ -123,3 +135,57 @@ def _device(optimizer):
         for p in group:
             return p.device
     return "cpu"
+
+
+def _stage_to_host(o) -> dict:
+    """A distributed optimizer's state on this rank -- per model parameter with a shard here, the
+    fp32 main shard and its Adam state -- copied to host memory; the device copies are freed."""
+    staged = {"hyper": [{k: v for k, v in g.items() if k != "params"} for g in o.optimizer.param_groups],
+              "index": dict(o.model_param_group_index_map), "tensors": {}}
+    for p in o.model_param_group_index_map:
+        staged["tensors"][p] = {k: v.detach().to("cpu", copy=True)
+                                for k, v in o._get_main_param_and_optimizer_states(p).items()}
+    o.optimizer.state.clear()
+    for group in o.optimizer.param_groups:
+        for main in group["params"]:
+            main.data = torch.empty(0, dtype=main.dtype, device=main.device)
+    return staged
+
+
+def _rebuild_distributed(chunks, optimizer, staged: list, softmaxes: int) -> dict:
+    """The bf16 distributed optimizer over the new DDP buffers, given the staged state."""
+    import dataclasses
+
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    olds = _optimizers(optimizer)
+    config = dataclasses.replace(olds[0].config, fp16=False, bf16=True)
+    new = get_megatron_optimizer(config, chunks)
+    news = _optimizers(new)
+    if len(news) != len(olds) or any(type(a) is not type(b) for a, b in zip(olds, news)):
+        raise FallbackUnavailable(f"get_megatron_optimizer built {[type(o).__name__ for o in news]} where the run had "
+                                  f"{[type(o).__name__ for o in olds]}")
+    carried = 0
+    for o, st in zip(news, staged):
+        if dict(o.model_param_group_index_map) != st["index"] or len(o.optimizer.param_groups) != len(st["hyper"]):
+            raise FallbackUnavailable("the rebuilt distributed optimizer groups the parameters differently (custom "
+                                      "config_overrides?)")
+        o._init_optimizer_states_with_dummy_values()  # (megatron's own: the state the carried one is written into)
+        for p, tensors in st["tensors"].items():
+            dst = o._get_main_param_and_optimizer_states(p)
+            # (an optimizer that never stepped -- a resume, whose load follows -- has main params only)
+            if not set(tensors) <= set(dst) or any(dst[k].shape != v.shape for k, v in tensors.items()):
+                raise FallbackUnavailable("the rebuilt distributed optimizer shards a parameter differently")
+            for k, v in tensors.items():
+                dst[k].data.copy_(v)
+            carried += 1
+        for group, hyper in zip(o.optimizer.param_groups, st["hyper"]):
+            group.update(hyper)  # the LR and weight decay the scheduler set, the group's step count
+        o._copy_main_params_to_model_params()  # this rank's shard of the bf16 parameters ...
+    for chunk in chunks:
+        chunk.start_param_sync(force_sync=True)  # ... and everyone's, as after a step
+    object.__setattr__(optimizer, "__dict__", new.__dict__)  # the user's optimizer object is the new one
+    return {"optimizer_state": "carried", "main_params": carried, "softmax_modules": softmaxes,
+            "optimizer": type(news[0]).__name__,
+            "note": "the distributed optimizer rebuilt over the bf16 buffers; each rank's fp32 main shards and their "
+                    "optimizer state carried over (staged through host memory); the grad scaler dropped"}

@@ -191,13 +191,14 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path):
     assert res[0]["param_sha256"] == res[1]["param_sha256"] and all(r["weights_finite"] for r in res)
 
 
-def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path):
+@pytest.mark.parametrize("optimizer", ["float16", "distributed"])
+def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path, optimizer):
     """Overflow after overflow on rank 1 in fp16 (DP=2, megatron's Float16Module, its fp16 optimizer
-    and DynamicGradScaler): the loss_scale ladder rolls back and resets the scale, then also raises
-    the floor, then turns the same DDP/optimizer objects into bf16 ones with the fp32 main parameters
-    and Adam state carried -- and training goes on to a clean bf16 run's loss. A restart of the fp16
-    launch script from a snapshot written after the switch comes back in bf16 and continues exactly;
-    an fp16 snapshot loads into a bf16 run."""
+    -- or its distributed optimizer -- and DynamicGradScaler): the loss_scale ladder rolls back and
+    resets the scale, then also raises the floor, then turns the same DDP/optimizer objects into bf16
+    ones with the fp32 main parameters and Adam state carried -- and training goes on to a clean bf16
+    run's loss. A restart of the fp16 launch script from a snapshot written after the switch comes
+    back in bf16 and continues exactly; an fp16 snapshot loads into a bf16 run."""
     import shutil
 
     ck = tmp_path / "ck"
@@ -208,11 +209,12 @@ def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path):
     def go(name, steps, more):
         cfg = tmp_path / f"{name}.json"
         cfg.write_text(json.dumps(block))
-        rc, res = run_worker(cfg, tmp_path / name, steps, extra=["--ckpt", str(ck), *more],
+        rc, res = run_worker(cfg, tmp_path / name, steps, extra=["--ckpt", str(ck), *more, *dist_opt],
                              module="tests.support.megatron_worker", timeout=300)
         assert rc == 0 and all(res), (tmp_path / name / "torchrun.log").read_text()[-3000:]
         return res, read(tmp_path / name / "trainguard.jsonl")
 
+    dist_opt = ["--dist-opt"] if optimizer == "distributed" else []
     # 120 loop iterations; saves after loop iterations 4 (fp16) and 100 (bf16, after the switch)
     res, lines = go("fp16", 120, ["--fp16", "--save-at", "4", "--save-at", "100"])
     scale = [x for x in lines if x.get("event") == "loss_scale"]
@@ -226,6 +228,8 @@ def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path):
     (fb,) = [x for x in lines if x.get("event") == "precision_fallback"]
     assert fb["detail"]["to"] == "bf16" and fb["detail"]["optimizer_state"] == "carried"
     assert fb["detail"]["after_rollback"] and fb["detail"]["softmax_modules"] == 4
+    assert fb["detail"]["optimizer"] == {"float16": "Float16OptimizerWithFloat16Params",
+                                         "distributed": "DistributedOptimizer"}[optimizer]
     # after the switch: no overflow, every step applied (the fault fires while the model is fp16 only)
     after = [m for m in lines[lines.index(fb) + 1:] if m["type"] == "metric"]
     assert not [x for x in lines[lines.index(fb):] if x.get("event") == "overflow"]
@@ -249,9 +253,20 @@ def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path):
         assert r["first_iteration"] == 68 and r["param_dtype"] == "bfloat16"
         assert r["param_sha256"] == f["param_sha256"]
 
-    # and the fp16 snapshot of iteration 4 loads into a bf16 run: its weights, from the fp32 masters
+    def refused(name, more):
+        rc, _ = run_worker(tmp_path / "fp16.json", tmp_path / name, 6, module="tests.support.megatron_worker",
+                           extra=["--ckpt", str(ck), "--resume", *more, *dist_opt], timeout=300)
+        return rc != 0 and (tmp_path / name / "torchrun.log").read_text()
+
+    if optimizer == "distributed":  # its state on disk follows the DP layout: a TP change is refused, clearly
+        assert "was written at TP=1, PP=1 and this run is TP=2, PP=1" in refused("tp2", ["--bf16", "--tp", "2"])
+    # the fp16 snapshot of iteration 4 loads into a bf16 run: its weights, from the fp32 masters --
+    # except with the distributed optimizer, whose on-disk layout names its buffers by dtype
     shutil.rmtree(ck / "step00000068")
     (ck / "latest").unlink(missing_ok=True)
+    if optimizer == "distributed":
+        assert "was written in fp16 with the distributed optimizer" in refused("fp16_into_bf16", ["--bf16"])
+        return
     old, _ = go("fp16_into_bf16", 6, ["--bf16", "--resume"])
     assert old[0]["first_iteration"] == 4
     assert abs(old[0]["probe"]["4"] - res[0]["probe"]["4"]) / res[0]["probe"]["4"] < 1e-3  # (not the initial 4.88)

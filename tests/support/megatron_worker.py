@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--fp16", action="store_true", help="fp16 with megatron's Float16Module and DynamicGradScaler")
     ap.add_argument("--bf16", action="store_true", help="bf16 with megatron's Float16Module (no loss scale)")
+    ap.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
     ap.add_argument("--ckpt", help="snapshot directory (megatron_hooks.checkpoint)")
     ap.add_argument("--save-at", type=int, action="append", default=[], help="save after this iteration")
     ap.add_argument("--resume", action="store_true", help="load the newest valid snapshot from --ckpt first")
@@ -87,9 +88,9 @@ def main(argv=None) -> int:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(cfg, model)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=args.dist_opt), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, fp16=args.fp16, bf16=args.bf16,
-                                                 initial_loss_scale=1024.0, min_loss_scale=1.0, hysteresis=2,
+                                                 use_distributed_optimizer=args.dist_opt, initial_loss_scale=1024.0, min_loss_scale=1.0, hysteresis=2,
                                                  loss_scale_window=1000), [ddp])
 
     guard = None
