@@ -413,9 +413,13 @@ class MegatronGuard:
                 raise
             from trainguard.policy import Decision
 
+            from megatron_hooks.checkpoint import _distributed
+
+            advice = ("restart in fp16 from the newest snapshot with a higher min_loss_scale (with the distributed "
+                      "optimizer an fp16 snapshot does not load into a bf16 run)" if _distributed(self.optimizer)
+                      else "restart from the newest snapshot with bf16 enabled")
             raise self.guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}; "
-                                                  "restart from the newest snapshot with bf16 enabled",
-                                                  decision.verdicts)) from None
+                                                  f"{advice}", decision.verdicts)) from None
         if getattr(self.optimizer, "step", None) != self.step:  # (a rebuilt optimizer: the guard decides again)
             self.optimizer.step = self.step
         self.scaler = None  # bf16: no loss scale to watch

@@ -48,10 +48,9 @@ def check(chunks, optimizer) -> None:
     Touches nothing."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
     from megatron.core.transformer.module import Float16Module
-
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for o in _optimizers(optimizer):
         if type(o) not in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
