@@ -34,7 +34,7 @@ from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import (STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
                                           step_tag)
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
-from trainguard.checkpoint.rollback import abandon_after, choose_rollback
+from trainguard.checkpoint.rollback import abandon_after, choose_rollback, fitting_after
 from trainguard.isolation import broadcast_from_rank0
 
 SIDECAR = "trainguard"
@@ -176,19 +176,9 @@ class MegatronCheckpointer:
         """With the distributed optimizer, snapshots of another precision do not load (its on-disk
         layout names the buffers by dtype): after a bf16 fallback, the fp16 ones before it are no
         rollback targets. (megatron's own fp16 optimizer loads either.)"""
-        if not _distributed(self.mg.optimizer):
-            return 0
         from megatron_hooks import _dtype
 
-        now, floor = _dtype(self.mg.chunks[0]), 0
-        layout = CheckpointLayout(root)
-        for tag, step in layout.steps():
-            try:
-                if Manifest.read(layout.tag_dir(tag)).layout.get("precision", now) != now:
-                    floor = step + 1
-            except Exception:  # (an unreadable manifest: choose_rollback reports it)
-                pass
-        return floor
+        return fitting_after(root, "precision", _dtype(self.mg.chunks[0])) if _distributed(self.mg.optimizer) else 0
 
     def abandon_after(self, root: Path, step: int) -> list[str]:
         moved = abandon_after(root, step) if dist.get_rank() == 0 else None

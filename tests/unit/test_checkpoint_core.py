@@ -139,3 +139,23 @@ def test_rollback_choice_names_every_invalid_checkpoint_it_passed_over(tmp_path)
     assert tag == "step00000010" and "stable" in why and [b["tag"] for b in bad] == ["step00000020"]
     tag, _, bad = choose_rollback(tmp_path, onset=35, mode="latest_valid")
     assert tag == "step00000030" and bad == []
+
+
+def test_checkpoints_of_another_precision_are_no_rollback_target(tmp_path):
+    """fp16 at 4 and 8, then a bf16 fallback, bf16 at 12: a bf16 run may roll back to 12 or later
+    only (the distributed optimizer's fp16 snapshots do not load into it); an fp16 run to any."""
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+    from trainguard.checkpoint.rollback import choose_rollback, fitting_after
+
+    for step, precision in ((4, "fp16"), (8, "fp16"), (12, "bf16")):
+        d = tmp_path / f"step{step:08d}"
+        d.mkdir()
+        (d / "weights.pt").write_bytes(b"x" * 64)
+        Manifest(tag=d.name, step=step, files=hash_files(d, list_files(d)), layout={"precision": precision}).write(d)
+    assert fitting_after(tmp_path, "precision", "bf16") == 9
+    assert fitting_after(tmp_path, "precision", "fp16") == 13
+    assert fitting_after(tmp_path, "framework", "megatron-core") == 0  # (not said: fits)
+    tag, _, _ = choose_rollback(tmp_path, onset=20, mode="latest_valid", not_before=9)
+    assert tag == "step00000012"
+    tag, why, _ = choose_rollback(tmp_path, onset=11, mode="latest_valid", not_before=9)
+    assert tag is None and "predates step 11" in why

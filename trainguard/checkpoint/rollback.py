@@ -11,6 +11,25 @@ from trainguard.checkpoint.layout import LATEST, STABLE, CheckpointLayout
 from trainguard.checkpoint.manifest import verify
 
 
+def fitting_after(root: Path, key: str, value) -> int:
+    """The first step from which checkpoints fit a run whose manifest layout says ``key: value``:
+    one past the newest checkpoint that says otherwise (0 when none does; a checkpoint that does
+    not say is taken to fit). For ``not_before`` of :func:`choose_rollback` -- e.g. after a bf16
+    fallback, where the fp16 checkpoints before it do not load any more."""
+    from trainguard.checkpoint.manifest import Manifest
+
+    layout = CheckpointLayout(root)
+    floor = 0
+    for tag, step in layout.steps():
+        try:
+            said = Manifest.read(layout.tag_dir(tag)).layout.get(key, value)
+        except Exception:  # (unreadable: choose_rollback verifies it and reports it)
+            continue
+        if said != value:
+            floor = max(floor, step + 1)
+    return floor
+
+
 def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
                     inclusive: bool = False) -> tuple[str | None, str, list[dict]]:
     """The newest checkpoint from before ``onset`` that verifies, stable if ``mode`` is "stable"
