@@ -233,7 +233,7 @@ class MegatronCheckpointer:
                 "run only -- relaunch in fp16 (the loss_scale ladder can turn it into bf16 again)")
         before = self._match_precision(man.layout.get("precision"), chosen)
         for o in getattr(mg.optimizer, "chained_optimizers", None) or [mg.optimizer]:
-            if hasattr(o, "_init_optimizer_states_with_dummy_values") and not o.optimizer.state:
+            if _distributed(o) and not o.optimizer.state:
                 # a distributed optimizer before its first step has no state to load into, and without
                 # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
                 o._init_optimizer_states_with_dummy_values()
@@ -274,8 +274,11 @@ class MegatronCheckpointer:
 
 
 def _distributed(optimizer) -> bool:
-    return any(hasattr(o, "_init_optimizer_states_with_dummy_values")
-               for o in getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    """Whether ``optimizer`` is (or chains) megatron's distributed optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizers = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(isinstance(o, DistributedOptimizer) for o in optimizers)
 
 
 def _step_from_groups(optimizer) -> None:
