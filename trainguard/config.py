@@ -226,8 +226,8 @@ class RecoveryConfig(_Section):
     fp16_fallback: Literal["bf16", "none"] = Field(
         "bf16", description="bf16_fallback rung: re-create the engine in bf16 from the rolled-back state (DeepSpeed "
         "ZeRO 0-2: the optimizer state is carried over where the optimizer class stays the same; megatron-core: the "
-        "same DDP and optimizer objects turned bf16, fp32 main parameters and optimizer state carried, not with the "
-        "distributed optimizer). none: abort instead.")
+        "same DDP and optimizer objects turned bf16, fp32 main parameters and optimizer state carried, the "
+        "distributed optimizer rebuilt over the bf16 buffers). none: abort instead.")
     floor_factor: float = Field(16.0, gt=1, description="raise_floor rung: the min loss scale (DeepSpeed's, or "
                                 "megatron's DynamicGradScaler's) x this.")
     suspect_after: int = Field(3, ge=2, description="Raise suspect_rank when one rank is the culprit this many times "
