@@ -73,6 +73,11 @@ def _block(config) -> tg_config.TrainguardConfig:
                     f"{type(config).__name__}")
 
 
+def _optimizers(optimizer) -> list:
+    """The optimizers a megatron optimizer is made of: a ChainedOptimizer's, else itself."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
         chunk = chunk.module
@@ -136,7 +141,7 @@ class _GradScaler:
     step from then on: the guard's loss-scale watch is what notices."""
 
     def __init__(self, optimizer):
-        opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        opts = _optimizers(optimizer)
         self.scalers = [o.grad_scaler for o in opts if getattr(o, "grad_scaler", None) is not None
                         and hasattr(o.grad_scaler, "min_scale")]
         cfg = getattr(opts[0], "config", None)
@@ -388,9 +393,9 @@ class MegatronGuard:
         the scale, raise the floor, or continue in bf16 (megatron_hooks.precision)."""
         guard = self.guard
         if decision.remedy == "bf16":
-            detail = self.fallback_to_bf16(step, decision)
-            guard.policy.tried_also(step, "bf16_fallback", {**detail, "after_rollback": rolled_back})
-            guard._emit(step, "precision_fallback", [], "bf16_fallback", {**detail, "after_rollback": rolled_back})
+            detail = {**self.fallback_to_bf16(step, decision), "after_rollback": rolled_back}
+            guard.policy.tried_also(step, "bf16_fallback", detail)
+            guard._emit(step, "precision_fallback", [], "bf16_fallback", detail)
             return
         detail = {}
         if decision.remedy == "raise_floor":

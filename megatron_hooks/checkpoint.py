@@ -98,23 +98,21 @@ class MegatronCheckpointer:
                 "framework": "megatron-core", "precision": _dtype(self.mg.chunks[0]),
                 "distributed_optimizer": _distributed(self.mg.optimizer)}
 
-    def _match_precision(self, saved: str | None, tag: str) -> str | None:
+    def _match_precision(self, saved: str | None, now: str, tag: str) -> None:
         """A bf16 snapshot (written after the ladder's bf16 fallback) loaded by a run launched in
         fp16: the run is turned into bf16 first, as it was when the snapshot was written -- a restart
-        does not bring the fp16 trouble back. Returns the precision the run had before."""
-        from megatron_hooks import _dtype
-
-        now = _dtype(self.mg.chunks[0])
+        does not bring the fp16 trouble back."""
         if saved == "bf16" and now == "fp16":
             detail = self.mg.fallback_to_bf16(self.mg.iteration)
             self.mg.guard._emit(self.mg.iteration, "precision_fallback", [], "bf16_fallback", {
                 **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"})
-        return now
 
     def _main_params_to_model(self) -> None:
         """After loading a snapshot of another precision (fp16 into a bf16 run): the model parameters
         from the exact fp32 main parameters, as the optimizer's step writes them."""
-        for o in getattr(self.mg.optimizer, "chained_optimizers", None) or [self.mg.optimizer]:
+        from megatron_hooks import _optimizers
+
+        for o in _optimizers(self.mg.optimizer):
             if hasattr(o, "_copy_main_params_to_model_params"):
                 o._copy_main_params_to_model_params()
 
@@ -231,24 +229,24 @@ class MegatronCheckpointer:
                 f"snapshot {chosen} in {root} was written in fp16 with the distributed optimizer, and this run is "
                 f"bf16: its on-disk layout ({OPTIMIZER_FORMAT}) names the buffers by dtype, so it loads into an fp16 "
                 "run only -- relaunch in fp16 (the loss_scale ladder can turn it into bf16 again)")
-        before = self._match_precision(man.layout.get("precision"), chosen)
-        for o in getattr(mg.optimizer, "chained_optimizers", None) or [mg.optimizer]:
+        self._match_precision(man.layout.get("precision"), now["precision"], chosen)
+        from megatron_hooks import _optimizers, _unwrap
+
+        for o in _optimizers(mg.optimizer):
             if _distributed(o) and not o.optimizer.state:
                 # a distributed optimizer before its first step has no state to load into, and without
                 # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
                 o._init_optimizer_states_with_dummy_values()
         loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(tag_dir / "dist"))
-        from megatron_hooks import _unwrap
-
         for i, chunk in enumerate(mg.chunks):
             key = f"model{i}" if len(mg.chunks) > 1 else "model"
             _unwrap(chunk).load_state_dict(loaded[key])
         mg.optimizer.load_state_dict(loaded["optimizer"])
         _step_from_groups(mg.optimizer)
-        if man.layout.get("precision") not in (None, before):
+        if man.layout.get("precision") not in (None, now["precision"]):
             self._main_params_to_model()
-        same_layout = {k: man.layout.get(k) for k in ("world", "tp", "pp", "dp")} == \
-            {k: self._layout()[k] for k in ("world", "tp", "pp", "dp")}
+        now = self._layout()  # (its precision may have changed above)
+        same_layout = all(man.layout.get(k) == now[k] for k in ("world", "tp", "pp", "dp"))
         side = torch.load(tag_dir / SIDECAR / f"rank{dist.get_rank()}.pt", weights_only=True) \
             if same_layout else None
         if side is not None:
@@ -265,7 +263,7 @@ class MegatronCheckpointer:
             self.resume_check = ResumeCheck(chosen, losses, mg.cfg.checkpoint.verify_rtol)
         mg.guard._emit(mg.iteration, "resume", list(range(dist.get_world_size())), None, {
             "tag": chosen, "dir": str(root), "step": man.step, "fell_back_past": skipped,
-            "resharded": None if same_layout else {"from": man.layout, "to": self._layout()},
+            "resharded": None if same_layout else {"from": man.layout, "to": now},
             "rng_restored": side is not None})
         if side is not None:
             return side.get("data_state")
@@ -277,8 +275,9 @@ def _distributed(optimizer) -> bool:
     """Whether ``optimizer`` is (or chains) megatron's distributed optimizer."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    optimizers = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return any(isinstance(o, DistributedOptimizer) for o in optimizers)
+    from megatron_hooks import _optimizers
+
+    return any(isinstance(o, DistributedOptimizer) for o in _optimizers(optimizer))
 
 
 def _step_from_groups(optimizer) -> None:
@@ -288,7 +287,9 @@ def _step_from_groups(optimizer) -> None:
     Adam then adds 1 per parameter per step: 29 parameters, +29 a step) or leaves the value the
     state had before the load. Give each parameter its own step, the groups' value -- else Adam's
     bias correction is off after every resume and rollback."""
-    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    from megatron_hooks import _optimizers
+
+    for o in _optimizers(optimizer):
         if not _distributed(o):
             continue
         for group in o.optimizer.param_groups:

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_hooks import _optimizers
+
 
 class FallbackUnavailable(RuntimeError):
     pass
-
-
-def _optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def check(chunks, optimizer) -> None:

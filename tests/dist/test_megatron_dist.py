@@ -25,17 +25,21 @@ CASES = {
 }
 
 
-def run(tmp_path, name, layout, steps, block=None):
+def run(tmp_path, name, layout, steps, block=None, more=()):
+    """Two ranks of tests/support/megatron_worker.py in ``tmp_path/name``, guarded by ``block``
+    (written to ``name.json``; None: plain megatron); must finish. Returns (per-rank results,
+    the run's trainguard.jsonl lines, [] when it wrote none)."""
     cfg = None
     if block is not None:
         cfg = tmp_path / f"{name}.json"
         cfg.write_text(json.dumps(block))
     out = tmp_path / name
-    rc, results = run_worker(cfg, out, steps, extra=LAYOUTS[layout] + ([] if cfg else ["--no-guard"]),
+    rc, results = run_worker(cfg, out, steps, extra=LAYOUTS[layout] + list(more) + ([] if cfg else ["--no-guard"]),
                              module="tests.support.megatron_worker", timeout=300)
     log = (out / "torchrun.log").read_text()[-3000:] if (out / "torchrun.log").exists() else ""
     assert rc == 0 and all(results), log
-    return results, (read(out / "trainguard.jsonl") if cfg else [])
+    jsonl = out / "trainguard.jsonl"
+    return results, (read(jsonl) if jsonl.exists() else [])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -102,12 +106,7 @@ def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
     extra = ["--ckpt", str(ck)]
 
     def go(name, layout, more):
-        cfg = tmp_path / f"{name}.json"
-        cfg.write_text(json.dumps(block))
-        rc, res = run_worker(cfg, tmp_path / name, 12, extra=LAYOUTS[layout] + extra + more,
-                             module="tests.support.megatron_worker", timeout=300)
-        assert rc == 0 and all(res), (tmp_path / name / "torchrun.log").read_text()[-3000:]
-        return res, read(tmp_path / name / "trainguard.jsonl")
+        return run(tmp_path, name, layout, 12, block, extra + more)
 
     full, _ = go("full", "tp", ["--save-at", "4", "--save-at", "6"])
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step")) == ["step00000004", "step00000006"]
@@ -146,19 +145,14 @@ def test_fp16_grad_scaler_clamp_is_detected_and_the_scale_reset(tmp_path):
     the scale (the loss_scale ladder's remedy, applied in place on megatron)."""
     block = {"checks": {"enabled": False}, "allow_faults": True,
              "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 16}]}
-    cfg = tmp_path / "fp16.json"
-    cfg.write_text(json.dumps(block))
-    runs = {}
-    for name, more in (("guarded", []), ("plain", ["--no-guard"])):
-        rc, res = run_worker(cfg, tmp_path / name, 30, extra=["--fp16", *more], module="tests.support.megatron_worker",
-                             timeout=300)
-        assert rc == 0 and all(res), (tmp_path / name / "torchrun.log").read_text()[-3000:]
-        runs[name] = res
+    runs, logs = {}, {}
+    for name, more in (("guarded", []), ("plain", ["--no-guard"])):  # (plain: the same faults injected)
+        runs[name], logs[name] = run(tmp_path, name, "dp", 30, block, ["--fp16", *more])
+    lines = logs["guarded"]
     plain, guarded = runs["plain"][0], runs["guarded"][0]
     # both skipped the 16 overflowing steps (megatron's own found_inf path) and nothing else
     assert plain["applied"] == guarded["applied"] == [True] * 4 + [False] * 16 + [True] * 10
     assert plain["loss_scale"][-1] == 1.0 and min(plain["loss_scale"]) == 1.0  # clamped, silently, for good
-    lines = read(tmp_path / "guarded" / "trainguard.jsonl")
     (collapse,) = [x for x in lines if x.get("event") == "loss_scale"]
     assert collapse["detail"]["at_floor"] and collapse["detail"]["onset_step"] == 5
     (reset,) = [x for x in lines if x.get("event") == "loss_scale_reset"]
@@ -176,12 +170,7 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path):
     block = {"checks": {"enabled": False}, "allow_faults": True,
              "checkpoint": {"dir": str(ck), "stable_after": 1, "verify_steps": 1},
              "faults": [{"type": "nan_loss", "step": s, "rank": 1} for s in (10, 11, 12)]}
-    cfg = tmp_path / "rb.json"
-    cfg.write_text(json.dumps(block))
-    rc, res = run_worker(cfg, tmp_path / "rb", 16, extra=["--ckpt", str(ck), "--save-at", "4", "--save-at", "8"],
-                         module="tests.support.megatron_worker", timeout=300)
-    assert rc == 0 and all(res), (tmp_path / "rb" / "torchrun.log").read_text()[-3000:]
-    lines = read(tmp_path / "rb" / "trainguard.jsonl")
+    res, lines = run(tmp_path, "rb", "dp", 16, block, ["--ckpt", str(ck), "--save-at", "4", "--save-at", "8"])
     actions = [(x["step"], x["action"]) for x in lines if x.get("event") == "nonfinite"]
     assert actions == [(10, "skip_step"), (11, "skip_step"), (12, "rollback")]
     (rb,) = [x for x in lines if x.get("event") == "rollback"]
@@ -207,12 +196,7 @@ def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path, optimizer):
              "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 40}]}
 
     def go(name, steps, more):
-        cfg = tmp_path / f"{name}.json"
-        cfg.write_text(json.dumps(block))
-        rc, res = run_worker(cfg, tmp_path / name, steps, extra=["--ckpt", str(ck), *more, *dist_opt],
-                             module="tests.support.megatron_worker", timeout=300)
-        assert rc == 0 and all(res), (tmp_path / name / "torchrun.log").read_text()[-3000:]
-        return res, read(tmp_path / name / "trainguard.jsonl")
+        return run(tmp_path, name, "dp", steps, block, ["--ckpt", str(ck), *more, *dist_opt])
 
     dist_opt = ["--dist-opt"] if optimizer == "distributed" else []
     # 120 loop iterations; saves after loop iterations 4 (fp16) and 100 (bf16, after the switch)
@@ -278,12 +262,7 @@ def test_bf16_fallback_under_tensor_and_pipeline_parallelism(tmp_path, layout):
     and at PP=2 (the pipeline's p2p buffers follow config.pipeline_dtype from fp16 to bf16)."""
     block = {"checks": {"enabled": False}, "allow_faults": True,
              "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 40}]}
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps(block))
-    rc, res = run_worker(cfg, tmp_path / "o", 120, module="tests.support.megatron_worker", timeout=300,
-                         extra=LAYOUTS[layout] + ["--fp16", "--ckpt", str(tmp_path / "ck"), "--save-at", "4"])
-    assert rc == 0 and all(res), (tmp_path / "o" / "torchrun.log").read_text()[-3000:]
-    lines = read(tmp_path / "o" / "trainguard.jsonl")
+    res, lines = run(tmp_path, "o", layout, 120, block, ["--fp16", "--ckpt", str(tmp_path / "ck"), "--save-at", "4"])
     acts = [(x["event"], x["action"]) for x in lines if x.get("event") in ("loss_scale_reset", "precision_fallback")]
     assert acts == [("loss_scale_reset", "reset_scale"), ("loss_scale_reset", "raise_floor"),
                     ("precision_fallback", "bf16_fallback")]
