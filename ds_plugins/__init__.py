@@ -63,6 +63,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ds_dict, block = tg_config.load(raw)
     if block is None or not block.enabled:
         return deepspeed.initialize(**kwargs)
+    from trainguard.support import check_supported
+
+    check_supported(block, "ds_plugins")
 
     # We hand DeepSpeed the dict we already parsed (unless it came through args, which DeepSpeed
     # insists on reading itself), and build the loader ourselves.
@@ -158,23 +161,9 @@ def _backend() -> str:
 
 def _auto_resume(engine, state, block) -> None:
     """With ``checkpoint.dir`` set: clear what a crash left in staging, and resume from the newest
-    checkpoint that verifies (or the newest stable one) when there is one."""
-    c = block.checkpoint
-    if not c.dir or state.checkpointer is None:
-        return
-    import shutil
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    from trainguard.checkpoint.layout import STAGING, CheckpointLayout
-
-    if (not dist.is_initialized() or dist.get_rank() == 0) and (Path(c.dir) / STAGING).is_dir():
-        shutil.rmtree(Path(c.dir) / STAGING, ignore_errors=True)  # never-committed saves
-    if dist.is_initialized():
-        dist.barrier()
-    if c.resume != "none" and CheckpointLayout(c.dir).tags():
-        state.checkpointer.load(c.dir, mode=c.resume)
+    checkpoint that verifies (or the newest stable one) when there is one (the checkpoint manager)."""
+    if block.checkpoint.dir and state.checkpointer is not None:
+        state.checkpointer.resume_on_start()
 
 
 def attach(engine, block: dict | tg_config.TrainguardConfig):

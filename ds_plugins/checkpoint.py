@@ -36,30 +36,16 @@ from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.commit import commit_staged
 from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir, make_durable, save_hashed
-from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import (SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError,
-                                          CheckpointLayout, step_tag, validate_tag)
-from trainguard.checkpoint.rollback import abandon_after, choose_rollback
-from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
-from trainguard.checkpoint.retention import to_delete
+from trainguard.checkpoint.layout import SIDECAR, CheckpointError, CheckpointLayout, step_tag, validate_tag
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.manager import barrier as _barrier
+from trainguard.checkpoint.manager import rank as _rank
+from trainguard.checkpoint.manager import world as _world
+from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+from trainguard.events import Record
 from trainguard.guard import config_hash
-from trainguard.isolation import broadcast_from_rank0, gather_objects
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-_broadcast = broadcast_from_rank0
+from trainguard.isolation import broadcast_from_rank0 as _broadcast
+from trainguard.isolation import gather_objects
 
 
 def code_revision() -> str | None:
@@ -71,35 +57,39 @@ def code_revision() -> str | None:
         return None
 
 
-class DeepSpeedCheckpointer:
+class DeepSpeedCheckpointer(CheckpointManager):
     def __init__(self, state, base_save, base_load):
+        super().__init__(state.cfg, state.guard, state.heart)
         self.state = state                     # ds_plugins.engine.EngineGuard
-        self.cfg = state.cfg.checkpoint
         self._base_save = base_save            # DeepSpeedEngine.save_checkpoint, unbound
         self._base_load = base_load
-        self.health = CheckpointHealth(self.cfg.stable_after, self.cfg.verify_steps)
-        self.resume_check: ResumeCheck | None = None
-        self.roots: dict[str, Path] = {}       # tag -> root it was saved under (for marks)
         self._pending = None                   # (BackgroundCommit, info) of an async save in flight
-        self._deferred: list[tuple] = []       # marks for checkpoints not committed yet
+        self.floor = 0                         # checkpoints older than this step do not fit (precision change)
         self._revision = code_revision() if _rank() == 0 else None
 
     @property
     def engine(self):
         return self.state.engine
 
-    @property
-    def guard(self):
-        return self.state.guard
+    def step_count(self) -> int:
+        return self.engine.global_steps
 
-    def _event(self, step: int, name: str, detail: dict, action=None) -> None:
-        if self.guard is not None:
-            self.guard._emit(step, name, [], action, detail)
+    def not_before(self, root: Path) -> int:
+        return self.floor
+
+    def after_precision_change(self) -> None:
+        """The older fp16 checkpoints are no rollback targets now (they do not load into the bf16 engine)."""
+        if self.cfg.dir:
+            self.floor = self.engine.global_steps
+        super().after_precision_change()
+
+    def pending_tag(self) -> str | None:
+        return self._pending[1]["tag"] if self._pending is not None else None
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, client_state: dict | None = None) -> str:
         root = Path(root)
-        self.state.heart.beat("checkpoint")  # (the watchdog: progress, in a phase of its own)
+        self.heart.beat("checkpoint")  # (the watchdog: progress, in a phase of its own)
         self.wait_pending()  # a new save waits for the previous one
         t0 = time.perf_counter()
         tag, nonce, staging_root, cs = self._begin_save(root, tag, client_state)
@@ -139,7 +129,7 @@ class DeepSpeedCheckpointer:
         self.health.saved(tag, eng.global_steps)
         seconds = time.perf_counter() - t0
         self.state.goodput.overhead(seconds)
-        self._event(eng.global_steps, "checkpoint_saved", {
+        self.emit(eng.global_steps, Record.CHECKPOINT_SAVED, {
             "tag": tag, "dir": str(root), "files": len(hashed),
             "bytes": sum(f["size"] for f in hashed.values()), "blocking_s": round(seconds, 3),
             "total_s": round(seconds, 3)})
@@ -148,7 +138,7 @@ class DeepSpeedCheckpointer:
     def _commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
         """Rank 0, once every file is written and hashed: the commit, then retention."""
         commit_staged(root, staging_root, nonce, self._manifest(tag, step, files))
-        self._retention(CheckpointLayout(root))
+        self.retention(root)
 
     # ------------------------------------------------------------------ async save
     def _begin_save(self, root: Path, tag: str | None, client_state: dict | None):
@@ -205,19 +195,13 @@ class DeepSpeedCheckpointer:
         try:
             job.wait()
         except Exception as e:  # noqa: BLE001 - the checkpoint stays invisible; training goes on
-            self._event(info["step"], "checkpoint_failed", {"tag": info["tag"], "dir": info["dir"],
-                                                            "error": f"{type(e).__name__}: {e}"})
+            self.emit(info["step"], Record.CHECKPOINT_FAILED, {"tag": info["tag"], "dir": info["dir"],
+                                                               "error": f"{type(e).__name__}: {e}"})
             return
-        self._event(info["step"], "checkpoint_saved", {
+        self.emit(info["step"], Record.CHECKPOINT_SAVED, {
             "tag": info["tag"], "dir": info["dir"], "bytes_this_rank": job.bytes, "async": True,
             "blocking_s": round(info["blocking_s"], 3), "write_s": round(job.seconds, 3),
             "total_s": round(time.perf_counter() - info["t0"], 3)})
-
-    def wait_pending(self) -> None:
-        self.poll_pending(wait=True)
-
-    def close(self) -> None:
-        self.wait_pending()
 
     def _sidecar(self) -> dict:
         loader = self.state.loader
@@ -247,70 +231,7 @@ class DeepSpeedCheckpointer:
                     "skipped_steps": eng.skipped_steps, "loss_scale": last.get("loss_scale"),
                     "recent_anomalies": list(getattr(g, "recent_anomalies", []))[-10:] if g else []})
 
-    def _retention(self, layout: CheckpointLayout) -> None:
-        tags = layout.tags()
-        stable = {t for t in tags if (layout.tag_dir(t) / STABLE).exists()}
-        for t in to_delete(tags, stable, self.cfg.keep_last, self.cfg.keep_stable):
-            trash = layout.root / STAGING / f"deleted.{t}.{uuid.uuid4().hex[:6]}"
-            trash.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(layout.tag_dir(t), trash)   # atomic: gone from the listing at once
-            shutil.rmtree(trash, ignore_errors=True)
-
-    # ------------------------------------------------------------------ marks after a save
-    def on_step_end(self, step: int, loss: float | None, anomaly: bool) -> None:
-        self.poll_pending()
-        if self.resume_check is not None:
-            result = self.resume_check.on_step(step, loss)
-            if result is not None:
-                self._event(step, "resume_verified" if result["ok"] else "resume_discontinuity", result)
-                self.resume_check = None
-        actions, self._deferred = self._deferred + self.health.on_step(step, loss, anomaly), []
-        for action in actions:
-            kind, tag = action[0], action[1]
-            root = self.roots.get(tag)
-            if _rank() != 0 or root is None:
-                continue
-            if not (root / tag).is_dir():
-                if self._pending is not None and self._pending[1]["tag"] == tag:
-                    self._deferred.append(action)  # still being written: mark it once committed
-                continue
-            if kind == "trajectory":
-                atomic_write_json(root / tag / TRAJECTORY, {"losses": {str(k): v for k, v in action[2].items()}})
-            elif kind == "stable":
-                atomic_write_json(root / tag / STABLE, {"stable_at_step": action[2], "stable_after": self.cfg.stable_after})
-                self._event(step, "checkpoint_stable", {"tag": tag, "dir": str(root)})
-
     # ------------------------------------------------------------------ load
-    def choose(self, root: Path, mode: str) -> tuple[str | None, list[dict]]:
-        """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode)."""
-        layout = CheckpointLayout(root)
-        skipped = []
-        for tag in reversed(layout.tags()):
-            res = verify(layout.tag_dir(tag))
-            if not res.ok:
-                skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason})
-                continue
-            if mode == "stable" and not (layout.tag_dir(tag) / STABLE).exists():
-                skipped.append({"tag": tag, "reason": "not stable"})
-                continue
-            return tag, skipped
-        return None, skipped
-
-    def rollback_target(self, root: Path, onset: int, mode: str, not_before: int = 0,
-                        inclusive: bool = False) -> tuple[str | None, str]:
-        """Rank 0 chooses (trainguard.checkpoint.rollback.choose_rollback), every rank learns."""
-        choice = choose_rollback(root, onset, mode, not_before, inclusive) if _rank() == 0 else None
-        tag, why, bad = _broadcast(choice)
-        for b in bad:
-            self._event(self.engine.global_steps, "checkpoint_invalid", b)
-        return tag, why
-
-    def abandon_after(self, root: Path, step: int) -> list[str]:
-        """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside."""
-        moved = abandon_after(root, step) if _rank() == 0 else None
-        self.health.watching = [w for w in self.health.watching if w.step <= step]
-        return _broadcast(moved)
-
     def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid",
              purpose: str = "resume", **kwargs):
         """Verified load. Returns DeepSpeed's ``(path, client_state)`` or ``(None, None)``.
@@ -318,26 +239,10 @@ class DeepSpeedCheckpointer:
         ``purpose="rollback"`` (in-process): RNG comes back, but the data position, the guard's
         statistics and budgets stay as they are now -- the run moves on, it does not relive."""
         root = Path(root)
-        self.state.heart.beat("checkpoint")
-        decision = None
-        if _rank() == 0:
-            if tag is not None:
-                res = verify(CheckpointLayout(root).tag_dir(tag))
-                decision = {"tag": tag if res.ok else None,
-                            "skipped": [] if res.ok else [{"tag": tag, "bad_file": res.bad_file, "reason": res.reason}]}
-            else:
-                chosen, skipped = self.choose(root, mode)
-                decision = {"tag": chosen, "skipped": skipped}
-        decision = _broadcast(decision)
-        for s in decision["skipped"]:
-            if "bad_file" in s:
-                self._event(self.engine.global_steps, "checkpoint_invalid", {**s, "dir": str(root)})
-        if decision["tag"] is None:
-            if tag is not None:
-                bad = decision["skipped"][0]
-                raise CheckpointError(f"checkpoint {tag} in {root} does not verify: {bad['bad_file']}: {bad['reason']}")
+        self.heart.beat("checkpoint")
+        tag, skipped = self.choose_for_load(root, tag, mode)
+        if tag is None:
             return None, None
-        tag = decision["tag"]
         kwargs.setdefault("load_optimizer_states", True)
         kwargs.setdefault("load_lr_scheduler_states", True)
         man = Manifest.read(root / tag)
@@ -359,12 +264,10 @@ class DeepSpeedCheckpointer:
         self.roots[tag] = root
         if purpose == "rollback":
             return path, client_state
-        traj = root / tag / TRAJECTORY
-        if self.cfg.verify_steps and traj.exists():
-            losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}
-            self.resume_check = ResumeCheck(tag, losses, self.cfg.verify_rtol)
-        self._event(self.engine.global_steps, "resume", {
-            "tag": tag, "dir": str(root), "step": man.step, "fell_back_past": decision["skipped"],
+        self.resumed_tag = tag
+        self.start_resume_check(tag, root / tag)
+        self.emit(self.engine.global_steps, Record.RESUME, {
+            "tag": tag, "dir": str(root), "step": man.step, "fell_back_past": skipped,
             "resharded": {"from_dp": saved_dp, "to_dp": self.engine.dp_world_size} if universal else None,
             "lineage": man.lineage, "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
         return path, client_state

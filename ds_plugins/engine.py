@@ -11,7 +11,6 @@ every stage, and names the rank that produced them.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import torch
@@ -21,6 +20,7 @@ from ds_plugins.loss_scale import ScalerView
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
+from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, zero_adam_moments
 from trainguard.events import Action
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
@@ -42,14 +42,6 @@ def _loss_scale(engine) -> float:
         if isinstance(value, (int, float)):
             return float(value)
     return 1.0
-
-
-def _lr(engine) -> float | None:
-    try:
-        lrs = engine.get_lr()
-    except Exception:  # noqa: BLE001 - some optimizers have no param_groups view
-        return None
-    return float(lrs[0]) if lrs else None
 
 
 def _guarded_class(base: type) -> type:
@@ -141,14 +133,12 @@ class EngineGuard:
         self._last_inputs = None      # (args, kwargs, poison_output) of the last micro-batch, for a replay
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
         self.checkpointer = None
-        self._lr_until = 0            # recovery's lowered LR (the policy's lr_factor) applies until this step
-        self._step_lr = None
-        self.scaler = ScalerView(engine)
+        self.driver = None            # trainguard.driver.StepDriver: the step sequence
+        self.scaler_view = ScalerView(engine)
         self.goodput = GoodputMeter()
         self.heart = Heartbeat(self.rank)
         self.watchdog = None          # trainguard.watchdog.Watchdog, started by start_watchdog()
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
-        self._rollback_floor = 0      # checkpoints older than this step do not fit the engine (precision change)
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
@@ -166,12 +156,13 @@ class EngineGuard:
 
             base = _plain_class(type(engine))
             self.checkpointer = DeepSpeedCheckpointer(self, base.save_checkpoint, base.load_checkpoint)
+            self.driver = StepDriver(self, self.guard, cfg, self.heart)
             self.guard.on_begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
 
     def after_load(self) -> None:
         """After initialize and after every checkpoint load: the guard owns the fp16 scaler's floor."""
         if self.guard is not None and self.cfg.detectors.loss_scale.enabled:
-            self.scaler.arm()
+            self.scaler_view.arm()
 
     def step_number(self) -> int:
         """The optimizer step being computed (1-based, as logged)."""
@@ -319,153 +310,76 @@ class EngineGuard:
         return loss
 
     def guarded_step(self, ds_step):
-        eng, guard = self.engine, self.guard
-        step = self.step_number()
+        if self.driver is not None:
+            return self.driver.step(ds_step)
+        step = self.step_number()  # faults only (the demo's plain-DeepSpeed comparison)
         self.heart.beat("collective", step)
-        with self._lr_fault(step):
-            if guard is None:  # faults only (the demo's plain-DeepSpeed comparison)
-                return ds_step()
-            obs = guard.on_agree(step, loss_scale=_loss_scale(eng), grad_divisor=eng.gradient_accumulation_steps(),
-                                 dynamic_scale=self.scaler.active())
-            decision = guard.on_decide(step, obs)
-            if decision.action is Action.ABORT:
-                raise guard.abort(step, decision)
-            limit = guard.clip_limit()
-            if limit is not None and self.cfg.clipping.mode == "adaptive":
-                self._set_clip(limit)
-            own_norm = None
-            scaler_before = self.scaler.state()
-            if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
-                with forced_skip(eng.optimizer):
-                    result = ds_step()
-            else:
-                if self._ds_has_no_norm():
-                    # ZeRO-0 fp32 with a torch optimizer: DeepSpeed computes no global norm. The reduced
-                    # gradients are in .grad until the step clears them; take the norm now (on device).
-                    grads = [p.grad for p in eng.module.parameters() if p.grad is not None]
-                    own_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
+        if mult == 1.0:
+            return ds_step()
+        groups = self.engine.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * mult
+        try:
+            return ds_step()
+        finally:
+            for g, old in zip(groups, saved):
+                g["lr"] = old
+
+    # ------------------------------------------------------------------ trainguard.driver.Framework
+    @property
+    def data(self):
+        return self.loader
+
+    def completed_steps(self) -> int:
+        return self.engine.global_steps
+
+    def scaler(self):
+        return self.scaler_view if self.scaler_view.active() else None
+
+    def agree_scale(self) -> tuple[float, float]:
+        return _loss_scale(self.engine), float(self.engine.gradient_accumulation_steps())
+
+    def set_clip(self, max_norm: float) -> None:
+        self._set_clip(max_norm)
+
+    def apply(self, decision, ds_step) -> StepOutcome:
+        eng = self.engine
+        own_norm = None
+        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
+            with forced_skip(eng.optimizer):
                 result = ds_step()
+        else:
+            if self._ds_has_no_norm():
+                # ZeRO-0 fp32 with a torch optimizer: DeepSpeed computes no global norm. The reduced
+                # gradients are in .grad until the step clears them; take the norm now (on device).
+                grads = [p.grad for p in eng.module.parameters() if p.grad is not None]
+                own_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            result = ds_step()
         applied = eng.was_step_applied()
-        scale_decision = guard.on_step(step, decision, applied, scaler_before)
         norm = eng.get_global_grad_norm() if applied else None
         if norm is None and applied:
             norm = own_norm
-        guard.on_end(step, obs, {
-            "grad_norm": norm,  # may be a device tensor: read with the next step's table, not now
-            "clip_limit": float(eng.gradient_clipping() or 0.0),
-            "lr": self._step_lr if self._step_lr is not None else _lr(eng),
-            "loss_scale": _loss_scale(eng), "skipped_steps": eng.skipped_steps,
-            "applied": applied, "action": decision.action.value, "goodput": self.goodput.ratio()})
-        acting = scale_decision or decision
-        if acting.action is Action.ABORT:
-            raise guard.abort(step, acting)
-        rolled_back = acting.action is Action.ROLLBACK and self._rollback(step, acting)
-        if not rolled_back:
-            self._after_step(step, obs, decision)  # (a rollback that happened re-runs from its checkpoint)
-        self.goodput.step_done(step, applied and not rolled_back)
-        self.heart.beat("data", eng.global_steps)
-        return result
+        return StepOutcome(result, applied, norm, float(eng.gradient_clipping() or 0.0))
 
-    # ------------------------------------------------------------------ recovery
-    def _rollback_root(self):
-        from pathlib import Path
+    def lr_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
 
-        c = self.cfg.checkpoint
-        if c.dir:
-            return Path(c.dir)
-        roots = list(self.checkpointer.roots.values()) if self.checkpointer else []
-        return roots[-1] if roots else None
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
 
-    def _rollback(self, step: int, decision) -> bool:
-        """In-process rollback, on every rank together: load the chosen checkpoint (RNG with it),
-        keep the data position where it is and move it ``skip_batches`` further, quarantine the
-        culprit rank's samples, lower the LR if asked. The user's loop just gets the next batch.
+    def reset_moments(self) -> None:
+        zero_adam_moments(getattr(self.engine.optimizer, "optimizer", self.engine.optimizer))
 
-        A ``loss_scale`` decision (the fp16 scaler collapsed) skips no batches -- the data is not
-        to blame -- and then applies its remedy: reset the scale, raise its floor, or continue in
-        bf16. Returns whether a checkpoint was loaded."""
-        rc = self.cfg.recovery
-        guard, eng, loader = self.guard, self.engine, self.loader
-        scale_case = decision.anomaly == "loss_scale"
-        skip = 0 if scale_case else rc.skip_batches
-        quarantined = guard.culprit_samples
-        if loader is not None and self.rank in quarantined:
-            loader.set_aside(quarantined[self.rank])
-        root = self._rollback_root()
-        tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None or \
-            self.checkpointer is None else self.checkpointer.rollback_target(
-                root, decision.onset_step or step, rc.rollback_to, not_before=self._rollback_floor,
-                inclusive=decision.onset_skipped)
-        if tag is None:
-            if decision.lower_lr:
-                guard.policy.lower_lr()
-                self._lr_until = eng.global_steps + rc.lr_cooldown_steps
-            remedy = self._scale_remedy(step, decision) if scale_case else None
-            guard._emit(step, "rollback_unavailable", [], "skip_step", {
-                "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
-                "lr_factor": guard.policy.lr_factor if decision.lower_lr else None, "quarantined": quarantined,
-                "remedy": remedy})
-            return False
-        position = loader.state_dict() if loader is not None else None
-        self.checkpointer.wait_pending()
-        self.checkpointer.load(root, tag=tag, purpose="rollback")
-        to_step = eng.global_steps
-        self.goodput.rollback(to_step)
-        if loader is not None:
-            loader.load_state_dict(position)       # where we were, quarantine included ...
-            loader.skip(skip)                      # ... and then some
-        abandoned = self.checkpointer.abandon_after(root, to_step)
-        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
-                                                           "anomaly": decision.anomaly})
-        if decision.lower_lr:
-            self._lr_until = to_step + rc.lr_cooldown_steps
-        if rc.reset_optimizer_moments:
-            _reset_moments(eng.optimizer)
-        detail = {"to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
-                  "onset_step": decision.onset_step, "skip_batches": skip,
-                  "position_after": loader.position.as_dict() if loader is not None else None,
-                  "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
-                  "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
-                  "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason}
-        guard.grad_norm.reset_trend()
-        if self.faults is not None:
-            self.faults.rolled_back()
-        guard._emit(step, "rollback", sorted(quarantined) or [], "rollback", detail)
-        if scale_case:
-            self._scale_remedy(step, decision)
-        return True
+    def fallback_to_bf16(self, step: int) -> dict:
+        from ds_plugins.precision import FallbackUnavailable as Unavailable
+        from ds_plugins.precision import fallback_to_bf16
 
-    def _scale_remedy(self, step: int, decision) -> dict:
-        """The loss_scale rung's remedy, after its rollback: reset the scale, also raise its floor,
-        or re-create the engine in bf16 (an event each)."""
-        guard = self.guard
-        guard.loss_scale.reset()
-        if decision.remedy == "bf16":
-            from ds_plugins.precision import FallbackUnavailable, fallback_to_bf16
-
-            self.checkpointer.wait_pending()
-            try:
-                detail = self._rebuilt(lambda: fallback_to_bf16(self.engine, self.recipe))
-            except FallbackUnavailable as e:
-                from trainguard.policy import Decision
-
-                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
-                                                 decision.verdicts)) from None
-            detail = {"from": "fp16", "to": "bf16", "at_step": self.engine.global_steps, **detail}
-            guard.policy.tried_also(step, "bf16_fallback", detail)
-            guard._emit(step, "precision_fallback", [], "bf16_fallback", detail)
-            c = self.cfg.checkpoint
-            if c.dir:  # a checkpoint of the new engine at once: older fp16 ones are not rollback targets now
-                self._rollback_floor = self.engine.global_steps
-                self.checkpointer.save(c.dir)
-            return detail
-        detail = {}
-        if decision.remedy == "raise_floor":
-            detail.update(self.scaler.raise_floor(self.cfg.recovery.floor_factor))
-        detail.update(self.scaler.reset())
-        guard.policy.tried_also(step, decision.remedy, detail)
-        guard._emit(step, "loss_scale_reset", [], decision.remedy, detail)
-        return detail
+        try:
+            return self._rebuilt(lambda: fallback_to_bf16(self.engine, self.recipe))
+        except Unavailable as e:
+            raise FallbackUnavailable(str(e)) from None
 
     def _rebuilt(self, rebuild) -> dict:
         """Run ``rebuild`` (which replaces the engine's state in place), then guard the new state:
@@ -478,52 +392,9 @@ class EngineGuard:
         detail = rebuild()
         object.__setattr__(engine, "_trainguard", self)
         engine.__class__ = cls
-        self.scaler = ScalerView(engine)
+        self.scaler_view = ScalerView(engine)
         self._hook_engine()
         return detail
-
-    def _after_step(self, step: int, obs, decision) -> None:
-        """Checkpoint health (stable marks, post-save trajectory, resume check) and periodic saves."""
-        if self.checkpointer is None:
-            return
-        losses = [o.loss for o in obs]
-        loss = sum(losses) / len(losses) if losses and all(math.isfinite(x) for x in losses) else None
-        # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy
-        self.checkpointer.on_step_end(step, loss, anomaly=any(v.anomaly != "overflow" for v in decision.verdicts))
-        c = self.cfg.checkpoint
-        if c.dir and c.every_steps and step % c.every_steps == 0:
-            self.checkpointer.save(c.dir)
-        if self.faults is not None and c.dir and self.faults.checkpoint_due(step):
-            from trainguard.faults import corrupt_newest_checkpoint
-
-            path = corrupt_newest_checkpoint(c.dir)
-            self.guard._emit(step, "fault_injected", [self.rank], None, {
-                "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": self.rank}], "file": path},
-                rank_local=True)
-
-    @contextlib.contextmanager
-    def _lr_fault(self, step: int):
-        """The LR for this step's update x (lr_ramp fault) x (recovery's lowered LR, during its
-        cooldown); afterwards the scheduled LR is put back."""
-        mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
-        if self.engine.global_steps < self._lr_until:  # only a lowering by the policy sets _lr_until
-            mult *= self.guard.policy.lr_factor
-        self._step_lr = None
-        if mult == 1.0:
-            yield
-            return
-        groups = self.engine.optimizer.param_groups
-        saved = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = g["lr"] * mult
-        boosted = [g["lr"] for g in groups]
-        self._step_lr = boosted[0] if boosted else None  # what this step's update used, for the log
-        try:
-            yield
-        finally:
-            for g, old, new in zip(groups, saved, boosted):
-                if g["lr"] == new:  # the scheduler did not set a new LR: restore the scheduled one
-                    g["lr"] = old
 
     def _ds_has_no_norm(self) -> bool:
         eng = self.engine
@@ -555,16 +426,6 @@ class EngineGuard:
         if self.guard is not None:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
                                  "global_steps": self.engine.global_steps, "goodput": self.goodput.summary()})
-
-
-def _reset_moments(optimizer) -> None:
-    """Zero Adam's moment estimates (SPAM-style reset after a spike), wherever DeepSpeed keeps them."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for state in getattr(inner, "state", {}).values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            t = state.get(key) if isinstance(state, dict) else None
-            if isinstance(t, torch.Tensor):
-                t.zero_()
 
 
 def _plain_class(cls: type) -> type:

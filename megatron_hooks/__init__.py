@@ -43,7 +43,6 @@ named, stacks, exit 75 for a restart.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -53,9 +52,11 @@ import torch.distributed as dist
 
 from trainguard import config as tg_config
 from trainguard.checks import RunFacts
+from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, zero_adam_moments
 from trainguard.events import Action
 from trainguard.guard import StepGuard
 from trainguard.isolation import collective_device, gather_coords
+from trainguard.support import check_supported
 
 __all__ = ["install", "extra_args_provider", "MegatronGuard"]
 
@@ -146,6 +147,7 @@ class _GradScaler:
                         and hasattr(o.grad_scaler, "min_scale")]
         cfg = getattr(opts[0], "config", None)
         self.initial = float(getattr(cfg, "initial_loss_scale", None) or 2.0 ** 32)
+        self.last_scale = 1.0
 
     def active(self) -> bool:
         return bool(self.scalers)
@@ -154,7 +156,8 @@ class _GradScaler:
         from trainguard.detectors.loss_scale import ScalerState
 
         g = self.scalers[0]
-        return ScalerState(float(g.scale), float(g.min_scale), int(g._hysteresis_tracker))  # (one host read)
+        self.last_scale = float(g.scale)  # (one host read)
+        return ScalerState(self.last_scale, float(g.min_scale), int(g._hysteresis_tracker))
 
     def reset(self) -> dict:
         before = float(self.scalers[0].scale)
@@ -174,8 +177,10 @@ class _GradScaler:
 class MegatronGuard:
     """The adapter's state on one rank (``install`` returns it)."""
 
+    data = None  # trainguard.driver.Framework: megatron's data loader is the user's (no skip, no quarantine)
+
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer, cfg: tg_config.TrainguardConfig,
-                 start_iteration: int = 0, guard_enabled: bool = True):
+                 start_iteration: int = 0, guard_enabled: bool = True, data_state=None):
         from megatron.core import parallel_state as ps
 
         from megatron_hooks.checkpoint import MegatronCheckpointer
@@ -186,6 +191,9 @@ class MegatronGuard:
         self.optimizer = optimizer
         self.cfg = cfg
         self.iteration = start_iteration
+        self.data_state = data_state   # callable: the user's data position, saved with each snapshot
+        self.resumed_data_state = None  # what the automatic resume at install brought back
+        self.not_applied = 0            # steps not applied (the guard's skips and megatron's own)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
@@ -200,7 +208,7 @@ class MegatronGuard:
         if self.faults is not None:
             self.faults.precision = _dtype(self.chunks[0])
         scaler = _GradScaler(optimizer)
-        self.scaler = scaler if scaler.active() and cfg.detectors.loss_scale.enabled and guard_enabled else None
+        self.grad_scaler = scaler if scaler.active() and guard_enabled else None
         if self.guard is not None:
             self.guard.attach_model(_unwrap(self.chunks[0]) if len(self.chunks) == 1 else torch.nn.ModuleList(
                 [_unwrap(c) for c in self.chunks]))
@@ -212,9 +220,13 @@ class MegatronGuard:
         self._base_step = optimizer.step
         optimizer.step = self.step  # the instance's step: the guard decides first
         self.checkpointer = MegatronCheckpointer(self) if self.guard is not None else None
+        self.driver = StepDriver(self, self.guard, cfg, self.heart) if self.guard is not None else None
         self.watchdog = None
         if self.guard is None:
             return
+        self.guard.clipper.framework_max_norm = self._clip_grad()
+        if cfg.clipping.mode == "norm":
+            self.set_clip(cfg.clipping.max_norm)
         coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
                                pp=self.stage, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
                                cp=ps.get_context_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
@@ -228,7 +240,9 @@ class MegatronGuard:
             "optimizer": type(optimizer).__name__,
             "grad_check_point": "local, before the data-parallel reduction (tensor hooks)"},
             RunFacts(dtype=_dtype(self.chunks[0]), bf16_supported=True, warmup_steps=-1, scheduler=None,
-                     framework_clip=float(getattr(getattr(optimizer, "config", None), "clip_grad", 0.0) or 0.0)))
+                     framework_clip=self._clip_grad()))
+        if cfg.checkpoint.dir:  # the newest snapshot that verifies (or the newest stable one)
+            self.resumed_data_state = self.checkpointer.resume_on_start()
         from trainguard.watchdog import Watchdog
 
         self.watchdog = Watchdog(cfg, self.guard, self.heart, self.rank, self.world, lambda: self.iteration)
@@ -269,6 +283,9 @@ class MegatronGuard:
             self._probing.__enter__()
         if self.faults is not None:
             self.faults.process(self.step_number())
+            # spike_batch: megatron's inputs are token ids, so the fault scales this rank's loss
+            # (on the last pipeline stage, where the loss is); the inputs stay as they are
+            self.faults.batch(self.step_number(), args)
         return None
 
     def _on_output(self, module, args, output):
@@ -297,11 +314,10 @@ class MegatronGuard:
 
     # ------------------------------------------------------------------ the step
     def step(self, *args, **kwargs):
-        """``optimizer.step()`` with the guard's decision first; the same return value."""
-        guard = self.guard
-        step = self.step_number()
-        self.heart.beat("collective", step)
-        if guard is None:  # faults only
+        """``optimizer.step()`` with the guard's decision first (trainguard.driver); the same return value."""
+        if self.driver is None:  # faults only
+            step = self.step_number()
+            self.heart.beat("collective", step)
             result = self._base_step(*args, **kwargs)
             self.faults.step_done(step)
             self.iteration += 1
@@ -309,11 +325,33 @@ class MegatronGuard:
         if self._probing is not None:
             self._probing.__exit__(None, None, None)
             self._probing = None
-        before = self.scaler.state() if self.scaler is not None else None
-        obs = guard.on_agree(step, loss_scale=before.scale if before else 1.0, dynamic_scale=before is not None)
-        decision = guard.on_decide(step, obs)
-        if decision.action is Action.ABORT:
-            raise guard.abort(step, decision)
+        try:
+            return self.driver.step(lambda: self._base_step(*args, **kwargs))
+        finally:
+            if self._finite is not None:
+                self._finite.reset()
+
+    # ------------------------------------------------------------------ trainguard.driver.Framework
+    def completed_steps(self) -> int:
+        return self.iteration
+
+    def scaler(self):
+        return self.grad_scaler
+
+    def agree_scale(self) -> tuple[float, float]:
+        # (the scale as read by the driver before the step: one host read per step)
+        return (self.grad_scaler.last_scale if self.grad_scaler is not None else 1.0), 1.0
+
+    def _clip_grad(self) -> float:
+        return float(getattr(getattr(_optimizers(self.optimizer)[0], "config", None), "clip_grad", 0.0) or 0.0)
+
+    def set_clip(self, max_norm: float) -> None:
+        """megatron clips inside optimizer.step() by its config's clip_grad (the global norm it computes anyway)."""
+        for o in _optimizers(self.optimizer):
+            if getattr(o, "config", None) is not None:
+                o.config.clip_grad = float(max_norm)
+
+    def apply(self, decision, base_step) -> StepOutcome:
         if decision.action in (Action.SKIP_STEP, Action.ROLLBACK) and decision.anomaly != "overflow":
             self.optimizer.zero_grad()
             for chunk in self.chunks:
@@ -321,113 +359,41 @@ class MegatronGuard:
                     chunk.zero_grad_buffer()
             result, applied, norm = (False, None, None), False, None
         else:  # (an fp16 overflow too: megatron finds it, skips and lowers its scale itself)
-            result = self._base_step(*args, **kwargs)
+            result = base_step()
             applied = bool(result[0]) if isinstance(result, tuple) else True
             norm = result[1] if isinstance(result, tuple) and len(result) > 1 else None
-        scale_decision = guard.on_step(step, decision, applied, before)
-        lr = None
-        groups = getattr(self.optimizer, "param_groups", None)
-        if groups:
-            lr = float(groups[0].get("lr", 0.0))
-        guard.on_end(step, obs, {"grad_norm": norm, "clip_limit": None, "lr": lr,
-                                 "loss_scale": before.scale if before else 1.0,
-                                 "skipped_steps": guard.skipped_steps, "applied": applied,
-                                 "action": decision.action.value, "goodput": guard.goodput.ratio()})
-        guard.goodput.step_done(step, applied)
-        if self.checkpointer is not None:
-            losses = [o.loss for o in obs if o.has_loss]
-            loss = sum(losses) / len(losses) if losses and all(math.isfinite(x) for x in losses) else None
-            self.checkpointer.on_step_end(step, loss, anomaly=any(v.anomaly != "overflow"
-                                                                  for v in decision.verdicts))
-        if self._finite is not None:
-            self._finite.reset()
+        self.not_applied += not applied
         self.iteration += 1
-        self.heart.beat("data", self.iteration)
-        acting = scale_decision or decision
-        if acting.action is Action.ABORT:
-            raise guard.abort(step, acting)
-        if acting.action is Action.ROLLBACK:
-            rolled = self._rollback(step, acting)
-            if acting.anomaly == "loss_scale":
-                self._scale_remedy(step, acting, rolled)
-        return result
+        limit = self._clip_grad()
+        return StepOutcome(result, applied, norm, limit or None)
 
-    def _rollback_root(self) -> Path | None:
-        if self.cfg.checkpoint.dir:
-            return Path(self.cfg.checkpoint.dir)
-        roots = list(self.checkpointer.roots.values())
-        return roots[-1] if roots else None
+    def lr_groups(self) -> list[dict]:
+        return list(getattr(self.optimizer, "param_groups", None) or [])
 
-    def _rollback(self, step: int, decision) -> bool:
-        """In-process rollback to a snapshot (checkpoint.dir, else where the last one was saved), on
-        every rank together: weights, optimizer state and RNG come back; the iteration count goes back
-        with them. Your data iterator is not rewound -- it continues past the batches already seen,
-        which is the point (so ``skip_batches`` and the quarantine of sample ids are DeepSpeed-only:
-        megatron's data is yours); the LR scheduler is yours too, so ``lr_factor`` is not applied."""
-        guard, rc = self.guard, self.cfg.recovery
-        root = self._rollback_root()
-        tag, why = (None, "no snapshot directory: set trainguard.checkpoint.dir or call guard.checkpointer.save") \
-            if root is None else self.checkpointer.rollback_target(root, decision.onset_step or step, rc.rollback_to,
-                                                                  inclusive=decision.onset_skipped)
-        if tag is None:
-            guard._emit(step, "rollback_unavailable", [], "skip_step", {
-                "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step})
-            return False
-        self.checkpointer.load(root, tag=tag, purpose="rollback")
-        to_step = self.iteration
-        guard.goodput.rollback(to_step)
-        abandoned = self.checkpointer.abandon_after(root, to_step)
-        guard.policy.rolled_back(step, False, {"to_tag": tag, "to_step": to_step, "anomaly": decision.anomaly})
-        guard.grad_norm.reset_trend()
-        if self.faults is not None:
-            self.faults.rolled_back()
-        guard._emit(step, "rollback", [], "rollback", {
-            "to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
-            "onset_step": decision.onset_step, "abandoned": abandoned, "reason": decision.reason,
-            "lr_factor": None, "skip_batches": 0,
-            "note": "megatron: the data iterator is yours and continues; the LR schedule is yours and is unchanged"})
-        return True
+    def skipped_steps(self) -> int:
+        return self.not_applied
 
-    def _scale_remedy(self, step: int, decision, rolled_back: bool) -> None:
-        """The loss_scale ladder's remedy, after its rollback (or in place, without a snapshot): reset
-        the scale, raise the floor, or continue in bf16 (megatron_hooks.precision)."""
-        guard = self.guard
-        if decision.remedy == "bf16":
-            detail = {**self.fallback_to_bf16(step, decision), "after_rollback": rolled_back}
-            guard.policy.tried_also(step, "bf16_fallback", detail)
-            guard._emit(step, "precision_fallback", [], "bf16_fallback", detail)
-            return
-        detail = {}
-        if decision.remedy == "raise_floor":
-            detail.update(self.scaler.raise_floor(self.cfg.recovery.floor_factor))
-        detail.update(self.scaler.reset())
-        guard.loss_scale.reset()
-        guard.policy.tried_also(step, decision.remedy, {**detail, "after_rollback": rolled_back})
-        guard._emit(step, "loss_scale_reset", [], decision.remedy, detail)
+    def reset_moments(self) -> None:
+        for o in _optimizers(self.optimizer):
+            zero_adam_moments(getattr(o, "optimizer", o))
 
-    def fallback_to_bf16(self, step: int, decision=None) -> dict:
-        """Turn the fp16 model chunks and optimizer into bf16 ones, in place (every rank). Without a
-        ``decision`` (a resume from a bf16 snapshot) a failure raises; with one, it aborts the run
-        with the ladder's report."""
-        from megatron_hooks.precision import FallbackUnavailable, fallback_to_bf16
+    def fallback_to_bf16(self, step: int) -> dict:
+        """Turn the fp16 model chunks and optimizer into bf16 ones, in place (every rank); raises
+        trainguard.driver.FallbackUnavailable with what to do instead."""
+        from megatron_hooks.checkpoint import _distributed
+        from megatron_hooks.precision import FallbackUnavailable as Unavailable
+        from megatron_hooks.precision import fallback_to_bf16
 
         try:
             detail = fallback_to_bf16(self.chunks, self.optimizer)
-        except FallbackUnavailable as e:
-            if decision is None:
-                raise
-            from trainguard.policy import Decision
-
-            from megatron_hooks.checkpoint import _distributed
-
+        except Unavailable as e:
             advice = ("restart in fp16 from the newest snapshot with a higher min_loss_scale (with the distributed "
                       "optimizer an fp16 snapshot does not load into a bf16 run)" if _distributed(self.optimizer)
                       else "restart from the newest snapshot with bf16 enabled")
-            raise self.guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}; "
-                                                  f"{advice}", decision.verdicts)) from None
+            raise FallbackUnavailable(f"{e}; {advice}") from None
         if getattr(self.optimizer, "step", None) != self.step:  # (a rebuilt optimizer: the guard decides again)
             self.optimizer.step = self.step
-        self.scaler = None  # bf16: no loss scale to watch
+        self.grad_scaler = None  # bf16: no loss scale to watch
         self.guard.loss_scale.reset()
         if self.faults is not None:
             self.faults.precision = "bf16"
@@ -448,7 +414,7 @@ class MegatronGuard:
 
 
 def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,
-            start_iteration: int = 0, guard_enabled: bool = True) -> MegatronGuard:
+            start_iteration: int = 0, guard_enabled: bool = True, data_state=None) -> MegatronGuard:
     """Guard a megatron-core model (a module or a list of model chunks) and its optimizer.
 
     ``config``: the trainguard block as a dict, a JSON file (the block itself, or a ds_config-style
@@ -458,7 +424,9 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     comparisons and drills)."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = _block(config)
-    return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled)
+    check_supported(cfg, "megatron_hooks")  # a key set here that megatron cannot honour: refused, by name
+    return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled,
+                         data_state=data_state)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -475,7 +443,7 @@ def _existing_file(value: str) -> str:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"--trainguard-config: {value} is not a file")
     try:
-        _block(str(path))
+        check_supported(_block(str(path)), "megatron_hooks")
     except tg_config.ConfigError as e:
         raise argparse.ArgumentTypeError(f"--trainguard-config {value}: {e}") from None
     return str(path)

@@ -30,44 +30,24 @@ from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.commit import commit_staged
 from trainguard.checkpoint.fsio import atomic_write_json
-from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import (STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
-                                          step_tag)
-from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
-from trainguard.checkpoint.rollback import abandon_after, choose_rollback, fitting_after
+from trainguard.checkpoint.layout import STAGING, CheckpointError, CheckpointLayout, step_tag
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+from trainguard.checkpoint.rollback import fitting_after
+from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0
 
 SIDECAR = "trainguard"
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
 
 
-class MegatronCheckpointer:
+class MegatronCheckpointer(CheckpointManager):
     def __init__(self, mg):
+        super().__init__(mg.cfg, mg.guard, mg.heart)
         self.mg = mg  # megatron_hooks.MegatronGuard
-        c = mg.cfg.checkpoint
-        self.health = CheckpointHealth(c.stable_after, c.verify_steps)
-        self.resume_check: ResumeCheck | None = None
-        self.roots: dict[str, Path] = {}
 
-    def on_step_end(self, step: int, loss: float | None, anomaly: bool) -> None:
-        """After every step (the guard calls it): stable marks, the post-save trajectory, and the
-        resume self-test -- the same health bookkeeping as the DeepSpeed path."""
-        if self.resume_check is not None:
-            result = self.resume_check.on_step(step, loss)
-            if result is not None:
-                self.mg.guard._emit(step, "resume_verified" if result["ok"] else "resume_discontinuity", [], None,
-                                    result)
-                self.resume_check = None
-        for kind, tag, value in self.health.on_step(step, loss, anomaly):
-            root = self.roots.get(tag)
-            if dist.get_rank() != 0 or root is None or not (root / tag).is_dir():
-                continue
-            if kind == "trajectory":
-                atomic_write_json(root / tag / TRAJECTORY, {"losses": {str(k): v for k, v in value.items()}})
-            else:
-                atomic_write_json(root / tag / STABLE, {"stable_at_step": value,
-                                                        "stable_after": self.mg.cfg.checkpoint.stable_after})
-                self.mg.guard._emit(step, "checkpoint_stable", [], None, {"tag": tag, "dir": str(root)})
+    def step_count(self) -> int:
+        return self.mg.iteration
 
     # ------------------------------------------------------------------ state
     def _sharded(self, is_loading: bool = False) -> dict:
@@ -104,7 +84,7 @@ class MegatronCheckpointer:
         does not bring the fp16 trouble back."""
         if saved == "bf16" and now == "fp16":
             detail = self.mg.fallback_to_bf16(self.mg.iteration)
-            self.mg.guard._emit(self.mg.iteration, "precision_fallback", [], "bf16_fallback", {
+            self.mg.guard.emit(self.mg.iteration, Record.PRECISION_FALLBACK, [], "bf16_fallback", {
                 **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"})
 
     def _main_params_to_model(self) -> None:
@@ -124,10 +104,13 @@ class MegatronCheckpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, data_state: dict | None = None) -> str:
-        """Every rank. Commits ``<root>/<tag>`` (tag = the iteration) or raises; never half-writes."""
+        """Every rank. Commits ``<root>/<tag>`` (tag = the iteration) or raises; never half-writes.
+        ``data_state``: your data position (default: what ``install(data_state=...)`` returns)."""
         from megatron.core import dist_checkpointing
 
         mg = self.mg
+        if data_state is None and mg.data_state is not None:
+            data_state = mg.data_state()
         mg.heart_beat("checkpoint")
         root = Path(root)
         t0 = time.perf_counter()
@@ -152,36 +135,24 @@ class MegatronCheckpointer:
                 lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
                 health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,
                         "recent_anomalies": list(mg.guard.recent_anomalies)[-10:]}))
+            self.retention(root)
         dist.barrier()
         self.roots[tag] = root
         self.health.saved(tag, mg.iteration)
         seconds = time.perf_counter() - t0
         mg.guard.goodput.overhead(seconds)
-        mg.guard._emit(mg.iteration, "checkpoint_saved", [], None, {
+        self.emit(mg.iteration, Record.CHECKPOINT_SAVED, {
             "tag": tag, "dir": str(root), "format": "megatron dist_checkpointing", "blocking_s": round(seconds, 3)})
         return tag
 
     # ------------------------------------------------------------------ rollback
-    def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
-        choice = choose_rollback(root, onset, mode, self._not_before(root), inclusive) if dist.get_rank() == 0 \
-            else None
-        tag, why, bad = broadcast_from_rank0(choice)
-        for b in bad:
-            self.mg.guard._emit(self.mg.iteration, "checkpoint_invalid", [], None, b)
-        return tag, why
-
-    def _not_before(self, root: Path) -> int:
+    def not_before(self, root: Path) -> int:
         """With the distributed optimizer, snapshots of another precision do not load (its on-disk
         layout names the buffers by dtype): after a bf16 fallback, the fp16 ones before it are no
         rollback targets. (megatron's own fp16 optimizer loads either.)"""
         from megatron_hooks import _dtype
 
         return fitting_after(root, "precision", _dtype(self.mg.chunks[0])) if _distributed(self.mg.optimizer) else 0
-
-    def abandon_after(self, root: Path, step: int) -> list[str]:
-        moved = abandon_after(root, step) if dist.get_rank() == 0 else None
-        self.health.watching = [w for w in self.health.watching if w.step <= step]
-        return broadcast_from_rank0(moved)
 
     # ------------------------------------------------------------------ load
     def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid",
@@ -195,24 +166,8 @@ class MegatronCheckpointer:
         mg = self.mg
         mg.heart_beat("checkpoint")
         root = Path(root)
-        choice = None
-        if dist.get_rank() == 0:
-            layout = CheckpointLayout(root)
-            skipped, chosen = [], None
-            for t in reversed([tag] if tag else layout.tags()):
-                res = verify(layout.tag_dir(t))
-                if res.ok and (mode != "stable" or tag or (layout.tag_dir(t) / STABLE).exists()):
-                    chosen = t
-                    break
-                if not res.ok:
-                    skipped.append({"tag": t, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
-            choice = (chosen, skipped)
-        chosen, skipped = broadcast_from_rank0(choice)
-        for s in skipped:
-            mg.guard._emit(mg.iteration, "checkpoint_invalid", [], None, s)
+        chosen, skipped = self.choose_for_load(root, tag, mode)
         if chosen is None:
-            if tag is not None:
-                raise CheckpointError(f"snapshot {tag} in {root} does not verify: {skipped[0]['reason']}")
             return None
         tag_dir = CheckpointLayout(root).tag_dir(chosen)
         man = Manifest.read(tag_dir)
@@ -257,11 +212,9 @@ class MegatronCheckpointer:
         if purpose == "rollback":  # the run moves on: the guard's statistics, budgets and data stay as they are
             return None
         mg.guard.load_state_dict(json.loads((tag_dir / SIDECAR / "guard.json").read_text()))
-        traj = tag_dir / TRAJECTORY
-        if mg.cfg.checkpoint.verify_steps and traj.exists():
-            losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}
-            self.resume_check = ResumeCheck(chosen, losses, mg.cfg.checkpoint.verify_rtol)
-        mg.guard._emit(mg.iteration, "resume", list(range(dist.get_world_size())), None, {
+        self.resumed_tag = chosen
+        self.start_resume_check(chosen, tag_dir)
+        self.emit(mg.iteration, Record.RESUME, ranks=list(range(dist.get_world_size())), detail={
             "tag": chosen, "dir": str(root), "step": man.step, "fell_back_past": skipped,
             "resharded": None if same_layout else {"from": man.layout, "to": now},
             "rng_restored": side is not None})

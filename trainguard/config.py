@@ -389,6 +389,11 @@ class TrainguardConfig(_Section):
         False, description="Must be true for 'faults' to be accepted, so that a production config "
         "cannot carry one by accident.")
     faults: list[FaultSpec] = Field(default_factory=list, description="Faults to inject (testing only).")
+    callbacks: list[str] = Field(
+        default_factory=list,
+        description="Your record subscribers, as 'package.module:function': each is called with every event record "
+        "(the dict of a JSONL event line) on rank 0, on a background thread, never inside the training step; one "
+        "that raises is logged and the run goes on. A path that does not import is a ConfigError at start.")
 
     @model_validator(mode="after")
     def _faults_need_permission(self):
@@ -582,13 +587,33 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], nested: list):
                   for m in field.metadata if m.__class__.__name__ in ("Ge", "Gt", "Le", "Lt")]
         bound = f" ({', '.join(bounds)})" if bounds else ""
         out.append(f"| `{path}` | {_type_name(field.annotation)}{bound} | {default} | "
-                   f"{field.description or ''} |")
+                   f"{_honoured_by(path)} | {field.description or ''} |")
+
+
+def _honoured_by(path: str) -> str:
+    """The reference's per-adapter column (trainguard.support is the one source)."""
+    from trainguard.support import ADAPTERS, refusal
+
+    key = path.split(".", 1)[1]
+    cells = []
+    for adapter in ADAPTERS:
+        r = refusal(key, adapter)
+        if r is None:
+            cells.append(adapter)
+        elif r.inert:
+            cells.append(f"{adapter} (only {', '.join(f'`{json.dumps(v)}`' for v in r.inert)}: {r.reason})")
+        else:
+            cells.append(f"~~{adapter}~~ (refused: {r.reason})")
+    return "<br>".join(cells)
 
 
 def reference_markdown() -> str:
     out = ["# Config reference: the `trainguard` block", "",
            "Generated from `trainguard/config.py` by `python -m trainguard.config`; a test keeps it "
-           "in sync. Unknown keys are errors. Every key is optional unless marked required.", ""]
+           "in sync. Unknown keys are errors. Every key is optional unless marked required.", "",
+           "*Honoured by*: the adapters that apply the key (`trainguard/support.py`). A key an adapter "
+           "cannot apply is refused by it when you set it: `ds_plugins.initialize` / `megatron_hooks.install` "
+           "raise a ConfigError naming the key and the reason, never a silent no-op.", ""]
     queue = [(TrainguardConfig, BLOCK)]
     while queue:
         model, prefix = queue.pop(0)
@@ -600,7 +625,7 @@ def reference_markdown() -> str:
         nested: list = []
         _rows(model, prefix, rows, nested)
         if rows:
-            out += ["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+            out += ["| key | type | default | honoured by | meaning |", "|---|---|---|---|---|", *rows, ""]
         else:
             out += ["Sections: " + ", ".join(f"`{p}`" for _, p in nested) + ".", ""]
         queue = nested + queue

@@ -50,7 +50,8 @@ class Event(str, enum.Enum):
 
 
 class Record(str, enum.Enum):
-    """Values of the ``event`` field of an event line in the JSONL log (docs/events.md)."""
+    """Values of the ``event`` field of an event line in the JSONL log (docs/events.md lists exactly
+    these). The vocabulary is closed: :meth:`trainguard.eventlog.EventLog.emit` writes members only."""
 
     RUN_START = "run_start"          # config hash, world layout, versions
     NONFINITE = "nonfinite"          # a rank's local loss, gradients or a sampled activation were NaN/Inf
@@ -72,10 +73,19 @@ class Record(str, enum.Enum):
     NO_WARMUP = "no_warmup"
     SHORT_WARMUP = "short_warmup"
     NO_CLIPPING = "no_clipping"
-    STEP_SKIPPED = "step_skipped"    # the optimizer step was applied on no rank
     FRAMEWORK_SKIP = "framework_skip"  # DeepSpeed skipped a step the guard did not flag (e.g. fp16 scaler)
     FAULT_INJECTED = "fault_injected"  # a configured fault fired (tests, demo, drills)
     ABORT = "abort"                  # the run stops on every rank; detail holds the report
+    CHECKPOINT_SAVED = "checkpoint_saved"      # a checkpoint was committed
+    CHECKPOINT_FAILED = "checkpoint_failed"    # an async save failed; it stays invisible, training goes on
+    CHECKPOINT_STABLE = "checkpoint_stable"    # the stable_after steps after a checkpoint passed cleanly
+    CHECKPOINT_INVALID = "checkpoint_invalid"  # a checkpoint failed verification and was passed over
+    RESUME = "resume"                          # a checkpoint was loaded to resume the run
+    RESUME_SKIPPED = "resume_skipped"          # a resume was asked for, but no checkpoint qualified
+    RESUME_VERIFIED = "resume_verified"        # the losses after a resume continued the recorded ones
+    RESUME_DISCONTINUITY = "resume_discontinuity"  # ... and did not
+    HANG_DETECTED = "hang_detected"            # the watchdog: a rank stopped making progress
+    RESTART = "restart"                        # a restarted attempt resumed (downtime, previous heartbeats)
     RUN_END = "run_end"              # totals
 
 

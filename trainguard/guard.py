@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -33,14 +32,16 @@ from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
 from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.attribution import argmax, culprit_samples, merge_nonfinite, narrow_to_origin
+from trainguard.eventlog import EventLog
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
-from trainguard.metrics.jsonl import JsonlSink
 from trainguard.policy import Decision, Policy
 from trainguard.probes import EntropyProbe, RangeProbe, select_modules
+from trainguard.suspects import SuspectWatch
 
 ALERT = "alert"
 
@@ -48,19 +49,6 @@ ALERT = "alert"
 def config_hash(cfg: TrainguardConfig) -> str:
     text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def per_rank_path(path: str, rank: int) -> str:
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.jsonl'}"))
-
-
-def _argmax(values: Sequence[float | None]) -> int:
-    best, arg = -math.inf, 0
-    for i, v in enumerate(values):
-        if v is not None and math.isfinite(v) and v > best:
-            best, arg = v, i
-    return arg
 
 
 class StepGuard:
@@ -87,17 +75,14 @@ class StepGuard:
         self.range_probe: RangeProbe | None = None
         self.entropy_probe: EntropyProbe | None = None
         self.coords: list[RankCoords] = []
-        self.log: JsonlSink | None = None
-        self.rank_log: JsonlSink | None = None
-        self.mirrors: list = []
+        self.events = EventLog(rank)
         self.skipped_steps = 0      # steps the guard skipped (the framework's own count is separate)
         self.last_decision: Decision | None = None
         self.last_step = 0
         self.last_metrics: dict = {}            # the last metric line (for checkpoint health)
         self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
         self.culprit_samples: dict[int, list[int]] = {}
-        self._suspects: dict[int, list] = {}    # rank -> [(step, sample ids)] it was the culprit
-        self._suspected: set[int] = set()
+        self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self._coords_of)
         self._everyone: list[dict] | None = None  # the last anomaly step's object gather
         self._probe_values: dict = {}
         self._pending: dict | None = None       # the previous step's metric line, awaiting its norm
@@ -164,37 +149,19 @@ class StepGuard:
     def _coords_of(self, rank: int) -> dict:
         return self.coords[rank].as_dict() if rank < len(self.coords) else {"rank": rank}
 
-    def _emit(self, step: int, event: str, ranks, action, detail, rank_local: bool = False, **extra) -> None:
-        sinks = [self.log] + ([self.rank_log] if rank_local else [])
-        for sink in sinks:
-            if sink:
-                sink.event(step, event, ranks, action, detail, **extra)
-        if self.log:
-            for m in self.mirrors:
-                m.event(step, event, ranks, action, detail)
+    def emit(self, step: int, record: Record, ranks=(), action: str | None = None, detail: dict | None = None,
+             rank_local: bool = False, **extra) -> None:
+        """Write one record (trainguard.eventlog.EventLog.emit): the one way anything is logged."""
+        self.events.emit(step, record, ranks, action, detail, rank_local=rank_local, **extra)
 
     # ------------------------------------------------------------------ loop points
     def on_begin(self, coords: Sequence[RankCoords], framework: dict[str, Any], facts: RunFacts | None = None) -> None:
         """BEGIN: coordinates of every rank are known; open the logs; record the run's identity;
         run the start-of-run checks."""
         self.coords = list(coords)
-        m = self.cfg.metrics
-        if m.jsonl:
-            if self.rank == 0:
-                self.log = JsonlSink(m.jsonl)
-            if m.per_rank:
-                self.rank_log = JsonlSink(per_rank_path(m.jsonl, self.rank))
+        self.events.open(self.cfg)
         if self.rank == 0:
-            if m.tensorboard:
-                from trainguard.metrics.tensorboard import TensorBoardSink
-
-                self.mirrors.append(TensorBoardSink(m.tensorboard))
-            if m.prometheus_port is not None:
-                from trainguard.metrics.prometheus import PrometheusSink
-
-                self.mirrors.append(PrometheusSink(m.prometheus_port))
-        if self.log:
-            self.log.event(0, Record.RUN_START.value, range(self.world), None, {
+            self.emit(0, Record.RUN_START, range(self.world), None, {
                 "trainguard": __version__, "config_hash": config_hash(self.cfg),
                 "world": self.world, "coords": [c.as_dict() for c in self.coords],
                 "faults": [f.model_dump() for f in self.cfg.faults],
@@ -203,7 +170,7 @@ class StepGuard:
                            if self.entropy_probe else []}, **framework})
         if facts is not None:
             for v in start_checks(facts, self.cfg):
-                self._emit(0, v.anomaly, [], "warn", v.detail)
+                self.emit(0, Record(v.anomaly), [], "warn", v.detail)
 
     def on_batch(self, sample_ids: list[int], position: DataPosition, rejected: Sequence = ()) -> None:
         """BATCH: the loader handed out a micro-batch with these dataset indices (and set these aside)."""
@@ -276,14 +243,14 @@ class StepGuard:
             proxy = math.sqrt(sum(n * n for n in norms) / len(norms)) if all(n is not None for n in norms) else None
             if self.cfg.detectors.grad_norm.enabled:
                 rising_before = self.grad_norm.trend()
-                spikes += self.grad_norm.observe(step, proxy, ranks=[_argmax(norms)])
+                spikes += self.grad_norm.observe(step, proxy, ranks=[argmax(norms)])
             else:
                 rising_before = None
             if self.cfg.detectors.loss_spike.enabled:
                 with_loss = [o.loss for o in obs if o.has_loss]
                 mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
                 v = self.loss_spike.observe(step, mean_loss, rising_before, self.grad_norm.last_z,
-                                            ranks=[_argmax([o.loss for o in obs])])
+                                            ranks=[argmax([o.loss for o in obs])])
                 if v is not None:
                     spikes.append(v)
         localized = None
@@ -302,13 +269,13 @@ class StepGuard:
                                        "localized": localized, "activation": activation, "entropy": entropy},
                                       self.group)
         if nonfinite is not None and everyone:
-            nonfinite = _narrow_to_origin(nonfinite, everyone, self.coords)
+            nonfinite = narrow_to_origin(nonfinite, everyone, self.coords)
         if everyone and activation is not None:
             found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
                                       self.cfg.detectors.activation_range)
             for v in found:
                 if v.anomaly == "nonfinite":
-                    nonfinite = _merge_nonfinite(nonfinite, v)
+                    nonfinite = merge_nonfinite(nonfinite, v)
                 else:
                     spikes.append(v)
         if everyone and entropy is not None:
@@ -320,8 +287,8 @@ class StepGuard:
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
         decision = self.policy.decide(verdicts, step, rise_onset)
         self.last_decision = decision
-        self.culprit_samples = self._culprit_samples(decision, everyone)
-        self._watch_suspects(step, decision, everyone)
+        self.culprit_samples = culprit_samples(decision, everyone)
+        self.suspects.observe(step, self.culprit_samples, self.emit)
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self._everyone = everyone
@@ -357,7 +324,7 @@ class StepGuard:
                                    "applied it; this optimizer is not supported by the skip path")
             self.skipped_steps += 1
         elif decision.action is Action.CONTINUE and not applied:
-            self._emit(step, Record.FRAMEWORK_SKIP.value, [], None,
+            self.emit(step, Record.FRAMEWORK_SKIP, [], None,
                        {"reason": "the framework skipped this step itself (e.g. fp16 loss-scale overflow "
                                   "found after the reduction)"})
 
@@ -384,7 +351,7 @@ class StepGuard:
             line["activation_rms"] = {k: v[1] for k, v in probes["activation"].items()}
         me = obs[self.rank] if self.rank < len(obs) else None
         rank_line = None
-        if me is not None and self.rank_log:
+        if me is not None and self.events.rank_log is not None:
             rank_line = {"rank": self.rank, "local_loss": me.loss, "local_grad_norm": me.grad_norm,
                          "sample_ids": self._sample_ids,
                          "position": self._position.as_dict() if self._position else None}
@@ -401,14 +368,10 @@ class StepGuard:
         if self._pending is not None:
             norm = self._pending_norm
             self._flush_pending(float(norm) if norm is not None else float("nan"))  # the one sync at close
-        self._emit(self.last_step, Record.RUN_END.value, range(self.world), None,
-                   {"guard_skipped_steps": self.skipped_steps,
-                    "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
-        for sink in (self.log, self.rank_log, *self.mirrors):
-            if sink:
-                sink.close()
-        self.log = self.rank_log = None
-        self.mirrors = []
+        self.emit(self.last_step, Record.RUN_END, range(self.world), None,
+                  {"guard_skipped_steps": self.skipped_steps,
+                   "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
+        self.events.close()
 
     # ------------------------------------------------------------------ records
     def _flush_pending(self, norm: float) -> None:
@@ -424,12 +387,7 @@ class StepGuard:
                     clip_limit=limit if limit else None)
         if not p["due"]:
             return
-        if self.log:
-            self.log.metric(p["step"], **line)
-            for m in self.mirrors:
-                m.metric(p["step"], line)
-        if self.rank_log and p["rank_line"] is not None:
-            self.rank_log.metric(p["step"], **{**line, **p["rank_line"]})
+        self.events.metric(p["step"], line, p["rank_line"])
 
     def _log_faults(self, step: int, obs: list[RankObservation]) -> None:
         fired_ranks = [o.rank for o in obs if o.faults_fired]
@@ -437,8 +395,8 @@ class StepGuard:
             return
         specs = [f.model_dump() for f in self.cfg.faults if f.active(step) and
                  (f.rank in fired_ranks or f.type == "lr_ramp")]
-        self._emit(step, Record.FAULT_INJECTED.value, fired_ranks, None, {"faults": specs},
-                   rank_local=self.rank in fired_ranks)
+        self.emit(step, Record.FAULT_INJECTED, fired_ranks, None, {"faults": specs},
+                  rank_local=self.rank in fired_ranks)
 
     def _log_rejections(self, step: int, everyone: list[dict]) -> None:
         per_rank = {str(r): {"rejected": [{"sample_id": i, "problems": p} for i, p in e["rejected"]],
@@ -446,8 +404,8 @@ class StepGuard:
                     for r, e in enumerate(everyone) if e["rejected"]}
         if per_rank:
             ranks = sorted(int(r) for r in per_rank)
-            self._emit(step, Record.SAMPLES_REJECTED.value, ranks, self.cfg.sanitize.action,
-                       {"per_rank": per_rank}, rank_local=self.rank in ranks)
+            self.emit(step, Record.SAMPLES_REJECTED, ranks, self.cfg.sanitize.action,
+                      {"per_rank": per_rank}, rank_local=self.rank in ranks)
 
     def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
         """Name the culprits with their coordinates, host, samples and (non-finite) first bad module."""
@@ -480,45 +438,7 @@ class StepGuard:
                                              "loader can report sample ids")
         extra = {"skipped_steps": self.skipped_steps + (decision.action in (Action.SKIP_STEP, Action.ROLLBACK))} \
             if is_nonfinite else {}
-        self._emit(step, v.anomaly, v.ranks, action, detail, rank_local=self.rank in v.ranks, **extra)
-
-    def _culprit_samples(self, decision: Decision, everyone: list[dict] | None) -> dict[int, list[int]]:
-        """Dirty-data isolation: the samples of the culprit ranks only (another rank's batch was
-        fine, even though the all-reduce would have carried the damage to it)."""
-        from trainguard.policy import anomaly_class
-
-        if decision.action not in (Action.SKIP_STEP, Action.ROLLBACK) or not everyone:
-            return {}
-        ranks = {r for v in decision.verdicts if anomaly_class(v) in ("nonfinite", "instant_burst") for r in v.ranks}
-        return {r: list(everyone[r]["sample_ids"]) for r in sorted(ranks) if r < len(everyone)}
-
-    def _watch_suspects(self, step: int, decision: Decision, everyone: list[dict] | None) -> None:
-        """A rank that is the culprit again and again, on different data, is suspect hardware."""
-        for r, ids in self.culprit_samples.items():
-            seen = self._suspects.setdefault(r, [])
-            if not any(set(ids) == set(prev) for _, prev in seen):
-                seen.append((step, ids))
-            if len(seen) >= self.cfg.recovery.suspect_after and r not in self._suspected:
-                self._suspected.add(r)
-                coords = self._coords_of(r)
-                self._emit(step, Record.SUSPECT_RANK.value, [r], ALERT, {
-                    "coords": coords, "host": coords.get("host"), "occurrences": [s for s, _ in seen],
-                    "file": self._write_suspects(),
-                    "advice": "the same rank produced anomalies on different data: suspect its GPU or host; "
-                              "a restart can exclude the host (scripts/launch/slurm_deepspeed.sbatch reads the "
-                              "file)"})
-
-    def _write_suspects(self) -> str | None:
-        """``suspect_hosts.json`` beside the event log (rank 0): what a launcher excludes on restart."""
-        if self.rank != 0 or not self.cfg.metrics.jsonl:
-            return None
-        from trainguard.checkpoint.fsio import atomic_write_json
-
-        path = Path(self.cfg.metrics.jsonl).with_name("suspect_hosts.json")
-        ranks = sorted(self._suspected)
-        atomic_write_json(path, {"ranks": ranks, "hosts": sorted({str(self._coords_of(r).get("host")) for r in ranks}),
-                                 "coords": [self._coords_of(r) for r in ranks]})
-        return str(path)
+        self.emit(step, Record(v.anomaly), v.ranks, action, detail, rank_local=self.rank in v.ranks, **extra)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
@@ -534,7 +454,7 @@ class StepGuard:
                             "lr_factor": self.policy.lr_factor,
                             "consecutive_nonfinite": self.policy.consecutive_nonfinite,
                             "total_nonfinite": self.policy.total_nonfinite}}
-        self._emit(step, Record.ABORT.value, culprits, Action.ABORT.value, report)
+        self.emit(step, Record.ABORT, culprits, Action.ABORT.value, report)
         return TrainguardAbort(f"trainguard aborted the run at step {step}: {decision.reason}", report)
 
     # ------------------------------------------------------------------ state
@@ -560,52 +480,6 @@ def _local_norm(grad: torch.Tensor) -> torch.Tensor:
     if grad.dtype == torch.float16 or not hasattr(torch, "_foreach_norm"):
         return torch.linalg.vector_norm(grad, dtype=torch.float32)
     return torch._foreach_norm([grad])[0]
-
-
-def _narrow_to_origin(v: Verdict, everyone: list[dict], coords: Sequence[RankCoords]) -> Verdict:
-    """Non-finite values spread inside a model-parallel group (the ranks that share a data-parallel
-    index): down the pipeline in the forward (stage 0's NaN is stage 1's NaN loss), back up it in
-    the backward (stage 1's NaN loss is stage 0's NaN gradients), and across a tensor-parallel
-    group through its all-reduces. Within each such group the origin is, in this order: the rank(s)
-    whose first non-finite module came earliest (localisations with an ``origin_order``: pipeline stage,
-    then position in the forward), else the rank(s) whose loss was non-finite, else all. Others are
-    listed as ``affected_ranks``. Data-parallel replicas never share values before the check, so
-    each group is judged alone (with pure data parallelism every rank is its own group)."""
-    def dp_of(r: int) -> int:
-        return coords[r].dp if r < len(coords) else r
-
-    per_rank = v.detail.get("per_rank", {})
-    groups: dict[int, list[int]] = {}
-    for r in v.ranks:
-        groups.setdefault(dp_of(r), []).append(r)
-    origin: list[int] = []
-    for members in groups.values():
-        orders = {}
-        for r in members:
-            loc = everyone[r].get("localized") if r < len(everyone) else None
-            if loc and loc.get("origin_order") is not None:
-                orders[r] = tuple(loc["origin_order"])
-        if orders:
-            first = min(orders.values())
-            origin += [r for r in members if orders.get(r) == first]
-            continue
-        lossy = [r for r in members if per_rank.get(r, {}).get("origin") == "loss"]
-        origin += lossy or members
-    origin_t = tuple(sorted(origin))
-    if origin_t == v.ranks:
-        return v
-    return Verdict(v.detector, v.anomaly, origin_t, {**v.detail,
-                                                     "per_rank": {r: d for r, d in per_rank.items() if r in origin_t},
-                                                     "affected_ranks": list(v.ranks)})
-
-
-def _merge_nonfinite(a: Verdict | None, b: Verdict) -> Verdict:
-    if a is None:
-        return Verdict("nonfinite", "nonfinite", b.ranks, b.detail)
-    per_rank = dict(a.detail.get("per_rank", {}))
-    for r, d in b.detail.get("per_rank", {}).items():
-        per_rank[r] = {**d, **per_rank.get(r, {})}
-    return Verdict(a.detector, a.anomaly, tuple(sorted(set(a.ranks) | set(b.ranks))), {**a.detail, "per_rank": per_rank})
 
 
 def _check_events_match() -> None:  # used by tests: one on_<event> method per Event member

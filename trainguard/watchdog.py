@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from trainguard.events import Record
+
 PHASES = ("start", "data", "forward", "backward", "collective", "checkpoint", "eval", "done")
 
 
@@ -270,7 +272,7 @@ class Watchdog:
                 self.guard.goodput.downtime(down)
             if previous:  # the failed attempt's steps after the checkpoint are lost
                 self.guard.goodput.lost_in_restart(max(b.step for b in previous.values()) - step)
-            self.guard._emit(step, "restart", list(range(self.world)), None, {
+            self.guard.emit(step, Record.RESTART, list(range(self.world)), None, {
                 "attempt": attempt, "downtime_s": round(down, 3) if down is not None else None,
                 "resumed_at_step": step, "world": self.world,
                 "previous": {str(r): {"host": b.host, "phase": b.phase, "step": b.step}
@@ -282,8 +284,6 @@ class Watchdog:
 
     def on_hang(self, verdict: HangVerdict) -> None:
         """On the monitor thread of every live rank: stacks, the record, then exit for a restart."""
-        from trainguard.metrics.jsonl import JsonlSink
-
         w = self.cfg.distributed.watchdog
         stacks = self.stacks_dir()
         if self.rank in verdict.culprits and len(verdict.culprits) < self.world:
@@ -297,15 +297,10 @@ class Watchdog:
                   "advice": "the launcher restarts the job (torchrun --max-restarts); it resumes from the newest "
                             "valid checkpoint"}
         live = [r for r in range(self.world) if r not in verdict.culprits]
-        if live and self.rank == live[0]:
-            if self.guard.log is not None:
-                self.guard._emit(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
-            elif self.cfg.metrics.jsonl:  # rank 0 is the hung one: write its log from here
-                sink = JsonlSink(self.cfg.metrics.jsonl)
-                sink.event(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
-                sink.close()
-        if self.guard.rank_log is not None:
-            self.guard.rank_log.event(self.heart.step, "hang_detected", verdict.culprits, "restart", detail)
+        # the lowest live rank writes the run's log (taking it over when rank 0 is the hung one)
+        first = bool(live) and self.rank == live[0]
+        self.guard.emit(self.heart.step, Record.HANG_DETECTED, verdict.culprits, "restart", detail,
+                        rank_local=True, to_run_log=first, takeover=first)
         if w.kill_hung_local:
             signal_local(verdict, self.heart.host, signal.SIGKILL)
         os._exit(w.exit_code)  # (the JSONL sinks flush every line)

@@ -274,3 +274,52 @@ def test_bf16_fallback_under_tensor_and_pipeline_parallelism(tmp_path, layout):
     # it learned in bf16: from ln(128) = 4.85 to near the chain's entropy (a clean bf16 run: 1.15 at DP=2)
     (loss,) = [r["eval_loss"] for r in res if r["eval_loss"] is not None][:1]
     assert loss < 1.35
+
+
+def test_periodic_snapshots_retention_and_automatic_resume(tmp_path):
+    """The checkpoint manager on megatron (issue 12): with checkpoint.every_steps the guard writes
+    snapshots by itself, keeps keep_last + the newest keep_stable stable ones, and a job launched
+    again resumes from the newest valid one at install -- weights, optimizer, RNG and the data
+    position the worker registered -- ending where an uninterrupted run ends."""
+    ck = tmp_path / "ck"
+    block = {"checks": {"enabled": False},
+             "checkpoint": {"dir": str(ck), "every_steps": 3, "keep_last": 1, "keep_stable": 1, "stable_after": 2,
+                            "verify_steps": 2}}
+    clean_block = {"checks": {"enabled": False}}
+    first, lines = run(tmp_path, "first", "dp", 16, block, ["--stop-after", "12"])
+    saved = [x["detail"]["tag"] for x in lines if x.get("event") == "checkpoint_saved"]
+    assert saved == ["step00000003", "step00000006", "step00000009", "step00000012"]
+    kept = sorted(p.name for p in ck.iterdir() if p.name.startswith("step"))
+    assert kept == ["step00000009", "step00000012"]  # the newest, and the newest stable one before it
+    assert (ck / "step00000009" / "stable.json").exists() and not (ck / "step00000012" / "stable.json").exists()
+    assert all(len(r["applied"]) == 12 for r in first)
+
+    again, lines = run(tmp_path, "again", "dp", 16, block)
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    assert resume["detail"]["tag"] == "step00000012" and resume["detail"]["rng_restored"]
+    clean, _ = run(tmp_path, "clean", "dp", 16, clean_block)
+    for a, c in zip(again, clean):
+        assert a["first_iteration"] == 12 and a["losses"] == c["losses"][12:]
+        assert a["param_sha256"] == c["param_sha256"]
+    (check,) = [x for x in lines if x.get("event") == "resume_verified"]
+    assert check["detail"]["ok"]
+
+
+def test_keys_megatron_cannot_honour_are_refused_by_name(tmp_path):
+    """A key the user set that megatron_hooks cannot apply stops install() -- and Megatron-LM's
+    argument parsing -- with its name and the reason (it used to be silently ignored)."""
+    import megatron_hooks
+    import torch
+
+    from trainguard.errors import ConfigError
+
+    block = {"sanitize": {"max_seq_len": 512}, "recovery": {"skip_batches": 50}}
+    with pytest.raises(ConfigError) as e:
+        megatron_hooks.install(torch.nn.Linear(2, 2), None, block)
+    assert "trainguard.sanitize.max_seq_len: 512 is not applied by megatron_hooks" in str(e.value)
+    assert "trainguard.recovery.skip_batches: 50 is not applied by megatron_hooks" in str(e.value)
+    cfg = tmp_path / "tg.json"
+    cfg.write_text(json.dumps(block))
+    parser = megatron_hooks.extra_args_provider(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--trainguard-config", str(cfg)])

@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", help="snapshot directory (megatron_hooks.checkpoint)")
     ap.add_argument("--save-at", type=int, action="append", default=[], help="save after this iteration")
     ap.add_argument("--resume", action="store_true", help="load the newest valid snapshot from --ckpt first")
+    ap.add_argument("--stop-after", type=int, help="leave the loop after this iteration (a job cut short)")
+    ap.add_argument("--until-step", action="store_true", help="--steps counts the guard's iterations, not the loop's")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
                                                  use_distributed_optimizer=args.dist_opt, initial_loss_scale=1024.0, min_loss_scale=1.0, hysteresis=2,
                                                  loss_scale_window=1000), [ddp])
 
+    MICROBATCHES = 2
+    loop = {"consumed": 0}  # micro-batches read so far: the data position saved with every snapshot
     guard = None
     if args.config:
         import megatron_hooks
@@ -100,22 +104,26 @@ def main(argv=None) -> int:
         block = json.loads(Path(args.config).read_text())
         block.setdefault("metrics", {})["jsonl"] = str(out / "trainguard.jsonl")
         # --no-guard with a config: plain megatron, with the config's faults injected
-        guard = megatron_hooks.install([ddp], opt, block, guard_enabled=not args.no_guard)
+        guard = megatron_hooks.install([ddp], opt, block, guard_enabled=not args.no_guard,
+                                       data_state=lambda: dict(loop))
         if guard.guard is None:
             guard, faults_only = None, guard
 
     start, consumed = 0, 0
+    state = guard.resumed_data_state if guard is not None else None  # checkpoint.dir: resumed at install
     if args.resume:
         state = guard.checkpointer.load(args.ckpt)
-        if state is not None:
-            start, consumed = guard.iteration, int(state["consumed"])
+    if state is not None:
+        start, consumed = guard.iteration, int(state["consumed"])
+    loop["consumed"] = consumed
     data = batches(1234, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), consumed)
-    MICROBATCHES = 2
     position = torch.arange(SEQ).unsqueeze(0).expand(MICRO, SEQ)
     mask = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)).logical_not().unsqueeze(0).unsqueeze(0)
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
+        if model.training:
+            loop["consumed"] += 1
         if guard is not None:
             guard.on_batch(b["sample_ids"])
         output = model(b["tokens"], position, mask, labels=b["labels"])
@@ -141,7 +149,14 @@ def main(argv=None) -> int:
 
     result["first_iteration"] = start
     result["probe"] = {str(start): probe()}
-    for it in range(start, args.steps):
+    def iterations():
+        it = start
+        # --until-step: like DeepSpeed's loop, run until the guard's iteration (rollbacks set it back) reaches --steps
+        while (guard.iteration if args.until_step else it) < args.steps:
+            yield it
+            it += 1
+
+    for it in iterations():
         ddp.zero_grad_buffer()
         opt.zero_grad()
         losses = fb(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=MICROBATCHES,
@@ -155,6 +170,8 @@ def main(argv=None) -> int:
             result["losses"].append(float(sum(x["loss"] for x in losses) / len(losses)))
         if it + 1 in args.save_at:
             guard.checkpointer.save(args.ckpt, data_state={"consumed": (it + 1) * MICROBATCHES})
+        if args.stop_after is not None and it + 1 == args.stop_after:
+            break  # (a job that ends here: the next launch resumes)
             result["probe"][str(it + 1)] = probe()
     result["probe"]["end"] = probe()
     held = batches(1234, 0, 1, split="heldout")  # the training chain's held-out sequences

@@ -117,7 +117,7 @@ def test_origin_within_model_parallel_groups():
     """A NaN spreads inside a model-parallel group (same dp index): the earliest first-bad module is
     the origin, else the rank whose loss was non-finite; data-parallel replicas are judged alone."""
     from trainguard.detectors.base import Verdict
-    from trainguard.guard import _narrow_to_origin
+    from trainguard.attribution import narrow_to_origin
     from trainguard.isolation import RankCoords
 
     coords = [RankCoords(rank=r, dp=r // 2, tp=0, pp=r % 2, host="h", local_rank=r) for r in range(4)]
@@ -125,10 +125,10 @@ def test_origin_within_model_parallel_groups():
     v = Verdict("nonfinite", "nonfinite", (0, 1, 2, 3), {"per_rank": per_rank})
     everyone = [{"localized": {"origin_order": [0, 7]}}, {"localized": {"origin_order": [1, 2]}},
                 {"localized": None}, {"localized": {"module": "x", "order": 3}}]  # DeepSpeed's own "order": ignored
-    out = _narrow_to_origin(v, everyone, coords)
+    out = narrow_to_origin(v, everyone, coords)
     # group dp=0: stage 0's module came first -> rank 0; group dp=1: no module orders -> the loss ranks (2, 3)
     assert out.ranks == (0, 2, 3) and out.detail["affected_ranks"] == [0, 1, 2, 3]
     assert set(out.detail["per_rank"]) == {0, 2, 3}
     # pure data parallelism (DeepSpeed): every rank is its own group, nothing changes
     flat = [RankCoords(rank=r, dp=r, tp=0, pp=0, host="h", local_rank=r) for r in range(4)]
-    assert _narrow_to_origin(v, everyone, flat) is v
+    assert narrow_to_origin(v, everyone, flat) is v

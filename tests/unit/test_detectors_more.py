@@ -172,7 +172,7 @@ def test_prometheus_endpoint_is_scraped(tmp_path):
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0}})
     g = StepGuard(cfg, rank=0, world=1)
     g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
-    (sink,) = g.mirrors
+    (sink,) = g.events.mirrors
     for step in (1, 2):
         g.on_loss(step, torch.tensor(float("nan") if step == 2 else 2.5))
         g.on_backward(torch.ones(4))

@@ -1,0 +1,145 @@
+"""The closed record vocabulary (issue 12), the per-adapter key support, and the user's callbacks."""
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from trainguard.config import parse_block
+from trainguard.errors import ConfigError
+from trainguard.events import Record
+from trainguard.support import ADAPTERS, REFUSED, check_supported, leaf_keys, refusal
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _documented_records() -> set[str]:
+    text = (ROOT / "docs" / "events.md").read_text()
+    table = text.split("| `event` | when |", 1)[1].split("\n\n", 1)[0]
+    names = set()
+    for row in table.splitlines()[2:]:
+        first_cell = row.split("|")[1]
+        names |= set(re.findall(r"`([a-z_0-9]+)`", first_cell))
+    return names
+
+
+def test_events_md_lists_exactly_the_record_enum():
+    assert _documented_records() == {r.value for r in Record}
+
+
+def test_emit_refuses_a_record_outside_the_vocabulary(tmp_path):
+    from trainguard.eventlog import EventLog
+
+    log = EventLog(rank=0)
+    log.open(parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl")}}))
+    with pytest.raises(TypeError, match="members of trainguard.events.Record"):
+        log.emit(1, "rollback")
+    log.emit(1, Record.ROLLBACK, [0], "rollback", {"to_step": 0})
+    log.close()
+    assert '"event":"rollback"' in (tmp_path / "l.jsonl").read_text()
+
+
+def test_no_raw_record_strings_in_the_code():
+    """Every record is written through EventLog.emit with a Record member: no adapter or core module
+    writes a raw event name (the old ``guard._emit(step, "rollback", ...)``)."""
+    pattern = re.compile(r"\b(_emit|\.event)\(\s*[^,]+,\s*\"")
+    offenders = []
+    for pkg in ("trainguard", "ds_plugins", "megatron_hooks"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_every_leaf_key_is_classified_and_every_refusal_names_its_key():
+    keys = leaf_keys()
+    assert len(keys) > 90 and "recovery.skip_batches" in keys and "faults[].type" in keys
+    for path in REFUSED:  # the table names real keys
+        assert any(k == path or (path.endswith(".") and k.startswith(path)) for k in keys), path
+    for key in keys:
+        for adapter in ADAPTERS:
+            r = refusal(key, adapter)
+            if r is None:
+                continue
+            block = _block_setting(key, r)
+            with pytest.raises(ConfigError) as e:
+                check_supported(parse_block(block), adapter)
+            assert f"trainguard.{key}" in str(e.value) and adapter in str(e.value) and r.reason in str(e.value)
+            for inert in r.inert:  # a value that does nothing is accepted (where the key's type allows it)
+                try:
+                    cfg = parse_block(_block_setting(key, r, inert))
+                except ConfigError:
+                    continue
+                check_supported(cfg, adapter)
+    check_supported(parse_block({}), "megatron_hooks")  # defaults are never refused
+
+
+# a value that does something, per refused key
+_ACTIVE = {"sanitize.max_seq_len": 512, "sanitize.vocab_size": 100, "sanitize.pad_id": 0, "sanitize.enabled": True,
+           "sanitize.input_key": "ids", "sanitize.label_key": "y", "sanitize.ignore_index": -1,
+           "sanitize.reject_all_zero": False, "sanitize.action": "fail", "data.shuffle": False, "data.seed": 3,
+           "data.drop_last": False, "distributed.collective_timeout_s": 60.0,
+           "distributed.fresh_store_per_attempt": True, "recovery.skip_batches": 10, "checkpoint.async": True,
+           "clipping.mode": "value", "clipping.value": 0.5, "checks.min_warmup_steps": 10, "faults[].type": "nan_batch"}
+
+
+_UNSET = object()
+
+
+def _block_setting(key, r, value=_UNSET):
+    value = _ACTIVE[key] if value is _UNSET else value
+    if key.startswith("faults[]."):
+        return {"allow_faults": True, "faults": [{"type": value, "step": 1}]}
+    section, name = key.split(".")
+    return {section: {name: value}}
+
+
+def test_honoured_keys_are_read_by_the_code_of_each_adapter():
+    """A key an adapter honours is read somewhere in the core or that adapter (a key nobody reads
+    would be set and ignored). Static, but it fails when a key is added and never wired."""
+    core = "\n".join(p.read_text() for p in (ROOT / "trainguard").rglob("*.py") if p.name != "support.py")
+    for adapter in ADAPTERS:
+        code = core + "\n".join(p.read_text() for p in (ROOT / adapter).rglob("*.py"))
+        unread = []
+        for key in leaf_keys():
+            r = refusal(key, adapter)
+            if r is not None:  # (refused where it would do something: nothing to read)
+                continue
+            name = key.rsplit(".", 1)[-1].replace("[]", "")
+            attr = {"async": "async_", "type": "type"}.get(name, name)
+            if not re.search(rf"\.{attr}\b|\[\"{name}\"\]|\"{name}\"", code):
+                unread.append(key)
+        assert not unread, (adapter, unread)
+
+
+def test_a_callback_named_in_the_block_gets_records_off_the_hot_path(tmp_path):
+    from trainguard.eventlog import EventLog
+
+    seen = []
+    import tests.unit.test_vocabulary_and_support as me
+
+    me.SEEN = seen
+    log = EventLog(rank=0)
+    log.open(parse_block({"callbacks": ["tests.unit.test_vocabulary_and_support:_record",
+                                        "tests.unit.test_vocabulary_and_support:_broken"]}))
+    log.emit(3, Record.NONFINITE, [1], "skip_step", {"x": float("nan")})
+    log.close()
+    assert seen == [{"type": "event", "step": 3, "event": "nonfinite", "ranks": [1], "action": "skip_step",
+                     "detail": {"x": None}}]
+    for bad, why in (("tests.unit.nope:f", "cannot import"), ("tests.unit.test_vocabulary_and_support:nope",
+                                                                 "has no attribute"), ("no_colon", "is not of the form")):
+        with pytest.raises(ConfigError, match=re.escape("trainguard.callbacks[0]") + ".*" + why):
+            EventLog(rank=1).open(parse_block({"callbacks": [bad]}))
+
+
+SEEN: list = []
+
+
+def _record(record):
+    time.sleep(0.01)
+    SEEN.append(record)
+
+
+def _broken(record):
+    raise RuntimeError("a broken user callback")

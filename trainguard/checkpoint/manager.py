@@ -1,0 +1,245 @@
+"""The checkpoint manager: one protocol for every framework.
+
+What it owns (framework-free): periodic saves (``checkpoint.every_steps``), retention
+(``keep_last`` + the newest ``keep_stable`` stable ones), stable marks and the post-save
+trajectory (health.py), the resume choice (the newest checkpoint that verifies, or the newest
+stable one) and the resume at start, rollback targets and what a rollback abandons, the resume
+self-test, and every record about checkpoints. Who calls what: every rank calls every public
+method together; rank 0 alone reads and changes the directory listing and broadcasts its answer.
+
+What an adapter supplies (the hooks at the bottom): writing and reading its framework's state
+(``save`` / ``_load_tag``), its step count, which older checkpoints no longer fit the run
+(``not_before``), and what follows a precision change.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
+from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout
+from trainguard.checkpoint.manifest import verify
+from trainguard.checkpoint.retention import to_delete
+from trainguard.checkpoint.rollback import abandon_after, choose_rollback
+from trainguard.events import Record
+from trainguard.isolation import broadcast_from_rank0
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointManager:
+    """Base of the adapters' checkpointers. ``cfg``: the whole block; ``guard``: the StepGuard
+    (records, state, goodput); ``heart``: the rank's heartbeat (saves and loads count as progress)."""
+
+    def __init__(self, cfg, guard, heart):
+        self.block = cfg
+        self.cfg = cfg.checkpoint
+        self.guard = guard
+        self.heart = heart
+        self.health = CheckpointHealth(self.cfg.stable_after, self.cfg.verify_steps)
+        self.resume_check: ResumeCheck | None = None
+        self.roots: dict[str, Path] = {}       # tag -> root it was saved under (for marks)
+        self._deferred: list[tuple] = []       # marks for checkpoints not committed yet
+        self.resumed_tag: str | None = None    # what the last resume loaded
+
+    def emit(self, step: int, record: Record, detail: dict, ranks=(), action=None) -> None:
+        if self.guard is not None:
+            self.guard.emit(step, record, ranks, action, detail)
+
+    # ------------------------------------------------------------------ after every step
+    def on_step_end(self, step: int, loss: float | None, anomaly: bool) -> None:
+        """Stable marks, the post-save trajectory, the resume self-test (every rank)."""
+        self.poll_pending()
+        if self.resume_check is not None:
+            result = self.resume_check.on_step(step, loss)
+            if result is not None:
+                self.emit(step, Record.RESUME_VERIFIED if result["ok"] else Record.RESUME_DISCONTINUITY, result)
+                self.resume_check = None
+        actions, self._deferred = self._deferred + self.health.on_step(step, loss, anomaly), []
+        for action in actions:
+            kind, tag, value = action
+            root = self.roots.get(tag)
+            if rank() != 0 or root is None:
+                continue
+            if not (root / tag).is_dir():
+                if self.pending_tag() == tag:
+                    self._deferred.append(action)  # still being written: mark it once committed
+                continue
+            if kind == "trajectory":
+                atomic_write_json(root / tag / TRAJECTORY, {"losses": {str(k): v for k, v in value.items()}})
+            elif kind == "stable":
+                atomic_write_json(root / tag / STABLE, {"stable_at_step": value, "stable_after": self.cfg.stable_after})
+                self.emit(step, Record.CHECKPOINT_STABLE, {"tag": tag, "dir": str(root)})
+
+    def after_step(self, step: int) -> None:
+        """A periodic save when one is due, and the corrupt_checkpoint fault (tests, drills)."""
+        c = self.cfg
+        if c.dir and c.every_steps and step % c.every_steps == 0:
+            self.save(c.dir)
+        faults = self.guard.faults if self.guard is not None and self.block.faults else None
+        if faults is not None and c.dir and faults.checkpoint_due(step):
+            from trainguard.faults import corrupt_newest_checkpoint
+
+            path = corrupt_newest_checkpoint(c.dir)
+            self.guard.emit(step, Record.FAULT_INJECTED, [rank()], None, {
+                "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": rank()}], "file": path},
+                rank_local=True)
+
+    # ------------------------------------------------------------------ retention
+    def retention(self, root: Path) -> None:
+        """Rank 0, after a commit: doomed checkpoints are renamed into staging (gone from the
+        listing at once), then deleted -- a crash never leaves a half-deleted one that looks committed."""
+        layout = CheckpointLayout(root)
+        tags = layout.tags()
+        stable = {t for t in tags if (layout.tag_dir(t) / STABLE).exists()}
+        for t in to_delete(tags, stable, self.cfg.keep_last, self.cfg.keep_stable):
+            trash = layout.root / STAGING / f"deleted.{t}.{uuid.uuid4().hex[:6]}"
+            trash.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(layout.tag_dir(t), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ resume
+    def choose(self, root: Path, mode: str) -> tuple[str | None, list[dict]]:
+        """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode)."""
+        layout = CheckpointLayout(root)
+        skipped = []
+        for tag in reversed(layout.tags()):
+            res = verify(layout.tag_dir(tag))
+            if not res.ok:
+                skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
+                continue
+            if mode == "stable" and not (layout.tag_dir(tag) / STABLE).exists():
+                skipped.append({"tag": tag, "reason": "not stable", "dir": str(root)})
+                continue
+            return tag, skipped
+        return None, skipped
+
+    def choose_for_load(self, root: Path, tag: str | None, mode: str) -> tuple[str | None, list[dict]]:
+        """Every rank: rank 0 verifies (``tag`` alone, or newest first) and everyone learns the
+        choice; invalid ones passed over are reported. A named ``tag`` that fails raises."""
+        decision = None
+        if rank() == 0:
+            if tag is not None:
+                res = verify(CheckpointLayout(root).tag_dir(tag))
+                decision = (tag if res.ok else None,
+                            [] if res.ok else [{"tag": tag, "bad_file": res.bad_file, "reason": res.reason,
+                                                "dir": str(root)}])
+            else:
+                decision = self.choose(root, mode)
+        chosen, skipped = broadcast_from_rank0(decision)
+        for s in skipped:
+            if "bad_file" in s:
+                self.emit(self.step_count(), Record.CHECKPOINT_INVALID, s)
+        if chosen is None and tag is not None:
+            bad = skipped[0]
+            raise CheckpointError(f"checkpoint {tag} in {root} does not verify: {bad['bad_file']}: {bad['reason']}")
+        return chosen, skipped
+
+    def resume_on_start(self) -> Any:
+        """With ``checkpoint.dir``: clear what a crash left in staging, then (unless ``resume`` is
+        "none") load the newest checkpoint that verifies, or the newest stable one. A resume that
+        finds nothing to load says so (``resume_skipped``) when the directory holds checkpoints.
+        Returns what ``load`` returns (None when nothing was loaded)."""
+        c = self.cfg
+        if not c.dir:
+            return None
+        root = Path(c.dir)
+        if rank() == 0 and (root / STAGING).is_dir():
+            shutil.rmtree(root / STAGING, ignore_errors=True)  # never-committed saves
+        barrier()
+        if c.resume == "none":
+            return None
+        tags = broadcast_from_rank0(CheckpointLayout(root).tags() if rank() == 0 else None)
+        if not tags:
+            return None
+        result = self.load(root, mode=c.resume)
+        if self.resumed_tag is None:
+            self.emit(self.step_count(), Record.RESUME_SKIPPED, {
+                "dir": str(root), "mode": c.resume, "checkpoints": tags,
+                "reason": "no checkpoint verifies" + (" and is stable" if c.resume == "stable" else ""),
+                "starting_at_step": self.step_count()})
+            if rank() == 0:
+                import logging
+
+                logging.getLogger("trainguard").warning(
+                    "trainguard: resume %r found no checkpoint to load in %s (%d present); starting at step %d",
+                    c.resume, root, len(tags), self.step_count())
+        return result
+
+    def start_resume_check(self, tag: str, tag_dir: Path) -> None:
+        traj = tag_dir / TRAJECTORY
+        if self.cfg.verify_steps and traj.exists():
+            losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}
+            self.resume_check = ResumeCheck(tag, losses, self.cfg.verify_rtol)
+
+    # ------------------------------------------------------------------ rollback
+    def rollback_root(self) -> Path | None:
+        if self.cfg.dir:
+            return Path(self.cfg.dir)
+        roots = list(self.roots.values())
+        return roots[-1] if roots else None
+
+    def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
+        """Rank 0 chooses (trainguard.checkpoint.rollback.choose_rollback), every rank learns."""
+        choice = choose_rollback(root, onset, mode, self.not_before(root), inclusive) if rank() == 0 else None
+        tag, why, bad = broadcast_from_rank0(choice)
+        for b in bad:
+            self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)
+        return tag, why
+
+    def abandon_after(self, root: Path, step: int) -> list[str]:
+        """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside."""
+        moved = abandon_after(root, step) if rank() == 0 else None
+        self.health.watching = [w for w in self.health.watching if w.step <= step]
+        return broadcast_from_rank0(moved)
+
+    # ------------------------------------------------------------------ the adapter's part
+    def step_count(self) -> int:
+        raise NotImplementedError
+
+    def save(self, root, **kwargs) -> str:
+        raise NotImplementedError
+
+    def load(self, root, tag: str | None = None, mode: str = "latest_valid", purpose: str = "resume", **kwargs):
+        raise NotImplementedError
+
+    def not_before(self, root: Path) -> int:
+        """Checkpoints older than this step do not fit the run any more (0: all fit)."""
+        return 0
+
+    def after_precision_change(self) -> None:
+        """After the bf16 fallback (the driver calls it): a checkpoint of the new precision at once,
+        so that a restart comes back in bf16 rather than replaying the fp16 trouble."""
+        if self.cfg.dir:
+            self.save(self.cfg.dir)
+
+    def pending_tag(self) -> str | None:
+        """The tag of a save still being written in the background, if any."""
+        return None
+
+    def poll_pending(self, wait: bool = False) -> None:
+        """Report a finished background save."""
+
+    def wait_pending(self) -> None:
+        self.poll_pending(wait=True)
+
+    def close(self) -> None:
+        self.wait_pending()

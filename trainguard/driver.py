@@ -1,0 +1,289 @@
+"""THE step sequence, written once for every framework.
+
+    AGREE -> DECIDE -> apply/skip (STEP) -> END -> rollback / loss-scale remedy -> health marks,
+    periodic snapshot -> goodput
+
+An adapter (``ds_plugins``, ``megatron_hooks``) calls :meth:`StepDriver.step` from the place its
+framework takes an optimizer step (DeepSpeed's ``engine.step()`` at the accumulation boundary,
+megatron's ``optimizer.step()``) and implements :class:`Framework`: how to apply or skip a step
+there, its loss-scaler view, its LR groups, its optimizer moments, its precision fallback, its
+checkpointer (a :class:`trainguard.checkpoint.manager.CheckpointManager`) and, where the adapter
+owns the data loader, the data position. Everything else -- the order of the loop points, when to
+roll back and what to set aside, the LR cooldown, the ladder's remedies, the records written, the
+goodput accounting -- lives here, once, so that both frameworks behave the same from one block.
+The loop's pseudocode is :class:`trainguard.events.Event`'s docstring.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
+
+from trainguard.config import TrainguardConfig
+from trainguard.detectors.loss_scale import ScalerState
+from trainguard.errors import TrainguardError
+from trainguard.events import Action, Record
+from trainguard.guard import StepGuard
+from trainguard.policy import Decision
+
+
+class FallbackUnavailable(TrainguardError):
+    """The framework cannot continue in bf16 here; the message says why and what to do instead."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the framework's step did. ``grad_norm`` may be a device tensor (read one step late)."""
+
+    result: Any                      # what the user's call returns (DeepSpeed's step, megatron's tuple)
+    applied: bool
+    grad_norm: Any = None
+    clip_limit: Optional[float] = None
+
+
+class ScalerControl(Protocol):
+    """An fp16 dynamic loss scaler, read from host values and adjusted in place."""
+
+    def state(self) -> ScalerState | None: ...
+    def reset(self) -> dict: ...
+    def raise_floor(self, factor: float) -> dict: ...
+
+
+class DataControl(Protocol):
+    """A loader that knows its position (trainguard.data.TrackedLoader)."""
+
+    def set_aside(self, sample_ids) -> None: ...
+    def skip(self, batches: int) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class Framework(Protocol):
+    """What the driver needs of a framework; each adapter implements it for its own."""
+
+    rank: int
+    checkpointer: Any          # trainguard.checkpoint.manager.CheckpointManager, or None
+    data: DataControl | None   # None: the data loader is the user's (megatron)
+
+    def completed_steps(self) -> int:
+        """Optimizer steps done (DeepSpeed's global_steps, megatron's iteration); a load sets it back."""
+
+    def scaler(self) -> ScalerControl | None:
+        """The fp16 dynamic loss scaler when one is on and watched, else None."""
+
+    def agree_scale(self) -> tuple[float, float]:
+        """(loss scale, gradient divisor) the local gradient norms are divided by at AGREE."""
+
+    def set_clip(self, max_norm: float) -> None:
+        """The max-norm the framework's own clipping uses from this step on."""
+
+    def apply(self, decision: Decision, base_step: Callable[[], Any]) -> StepOutcome:
+        """Apply the optimizer step (``base_step``), or take the framework's skip path."""
+
+    def lr_groups(self) -> list[dict]:
+        """The optimizer's param groups (their ``lr`` is scaled around a step)."""
+
+    def skipped_steps(self) -> int:
+        """The framework's own count of steps not applied (for the metric line)."""
+
+    def reset_moments(self) -> None:
+        """Zero Adam's moment estimates, wherever the framework keeps them."""
+
+    def fallback_to_bf16(self, step: int) -> dict:
+        """Turn the fp16 run into a bf16 one in place; raise FallbackUnavailable with advice."""
+
+
+class StepDriver:
+    """One per rank. ``heart``: trainguard.watchdog.Heartbeat."""
+
+    def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart):
+        self.fw, self.guard, self.cfg, self.heart = fw, guard, cfg, heart
+        self.lr_until = 0          # recovery's lowered LR applies until this step
+        self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
+
+    # ------------------------------------------------------------------ the step
+    def step(self, base_step: Callable[[], Any]) -> Any:
+        fw, guard = self.fw, self.guard
+        step = fw.completed_steps() + 1
+        self.heart.beat("collective", step)
+        scaler = fw.scaler()
+        before = scaler.state() if scaler is not None else None
+        with self._lr_scaled(step):
+            loss_scale, divisor = fw.agree_scale()
+            obs = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None)
+            decision = guard.on_decide(step, obs)
+            if decision.action is Action.ABORT:
+                raise guard.abort(step, decision)
+            limit = guard.clip_limit()
+            if limit is not None and self.cfg.clipping.mode == "adaptive":
+                fw.set_clip(limit)
+            out = fw.apply(decision, base_step)
+        scale_decision = guard.on_step(step, decision, out.applied, before)
+        guard.on_end(step, obs, {
+            "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
+            "lr": self.step_lr if self.step_lr is not None else _lr(fw.lr_groups()),
+            "loss_scale": before.scale if before is not None else 1.0, "skipped_steps": fw.skipped_steps(),
+            "applied": out.applied, "action": decision.action.value, "goodput": guard.goodput.ratio()})
+        acting = scale_decision or decision
+        if acting.action is Action.ABORT:
+            raise guard.abort(step, acting)
+        rolled_back = acting.action is Action.ROLLBACK and self.rollback(step, acting)
+        if not rolled_back:  # (a rollback that happened re-runs from its checkpoint)
+            self._after_step(step, obs, decision)
+        guard.goodput.step_done(step, out.applied and not rolled_back)
+        self.heart.beat("data", fw.completed_steps())
+        return out.result
+
+    def _after_step(self, step: int, obs, decision: Decision) -> None:
+        """Checkpoint health (stable marks, post-save trajectory, resume check), periodic saves and
+        the corrupt_checkpoint fault."""
+        cp = self.fw.checkpointer
+        if cp is None:
+            return
+        # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy
+        cp.on_step_end(step, health_loss(obs), anomaly=any(v.anomaly != "overflow" for v in decision.verdicts))
+        cp.after_step(step)
+
+    # ------------------------------------------------------------------ the LR
+    @contextlib.contextmanager
+    def _lr_scaled(self, step: int) -> Iterator[None]:
+        """The LR for this step's update x (lr_ramp fault) x (recovery's lowered LR, during its
+        cooldown); afterwards the scheduled LR is put back (unless the scheduler set a new one)."""
+        faults = self.guard.faults
+        mult = faults.lr_multiplier(step) if self.cfg.faults else 1.0
+        if self.fw.completed_steps() < self.lr_until:  # only a lowering by the policy sets lr_until
+            mult *= self.guard.policy.lr_factor
+        self.step_lr = None
+        if mult == 1.0:
+            yield
+            return
+        groups = self.fw.lr_groups()
+        saved = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * mult
+        boosted = [g["lr"] for g in groups]
+        self.step_lr = boosted[0] if boosted else None
+        try:
+            yield
+        finally:
+            for g, old, new in zip(groups, saved, boosted):
+                if g["lr"] == new:
+                    g["lr"] = old
+
+    def _lower_lr(self, from_step: int) -> None:
+        self.guard.policy.lower_lr()
+        self.lr_until = from_step + self.cfg.recovery.lr_cooldown_steps
+
+    # ------------------------------------------------------------------ recovery
+    def rollback(self, step: int, decision: Decision) -> bool:
+        """In-process rollback, on every rank together: load the chosen checkpoint (RNG with it),
+        keep the data position where it is and move it ``skip_batches`` further, quarantine the
+        culprit rank's samples, lower the LR if asked. The user's loop just goes on.
+
+        A ``loss_scale`` decision (the fp16 scaler collapsed) skips no batches -- the data is not
+        to blame -- and then applies its remedy: reset the scale, raise its floor, or continue in
+        bf16 (in place when no checkpoint predates the descent). Returns whether one was loaded."""
+        fw, guard, rc = self.fw, self.guard, self.cfg.recovery
+        scale_case = decision.anomaly == "loss_scale"
+        skip = 0 if scale_case else rc.skip_batches
+        quarantined = guard.culprit_samples
+        data = fw.data
+        if data is not None and fw.rank in quarantined:
+            data.set_aside(quarantined[fw.rank])
+        cp = fw.checkpointer
+        root = cp.rollback_root() if cp is not None else None
+        tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
+            cp.rollback_target(root, decision.onset_step or step, rc.rollback_to, inclusive=decision.onset_skipped)
+        if tag is None:
+            if decision.lower_lr:
+                self._lower_lr(fw.completed_steps())
+            remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
+            guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
+                "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
+                "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
+                "quarantined": {str(r): ids for r, ids in quarantined.items()}, "remedy": remedy})
+            return False
+        position = data.state_dict() if data is not None else None
+        cp.wait_pending()
+        cp.load(root, tag=tag, purpose="rollback")
+        to_step = fw.completed_steps()
+        guard.goodput.rollback(to_step)
+        if data is not None:
+            data.load_state_dict(position)       # where we were, quarantine included ...
+            data.skip(skip)                      # ... and then some
+        abandoned = cp.abandon_after(root, to_step)
+        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
+                                                           "anomaly": decision.anomaly})
+        if decision.lower_lr:
+            self.lr_until = to_step + rc.lr_cooldown_steps
+        if rc.reset_optimizer_moments:
+            fw.reset_moments()
+        guard.grad_norm.reset_trend()
+        if self.cfg.faults:
+            guard.faults.rolled_back()
+        guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {
+            "to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
+            "onset_step": decision.onset_step, "skip_batches": skip if data is not None else 0,
+            "position_after": data.position.as_dict() if data is not None else None,
+            "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
+            "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
+            "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason})
+        if scale_case:
+            self.scale_remedy(step, decision, rolled_back=True)
+        return True
+
+    def scale_remedy(self, step: int, decision: Decision, rolled_back: bool) -> dict:
+        """The loss_scale rung's remedy: reset the scale, also raise its floor, or continue in bf16."""
+        fw, guard = self.fw, self.guard
+        guard.loss_scale.reset()
+        if decision.remedy == "bf16":
+            if fw.checkpointer is not None:
+                fw.checkpointer.wait_pending()
+            try:
+                detail = fw.fallback_to_bf16(step)
+            except FallbackUnavailable as e:
+                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
+                                                 decision.verdicts)) from None
+            detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
+                      "after_rollback": rolled_back}
+            guard.policy.tried_also(step, "bf16_fallback", detail)
+            guard.emit(step, Record.PRECISION_FALLBACK, [], "bf16_fallback", detail)
+            if fw.checkpointer is not None:
+                fw.checkpointer.after_precision_change()
+            return detail
+        scaler = fw.scaler()
+        detail = {}
+        if scaler is not None:
+            if decision.remedy == "raise_floor":
+                detail.update(scaler.raise_floor(self.cfg.recovery.floor_factor))
+            detail.update(scaler.reset())
+        guard.policy.tried_also(step, decision.remedy, {**detail, "after_rollback": rolled_back})
+        guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy, detail)
+        return detail
+
+
+def zero_adam_moments(optimizer) -> None:
+    """Zero Adam's moment estimates (SPAM-style reset after a spike) of a torch optimizer."""
+    import torch
+
+    for state in getattr(optimizer, "state", {}).values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = state.get(key) if isinstance(state, dict) else None
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+
+
+def health_loss(obs) -> float | None:
+    """The step's loss for checkpoint health: the mean over the ranks that have one (the last
+    pipeline stage holds the loss under megatron), None when any of them is not finite."""
+    losses = [o.loss for o in obs if o.has_loss]
+    return sum(losses) / len(losses) if losses and all(math.isfinite(x) for x in losses) else None
+
+
+def _lr(groups: list[dict]) -> float | None:
+    try:
+        return float(groups[0]["lr"]) if groups else None
+    except (KeyError, TypeError, ValueError):
+        return None
