@@ -40,7 +40,7 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed>=0.16,<0.20"],
         "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
-        "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6"],
+        "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6", "wandb>=0.17"],
         "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6"],
     },
     entry_points={"console_scripts": ["trainguard=trainguard.cli:main"]},

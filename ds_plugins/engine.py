@@ -20,7 +20,7 @@ from ds_plugins.loss_scale import ScalerView
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
-from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, zero_adam_moments
+from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, scaled_lr, zero_adam_moments
 from trainguard.events import Action
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
@@ -317,15 +317,8 @@ class EngineGuard:
         mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
         if mult == 1.0:
             return ds_step()
-        groups = self.engine.optimizer.param_groups
-        saved = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = g["lr"] * mult
-        try:
+        with scaled_lr(self.engine.optimizer.param_groups, mult):
             return ds_step()
-        finally:
-            for g, old in zip(groups, saved):
-                g["lr"] = old
 
     # ------------------------------------------------------------------ trainguard.driver.Framework
     @property

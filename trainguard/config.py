@@ -295,6 +295,16 @@ class ChecksConfig(_Section):
     min_warmup_steps: int = Field(100, ge=0, description="Warn when the LR warmup is shorter than this.")
 
 
+class WandbConfig(_Section):
+    """Weights & Biases: the metric lines and records mirrored to a run (rank 0)."""
+
+    project: str = Field(description="The W&B project.")
+    name: Optional[str] = Field(None, description="The run's name (default: W&B's).")
+    dir: Optional[str] = Field(None, description="Where W&B writes its files (default: W&B's, ./wandb).")
+    mode: Optional[Literal["online", "offline", "disabled"]] = Field(
+        None, description="W&B's mode (default: its environment, WANDB_MODE). offline: files only, `wandb sync` later.")
+
+
 class MetricsConfig(_Section):
     """The JSONL event log, the run's source of truth."""
 
@@ -308,6 +318,8 @@ class MetricsConfig(_Section):
     prometheus_port: Optional[int] = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics over HTTP from rank 0 on this port "
         "(0: any free port). null: off.")
+    wandb: Optional[WandbConfig] = Field(None, description="Mirror to Weights & Biases (needs `pip install wandb`). "
+                                         "null: off.")
 
 
 class DataConfig(_Section):

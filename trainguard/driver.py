@@ -159,18 +159,9 @@ class StepDriver:
         if mult == 1.0:
             yield
             return
-        groups = self.fw.lr_groups()
-        saved = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = g["lr"] * mult
-        boosted = [g["lr"] for g in groups]
-        self.step_lr = boosted[0] if boosted else None
-        try:
+        with scaled_lr(self.fw.lr_groups(), mult) as lr:
+            self.step_lr = lr
             yield
-        finally:
-            for g, old, new in zip(groups, saved, boosted):
-                if g["lr"] == new:
-                    g["lr"] = old
 
     def _lower_lr(self, from_step: int) -> None:
         self.guard.policy.lower_lr()
@@ -262,6 +253,22 @@ class StepDriver:
         guard.policy.tried_also(step, decision.remedy, {**detail, "after_rollback": rolled_back})
         guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy, detail)
         return detail
+
+
+@contextlib.contextmanager
+def scaled_lr(groups: list[dict], mult: float) -> Iterator[float | None]:
+    """Every group's LR x ``mult`` for one step (yields the first group's); afterwards the
+    scheduled LR is put back, unless the scheduler set a new one meanwhile."""
+    saved = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = g["lr"] * mult
+    boosted = [g["lr"] for g in groups]
+    try:
+        yield boosted[0] if boosted else None
+    finally:
+        for g, old, new in zip(groups, saved, boosted):
+            if g["lr"] == new:
+                g["lr"] = old
 
 
 def zero_adam_moments(optimizer) -> None:

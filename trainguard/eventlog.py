@@ -113,6 +113,10 @@ class EventLog:
             from trainguard.metrics.prometheus import PrometheusSink
 
             self.mirrors.append(PrometheusSink(m.prometheus_port))
+        if m.wandb is not None:
+            from trainguard.metrics.wandb import WandbSink
+
+            self.mirrors.append(WandbSink(m.wandb, {"trainguard": cfg.model_dump(mode="json")}))
         if fns:
             self.callbacks = _Callbacks(fns)
 

@@ -10,30 +10,36 @@ import enum
 
 
 class Event(str, enum.Enum):
-    """The step as the guard sees it (one optimizer step; ``micro`` repeats for gradient accumulation)::
+    """The step as the guard sees it, on every framework (one optimizer step; ``micro`` repeats for
+    gradient accumulation / megatron's micro-batches). AGREE .. END and what follows them are
+    :class:`trainguard.driver.StepDriver`, written once; the adapters only reach its start
+    (DeepSpeed: ``engine.step()`` at the accumulation boundary; megatron: ``optimizer.step()``)::
 
-        BEGIN       once, after the engine is built: gather every rank's coordinates and host,
-                    open the event log (rank 0), arm the fault injector
+        BEGIN       once, after the engine / model and optimizer exist: gather every rank's coordinates
+                    and host, open the event log (rank 0), arm the fault injector, resume from the
+                    newest checkpoint that verifies (checkpoint.dir), start the watchdog
         for each optimizer step:
             for each micro-batch:
                 BATCH      the loader hands out a batch: record its sample ids and data position
-                FORWARD    engine(batch): injected faults poison the inputs (nan_batch)
-                LOSS       engine.backward(loss): the local loss is checked (a device-side flag,
-                           no host sync); injected nan_loss fires here
+                           (DeepSpeed: the loader ds_plugins.initialize built; megatron: guard.on_batch)
+                FORWARD    the model's forward: injected faults poison the inputs; sampled probes open
+                LOSS       the local loss is checked (a device-side flag, no host sync): DeepSpeed's
+                           engine.backward(loss); megatron: the last pipeline stage's output
                 BACKWARD   autograd: a tensor hook per parameter adds the *local* gradient's
-                           squared norm into one device scalar -- this runs before DeepSpeed's
-                           data-parallel reduction at every ZeRO stage
-            AGREE      engine.step() at the accumulation boundary: ONE all-reduce of a
-                       [world, fields] tensor (each rank fills its own row); one host sync reads it;
-                       every rank now holds every rank's flags, loss and local gradient norm
+                           squared norm into one device scalar -- before the framework's
+                           data-parallel reduction (every ZeRO stage; megatron's DDP buffers)
+            AGREE      ONE all-reduce of a [world, fields] tensor (each rank fills its own row); one
+                       host sync reads it; every rank now holds every rank's flags, loss and norm
             DECIDE     pure detectors turn the gathered observations into verdicts; the policy turns
                        verdicts into one action -- the same on every rank, since every rank
                        computed it from the same tensor: CONTINUE | SKIP_STEP | ROLLBACK | ABORT
-            STEP       apply the optimizer step, or make DeepSpeed's optimizer take its own
-                       skip path (no update, gradients cleared, counted in skipped_steps);
-                       ROLLBACK also loads the chosen checkpoint in place and moves the data
-                       position past the bad batches (the user's loop keeps running)
+            STEP       apply the optimizer step, or take the framework's own skip path (no update,
+                       gradients cleared); an fp16 scaler collapse turns into the loss_scale ladder
             END        metric line (rank 0; every rank when per_rank), events, counters
+            then       ROLLBACK: the chosen checkpoint loaded in place, the data moved past the bad
+                       batches, the LR lowered; loss_scale: reset / raise the floor / bf16 --
+                       else: health marks (stable, trajectory, resume self-test), a periodic
+                       snapshot when due; goodput
         CLOSE       flush and close the logs
     """
 

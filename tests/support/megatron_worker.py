@@ -170,9 +170,9 @@ def main(argv=None) -> int:
             result["losses"].append(float(sum(x["loss"] for x in losses) / len(losses)))
         if it + 1 in args.save_at:
             guard.checkpointer.save(args.ckpt, data_state={"consumed": (it + 1) * MICROBATCHES})
+            result["probe"][str(it + 1)] = probe()
         if args.stop_after is not None and it + 1 == args.stop_after:
             break  # (a job that ends here: the next launch resumes)
-            result["probe"][str(it + 1)] = probe()
     result["probe"]["end"] = probe()
     held = batches(1234, 0, 1, split="heldout")  # the training chain's held-out sequences
     ddp.eval()
