@@ -30,7 +30,6 @@ import uuid
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint import rng

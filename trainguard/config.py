@@ -33,6 +33,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class PluginSpec(_Section):
+    """An extension by name: a registered one, or your own ``package.module:Name`` (trainguard/plugins.py)."""
+
+    type: str = Field(min_length=1, description="A registered name, or 'package.module:Name' of a class or factory.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments it is built with.")
+
+
 class NonfiniteConfig(_Section):
     """Non-finite loss and gradients, checked on each rank's local values."""
 
@@ -128,6 +135,9 @@ class DetectorsConfig(_Section):
     attention_entropy: AttentionEntropyConfig = Field(default_factory=AttentionEntropyConfig)
     activation_range: ActivationRangeConfig = Field(default_factory=ActivationRangeConfig)
     localize: LocalizeConfig = Field(default_factory=LocalizeConfig)
+    custom: list[PluginSpec] = Field(
+        default_factory=list, description="Your detectors (trainguard.plugins.Detector: observe(step, observations) "
+        "-> verdicts), run on every rank after the built-in ones; their verdicts are custom_alert records.")
 
 
 class ClippingConfig(_Section):
@@ -320,6 +330,9 @@ class MetricsConfig(_Section):
         "(0: any free port). null: off.")
     wandb: Optional[WandbConfig] = Field(None, description="Mirror to Weights & Biases (needs `pip install wandb`). "
                                          "null: off.")
+    sinks: list[PluginSpec] = Field(
+        default_factory=list, description="More mirrors of the log on rank 0, by type: 'tensorboard' (logdir), "
+        "'prometheus' (port), 'wandb' (project, ...), or your own (trainguard.plugins.Sink: metric, event, close).")
 
 
 class DataConfig(_Section):

@@ -14,16 +14,15 @@ docs/events.md lists exactly the members of ``Record`` (a test checks both direc
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import queue
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from trainguard.errors import ConfigError
 from trainguard.events import Record
 from trainguard.metrics.jsonl import JsonlSink, clean
+from trainguard.plugins import SINKS, Sink, build, resolve_callable
 
 log = logging.getLogger("trainguard")
 
@@ -31,24 +30,6 @@ log = logging.getLogger("trainguard")
 def per_rank_path(path: str, rank: int) -> str:
     p = Path(path)
     return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.jsonl'}"))
-
-
-def resolve_callable(spec: str, key: str) -> Callable:
-    """``"package.module:function"`` -> the function; a ConfigError naming ``key`` otherwise."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError([(key, f"{spec!r} is not of the form 'package.module:function'")])
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's path
-        raise ConfigError([(key, f"cannot import {module_name!r} ({type(e).__name__}: {e})")]) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError([(key, f"{module_name!r} has no attribute {attr!r}")])
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError([(key, f"{spec!r} is not callable")])
-    return obj
 
 
 class _Callbacks:
@@ -117,6 +98,8 @@ class EventLog:
             from trainguard.metrics.wandb import WandbSink
 
             self.mirrors.append(WandbSink(m.wandb, {"trainguard": cfg.model_dump(mode="json")}))
+        for i, spec in enumerate(m.sinks):  # by "type": a registered name or your class
+            self.mirrors.append(build(spec, SINKS, Sink, f"trainguard.metrics.sinks[{i}]"))
         if fns:
             self.callbacks = _Callbacks(fns)
 

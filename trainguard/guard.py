@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from trainguard import __version__
+from trainguard import __version__, records
 from trainguard.checks import RunFacts, start_checks
 from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
@@ -39,11 +39,13 @@ from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
+from trainguard.metricline import DeferredLine
 from trainguard.policy import Decision, Policy
+from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import EntropyProbe, RangeProbe, select_modules
 from trainguard.suspects import SuspectWatch
 
-ALERT = "alert"
+ALERT = records.ALERT
 
 
 def config_hash(cfg: TrainguardConfig) -> str:
@@ -71,6 +73,8 @@ class StepGuard:
         self.goodput = GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
         self.clipper = Clipper(cfg.clipping)
+        self.custom = [build(spec, DETECTORS, Detector, f"trainguard.detectors.custom[{i}]")
+                       for i, spec in enumerate(cfg.detectors.custom)]
         self.localize = localize
         self.range_probe: RangeProbe | None = None
         self.entropy_probe: EntropyProbe | None = None
@@ -85,8 +89,7 @@ class StepGuard:
         self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self._coords_of)
         self._everyone: list[dict] | None = None  # the last anomaly step's object gather
         self._probe_values: dict = {}
-        self._pending: dict | None = None       # the previous step's metric line, awaiting its norm
-        self._pending_norm: Any = None          # the framework's norm of that step (maybe a device tensor)
+        self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -212,7 +215,7 @@ class StepGuard:
         host[F["grad_checked"]] = self._grad_hooks
         host[F["faults_fired"]] = self.faults.fired_in(step)
         host[F["samples_rejected"]] = len(self._rejected)
-        pending = self._pending_norm
+        pending = self.deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
         row = torch.tensor(host, dtype=torch.float64, device=self.device)
@@ -230,7 +233,7 @@ class StepGuard:
         table = agree(row, self.group)
         obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor)
         self._scaled = dynamic_scale
-        self._flush_pending(obs[0].prev_grad_norm)
+        self.deferred.flush(obs[0].prev_grad_norm)
         return obs
 
     def on_decide(self, step: int, obs: list[RankObservation]) -> Decision:
@@ -284,6 +287,7 @@ class StepGuard:
         if nonfinite is not None:
             verdicts.append(nonfinite)
         verdicts += spikes
+        custom = [v for det in self.custom for v in det.observe(step, obs)]
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
         decision = self.policy.decide(verdicts, step, rise_onset)
         self.last_decision = decision
@@ -298,6 +302,9 @@ class StepGuard:
             self._log_rejections(step, everyone)
         for v in verdicts:
             self._log_verdict(step, v, decision, everyone)
+        for v in custom:  # your detectors alert; the ladders act on the built-in classes only
+            self.emit(step, Record.CUSTOM_ALERT, v.ranks, ALERT, {"detector": v.detector, "anomaly": v.anomaly,
+                                                                  **v.detail}, rank_local=self.rank in v.ranks)
         return decision
 
     def on_step(self, step: int, decision: Decision, applied: bool,
@@ -357,104 +364,40 @@ class StepGuard:
                          "position": self._position.as_dict() if self._position else None}
         self.faults.step_done(step)
         self.last_metrics = line
-        self._pending = {"step": step, "line": line, "rank_line": rank_line, "due": due, "limit": limit,
-                         "applied": metrics.get("applied", True)}
-        self._pending_norm = norm
+        self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm)
         self._probe_values = {}
         self._reset_step()
 
     def on_close(self, totals: dict[str, Any] | None = None) -> None:
         """CLOSE: the last metric line, totals, then close the files."""
-        if self._pending is not None:
-            norm = self._pending_norm
-            self._flush_pending(float(norm) if norm is not None else float("nan"))  # the one sync at close
+        self.deferred.close()
         self.emit(self.last_step, Record.RUN_END, range(self.world), None,
                   {"guard_skipped_steps": self.skipped_steps,
                    "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
         self.events.close()
 
     # ------------------------------------------------------------------ records
-    def _flush_pending(self, norm: float) -> None:
-        p, self._pending, self._pending_norm = self._pending, None, None
-        if p is None:
-            return
-        applied = p["applied"]
-        norm = norm if applied and math.isfinite(norm) else None
-        limit = p["limit"] if p["limit"] is not None else self.clipper.framework_max_norm
-        if applied:
-            self.clipper.observe(norm, limit)
-        line = dict(p["line"], grad_norm=norm, grad_norm_clipped=self.clipper.clipped(norm, limit),
-                    clip_limit=limit if limit else None)
-        if not p["due"]:
-            return
-        self.events.metric(p["step"], line, p["rank_line"])
-
     def _log_faults(self, step: int, obs: list[RankObservation]) -> None:
-        fired_ranks = [o.rank for o in obs if o.faults_fired]
-        if not fired_ranks:
-            return
-        specs = [f.model_dump() for f in self.cfg.faults if f.active(step) and
-                 (f.rank in fired_ranks or f.type == "lr_ramp")]
-        self.emit(step, Record.FAULT_INJECTED, fired_ranks, None, {"faults": specs},
-                  rank_local=self.rank in fired_ranks)
+        rec = records.faults_fired(step, obs, self.cfg.faults)
+        if rec is not None:
+            self.emit(step, *rec, rank_local=self.rank in rec[1])
 
     def _log_rejections(self, step: int, everyone: list[dict]) -> None:
-        per_rank = {str(r): {"rejected": [{"sample_id": i, "problems": p} for i, p in e["rejected"]],
-                             "coords": self._coords_of(r)}
-                    for r, e in enumerate(everyone) if e["rejected"]}
-        if per_rank:
-            ranks = sorted(int(r) for r in per_rank)
-            self.emit(step, Record.SAMPLES_REJECTED, ranks, self.cfg.sanitize.action,
-                      {"per_rank": per_rank}, rank_local=self.rank in ranks)
+        rec = records.rejections(everyone, self._coords_of, self.cfg.sanitize.action)
+        if rec is not None:
+            self.emit(step, *rec, rank_local=self.rank in rec[1])
 
     def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
-        """Name the culprits with their coordinates, host, samples and (non-finite) first bad module."""
-        detail = {"detector": v.detector, **v.detail}
-        per_rank = {}
-        for r in v.ranks:
-            raw = v.detail.get("per_rank", {}).get(r, {}) if isinstance(v.detail.get("per_rank"), dict) else {}
-            d = {"values": raw} if isinstance(raw, list) else dict(raw)
-            d["coords"] = self._coords_of(r)
-            if everyone:
-                e = everyone[r]
-                d.update({"sample_ids": e["sample_ids"], "position": e["position"]})
-                if e.get("localized") is not None and v.anomaly == "nonfinite":
-                    # the replay checks every module: it outranks a sampled probe's partial view
-                    if e["localized"].get("module") or "first_nonfinite_module" not in d:
-                        d["first_nonfinite_module"] = e["localized"].get("module")
-                    d["localized"] = e["localized"]
-            per_rank[str(r)] = d
-        if per_rank:
-            detail["per_rank"] = per_rank
-        from trainguard.policy import anomaly_class
-
-        is_nonfinite = v.anomaly == "nonfinite"
-        acting = anomaly_class(v) is not None and anomaly_class(v) in (decision.anomaly, "nonfinite")
-        action = decision.action.value if acting and decision.action is not Action.CONTINUE else ALERT
-        if is_nonfinite:
-            detail["reason"] = decision.reason
-            if everyone and not any(e["sample_ids"] for e in everyone):
-                detail["sample_ids_note"] = ("unknown: pass training_data to ds_plugins.initialize so the "
-                                             "loader can report sample ids")
-        extra = {"skipped_steps": self.skipped_steps + (decision.action in (Action.SKIP_STEP, Action.ROLLBACK))} \
-            if is_nonfinite else {}
-        self.emit(step, Record(v.anomaly), v.ranks, action, detail, rank_local=self.rank in v.ranks, **extra)
+        record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self._coords_of,
+                                                                self.skipped_steps)
+        self.emit(step, record, ranks, action, detail, rank_local=self.rank in ranks, **extra)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
-        everyone = self._everyone or [{}] * self.world
-        culprits = sorted({r for v in decision.verdicts for r in v.ranks})
-        report = {"step": step, "reason": decision.reason,
-                  "verdicts": [{"detector": v.detector, "anomaly": v.anomaly, "ranks": list(v.ranks),
-                                "detail": v.detail} for v in decision.verdicts],
-                  "coords": {str(r): self._coords_of(r) for r in culprits if r < len(self.coords)},
-                  "samples": {str(r): {k: everyone[r].get(k) for k in ("sample_ids", "position")}
-                              for r in culprits},
-                  "tried": {"skipped_steps": self.skipped_steps, "rollbacks": self.policy.tried,
-                            "lr_factor": self.policy.lr_factor,
-                            "consecutive_nonfinite": self.policy.consecutive_nonfinite,
-                            "total_nonfinite": self.policy.total_nonfinite}}
-        self.emit(step, Record.ABORT, culprits, Action.ABORT.value, report)
+        report = records.abort_report(step, decision, self._everyone or [{}] * self.world, self._coords_of,
+                                      self.skipped_steps, self.policy)
+        self.emit(step, Record.ABORT, sorted({r for v in decision.verdicts for r in v.ranks}), Action.ABORT.value,
+                  report)
         return TrainguardAbort(f"trainguard aborted the run at step {step}: {decision.reason}", report)
 
     # ------------------------------------------------------------------ state

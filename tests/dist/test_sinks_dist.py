@@ -2,7 +2,6 @@
 callback named in the block receives the NaN record; the W&B sink in offline mode writes the
 run's metrics (read back from its run file)."""
 import json
-import os
 
 import pytest
 

@@ -128,7 +128,7 @@ def test_a_callback_named_in_the_block_gets_records_off_the_hot_path(tmp_path):
     assert seen == [{"type": "event", "step": 3, "event": "nonfinite", "ranks": [1], "action": "skip_step",
                      "detail": {"x": None}}]
     for bad, why in (("tests.unit.nope:f", "cannot import"), ("tests.unit.test_vocabulary_and_support:nope",
-                                                                 "has no attribute"), ("no_colon", "is not of the form")):
+                                                                 "has no attribute"), ("no_colon", "of the form")):
         with pytest.raises(ConfigError, match=re.escape("trainguard.callbacks[0]") + ".*" + why):
             EventLog(rank=1).open(parse_block({"callbacks": [bad]}))
 
@@ -143,3 +143,76 @@ def _record(record):
 
 def _broken(record):
     raise RuntimeError("a broken user callback")
+
+
+class LossAbove:
+    """A user's detector (trainguard.plugins.Detector): alert when the mean loss is above a limit."""
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def observe(self, step, obs):
+        from trainguard.detectors import Verdict
+
+        losses = [o.loss for o in obs if o.has_loss]
+        if losses and sum(losses) / len(losses) > self.limit:
+            return [Verdict("loss_above", "loss_too_high", (0,), {"limit": self.limit})]
+        return []
+
+
+class ListSink:
+    """A user's sink (trainguard.plugins.Sink)."""
+
+    made: list = []
+
+    def __init__(self, tag):
+        self.tag, self.metrics, self.events, self.closed = tag, [], [], False
+        ListSink.made.append(self)
+
+    def metric(self, step, values):
+        self.metrics.append((step, values["loss"]))
+
+    def event(self, step, event, ranks, action, detail):
+        self.events.append((step, event, action))
+
+    def close(self):
+        self.closed = True
+
+
+def test_custom_detectors_and_sinks_by_type(tmp_path):
+    import torch
+
+    from trainguard.guard import StepGuard
+    from trainguard.isolation import RankCoords
+    from trainguard.metrics.jsonl import read
+
+    me = "tests.unit.test_vocabulary_and_support"
+    cfg = parse_block({"detectors": {"custom": [{"type": f"{me}:LossAbove", "options": {"limit": 3.0}}]},
+                       "metrics": {"jsonl": str(tmp_path / "l.jsonl"),
+                                   "sinks": [{"type": f"{me}:ListSink", "options": {"tag": "mine"}}]}})
+    g = StepGuard(cfg, rank=0, world=1)
+    g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
+    for step, loss in ((1, 2.5), (2, 4.0), (3, 2.0)):
+        g.on_loss(step, torch.tensor(loss))
+        obs = g.on_agree(step)
+        d = g.on_decide(step, obs)
+        g.on_step(step, d, applied=True)
+        g.on_end(step, obs, {"grad_norm": None, "applied": True})
+    g.on_close()
+    (alert,) = [x for x in read(tmp_path / "l.jsonl") if x.get("event") == "custom_alert"]
+    assert alert["step"] == 2 and alert["action"] == "alert" and alert["detail"]["anomaly"] == "loss_too_high"
+    sink = ListSink.made[-1]
+    assert sink.tag == "mine" and sink.closed and [s for s, _ in sink.metrics] == [1, 2, 3]
+    assert (2, "custom_alert", "alert") in sink.events
+    for block, key, why in (
+            ({"detectors": {"custom": [{"type": f"{me}:Nope"}]}}, "trainguard.detectors.custom[0].type", "no attribute"),
+            ({"detectors": {"custom": [{"type": f"{me}:LossAbove", "options": {"limt": 1}}]}},
+             "trainguard.detectors.custom[0].options", "unexpected keyword"),
+            ({"detectors": {"custom": [{"type": f"{me}:ListSink", "options": {"tag": 1}}]}},
+             "trainguard.detectors.custom[0].type", "does not implement Detector")):
+        with pytest.raises(ConfigError) as e:
+            StepGuard(parse_block(block), rank=0, world=1)
+        assert key in str(e.value) and why in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=re.escape("trainguard.metrics.sinks[0].type") + ".*registered name"):
+        g = StepGuard(parse_block({"metrics": {"sinks": [{"type": "statsd"}]}}), rank=0, world=1)
+        g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
