@@ -43,7 +43,7 @@ def _raw_config(args, config, config_params) -> Any:
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
-               collate_fn=None, config=None, mesh_param=None, config_params=None):
+               collate_fn=None, config=None, mesh_param=None, config_params=None, _entry: str = "initialize"):
     """Same signature and return value as ``deepspeed.initialize``.
 
     The config is read and the block validated *before* anything is initialised, so a bad block
@@ -65,7 +65,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         return deepspeed.initialize(**kwargs)
     from trainguard.support import check_supported
 
-    check_supported(block, "ds_plugins")
+    # what the block may ask for depends on whose loader feeds the engine (trainguard/support.py)
+    check_supported(block, "ds_plugins" if training_data is not None else
+                    "ds_plugins/framework" if _entry == "auto" else "ds_plugins/own")
 
     # We hand DeepSpeed the dict we already parsed (unless it came through args, which DeepSpeed
     # insists on reading itself), and build the loader ourselves.
@@ -82,7 +84,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     from ds_plugins.engine import attach
 
-    state = attach(engine, block, client_scheduler=lr_scheduler)
+    # under a framework (zero-code entry) the LR schedule is often its own, invisible here: unknown, not absent
+    state = attach(engine, block, client_scheduler=lr_scheduler if lr_scheduler is not None or _entry != "auto"
+                   else "the framework's")
     state.recipe = recipe
     loader = None
     if training_data is not None:
@@ -130,21 +134,29 @@ def _process_group(deepspeed, block, kwargs) -> None:
                           "timeout stays as it was; groups created from now on use distributed.collective_timeout_s",
                           stacklevel=3)
         return
-    env = os.environ
-    if d.fresh_store_per_attempt and "TORCHELASTIC_RESTART_COUNT" in env and "MASTER_ADDR" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        timeout = td or c10d.default_pg_timeout
-        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
-                              is_master=not agent_store and rank == 0, timeout=timeout,
-                              **({} if agent_store else {"multi_tenant": True}))
-        attempt = env["TORCHELASTIC_RESTART_COUNT"]
-        dist.init_process_group(_backend(), store=dist.PrefixStore(f"trainguard/attempt_{attempt}", store),
-                                rank=rank, world_size=world, timeout=timeout)
+    if d.fresh_store_per_attempt and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
+        store, rank, world, timeout = attempt_store(td or c10d.default_pg_timeout)
+        dist.init_process_group(_backend(), store=store, rank=rank, world_size=world, timeout=timeout)
         return
     extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
     if td is not None:
         deepspeed.init_distributed(timeout=td, **extra)
+
+
+def attempt_store(timeout):
+    """torchrun's store, under a prefix of this restart attempt's own: restarted gloo workers
+    otherwise meet the peer addresses the failed attempt left there ("Gloo connectFullMesh failed").
+    Returns ``(store, rank, world, timeout)`` for ``init_process_group``."""
+    import torch.distributed as dist
+
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          **({} if agent_store else {"multi_tenant": True}))
+    attempt = env["TORCHELASTIC_RESTART_COUNT"]
+    return dist.PrefixStore(f"trainguard/attempt_{attempt}", store), rank, world, timeout
 
 
 def _backend() -> str:

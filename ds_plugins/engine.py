@@ -16,10 +16,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import ScalerView
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
+from trainguard.data import DataPosition
 from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, scaled_lr, zero_adam_moments
 from trainguard.events import Action
 from trainguard.faults import FaultInjector
@@ -73,7 +75,9 @@ def _guarded_class(base: type) -> type:
                 return super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
                                                save_latest=save_latest,
                                                exclude_frozen_parameters=exclude_frozen_parameters)
-            cp.save(save_dir, tag=tag, client_state=client_state)
+            # no tag: DeepSpeed's own name (global_step<N>), which HF's resume and DeepSpeed's tools look for
+            cp.save(save_dir, tag=tag if tag is not None else f"global_step{self.global_steps}",
+                    client_state=client_state)
             return True
 
         def load_checkpoint(self, load_dir, tag=None, **kwargs):
@@ -139,6 +143,7 @@ class EngineGuard:
         self.heart = Heartbeat(self.rank)
         self.watchdog = None          # trainguard.watchdog.Watchdog, started by start_watchdog()
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
+        self._framework_batches = 0   # micro-batches of a framework's tagged loader (no epochs known)
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
@@ -214,7 +219,8 @@ class EngineGuard:
             else:
                 warmup = -1
         elif client_scheduler is not None:
-            name, warmup = type(client_scheduler).__name__, -1
+            name = client_scheduler if isinstance(client_scheduler, str) else type(client_scheduler).__name__
+            warmup = -1
         return RunFacts(dtype=self._dtype(), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
                         framework_clip=float(eng.gradient_clipping() or 0.0))
 
@@ -259,6 +265,12 @@ class EngineGuard:
     # ------------------------------------------------------------------ loop points
     def forward(self, base_forward, inputs, kwargs):
         step = self.step_number()
+        inputs, kwargs, ids, rejected = take_tags(inputs, kwargs)
+        if ids is not None and self.engine.module.training:  # a framework's loader, tagged (ds_plugins/loaders.py)
+            self._framework_batches += 1
+            self.on_batch(ids, DataPosition(epoch=-1, batch_in_epoch=self._framework_batches,
+                                            consumed_samples=int(getattr(self.engine, "global_samples", 0))),
+                          [tuple(r) for r in rejected])
         self.goodput.begin_step()
         self.heart.beat("forward", step)
         if self.faults is not None:

@@ -10,6 +10,10 @@
                                    under plain DeepSpeed, against a clean run; exit 0 when the goals hold
     trainguard ckpt list DIR | verify DIR [TAG] | inspect DIR TAG
                                    committed checkpoints: step, stable, size, checksums, lineage
+    trainguard run -- COMMAND [ARGS...]
+                                   run your launch command (torchrun, deepspeed, accelerate launch,
+                                   python) with the zero-code entry: every deepspeed.initialize of the
+                                   job whose config has an enabled block gets the full guard
     trainguard report LOG [--out DIR]
                                    PNG plots from a JSONL log (loss and events, gradient norm,
                                    loss scale and skipped steps, attention-entropy heatmap)
@@ -95,6 +99,31 @@ def _ckpt(args) -> int:
     return ck.ckpt_inspect(args.dir, args.tag)
 
 
+def _run(args) -> int:
+    """exec the command with ds_plugins' bootstrap first on PYTHONPATH (ds_plugins/_bootstrap)."""
+    import os
+    from pathlib import Path
+
+    import ds_plugins
+
+    command = list(args.command_line)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("trainguard run: give the command to run, e.g. trainguard run -- torchrun --nproc_per_node 8 "
+              "train.py --deepspeed ds_config.json", file=sys.stderr)
+        return 2
+    bootstrap = str(Path(ds_plugins.__file__).resolve().parent / "_bootstrap")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([bootstrap] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("TRAINGUARD_AUTO", "1")
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        print(f"trainguard run: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="trainguard", description="Keep DeepSpeed and Megatron runs alive.")
     ap.add_argument("--version", action="version", version=f"trainguard {__version__}")
@@ -116,6 +145,10 @@ def main(argv=None) -> int:
     dr.add_argument("--steps", type=int, default=1000, help="drill length (the fault schedule scales with it)")
     dr.add_argument("--out", default="trainguard-drill", help="where logs, checkpoints and drill.json go")
     dr.set_defaults(func=_drill)
+
+    rn = sub.add_parser("run", help="run a launch command with the zero-code entry (trainguard run -- torchrun ...)")
+    rn.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    rn.set_defaults(func=_run)
 
     r = sub.add_parser("report", help="PNG plots from a trainguard JSONL log")
     r.add_argument("log")

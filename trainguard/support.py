@@ -16,7 +16,10 @@ from pydantic import BaseModel
 
 from trainguard.errors import ConfigError
 
-ADAPTERS = ("ds_plugins", "megatron_hooks")
+# ds_plugins: initialize(training_data=...) (trainguard's loader); ds_plugins/framework: the zero-code
+# entry under HF Trainer / Accelerate (their loader, tagged: ds_plugins/loaders.py); ds_plugins/own:
+# initialize without training_data (your loader, which trainguard never sees)
+ADAPTERS = ("ds_plugins", "ds_plugins/framework", "ds_plugins/own", "megatron_hooks")
 
 _YOUR_LOADER = ("the data loader is yours (Megatron-LM's or your loop's), so trainguard never sees the samples; "
                 "check them in your dataset")
@@ -32,17 +35,24 @@ class Refusal:
 
 # key path (without "trainguard.") -> adapter -> why it is refused there. A path ending in "." covers
 # every key under it; "faults[].type" is checked per fault.
+_DATA = Refusal("shuffling, drop_last and the data position apply to the loader ds_plugins.initialize builds "
+                "(pass training_data to it)")
+_SKIP = Refusal("the loader is not trainguard's: a rollback cannot move it past the bad batches (it continues "
+                "past the batches already seen); set 0", inert=(0,))
+_OWN = ("your loader is not trainguard's, so trainguard never sees the samples: pass training_data to "
+        "ds_plugins.initialize, or check them in your dataset")
+
 REFUSED: dict[str, dict[str, Refusal]] = {
-    "sanitize.enabled": {"megatron_hooks": Refusal(_YOUR_LOADER, inert=(False,))},
-    "sanitize.": {"megatron_hooks": Refusal(_YOUR_LOADER, inert=(None,))},
-    "data.": {"megatron_hooks": Refusal("the data loader is yours: shuffling, drop_last and the data position apply "
-                                        "to the loader ds_plugins.initialize builds")},
+    "sanitize.enabled": {"megatron_hooks": Refusal(_YOUR_LOADER, inert=(False,)),
+                         "ds_plugins/own": Refusal(_OWN, inert=(False,))},
+    "sanitize.": {"megatron_hooks": Refusal(_YOUR_LOADER, inert=(None,)), "ds_plugins/own": Refusal(_OWN, inert=(None,))},
+    "data.": {"megatron_hooks": _DATA, "ds_plugins/framework": _DATA, "ds_plugins/own": _DATA},
     "distributed.collective_timeout_s": {"megatron_hooks": Refusal(_GROUPS_EXIST, inert=(None,))},
     "distributed.fresh_store_per_attempt": {"megatron_hooks": Refusal(
         "the default process group exists before install(): its store cannot be chosen any more", inert=(False,))},
     "recovery.skip_batches": {"megatron_hooks": Refusal(
         "your data iterator cannot be moved by a rollback (it continues past the batches already seen); set 0",
-        inert=(0,))},
+        inert=(0,)), "ds_plugins/framework": _SKIP, "ds_plugins/own": _SKIP},
     "checkpoint.async": {"megatron_hooks": Refusal(
         "snapshots are written synchronously (dist_checkpointing's async writer is not under the commit protocol "
         "yet)", inert=(False,))},

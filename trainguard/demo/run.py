@@ -63,15 +63,17 @@ def worker_pids(agent_pid: int) -> list[int]:
 
 def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, nproc: int = 2,
                extra: Sequence[str] = (), timeout: float = 300, log_name: str = "torchrun.log",
-               launcher: Sequence[str] = (), module: str = "trainguard.demo.worker") -> tuple[int, list[dict]]:
+               launcher: Sequence[str] = (), module: str = "trainguard.demo.worker",
+               prefix: Sequence[str] = ()) -> tuple[int, list[dict]]:
     """Run ``nproc`` ranks of trainguard.demo.worker; return ``(exit code, per-rank results)``.
 
     Bounded: the whole process group is killed after ``timeout`` seconds (exit code 124), so a
-    hung collective can never hang the caller.
+    hung collective can never hang the caller. ``prefix``: a command the launch runs under (e.g.
+    ``trainguard run --``).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
            "-m", module, *(["--config", str(config)] if config else []), "--steps", str(steps), "--out", str(out),
            *extra]
     with open(out / log_name, "w") as log:

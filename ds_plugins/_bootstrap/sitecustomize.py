@@ -1,0 +1,68 @@
+"""Put first on PYTHONPATH by ``trainguard run``, so that every Python process of the job (torchrun's
+workers, the deepspeed launcher's, accelerate launch's) loads trainguard's zero-code entry.
+
+It costs nothing until DeepSpeed or Accelerate is imported: only then is ``ds_plugins.auto``
+imported (which patches ``deepspeed.initialize``; ds_plugins/auto.py). The sitecustomize this one
+shadows, if the environment has one, still runs. ``TRAINGUARD_AUTO=0`` turns it off.
+"""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+_WATCHED = ("deepspeed", "accelerate")
+
+
+class _TrainguardBootstrap(importlib.abc.MetaPathFinder):
+    busy = False
+
+    def find_spec(self, name, path, target=None):
+        if name not in _WATCHED or self.busy:
+            return None
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        real = spec.loader
+
+        class _Then(importlib.abc.Loader):
+            def create_module(self, spec):
+                return real.create_module(spec)
+
+            def exec_module(self, module):
+                real.exec_module(module)
+                _load_entry()
+
+        spec.loader = _Then()
+        return spec
+
+
+def _load_entry():
+    try:
+        import ds_plugins.auto  # noqa: F401 - installs itself
+    except Exception as e:  # noqa: BLE001 - never break the user's job from here
+        print(f"trainguard: the zero-code entry could not be loaded: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _chain():
+    """Run the sitecustomize this file shadows (the next one on sys.path), as Python would have."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if os.path.abspath(entry or os.getcwd()) == here:
+            continue
+        candidate = os.path.join(entry or os.getcwd(), "sitecustomize.py")
+        if os.path.isfile(candidate):
+            spec = importlib.util.spec_from_file_location("_trainguard_shadowed_sitecustomize", candidate)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return
+
+
+if os.environ.get("TRAINGUARD_AUTO", "1") != "0":
+    if any(name in sys.modules for name in _WATCHED):
+        _load_entry()
+    sys.meta_path.insert(0, _TrainguardBootstrap())
+_chain()

@@ -1,0 +1,187 @@
+"""The zero-code entry: trainguard inside every ``deepspeed.initialize`` of the job.
+
+Switched on by ``trainguard run -- <your launch command>`` (which puts a ``sitecustomize`` on the
+workers' path: torchrun, the ``deepspeed`` launcher and ``accelerate launch`` all pass it on) or by
+one line, ``import ds_plugins.auto``, before the engine is built. From then on:
+
+- ``deepspeed.initialize`` -- called by you, by Hugging Face's Trainer or by Accelerate (which look
+  it up at call time) -- goes through :func:`ds_plugins.initialize` when its config has an enabled
+  ``"trainguard"`` block and the engine gets an optimizer: the full guard (watchdog, collective
+  timeouts for the groups created from then on, automatic resume, the bf16-fallback recipe, ...).
+  Without the block, with ``"enabled": false``, or for an engine without an optimizer
+  (evaluation, inference), it is DeepSpeed's own call, untouched. trainguard's own call to
+  ``deepspeed.initialize`` inside ``ds_plugins.initialize`` is never re-entered.
+- under torchrun, a *restarted* attempt creates its default process group on a store prefix of its
+  own, whoever creates it (the Trainer does, before any engine exists): restarted gloo workers
+  otherwise meet the addresses the failed attempt left in the store ("Gloo connectFullMesh
+  failed"). The first attempt is left exactly as it is.
+- a training loader that Accelerate prepares (the Trainer's included) while the DeepSpeed config
+  holds an enabled block is *tagged*: each batch carries its samples' dataset indices (and the
+  sanitiser runs in its collate function), and the guarded engine takes them out again before the
+  model sees the batch, so events name the culprit samples as with trainguard's own loader
+  (ds_plugins/loaders.py).
+
+Nothing is imported early: the patches wait until ``deepspeed`` / ``accelerate`` are imported.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+import threading
+
+_state = threading.local()
+_WATCHED = ("deepspeed", "accelerate.accelerator")
+
+
+def install() -> None:
+    """Patch now what is imported, and the rest when it is (idempotent)."""
+    _patch_init_process_group()
+    for name in _WATCHED:
+        module = sys.modules.get(name)
+        if module is not None:
+            _PATCHES[name](module)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def installed() -> bool:
+    ds = sys.modules.get("deepspeed")
+    return ds is not None and getattr(ds.initialize, "_trainguard", False)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Runs the patch right after a watched module has executed (nothing is imported early)."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _WATCHED or getattr(_state, "finding", False):
+            return None
+        _state.finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            _state.finding = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        real_exec = loader.exec_module
+
+        class _Patching(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                real_exec(module)
+                _PATCHES[name](module)
+
+        spec.loader = _Patching()
+        return spec
+
+
+# ---------------------------------------------------------------------------------- deepspeed
+def _patch_deepspeed(ds) -> None:
+    if getattr(ds.initialize, "_trainguard", False):
+        return
+    original = ds.initialize
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        if getattr(_state, "inside", False):  # trainguard's own call, from ds_plugins.initialize
+            return original(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        if not _wants_guard(bound):
+            return original(*args, **kwargs)
+        import ds_plugins
+
+        _state.inside = True
+        try:
+            return ds_plugins.initialize(**bound, _entry="auto")
+        finally:
+            _state.inside = False
+
+    initialize._trainguard = True
+    initialize._trainguard_original = original
+    ds.initialize = initialize
+
+
+def _wants_guard(bound: dict) -> bool:
+    """An enabled block, and an engine that will train (an optimizer, given or configured)."""
+    from ds_plugins import _raw_config
+    from trainguard import config as tg_config
+
+    ds_dict, block = tg_config.load(_raw_config(bound.get("args"), bound.get("config"), bound.get("config_params")))
+    if block is None or not block.enabled:
+        return False
+    configured = isinstance(ds_dict, dict) and "optimizer" in ds_dict
+    return bound.get("optimizer") is not None or bound.get("model_parameters") is not None or configured
+
+
+# ---------------------------------------------------------------------------------- process group
+def _patch_init_process_group() -> None:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if getattr(dist.init_process_group, "_trainguard", False):
+        return
+    original = c10d.init_process_group
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        import os
+
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        env = os.environ
+        restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        if (restarted and "MASTER_ADDR" in env and "RANK" in env and bound.get("store") is None
+                and bound.get("init_method") in (None, "env://") and env.get("TRAINGUARD_FRESH_STORE", "1") != "0"):
+            from ds_plugins import attempt_store
+
+            store, rank, world, timeout = attempt_store(bound.get("timeout") or c10d.default_pg_timeout)
+            bound.update(store=store, rank=rank, world_size=world, timeout=timeout)
+            bound.pop("init_method", None)
+        return original(**bound)
+
+    init_process_group._trainguard = True
+    dist.init_process_group = init_process_group
+    c10d.init_process_group = init_process_group
+
+
+# ---------------------------------------------------------------------------------- accelerate
+def _patch_accelerate(module) -> None:
+    acc = module.Accelerator
+    if getattr(acc.prepare_data_loader, "_trainguard", False):
+        return
+    original = acc.prepare_data_loader
+
+    @functools.wraps(original)
+    def prepare_data_loader(self, data_loader, *args, **kwargs):
+        block = _block_of(self)
+        if block is not None:
+            from ds_plugins.loaders import tag_loader
+
+            tag_loader(data_loader, block.sanitize)
+        return original(self, data_loader, *args, **kwargs)
+
+    prepare_data_loader._trainguard = True
+    acc.prepare_data_loader = prepare_data_loader
+
+
+def _block_of(accelerator):
+    """The enabled trainguard block of an Accelerator's DeepSpeed config, else None."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    raw = getattr(plugin, "deepspeed_config", None) if plugin is not None else None
+    if not isinstance(raw, dict) or "trainguard" not in raw:
+        return None
+    from trainguard import config as tg_config
+
+    block = tg_config.parse_block(raw["trainguard"])
+    return block if block.enabled else None
+
+
+_PATCHES = {"deepspeed": _patch_deepspeed, "accelerate.accelerator": _patch_accelerate}
+
+install()

@@ -1,0 +1,110 @@
+"""Sample ids for loaders a framework builds (Hugging Face's Trainer, Accelerate).
+
+trainguard's own loader (``ds_plugins.initialize(training_data=...)``) knows every batch's dataset
+indices. A loader somebody else built does not say, and a batch travels a long way from its
+sampler to the model: worker processes, prefetching (torch's and Accelerate's one batch ahead),
+device transfer. So the ids travel *inside* the batch: the loader's dataset is wrapped to hand
+out ``(index, sample)`` pairs, its collate function to unwrap them, run the sanitiser (it drops
+rejected samples, or fails, as configured) and add the indices under :data:`TAG`; the guarded
+engine takes them out of the batch before the model sees it (ds_plugins/engine.py). Order,
+workers and prefetching cannot mix them up.
+
+What does not carry over to such a loader (the framework owns it): trainguard's shuffling and
+data position (``data.*``), moving past bad batches on a rollback (``recovery.skip_batches``) and
+the quarantine of sample ids in later epochs -- refused or documented (trainguard/support.py).
+"""
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, Callable
+
+TAG = "trainguard_sample_ids"
+REJECTED = "trainguard_rejected"
+
+
+class _Tagged:
+    __slots__ = ("index", "item")
+
+    def __init__(self, index, item):
+        self.index, self.item = index, item
+
+
+class TaggedDataset:
+    """A map-style dataset whose items come with their index (picklable: workers get a copy)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return _Tagged(int(index), self.dataset[index])
+
+    def __getitems__(self, indices):
+        many = getattr(self.dataset, "__getitems__", None)
+        items = many(indices) if many is not None else [self.dataset[i] for i in indices]
+        return [_Tagged(int(i), x) for i, x in zip(indices, items)]
+
+    def __getattr__(self, name):  # (what the framework asks of the dataset: features, column names, ...)
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class TaggingCollate:
+    def __init__(self, collate_fn: Callable, sanitize_cfg=None):
+        self.collate_fn = collate_fn
+        self.sanitize_cfg = sanitize_cfg
+
+    def __call__(self, items: list) -> Any:
+        if not items or not isinstance(items[0], _Tagged):
+            return self.collate_fn(items)
+        ids, samples = [t.index for t in items], [t.item for t in items]
+        rejected: list = []
+        cfg = self.sanitize_cfg
+        if cfg is not None:
+            from trainguard.sanitize import active, sanitize
+
+            if active(cfg):
+                ids, samples, rejected = sanitize(ids, samples, cfg)
+        batch = self.collate_fn(samples)
+        if isinstance(batch, MutableMapping):
+            batch[TAG] = ids
+            if rejected:
+                batch[REJECTED] = rejected
+        return batch
+
+
+def tag_loader(loader, sanitize_cfg=None) -> bool:
+    """Tag a torch DataLoader in place (before Accelerate rebuilds it from its dataset and collate
+    function). Returns whether it could: iterable datasets and loaders without automatic batching
+    carry no indices."""
+    import torch.utils.data as tud
+
+    if not isinstance(loader, tud.DataLoader) or getattr(loader, "_trainguard_tagged", False):
+        return False
+    if isinstance(loader.dataset, tud.IterableDataset) or loader.batch_size is None and loader.batch_sampler is None:
+        return False
+    # DataLoader refuses to change its dataset after __init__; the iterators read it afresh
+    object.__setattr__(loader, "dataset", TaggedDataset(loader.dataset))
+    loader.collate_fn = TaggingCollate(loader.collate_fn, sanitize_cfg)
+    object.__setattr__(loader, "_trainguard_tagged", True)
+    return True
+
+
+def take_tags(inputs: tuple, kwargs: dict) -> tuple[tuple, dict, list | None, list]:
+    """Take the tags out of a forward call's batch: ``model(**batch)`` or ``model(batch)``."""
+    ids, rejected = None, []
+    if TAG in kwargs:
+        kwargs = dict(kwargs)
+        ids = kwargs.pop(TAG)
+        rejected = kwargs.pop(REJECTED, [])
+    elif inputs and isinstance(inputs[0], MutableMapping) and TAG in inputs[0]:
+        batch = inputs[0].copy() if hasattr(inputs[0], "copy") else dict(inputs[0])
+        ids = batch.pop(TAG)
+        rejected = batch.pop(REJECTED, [])
+        inputs = (batch, *inputs[1:])
+    if ids is not None and hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return inputs, kwargs, (list(ids) if ids is not None else None), list(rejected)
