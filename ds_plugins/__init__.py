@@ -100,7 +100,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                sanitize_cfg=block.sanitize,
                                sample_hook=state.sample_hook if state.faults is not None else None)
         state.loader = loader
-    _auto_resume(engine, state, block)
+    if _entry != "auto":  # under a framework (HF Trainer, Accelerate) resuming is the framework's (ds_plugins/auto.py)
+        _auto_resume(engine, state, block)
     state.start_watchdog()
     return engine, opt, loader, scheduler
 

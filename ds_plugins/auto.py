@@ -15,6 +15,12 @@ one line, ``import ds_plugins.auto``, before the engine is built. From then on:
   own, whoever creates it (the Trainer does, before any engine exists): restarted gloo workers
   otherwise meet the addresses the failed attempt left in the store ("Gloo connectFullMesh
   failed"). The first attempt is left exactly as it is.
+- ``Trainer.train()`` (or ``train(resume_from_checkpoint=True)``) resumes from the newest
+  ``checkpoint-N`` in ``output_dir`` whose DeepSpeed checkpoint *verifies* (``checkpoint.resume``:
+  "latest_valid", or "stable"; "none": HF decides as before): a job restarted by torchrun picks up
+  where it was, past a torn or corrupted newest checkpoint. HF owns the rest of its resume (its
+  trainer state, scheduler, data skipping); trainguard's own resume at initialize stays off under a
+  framework, which would otherwise move the engine without the framework's loop.
 - a training loader that Accelerate prepares (the Trainer's included) while the DeepSpeed config
   holds an enabled block is *tagged*: each batch carries its samples' dataset indices (and the
   sanitiser runs in its collate function), and the guarded engine takes them out again before the
@@ -33,7 +39,7 @@ import sys
 import threading
 
 _state = threading.local()
-_WATCHED = ("deepspeed", "accelerate.accelerator")
+_WATCHED = ("deepspeed", "accelerate.accelerator", "transformers.trainer")
 
 
 def install() -> None:
@@ -182,6 +188,69 @@ def _block_of(accelerator):
     return block if block.enabled else None
 
 
-_PATCHES = {"deepspeed": _patch_deepspeed, "accelerate.accelerator": _patch_accelerate}
+# ---------------------------------------------------------------------------------- HF Trainer
+def _patch_trainer(module) -> None:
+    trainer = module.Trainer
+    if getattr(trainer.train, "_trainguard", False):
+        return
+    original = trainer.train
+
+    @functools.wraps(original)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        block = _block_of_args(self.args)
+        if block is not None and block.checkpoint.resume != "none" and resume_from_checkpoint in (None, True):
+            chosen = _verified_hf_checkpoint(self.args.output_dir, block.checkpoint.resume)
+            if chosen is not None:
+                resume_from_checkpoint = chosen
+        return original(self, resume_from_checkpoint, *args, **kwargs)
+
+    train._trainguard = True
+    trainer.train = train
+
+
+def _block_of_args(args):
+    """The enabled block of a TrainingArguments' DeepSpeed config (a path or a dict), else None."""
+    raw = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or getattr(args, "deepspeed", None)
+    if not raw:
+        return None
+    from trainguard import config as tg_config
+
+    _, block = tg_config.load(raw)
+    return block if block is not None and block.enabled else None
+
+
+def _verified_hf_checkpoint(output_dir: str, mode: str) -> str | None:
+    """trainguard's automatic resume under the Trainer: the newest ``checkpoint-N`` whose DeepSpeed
+    checkpoint verifies against its manifest (and is stable, in "stable" mode) -- HF's own choice
+    is the newest by name, torn or not. Rank 0 decides, every rank learns. None: no checkpoint
+    trainguard wrote is there (HF decides as usual)."""
+    import os
+    import re
+
+    from trainguard.checkpoint.layout import STABLE, CheckpointLayout
+    from trainguard.checkpoint.manifest import verify
+    from trainguard.isolation import broadcast_from_rank0
+
+    def choose():
+        if not os.path.isdir(output_dir):
+            return None
+        found = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
+                       if (m := re.fullmatch(r"checkpoint-(\d+)", name)))
+        for _, name in reversed(found):
+            layout = CheckpointLayout(os.path.join(output_dir, name))
+            tags = layout.tags()
+            if tags and verify(layout.tag_dir(tags[-1])).ok and (
+                    mode != "stable" or (layout.tag_dir(tags[-1]) / STABLE).exists()):
+                return os.path.join(output_dir, name)
+        return None
+
+    import torch.distributed as dist
+
+    mine = choose() if not dist.is_initialized() or dist.get_rank() == 0 else None
+    return broadcast_from_rank0(mine) if dist.is_initialized() else mine
+
+
+_PATCHES = {"deepspeed": _patch_deepspeed, "accelerate.accelerator": _patch_accelerate,
+            "transformers.trainer": _patch_trainer}
 
 install()
