@@ -41,7 +41,8 @@ setup(
         "deepspeed": ["deepspeed>=0.16,<0.20"],
         "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
         "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6", "wandb>=0.17"],
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6"],
+        # the zero-code entry is tested under Hugging Face's Trainer and Accelerate (tested: 5.24 / 1.15)
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", "transformers>=5,<6", "accelerate>=1.15,<2"],
     },
     entry_points={"console_scripts": ["trainguard=trainguard.cli:main"]},
     classifiers=[

@@ -35,12 +35,30 @@ def trainer(tmp_path, name, block, *extra, steps=10, prefix=PREFIX, launcher=(),
     return rc, results, lines
 
 
-def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(tmp_path, launcher):
     """Sample 13 holds a NaN (in the data: nothing injected); rank 1 reads it at step 3 (HF's
     seeded sampler). The event names rank 1, its coordinates and the sample ids of its batch --
     carried from the Trainer's own DataLoader through Accelerate to the engine -- and the first
-    module whose output went non-finite; every rank skipped that step; the weights stay finite."""
-    _, results, lines = trainer(tmp_path, "dirty", {}, "--nan-sample", "13")
+    module whose output went non-finite; every rank skipped that step; the weights stay finite.
+    Launched by torchrun, and by the deepspeed launcher."""
+    if launcher == "torchrun":
+        _, results, lines = trainer(tmp_path, "dirty", {}, "--nan-sample", "13")
+    else:
+        import os
+        import socket
+
+        with socket.socket() as sock:  # a free port for the launcher's rendezvous (its default is a fixed 29500)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = tmp_path / "dirty"
+        out.mkdir()
+        (out / "ds_config.json").write_text(json.dumps({**DS, "trainguard": {"metrics": {
+            "jsonl": str(out / "trainguard.jsonl")}}}))
+        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        results, lines = launch(out, [*PREFIX, deepspeed, "--num_gpus", "2", "--master_port", str(port),
+                                      "--module", "tests.support.hf_worker", "--config", str(out / "ds_config.json"),
+                                      "--steps", "10", "--out", str(out), "--nan-sample", "13", "--bf16"])
     (e,) = [x for x in lines if x.get("event") == "nonfinite"]
     assert e["step"] == 3 and e["ranks"] == [1] and e["action"] == "skip_step"
     named = e["detail"]["per_rank"]["1"]
@@ -88,3 +106,72 @@ def test_the_watchdog_names_a_hung_rank_in_a_trainer_run(tmp_path):
     (hang,) = [x for x in lines if x.get("event") == "hang_detected"]
     assert hang["ranks"] == [1] and hang["detail"]["culprits"][0]["rank"] == 1
     assert hang["detail"]["exit_code"] == 75
+
+
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds}
+  zero3_init_flag: false
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+use_cpu: false
+"""
+
+
+def accelerate(tmp_path, name, block, *extra, prefix=PREFIX):
+    """``[trainguard run --] accelerate launch --config_file acc.yaml -m tests.support.accelerate_worker``."""
+    import subprocess
+
+    from trainguard.demo.run import kill_tree, torchrun_env
+
+    out = tmp_path / name
+    out.mkdir()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": 2}}
+    if block is not None:
+        cfg["trainguard"] = {"metrics": {"jsonl": str(out / "trainguard.jsonl"), "per_rank": True}, **block}
+    (out / "ds.json").write_text(json.dumps(cfg))
+    (out / "acc.yaml").write_text(ACCELERATE_YAML.format(ds=out / "ds.json"))
+    return launch(out, [*prefix, sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                        str(out / "acc.yaml"), "-m", "tests.support.accelerate_worker", "--steps", "10", "--out",
+                        str(out), *extra])
+
+
+def launch(out, cmd):
+    """Run a launch command (bounded: its process tree is killed after 300 s); must succeed.
+    Returns (per-rank results, the run's trainguard.jsonl lines)."""
+    import subprocess
+
+    from trainguard.demo.run import kill_tree, torchrun_env
+
+    with open(out / "launch.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            rc = 124
+    assert rc == 0, (out / "launch.log").read_text()[-4000:]
+    results = [json.loads((out / f"result.rank{r}.json").read_text()) for r in (0, 1)]
+    lines = read(out / "trainguard.jsonl") if (out / "trainguard.jsonl").exists() else []
+    return results, lines
+
+
+def test_accelerate_launch_with_the_block_in_its_deepspeed_config(tmp_path):
+    """A plain Accelerate loop (accelerator.prepare / backward / optimizer.step) launched by
+    ``accelerate launch`` with a DeepSpeed plugin config that holds the block: guarded, the dirty
+    sample named with its id (Accelerate on CPU does not shard this loader: both ranks read sample
+    126 at step 3, and both are named), the step skipped; without the block, bit-identical."""
+    results, lines = accelerate(tmp_path, "dirty", {}, "--nan-sample", "126")
+    (e,) = [x for x in lines if x.get("event") == "nonfinite"]
+    assert e["step"] == 3 and e["ranks"] == [0, 1] and e["action"] == "skip_step"
+    assert all(126 in e["detail"]["per_rank"][str(r)]["sample_ids"] for r in (0, 1))
+    assert all(r["engine_class"] == "TrainguardDeepSpeedEngine" and r["skipped_steps"] == 1 and r["weights_finite"]
+               for r in results)
+    plain, _ = accelerate(tmp_path, "plain", None, prefix=())
+    prefixed, _ = accelerate(tmp_path, "prefixed", None)
+    for a, b in zip(plain, prefixed):
+        assert a["losses"] == b["losses"] and a["param_sha256"] == b["param_sha256"]
+        assert a["engine_class"] == b["engine_class"] == "DeepSpeedEngine"

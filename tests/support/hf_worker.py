@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--save-steps", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True when output_dir has one")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--local_rank", type=int, help="(the deepspeed launcher passes it)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
