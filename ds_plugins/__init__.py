@@ -88,6 +88,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     state = attach(engine, block, client_scheduler=lr_scheduler if lr_scheduler is not None or _entry != "auto"
                    else "the framework's")
     state.recipe = recipe
+    state.entry = _entry
     loader = None
     if training_data is not None:
         import torch.distributed as dist

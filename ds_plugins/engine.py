@@ -144,6 +144,7 @@ class EngineGuard:
         self.watchdog = None          # trainguard.watchdog.Watchdog, started by start_watchdog()
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._framework_batches = 0   # micro-batches of a framework's tagged loader (no epochs known)
+        self.entry = "initialize"     # "auto": built by a framework through the zero-code entry (ds_plugins/auto.py)
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
@@ -381,6 +382,11 @@ class EngineGuard:
         from ds_plugins.precision import FallbackUnavailable as Unavailable
         from ds_plugins.precision import fallback_to_bf16
 
+        if self.entry == "auto":
+            raise FallbackUnavailable(
+                "the engine was built by a framework (HF Trainer / Accelerate), whose optimizer and scheduler wrappers "
+                "would keep pointing at the fp16 engine's; restart from the newest checkpoint with bf16 enabled in "
+                "your ds_config (or leave bf16_fallback out of recovery.ladders.loss_scale)")
         try:
             return self._rebuilt(lambda: fallback_to_bf16(self.engine, self.recipe))
         except Unavailable as e:

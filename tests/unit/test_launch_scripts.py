@@ -8,7 +8,7 @@ LAUNCH = ROOT / "scripts" / "launch"
 
 
 def test_scripts_parse():
-    for folder in (LAUNCH, ROOT / "scripts" / "megatron"):
+    for folder in (LAUNCH, ROOT / "scripts" / "megatron", ROOT / "scripts" / "gpu"):
         for script in (p for p in folder.iterdir() if p.is_file()):
             if script.suffix == ".py":
                 compile(script.read_text(), str(script), "exec")  # (no .pyc left in the tree)
