@@ -184,7 +184,10 @@ def attach(engine, block: dict | tg_config.TrainguardConfig):
     """Guard an engine that was built by ``deepspeed.initialize`` (when you cannot change that call)."""
     from ds_plugins.engine import attach as _attach
 
+    from trainguard.support import check_supported
+
     cfg = block if isinstance(block, tg_config.TrainguardConfig) else tg_config.parse_block(block)
+    check_supported(cfg, "ds_plugins/own")  # (your loader: no sanitiser, data position or skipping)
     return _attach(engine, cfg)
 
 

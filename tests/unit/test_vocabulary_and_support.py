@@ -216,3 +216,19 @@ def test_custom_detectors_and_sinks_by_type(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("trainguard.metrics.sinks[0].type") + ".*registered name"):
         g = StepGuard(parse_block({"metrics": {"sinks": [{"type": "statsd"}]}}), rank=0, world=1)
         g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
+
+
+def test_the_zero_code_entry_guards_only_training_engines_with_an_enabled_block():
+    """deepspeed.initialize goes through ds_plugins.initialize only with an enabled block and an
+    optimizer (given, as parameters, or configured); otherwise it is DeepSpeed's own call."""
+    from ds_plugins.auto import _wants_guard
+
+    block = {"trainguard": {}}
+    assert not _wants_guard({"config": {"zero_optimization": {"stage": 2}}, "optimizer": object()})  # no block
+    assert not _wants_guard({"config": {"trainguard": {"enabled": False}}, "optimizer": object()})
+    assert not _wants_guard({"config_params": dict(block)})  # evaluation / inference: no optimizer
+    assert _wants_guard({"config_params": dict(block), "optimizer": object()})
+    assert _wants_guard({"config": dict(block), "model_parameters": []})
+    assert _wants_guard({"config": {**block, "optimizer": {"type": "AdamW"}}})
+    with pytest.raises(ConfigError, match="detectors.nonfinite.actoin"):  # a bad block still fails fast
+        _wants_guard({"config": {"trainguard": {"detectors": {"nonfinite": {"actoin": 1}}}}, "optimizer": object()})
