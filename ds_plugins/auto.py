@@ -32,11 +32,11 @@ Nothing is imported early: the patches wait until ``deepspeed`` / ``accelerate``
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import inspect
 import sys
 import threading
+
+from ds_plugins._bootstrap._trainguard_hook import AfterImport
 
 _state = threading.local()
 _WATCHED = ("deepspeed", "accelerate.accelerator", "transformers.trainer")
@@ -49,8 +49,8 @@ def install() -> None:
         module = sys.modules.get(name)
         if module is not None:
             _PATCHES[name](module)
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    if not any(getattr(f, "names", None) == _WATCHED for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(_WATCHED, lambda name, module: _PATCHES[name](module)))
 
 
 def installed() -> bool:
@@ -58,59 +58,37 @@ def installed() -> bool:
     return ds is not None and getattr(ds.initialize, "_trainguard", False)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Runs the patch right after a watched module has executed (nothing is imported early)."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in _WATCHED or getattr(_state, "finding", False):
-            return None
-        _state.finding = True
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            _state.finding = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-        real_exec = loader.exec_module
-
-        class _Patching(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                real_exec(module)
-                _PATCHES[name](module)
-
-        spec.loader = _Patching()
-        return spec
+def _wrap(owner, attr: str, make) -> None:
+    """Replace ``owner.attr`` by ``make(original)`` once (marked, so a second install is a no-op)."""
+    original = getattr(owner, attr)
+    if getattr(original, "_trainguard", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._trainguard = True
+    setattr(owner, attr, wrapper)
 
 
 # ---------------------------------------------------------------------------------- deepspeed
 def _patch_deepspeed(ds) -> None:
-    if getattr(ds.initialize, "_trainguard", False):
-        return
-    original = ds.initialize
-    signature = inspect.signature(original)
+    def make(original):
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def initialize(*args, **kwargs):
-        if getattr(_state, "inside", False):  # trainguard's own call, from ds_plugins.initialize
-            return original(*args, **kwargs)
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        if not _wants_guard(bound):
-            return original(*args, **kwargs)
-        import ds_plugins
+        def initialize(*args, **kwargs):
+            if getattr(_state, "inside", False):  # trainguard's own call, from ds_plugins.initialize
+                return original(*args, **kwargs)
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            if not _wants_guard(bound):
+                return original(*args, **kwargs)
+            import ds_plugins
 
-        _state.inside = True
-        try:
-            return ds_plugins.initialize(**bound, _entry="auto")
-        finally:
-            _state.inside = False
+            _state.inside = True
+            try:
+                return ds_plugins.initialize(**bound, _entry="auto")
+            finally:
+                _state.inside = False
+        return initialize
 
-    initialize._trainguard = True
-    initialize._trainguard_original = original
-    ds.initialize = initialize
+    _wrap(ds, "initialize", make)
 
 
 def _wants_guard(bound: dict) -> bool:
@@ -130,50 +108,42 @@ def _patch_init_process_group() -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    if getattr(dist.init_process_group, "_trainguard", False):
-        return
-    original = c10d.init_process_group
-    signature = inspect.signature(original)
+    def make(original):
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def init_process_group(*args, **kwargs):
-        import os
+        def init_process_group(*args, **kwargs):
+            import os
 
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        env = os.environ
-        restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        if (restarted and "MASTER_ADDR" in env and "RANK" in env and bound.get("store") is None
-                and bound.get("init_method") in (None, "env://") and env.get("TRAINGUARD_FRESH_STORE", "1") != "0"):
-            from ds_plugins import attempt_store
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            env = os.environ
+            restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+            if (restarted and "MASTER_ADDR" in env and "RANK" in env and bound.get("store") is None
+                    and bound.get("init_method") in (None, "env://") and env.get("TRAINGUARD_FRESH_STORE", "1") != "0"):
+                from ds_plugins import attempt_store
 
-            store, rank, world, timeout = attempt_store(bound.get("timeout") or c10d.default_pg_timeout)
-            bound.update(store=store, rank=rank, world_size=world, timeout=timeout)
-            bound.pop("init_method", None)
-        return original(**bound)
+                store, rank, world, timeout = attempt_store(bound.get("timeout") or c10d.default_pg_timeout)
+                bound.update(store=store, rank=rank, world_size=world, timeout=timeout)
+                bound.pop("init_method", None)
+            return original(**bound)
+        return init_process_group
 
-    init_process_group._trainguard = True
-    dist.init_process_group = init_process_group
-    c10d.init_process_group = init_process_group
+    _wrap(c10d, "init_process_group", make)
+    dist.init_process_group = c10d.init_process_group
 
 
 # ---------------------------------------------------------------------------------- accelerate
 def _patch_accelerate(module) -> None:
-    acc = module.Accelerator
-    if getattr(acc.prepare_data_loader, "_trainguard", False):
-        return
-    original = acc.prepare_data_loader
+    def make(original):
+        def prepare_data_loader(self, data_loader, *args, **kwargs):
+            block = _block_of(self)
+            if block is not None:
+                from ds_plugins.loaders import tag_loader
 
-    @functools.wraps(original)
-    def prepare_data_loader(self, data_loader, *args, **kwargs):
-        block = _block_of(self)
-        if block is not None:
-            from ds_plugins.loaders import tag_loader
+                tag_loader(data_loader, block.sanitize)
+            return original(self, data_loader, *args, **kwargs)
+        return prepare_data_loader
 
-            tag_loader(data_loader, block.sanitize)
-        return original(self, data_loader, *args, **kwargs)
-
-    prepare_data_loader._trainguard = True
-    acc.prepare_data_loader = prepare_data_loader
+    _wrap(module.Accelerator, "prepare_data_loader", make)
 
 
 def _block_of(accelerator):
@@ -190,22 +160,17 @@ def _block_of(accelerator):
 
 # ---------------------------------------------------------------------------------- HF Trainer
 def _patch_trainer(module) -> None:
-    trainer = module.Trainer
-    if getattr(trainer.train, "_trainguard", False):
-        return
-    original = trainer.train
+    def make(original):
+        def train(self, resume_from_checkpoint=None, *args, **kwargs):
+            block = _block_of_args(self.args)
+            if block is not None and block.checkpoint.resume != "none" and resume_from_checkpoint in (None, True):
+                chosen = _verified_hf_checkpoint(self.args.output_dir, block.checkpoint.resume)
+                if chosen is not None:
+                    resume_from_checkpoint = chosen
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        return train
 
-    @functools.wraps(original)
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        block = _block_of_args(self.args)
-        if block is not None and block.checkpoint.resume != "none" and resume_from_checkpoint in (None, True):
-            chosen = _verified_hf_checkpoint(self.args.output_dir, block.checkpoint.resume)
-            if chosen is not None:
-                resume_from_checkpoint = chosen
-        return original(self, resume_from_checkpoint, *args, **kwargs)
-
-    train._trainguard = True
-    trainer.train = train
+    _wrap(module.Trainer, "train", make)
 
 
 def _block_of_args(args):

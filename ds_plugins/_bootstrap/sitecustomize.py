@@ -5,42 +5,16 @@ It costs nothing until DeepSpeed or Accelerate is imported: only then is ``ds_pl
 imported (which patches ``deepspeed.initialize``; ds_plugins/auto.py). The sitecustomize this one
 shadows, if the environment has one, still runs. ``TRAINGUARD_AUTO=0`` turns it off.
 """
-import importlib.abc
 import importlib.util
 import os
 import sys
 
+from _trainguard_hook import AfterImport  # (a sibling: this folder is on sys.path)
+
 _WATCHED = ("deepspeed", "accelerate")
 
 
-class _TrainguardBootstrap(importlib.abc.MetaPathFinder):
-    busy = False
-
-    def find_spec(self, name, path, target=None):
-        if name not in _WATCHED or self.busy:
-            return None
-        self.busy = True
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self.busy = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        real = spec.loader
-
-        class _Then(importlib.abc.Loader):
-            def create_module(self, spec):
-                return real.create_module(spec)
-
-            def exec_module(self, module):
-                real.exec_module(module)
-                _load_entry()
-
-        spec.loader = _Then()
-        return spec
-
-
-def _load_entry():
+def _load_entry():  # (ds_plugins.auto installs itself once; later imports are no-ops)
     try:
         import ds_plugins.auto  # noqa: F401 - installs itself
     except Exception as e:  # noqa: BLE001 - never break the user's job from here
@@ -64,5 +38,5 @@ def _chain():
 if os.environ.get("TRAINGUARD_AUTO", "1") != "0":
     if any(name in sys.modules for name in _WATCHED):
         _load_entry()
-    sys.meta_path.insert(0, _TrainguardBootstrap())
+    sys.meta_path.insert(0, AfterImport(_WATCHED, lambda name, module: _load_entry()))
 _chain()
