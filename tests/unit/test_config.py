@@ -109,9 +109,14 @@ def example_configs(root):
 def test_every_example_config_validates(root):
     files = example_configs(root) + [root / "trainguard" / "demo" / "demo.json"]
     assert len(files) >= 3
+    from trainguard.support import check_supported
+
     for f in files:
         ds, block = tg.load(f)
         assert block is not None, f
+        # and the adapter it is an example for honours every key it sets
+        adapter = "megatron_hooks" if "megatron" in f.name else "ds_plugins/framework" if "hf" in f.name else "ds_plugins"
+        check_supported(block, adapter)
 
 
 def test_cli_validate_ok_and_error(root, tmp_path):
