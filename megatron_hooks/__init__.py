@@ -35,7 +35,11 @@ passes in eval mode (``model.eval()``, as Megatron-LM's ``evaluate`` does) are i
 
 Megatron-LM: :func:`extra_args_provider` adds ``--trainguard-config FILE``.
 
-Snapshots: ``guard.checkpointer.save(dir, data_state=...)`` / ``.load(dir)`` (megatron_hooks.checkpoint).
+Snapshots: ``guard.checkpointer.save(dir, data_state=...)`` / ``.load(dir)`` (megatron_hooks.checkpoint);
+with ``checkpoint.dir`` and ``checkpoint.every_steps`` the guard saves by itself (with what
+``install(data_state=callable)`` returns) and resumes at ``install`` (``guard.iteration``,
+``guard.resumed_data_state``). The step sequence is trainguard.driver's, as on DeepSpeed; keys this
+adapter cannot apply are refused at ``install`` (trainguard.support).
 
 The watchdog (``distributed.watchdog``) runs as on the DeepSpeed path: heartbeats, a hung rank
 named, stacks, exit 75 for a restart.
