@@ -1,14 +1,22 @@
 """The fire drill (issues 5 and 7): 1,000 steps, 2 ranks, ZeRO-2 fp16, a schedule of faults -- a
 killed and a hung rank among them, under torchrun --max-restarts=2; trainguard against plain
-DeepSpeed and a fault-free run with the same seeds and data (~3 minutes)."""
+DeepSpeed and a fault-free run with the same seeds and data.
+
+A benchmark-length run (four 1,000-step runs: ~8 minutes on the 2-core machines of 2026-11-30,
+past pytest's 600 s here): it runs when TRAINGUARD_DRILL=1, as does ``trainguard drill`` /
+``python bench/fire_drill.py``; the suite's default run leaves it out (issue 15 asks for a short
+drill that checks every row in its place)."""
 import io
 import json
+import os
 
 import pytest
 
 from trainguard.drill import drill
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800),
+              pytest.mark.skipif(os.environ.get("TRAINGUARD_DRILL") != "1",
+                                 reason="the 1,000-step fire drill is a benchmark: TRAINGUARD_DRILL=1 runs it")]
 
 
 def test_fire_drill(tmp_path):
