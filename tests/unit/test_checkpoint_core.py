@@ -159,3 +159,47 @@ def test_checkpoints_of_another_precision_are_no_rollback_target(tmp_path):
     assert tag == "step00000012"
     tag, why, _ = choose_rollback(tmp_path, onset=11, mode="latest_valid", not_before=9)
     assert tag is None and "predates step 11" in why
+
+
+def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
+    """resume "stable" over checkpoints none of which is stable: the run starts where it is, and a
+    resume_skipped record (and a warning) says so -- it used to start from step 0 silently."""
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+    from trainguard.config import parse_block
+    from trainguard.events import Record
+
+    for step in (10, 20):  # two committed, verified, not stable checkpoints
+        d = tmp_path / "ck" / f"step{step:08d}"
+        d.mkdir(parents=True)
+        (d / "weights.bin").write_bytes(b"w" * step)
+        Manifest(tag=d.name, step=step, files=hash_files(d, list_files(d))).write(d)
+    records = []
+
+    class Guard:
+        faults = None
+
+        def emit(self, step, record, ranks, action, detail, **kw):
+            records.append((step, record, detail))
+
+    class Manager(CheckpointManager):
+        def step_count(self):
+            return 0
+
+        def load(self, root, tag=None, mode="latest_valid", purpose="resume", **kw):
+            chosen, _ = self.choose_for_load(root, tag, mode)
+            self.resumed_tag = chosen
+            return chosen
+
+    for mode, loaded in (("stable", None), ("latest_valid", "step00000020")):
+        records.clear()
+        cfg = parse_block({"checkpoint": {"dir": str(tmp_path / "ck"), "resume": mode}})
+        m = Manager(cfg, Guard(), heart=None)
+        assert m.resume_on_start() == loaded
+        skipped = [d for _, r, d in records if r is Record.RESUME_SKIPPED]
+        if loaded is None:
+            (d,) = skipped
+            assert d["mode"] == "stable" and d["checkpoints"] == ["step00000010", "step00000020"]
+            assert d["starting_at_step"] == 0 and "stable" in d["reason"]
+        else:
+            assert not skipped
