@@ -22,6 +22,17 @@ TAG = "trainguard_sample_ids"
 REJECTED = "trainguard_rejected"
 
 
+class EmptyBatch(Exception):
+    """Every sample of a batch from a framework's loader was rejected by the sanitiser."""
+
+    def __init__(self, rejected):
+        self.rejected = rejected
+        lines = "; ".join(f"sample {i}: {', '.join(p)}" for i, p in rejected[:8])
+        super().__init__(f"trainguard.sanitize rejected every sample of a batch ({lines}): the loader is the "
+                         "framework's, so trainguard cannot fetch others in their place; clean the dataset, or "
+                         "pass training_data to ds_plugins.initialize (its loader refills batches)")
+
+
 class _Tagged:
     __slots__ = ("index", "item")
 
@@ -68,6 +79,8 @@ class TaggingCollate:
 
             if active(cfg):
                 ids, samples, rejected = sanitize(ids, samples, cfg)
+                if not samples:  # a framework's loader cannot fetch replacements: nothing left to train on
+                    raise EmptyBatch(rejected)
         batch = self.collate_fn(samples)
         if isinstance(batch, MutableMapping):
             batch[TAG] = ids

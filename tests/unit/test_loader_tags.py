@@ -1,8 +1,9 @@
 """Sample ids through a loader somebody else built (ds_plugins/loaders.py): they travel inside the
 batch, so worker processes and prefetching cannot mix them up; the sanitiser runs in the collate."""
+import pytest
 import torch
 
-from ds_plugins.loaders import REJECTED, TAG, tag_loader, take_tags
+from ds_plugins.loaders import REJECTED, TAG, EmptyBatch, tag_loader, take_tags
 from trainguard.config import parse_block
 
 
@@ -35,7 +36,11 @@ def test_the_sanitiser_runs_in_the_collate_and_says_what_it_dropped():
     inputs, kwargs, ids, rejected = take_tags((batch,), {})
     assert ids == [1, 2, 3, 4, 5, 6, 7] and rejected == [(0, ["all-zero sequence"])]  # (reject_all_zero)
     assert inputs[0]["input_ids"].shape[0] == 7
-    second = list(loader)[1]  # samples 8..15: ids >= 10 are outside the vocabulary
+    batches = iter(loader)
+    next(batches)
+    second = next(batches)  # samples 8..15: ids >= 10 are outside the vocabulary
     _, kwargs, ids, rejected = take_tags((), dict(second))
     assert ids == [8, 9] and [r[0] for r in rejected] == [10, 11, 12, 13, 14, 15]
     assert kwargs["input_ids"].shape[0] == 2 and REJECTED not in kwargs
+    with pytest.raises(EmptyBatch, match="rejected every sample of a batch.*sample 16: token id 16 outside"):
+        next(batches)  # samples 16..23: nothing left to train on -- said clearly, not an IndexError
