@@ -101,8 +101,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                sanitize_cfg=block.sanitize,
                                sample_hook=state.sample_hook if state.faults is not None else None)
         state.loader = loader
-    if _entry != "auto":  # under a framework (HF Trainer, Accelerate) resuming is the framework's (ds_plugins/auto.py)
-        _auto_resume(engine, state, block)
+    # with checkpoint.dir: clear what a crash left in staging, resume from the newest checkpoint that
+    # verifies (the checkpoint manager) -- except under a framework, whose resume it is (ds_plugins/auto.py)
+    if _entry != "auto" and block.checkpoint.dir and state.checkpointer is not None:
+        state.checkpointer.resume_on_start()
     state.start_watchdog()
     return engine, opt, loader, scheduler
 
@@ -171,13 +173,6 @@ def _backend() -> str:
         return name if dist.is_backend_available(name) else "gloo"
     except Exception:  # noqa: BLE001 - older torch without is_backend_available
         return name
-
-
-def _auto_resume(engine, state, block) -> None:
-    """With ``checkpoint.dir`` set: clear what a crash left in staging, and resume from the newest
-    checkpoint that verifies (or the newest stable one) when there is one (the checkpoint manager)."""
-    if block.checkpoint.dir and state.checkpointer is not None:
-        state.checkpointer.resume_on_start()
 
 
 def attach(engine, block: dict | tg_config.TrainguardConfig):

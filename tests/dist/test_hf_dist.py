@@ -122,10 +122,6 @@ use_cpu: false
 
 def accelerate(tmp_path, name, block, *extra, prefix=PREFIX):
     """``[trainguard run --] accelerate launch --config_file acc.yaml -m tests.support.accelerate_worker``."""
-    import subprocess
-
-    from trainguard.demo.run import kill_tree, torchrun_env
-
     out = tmp_path / name
     out.mkdir()
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
