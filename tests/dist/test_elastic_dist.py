@@ -57,9 +57,10 @@ def test_sigstop_of_a_rank_is_named_restarted_and_resumed(tmp_path, torchrun, un
     assert hang["ranks"] == [1] and hang["action"] == "restart"
     (culprit,) = hang["detail"]["culprits"]
     # a stopped process publishes nothing more: its step and phase are the last ones it published, at most
-    # interval_s (0.5 s = 5 steps of 0.1 s here) before it stopped in step 18
+    # interval_s (0.5 s = 5 steps of 0.1 s here) before it stopped in step 18; on a busy machine that can be
+    # the periodic save of step 15 (phase "checkpoint"), never "start" or "done"
     assert culprit["rank"] == 1 and 13 <= culprit["step"] <= 18 and culprit["phase"] in ("data", "forward", "backward",
-                                                                                        "collective")
+                                                                                        "collective", "checkpoint")
     assert culprit["silent_s"] > 2 and culprit["no_progress_s"] > 5
     # detected within hang_timeout_s + 10 s of the last progress the log shows before it (in file order:
     # the restarted attempt logs the same steps again later)
