@@ -372,6 +372,9 @@ class EngineGuard:
     def lr_groups(self) -> list[dict]:
         return self.engine.optimizer.param_groups
 
+    def after_rollback(self, step: int) -> dict:
+        return {}  # (the engine's global_steps came back with the checkpoint: the loop rewinds with it)
+
     def skipped_steps(self) -> int:
         return self.engine.skipped_steps
 

@@ -184,7 +184,7 @@ class MegatronGuard:
     data = None  # trainguard.driver.Framework: megatron's data loader is the user's (no skip, no quarantine)
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer, cfg: tg_config.TrainguardConfig,
-                 start_iteration: int = 0, guard_enabled: bool = True, data_state=None):
+                 start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None):
         from megatron.core import parallel_state as ps
 
         from megatron_hooks.checkpoint import MegatronCheckpointer
@@ -198,6 +198,7 @@ class MegatronGuard:
         self.data_state = data_state   # callable: the user's data position, saved with each snapshot
         self.resumed_data_state = None  # what the automatic resume at install brought back
         self.not_applied = 0            # steps not applied (the guard's skips and megatron's own)
+        self.loop = loop                # a loop that owns the iteration (megatron_hooks.lm), or None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
@@ -246,7 +247,8 @@ class MegatronGuard:
             RunFacts(dtype=_dtype(self.chunks[0]), bf16_supported=True, warmup_steps=-1, scheduler=None,
                      framework_clip=self._clip_grad()))
         if cfg.checkpoint.dir:  # the newest snapshot that verifies (or the newest stable one)
-            self.resumed_data_state = self.checkpointer.resume_on_start()
+            # (only a snapshot newer than the iteration the run is at: your own checkpoint may be newer)
+            self.resumed_data_state = self.checkpointer.resume_on_start(newer_than=start_iteration)
         from trainguard.watchdog import Watchdog
 
         self.watchdog = Watchdog(cfg, self.guard, self.heart, self.rank, self.world, lambda: self.iteration)
@@ -362,6 +364,8 @@ class MegatronGuard:
                 if hasattr(chunk, "zero_grad_buffer"):
                     chunk.zero_grad_buffer()
             result, applied, norm = (False, None, None), False, None
+            if self.loop is not None:
+                self.loop.not_applied()
         else:  # (an fp16 overflow too: megatron finds it, skips and lowers its scale itself)
             result = base_step()
             applied = bool(result[0]) if isinstance(result, tuple) else True
@@ -373,6 +377,14 @@ class MegatronGuard:
 
     def lr_groups(self) -> list[dict]:
         return list(getattr(self.optimizer, "param_groups", None) or [])
+
+    def after_rollback(self, step: int) -> dict:
+        """Your loop reads ``guard.iteration`` (the snapshot's): nothing more. A loop that owns its
+        iteration (Megatron-LM's) goes on at ``step``: the guard counts from there again."""
+        if self.loop is None:
+            return {}
+        loaded, self.iteration = self.iteration, step
+        return self.loop.rolled_back(loaded, step)
 
     def skipped_steps(self) -> int:
         return self.not_applied
@@ -418,23 +430,28 @@ class MegatronGuard:
 
 
 def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,
-            start_iteration: int = 0, guard_enabled: bool = True, data_state=None) -> MegatronGuard:
+            start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None) -> MegatronGuard:
     """Guard a megatron-core model (a module or a list of model chunks) and its optimizer.
 
     ``config``: the trainguard block as a dict, a JSON file (the block itself, or a ds_config-style
     file holding a ``"trainguard"`` key), or a parsed :class:`trainguard.config.TrainguardConfig`.
     Call after ``parallel_state.initialize_model_parallel`` and after the optimizer is built.
     ``guard_enabled=False``: only the configured faults (plain megatron under the same faults, for
-    comparisons and drills)."""
+    comparisons and drills). ``start_iteration``: where your loop is (e.g. after loading your own
+    checkpoint): the automatic resume loads only a newer snapshot. ``loop``: for a training loop
+    that owns its iteration counter (megatron_hooks.lm); None for yours."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = _block(config)
     check_supported(cfg, "megatron_hooks")  # a key set here that megatron cannot honour: refused, by name
     return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled,
-                         data_state=data_state)
+                         data_state=data_state, loop=loop)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """For Megatron-LM's ``pretrain(..., extra_args_provider=...)``: adds ``--trainguard-config``."""
+    """For Megatron-LM's ``pretrain(..., extra_args_provider=...)``: adds ``--trainguard-config``
+    (once: ``trainguard run`` adds it to every Megatron-LM parser already, megatron_hooks.lm)."""
+    if "--trainguard-config" in getattr(parser, "_option_string_actions", {}):
+        return parser
     group = parser.add_argument_group(title="trainguard")
     group.add_argument("--trainguard-config", type=_existing_file, default=None, metavar="FILE",
                        help="JSON file with the trainguard block (or a ds_config-style file holding one); the "

@@ -85,6 +85,11 @@ class Framework(Protocol):
     def lr_groups(self) -> list[dict]:
         """The optimizer's param groups (their ``lr`` is scaled around a step)."""
 
+    def after_rollback(self, step: int) -> dict:
+        """Right after a rollback's load (``completed_steps()`` = the checkpoint's step). A framework
+        whose loop rewinds with it returns {}; one whose loop owns its step counter and goes on
+        (Megatron-LM) sets ``completed_steps()`` back to ``step`` and says what the loop kept."""
+
     def skipped_steps(self) -> int:
         """The framework's own count of steps not applied (for the metric line)."""
 
@@ -199,7 +204,9 @@ class StepDriver:
         position = data.state_dict() if data is not None else None
         cp.wait_pending()
         cp.load(root, tag=tag, purpose="rollback")
-        to_step = fw.completed_steps()
+        to_step = fw.completed_steps()           # the checkpoint's step
+        loop = fw.after_rollback(step)           # a loop that cannot rewind goes on at ``step``: what it kept
+        goes_on = fw.completed_steps()
         guard.goodput.rollback(to_step)
         if data is not None:
             data.load_state_dict(position)       # where we were, quarantine included ...
@@ -208,7 +215,7 @@ class StepDriver:
         guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
                                                            "anomaly": decision.anomaly})
         if decision.lower_lr:
-            self.lr_until = to_step + rc.lr_cooldown_steps
+            self.lr_until = goes_on + rc.lr_cooldown_steps
         if rc.reset_optimizer_moments:
             fw.reset_moments()
         guard.grad_norm.reset_trend()
@@ -220,7 +227,8 @@ class StepDriver:
             "position_after": data.position.as_dict() if data is not None else None,
             "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
             "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
-            "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason})
+            "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason,
+            **({"loop": loop} if loop else {})})
         if scale_case:
             self.scale_remedy(step, decision, rolled_back=True)
         return True

@@ -1,9 +1,11 @@
 """Put first on PYTHONPATH by ``trainguard run``, so that every Python process of the job (torchrun's
 workers, the deepspeed launcher's, accelerate launch's) loads trainguard's zero-code entry.
 
-It costs nothing until DeepSpeed or Accelerate is imported: only then is ``ds_plugins.auto``
-imported (which patches ``deepspeed.initialize``; ds_plugins/auto.py). The sitecustomize this one
-shadows, if the environment has one, still runs. ``TRAINGUARD_AUTO=0`` turns it off.
+It costs nothing until DeepSpeed, Accelerate or Megatron-LM's ``megatron.training`` is imported:
+only then is ``ds_plugins.auto`` imported (which patches ``deepspeed.initialize``; ds_plugins/auto.py),
+or ``megatron_hooks.lm`` (which adds ``--trainguard-config`` to Megatron-LM's arguments and guards its
+loop when it is given). The sitecustomize this one shadows, if the environment has one, still runs.
+``TRAINGUARD_AUTO=0`` turns it off.
 """
 import importlib.util
 import os
@@ -11,12 +13,17 @@ import sys
 
 from _trainguard_hook import AfterImport  # (a sibling: this folder is on sys.path)
 
-_WATCHED = ("deepspeed", "accelerate")
+_WATCHED = ("deepspeed", "accelerate", "megatron.training")
 
 
-def _load_entry():  # (ds_plugins.auto installs itself once; later imports are no-ops)
+def _load_entry(name="deepspeed", module=None):  # (each entry installs itself once; later calls are no-ops)
     try:
-        import ds_plugins.auto  # noqa: F401 - installs itself
+        if name == "megatron.training":
+            from megatron_hooks.lm import install_entry
+
+            install_entry()
+        else:
+            import ds_plugins.auto  # noqa: F401 - installs itself
     except Exception as e:  # noqa: BLE001 - never break the user's job from here
         print(f"trainguard: the zero-code entry could not be loaded: {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -36,7 +43,8 @@ def _chain():
 
 
 if os.environ.get("TRAINGUARD_AUTO", "1") != "0":
-    if any(name in sys.modules for name in _WATCHED):
-        _load_entry()
-    sys.meta_path.insert(0, AfterImport(_WATCHED, lambda name, module: _load_entry()))
+    for _name in _WATCHED:
+        if _name in sys.modules:
+            _load_entry(_name)
+    sys.meta_path.insert(0, AfterImport(_WATCHED, _load_entry))
 _chain()

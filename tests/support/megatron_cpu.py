@@ -60,3 +60,73 @@ def enable() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     _CudaToCpu().__enter__()  # for the rest of the process
+
+
+class _Stream:
+    """A CUDA stream that is no stream: Megatron-LM's DDP side stream and ``torch.cuda.stream(s)``."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Properties:
+    name, major, minor, total_memory, multi_processor_count = "cpu (test layer)", 9, 0, 24 << 30, 1
+
+
+def enable_lm() -> None:
+    """``enable()`` plus what Megatron-LM's training loop (``megatron.training``, megatron-core 0.17.1)
+    asks of CUDA beyond megatron-core (shared/docs/PLATFORM.md, per megatron function)."""
+    import os
+
+    enable()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")   # validate_args with TP > 1
+    torch.cuda.is_available = lambda: True                      # initialize_megatron asserts it
+    torch.cuda.device_count = lambda: 1                         # parallel groups, TP RNG seeding
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.get_device_properties = lambda *a, **k: _Properties()
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.get_device_name = lambda *a, **k: _Properties.name
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.set_stream = lambda *a, **k: None
+    torch.cuda.stream = lambda s=None: _Stream()
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.memory_allocated = lambda *a, **k: 0
+    torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.memory_reserved = lambda *a, **k: 0
+    torch.cuda.max_memory_reserved = lambda *a, **k: 0
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    torch._dynamo.config.disable = True                         # _warmup_jit_function compiles fusions
+    import megatron.core.datasets.utils as dutils
+
+    dutils.compile_helpers = lambda: None                       # the wheel ships the built helper
+
+
+def enable_lm_training() -> None:
+    """After ``megatron.training`` is imported: the CPU generator stands in for CUDA's, and building
+    the data iterators after a ``--load`` draws from it once (CUDA's generator would be untouched);
+    keep its state around that, so that a resumed run repeats an uninterrupted one exactly."""
+    from megatron.training import training
+
+    build = training.build_train_valid_test_data_iterators
+
+    def build_train_valid_test_data_iterators(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators

@@ -59,6 +59,7 @@ class CheckpointManager:
         self.roots: dict[str, Path] = {}       # tag -> root it was saved under (for marks)
         self._deferred: list[tuple] = []       # marks for checkpoints not committed yet
         self.resumed_tag: str | None = None    # what the last resume loaded
+        self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
 
     def emit(self, step: int, record: Record, detail: dict, ranks=(), action=None) -> None:
         if self.guard is not None:
@@ -121,7 +122,11 @@ class CheckpointManager:
         """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode)."""
         layout = CheckpointLayout(root)
         skipped = []
-        for tag in reversed(layout.tags()):
+        for tag, step in reversed(layout.steps()):
+            if step <= self._newer_than:  # (older ones are older still)
+                skipped.append({"tag": tag, "reason": f"not newer than step {self._newer_than}, which the "
+                                f"framework loaded from its own checkpoint", "dir": str(root)})
+                break
             res = verify(layout.tag_dir(tag))
             if not res.ok:
                 skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
@@ -153,10 +158,12 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {tag} in {root} does not verify: {bad['bad_file']}: {bad['reason']}")
         return chosen, skipped
 
-    def resume_on_start(self) -> Any:
+    def resume_on_start(self, newer_than: int = 0) -> Any:
         """With ``checkpoint.dir``: clear what a crash left in staging, then (unless ``resume`` is
         "none") load the newest checkpoint that verifies, or the newest stable one. A resume that
         finds nothing to load says so (``resume_skipped``) when the directory holds checkpoints.
+        ``newer_than``: the step the run is at already (the framework loaded its own checkpoint,
+        e.g. Megatron-LM's ``--load``): only a newer snapshot is loaded -- one state, never two.
         Returns what ``load`` returns (None when nothing was loaded)."""
         c = self.cfg
         if not c.dir:
@@ -170,11 +177,18 @@ class CheckpointManager:
         tags = broadcast_from_rank0(CheckpointLayout(root).tags() if rank() == 0 else None)
         if not tags:
             return None
-        result = self.load(root, mode=c.resume)
+        self._newer_than = newer_than if newer_than > 0 else -1
+        try:
+            result = self.load(root, mode=c.resume)
+        finally:
+            self._newer_than = -1
         if self.resumed_tag is None:
+            reason = "no checkpoint verifies" + (" and is stable" if c.resume == "stable" else "")
+            if newer_than > 0:
+                reason = f"no checkpoint newer than step {newer_than} (loaded by the framework) verifies" + \
+                    (" and is stable" if c.resume == "stable" else "")
             self.emit(self.step_count(), Record.RESUME_SKIPPED, {
-                "dir": str(root), "mode": c.resume, "checkpoints": tags,
-                "reason": "no checkpoint verifies" + (" and is stable" if c.resume == "stable" else ""),
+                "dir": str(root), "mode": c.resume, "checkpoints": tags, "reason": reason,
                 "starting_at_step": self.step_count()})
             if rank() == 0:
                 import logging

@@ -1,0 +1,227 @@
+"""Megatron-LM's own training loop (``megatron.training``: ``pretrain_gpt.py`` and the other entry
+scripts of a Megatron-LM checkout), guarded by one argument:
+
+    trainguard run -- torchrun --nproc-per-node 8 pretrain_gpt.py <its arguments> --trainguard-config tg.json
+
+``trainguard run`` puts trainguard's bootstrap first on PYTHONPATH; when the script imports
+``megatron.training``, :func:`install_entry` wraps three of its functions in place (the user's
+script is never copied or edited):
+
+- ``arguments.add_megatron_arguments``: adds ``--trainguard-config FILE`` (validated at parse time:
+  a bad key stops the launch before any process group exists);
+- ``training.setup_model_and_optimizer``: after Megatron-LM built the model chunks, the optimizer
+  and the LR scheduler and ran its own ``--load``, :func:`megatron_hooks.install` guards them;
+- ``training.train``: its ``forward_step_func`` tells the guard each micro-batch's sample positions;
+  when ``train`` returns, the guard closes (``run_end``).
+
+Without ``--trainguard-config`` nothing changes. What the guard and Megatron-LM each own:
+
+- **NaN/Inf**: Megatron-LM's ``check_for_nan_in_loss_and_grad`` (on by default) makes its rerun
+  state machine rerun the step and exit 16/17 *before* ``optimizer.step()``. With the guard's
+  non-finite detector on, that check is handed to trainguard (``args.check_for_nan_in_loss_and_grad``
+  set to False before the model is wrapped, a ``handover`` record says so): trainguard checks the
+  same local loss and gradients, names rank, coordinates and first layer, and skips the step on every
+  rank. Megatron-LM's other checks (``--check-for-spiky-loss``, ``--check-for-large-grads``) stay its own.
+- **A step trainguard does not apply** comes back from ``optimizer.step()`` as ``(False, None, None)``,
+  as an fp16 overflow does: Megatron-LM logs a skipped iteration and still advances its iteration and
+  consumed samples. trainguard also advances the LR scheduler by that iteration's samples, so after a
+  fault the run's iteration, consumed samples and LR are those of a run without it.
+- **Rollback**: the weights, optimizer state and RNG come back from the snapshot; Megatron-LM's
+  ``train()`` keeps its iteration in a local variable, so the loop goes on: iteration, consumed
+  samples, LR schedule and data position move on as in a run without the fault (the batches between
+  the snapshot and the fault are not replayed: the bad window is skipped). The ``rollback`` record
+  says so under ``loop``.
+- **Snapshots and Megatron-LM's checkpoints**: trainguard's snapshots live in ``checkpoint.dir``
+  (never Megatron-LM's ``--save`` directory: refused at start), beside Megatron-LM's own. At start,
+  Megatron-LM's ``--load`` runs first; a trainguard snapshot is loaded only when it is *newer* than
+  the iteration that brought, and then also sets Megatron-LM's iteration, consumed samples and
+  scheduler (saved with every snapshot). One state is loaded, never two.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from trainguard.errors import ConfigError
+from trainguard.events import Record
+
+__all__ = ["install_entry", "LMRun"]
+
+_RUN: "LMRun | None" = None
+
+
+def install_entry() -> None:
+    """Wrap Megatron-LM's argument parsing, model/optimizer setup and training loop (idempotent)."""
+    from megatron.training import arguments, training
+
+    import megatron_hooks
+
+    if getattr(training, "_trainguard_entry", False):
+        return
+    training._trainguard_entry = True
+    add = arguments.add_megatron_arguments
+
+    @functools.wraps(add)
+    def add_megatron_arguments(parser):
+        return megatron_hooks.extra_args_provider(add(parser))
+
+    arguments.add_megatron_arguments = add_megatron_arguments
+    setup = training.setup_model_and_optimizer
+
+    @functools.wraps(setup)
+    def setup_model_and_optimizer(*args, **kwargs):
+        return _setup(setup, *args, **kwargs)
+
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+    train = training.train
+
+    @functools.wraps(train)
+    def guarded_train(forward_step_func, *args, **kwargs):
+        run = _RUN
+        if run is None:
+            return train(forward_step_func, *args, **kwargs)
+        try:
+            return train(run.wrap_forward_step(forward_step_func), *args, **kwargs)
+        finally:
+            run.close()
+
+    training.train = guarded_train
+
+
+def _setup(setup, *args, **kwargs):
+    global _RUN
+    from megatron.training import get_args
+
+    margs = get_args()
+    path = getattr(margs, "trainguard_config", None)
+    if not path:
+        return setup(*args, **kwargs)
+    import megatron_hooks
+
+    cfg = megatron_hooks._block(path)
+    _check_dirs(cfg, margs)
+    handover = None
+    if cfg.detectors.nonfinite.enabled and getattr(margs, "check_for_nan_in_loss_and_grad", False):
+        # (before setup: get_model builds the DDP config, whose gradient check reads it)
+        margs.check_for_nan_in_loss_and_grad = False
+        handover = {"framework": "Megatron-LM", "setting": "check_for_nan_in_loss_and_grad", "was": True,
+                    "now": False, "why": "Megatron-LM's rerun state machine would rerun the step and exit 16/17 "
+                    "before optimizer.step(); trainguard checks the same local loss and gradients, names the "
+                    "rank, its coordinates and the first layer, and skips the step on every rank"}
+    model, optimizer, scheduler = setup(*args, **kwargs)
+    _RUN = LMRun(model, optimizer, scheduler, margs, cfg, handover)
+    return model, optimizer, scheduler
+
+
+def _check_dirs(cfg, margs) -> None:
+    """trainguard's snapshots and Megatron-LM's checkpoints in one directory would fight over it
+    (Megatron-LM's tracker file and ``iter_*`` directories beside trainguard's tags and ``latest``)."""
+    mine = cfg.checkpoint.dir
+    if not mine:
+        return
+    for flag in ("save", "load"):
+        theirs = getattr(margs, flag, None)
+        if theirs and Path(theirs).resolve() == Path(mine).resolve():
+            raise ConfigError(f"trainguard.checkpoint.dir ({mine}) is Megatron-LM's --{flag} directory: give "
+                              f"trainguard's snapshots a directory of their own (e.g. {Path(mine) / 'trainguard'})")
+
+
+class LMRun:
+    """The guard over one Megatron-LM run (per rank): Megatron-LM's loop state (iteration, consumed
+    samples, scheduler) saved with each snapshot and set back on resume; the LR scheduler moved on
+    for the steps trainguard does not apply; the loop counter kept on a rollback."""
+
+    def __init__(self, model, optimizer, scheduler, margs, cfg, handover: dict | None):
+        import megatron_hooks
+
+        self.margs = margs
+        self.scheduler = scheduler
+        self._micro = 0
+        self._iteration_seen = None
+        self.closed = False
+        loaded = int(getattr(margs, "iteration", 0) or 0)  # (Megatron-LM's own --load, if any)
+        self.guard = megatron_hooks.install(model, optimizer, cfg, start_iteration=loaded,
+                                            data_state=self.loop_state, loop=self)
+        if self.guard.resumed_data_state is not None:
+            self.restore(self.guard.resumed_data_state)
+        if handover is not None:
+            self.guard.guard.emit(self.guard.iteration, Record.HANDOVER, [], None, handover)
+
+    # ------------------------------------------------------------------ Megatron-LM's loop state
+    def _samples_per_iteration(self) -> int:
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return get_num_microbatches() * self.margs.micro_batch_size * ps.get_data_parallel_world_size()
+
+    def loop_state(self) -> dict:
+        """Saved with each snapshot (from inside ``optimizer.step()`` of iteration ``n``: Megatron-LM
+        counts that iteration's samples after the step returns, so they are added here)."""
+        return {"megatron_lm": {
+            "iteration": self.guard.iteration,
+            "consumed_train_samples": int(self.margs.consumed_train_samples) + self._samples_per_iteration(),
+            "skipped_train_samples": int(getattr(self.margs, "skipped_train_samples", 0) or 0),
+            "consumed_valid_samples": int(getattr(self.margs, "consumed_valid_samples", 0) or 0),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}}
+
+    def restore(self, state: dict) -> None:
+        """After a resume from a snapshot, before Megatron-LM builds its data iterators: they start
+        at ``consumed_train_samples``, ``train()`` at ``iteration``."""
+        loop = (state or {}).get("megatron_lm")
+        if not loop:
+            return
+        m = self.margs
+        m.iteration = self.guard.iteration = int(loop["iteration"])
+        m.consumed_train_samples = int(loop["consumed_train_samples"])
+        m.skipped_train_samples = int(loop.get("skipped_train_samples", 0))
+        m.consumed_valid_samples = int(loop.get("consumed_valid_samples", 0))
+        if self.scheduler is not None and loop.get("scheduler") is not None:
+            self.scheduler.load_state_dict(loop["scheduler"])
+
+    # ------------------------------------------------------------------ megatron_hooks.MegatronGuard's loop
+    def not_applied(self) -> None:
+        """A step trainguard skipped: Megatron-LM steps its scheduler only for applied updates; the
+        LR follows the iteration here, as in a run without the fault."""
+        if self.scheduler is not None:
+            self.scheduler.step(increment=self._samples_per_iteration())
+
+    def rolled_back(self, loaded_step: int, step: int) -> dict:
+        return {"iteration": step, "weights_from_step": loaded_step,
+                "kept": ["iteration", "consumed_train_samples", "lr_schedule", "data_position"],
+                "not_replayed_iterations": [loaded_step + 1, step],
+                "why": "Megatron-LM's train() keeps its iteration in a local variable: the loop goes on, the "
+                       "weights, optimizer state and RNG come back"}
+
+    # ------------------------------------------------------------------ micro-batches
+    def wrap_forward_step(self, func):
+        @functools.wraps(func)
+        def forward_step(data_iterator, model, *args, **kwargs):
+            self.on_micro_batch()
+            return func(data_iterator, model, *args, **kwargs)
+
+        return forward_step
+
+    def on_micro_batch(self) -> None:
+        """Megatron-LM's loop sets ``args.curr_iteration`` before each train step (skipped iterations
+        included): the guard's count follows it; the sample positions are those of Megatron-LM's
+        ``single`` sampler (in order from ``consumed_train_samples``, each data-parallel rank its slice)."""
+        m = self.margs
+        current = int(getattr(m, "curr_iteration", self.guard.iteration))
+        if current != self._iteration_seen:
+            self._iteration_seen, self._micro = current, 0
+            self.guard.iteration = current
+        if getattr(m, "dataloader_type", "single") == "single":
+            from megatron.core import parallel_state as ps
+
+            from trainguard.data import DataPosition
+
+            mbs, dp = m.micro_batch_size, ps.get_data_parallel_world_size()
+            first = int(m.consumed_train_samples) + self._micro * mbs * dp + ps.get_data_parallel_rank() * mbs
+            self.guard.on_batch(list(range(first, first + mbs)),
+                                DataPosition(epoch=0, batch_in_epoch=current, consumed_samples=int(m.consumed_train_samples)))
+        self._micro += 1
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.guard.close()
