@@ -12,7 +12,8 @@ one line, ``import ds_plugins.auto``, before the engine is built. From then on:
   (evaluation, inference), it is DeepSpeed's own call, untouched. trainguard's own call to
   ``deepspeed.initialize`` inside ``ds_plugins.initialize`` is never re-entered.
 - under torchrun, a *restarted* attempt creates its default process group on a store prefix of its
-  own, whoever creates it (the Trainer does, before any engine exists): restarted gloo workers
+  own, whoever creates it (the Trainer does, before any engine exists; so does Megatron-LM's
+  ``initialize_megatron``): restarted gloo workers
   otherwise meet the addresses the failed attempt left in the store ("Gloo connectFullMesh
   failed"). The first attempt is left exactly as it is.
 - ``Trainer.train()`` (or ``train(resume_from_checkpoint=True)``) resumes from the newest

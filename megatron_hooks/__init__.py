@@ -199,6 +199,7 @@ class MegatronGuard:
         self.resumed_data_state = None  # what the automatic resume at install brought back
         self.not_applied = 0            # steps not applied (the guard's skips and megatron's own)
         self.loop = loop                # a loop that owns the iteration (megatron_hooks.lm), or None
+        self.last_applied = False       # whether the last optimizer.step() applied its update
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
@@ -371,6 +372,7 @@ class MegatronGuard:
             applied = bool(result[0]) if isinstance(result, tuple) else True
             norm = result[1] if isinstance(result, tuple) and len(result) > 1 else None
         self.not_applied += not applied
+        self.last_applied = applied
         self.iteration += 1
         limit = self._clip_grad()
         return StepOutcome(result, applied, norm, limit or None)

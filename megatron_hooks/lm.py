@@ -155,14 +155,21 @@ class LMRun:
         return get_num_microbatches() * self.margs.micro_batch_size * ps.get_data_parallel_world_size()
 
     def loop_state(self) -> dict:
-        """Saved with each snapshot (from inside ``optimizer.step()`` of iteration ``n``: Megatron-LM
-        counts that iteration's samples after the step returns, so they are added here)."""
+        """Saved with each snapshot, from inside ``optimizer.step()`` of iteration ``n``: Megatron-LM
+        counts that iteration's samples, and steps its scheduler for an applied update, after the
+        step returns -- both are added here, so the state is the one after iteration ``n``."""
+        per_iteration = self._samples_per_iteration()
+        scheduler = None
+        if self.scheduler is not None:
+            scheduler = self.scheduler.state_dict()
+            if self.guard.last_applied:
+                scheduler["num_steps"] = scheduler["num_steps"] + per_iteration
         return {"megatron_lm": {
             "iteration": self.guard.iteration,
-            "consumed_train_samples": int(self.margs.consumed_train_samples) + self._samples_per_iteration(),
+            "consumed_train_samples": int(self.margs.consumed_train_samples) + per_iteration,
             "skipped_train_samples": int(getattr(self.margs, "skipped_train_samples", 0) or 0),
             "consumed_valid_samples": int(getattr(self.margs, "consumed_valid_samples", 0) or 0),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}}
+            "scheduler": scheduler}}
 
     def restore(self, state: dict) -> None:
         """After a resume from a snapshot, before Megatron-LM builds its data iterators: they start
@@ -176,6 +183,7 @@ class LMRun:
         m.skipped_train_samples = int(loop.get("skipped_train_samples", 0))
         m.consumed_valid_samples = int(loop.get("consumed_valid_samples", 0))
         if self.scheduler is not None and loop.get("scheduler") is not None:
+            self.scheduler.num_steps = 0  # (its load_state_dict adds the saved count to the current one)
             self.scheduler.load_state_dict(loop["scheduler"])
 
     # ------------------------------------------------------------------ megatron_hooks.MegatronGuard's loop
@@ -186,6 +194,8 @@ class LMRun:
             self.scheduler.step(increment=self._samples_per_iteration())
 
     def rolled_back(self, loaded_step: int, step: int) -> dict:
+        if self.scheduler is not None:  # (the optimizer's param groups came back with the snapshot's LR)
+            self.scheduler.step(increment=0)
         return {"iteration": step, "weights_from_step": loaded_step,
                 "kept": ["iteration", "consumed_train_samples", "lr_schedule", "data_position"],
                 "not_replayed_iterations": [loaded_step + 1, step],

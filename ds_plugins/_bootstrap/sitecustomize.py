@@ -18,12 +18,12 @@ _WATCHED = ("deepspeed", "accelerate", "megatron.training")
 
 def _load_entry(name="deepspeed", module=None):  # (each entry installs itself once; later calls are no-ops)
     try:
+        import ds_plugins.auto  # noqa: F401 - installs itself (a restarted attempt's process group: any framework)
+
         if name == "megatron.training":
             from megatron_hooks.lm import install_entry
 
             install_entry()
-        else:
-            import ds_plugins.auto  # noqa: F401 - installs itself
     except Exception as e:  # noqa: BLE001 - never break the user's job from here
         print(f"trainguard: the zero-code entry could not be loaded: {type(e).__name__}: {e}", file=sys.stderr)
 

@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# Megatron-LM pretrain_gpt with trainguard on one node (8 GPUs), restarts included.
+# Megatron-LM's own pretrain_gpt.py with trainguard on one node (8 GPUs), restarts included:
+# `trainguard run --` in front of the launch, `--trainguard-config` among pretrain_gpt's arguments.
+# Your script runs as it is (trainguard's bootstrap guards megatron.training when it is imported).
 #
 #   MEGATRON_LM=~/Megatron-LM DATA=/data/my-corpus_text_document \
 #       bash scripts/megatron/torchrun_gpt.sh --trainguard-config configs/megatron_trainguard.json
 #
-# Extra arguments go to pretrain_gpt (after the defaults below, so they win).
+# Extra arguments go to pretrain_gpt.py (after the defaults below, so they win).
 set -euo pipefail
 : "${MEGATRON_LM:?set MEGATRON_LM to your Megatron-LM checkout}"
 : "${DATA:?set DATA to a preprocessed dataset prefix}"
 : "${NPROC_PER_NODE:=8}"
 : "${MAX_RESTARTS:=3}"
 : "${CKPT:=checkpoints/gpt}"
-here="$(cd "$(dirname "$0")" && pwd)"
-export PYTHONPATH="${MEGATRON_LM}:${PYTHONPATH:-}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
-exec torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
-  "$here/pretrain_gpt_trainguard.py" \
+exec trainguard run -- torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+  "$MEGATRON_LM/pretrain_gpt.py" \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
   --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
   --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 256 \

@@ -203,3 +203,14 @@ def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
             assert d["starting_at_step"] == 0 and "stable" in d["reason"]
         else:
             assert not skipped
+    # the framework loaded its own checkpoint first (Megatron-LM's --load): only a newer snapshot loads
+    for newer_than, loaded in ((15, "step00000020"), (20, None), (25, None)):
+        records.clear()
+        m = Manager(parse_block({"checkpoint": {"dir": str(tmp_path / "ck")}}), Guard(), heart=None)
+        assert m.resume_on_start(newer_than=newer_than) == loaded
+        skipped = [d for _, r, d in records if r is Record.RESUME_SKIPPED]
+        if loaded is None:
+            (d,) = skipped
+            assert f"newer than step {newer_than}" in d["reason"]
+        else:
+            assert not skipped

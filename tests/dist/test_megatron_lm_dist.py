@@ -1,0 +1,178 @@
+"""Megatron-LM's own training loop (issue 14): the unmodified ``pretrain_gpt.py`` of Megatron-LM
+core_v0.17.1 (../shared/third_party/megatron-lm, as a user's checkout), launched the way the README
+says -- ``trainguard run -- torchrun ... pretrain_gpt.py <its arguments> --trainguard-config tg.json``
+-- with ``--mock-data`` and a tiny GPT on 2 CPU ranks at TP=2 and PP=2. What is checked is what a
+user reads: Megatron-LM's own log lines (iteration, consumed samples, learning rate, lm loss,
+skipped iterations), its exit code, and trainguard's JSONL.
+
+The CPU layer (tests/support/megatron_cpu.enable_lm) comes in through a test-only sitecustomize
+(tests/support/megatron_lm_site) that trainguard's bootstrap chains to, as it does any sitecustomize."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainguard.metrics.jsonl import read
+
+pytest.importorskip("megatron.training", reason="Megatron-LM's loop ships in the megatron-core 0.17.1 wheel")
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGATRON_LM = Path(os.environ.get("TRAINGUARD_MEGATRON_LM", ROOT.parent / "shared" / "third_party" / "megatron-lm"))
+if not (MEGATRON_LM / "pretrain_gpt.py").is_file():
+    pytest.skip(f"no Megatron-LM checkout at {MEGATRON_LM} (set TRAINGUARD_MEGATRON_LM)", allow_module_level=True)
+
+BIN = Path(sys.executable).parent
+# what the README's Megatron-LM section shows, before pretrain_gpt.py's own arguments
+LAUNCH = ["trainguard", "run", "--", "torchrun", "--standalone", "--nproc-per-node", "2"]
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+        "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --seed 1234 "
+        "--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
+        "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+        "--distributed-backend gloo --eval-iters 0 --eval-interval 1000 --log-interval 1 "
+        "--ckpt-format torch_dist").split()
+LAYOUT = {"tp": ["--tensor-model-parallel-size", "2"], "pp": ["--pipeline-model-parallel-size", "2"]}
+ITERS = 12
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?learning rate: ([-+.0-9E]+) \|"
+                  r"(?:.*?lm loss: ([-+.0-9E]+) \|)?.*?number of skipped iterations:\s+(\d+)")
+
+
+class LMRun:
+    def __init__(self, rc: int, out: Path):
+        self.rc, self.out = rc, out
+        self.log = (out / "megatron.log").read_text(errors="replace")
+        jsonl = out / "trainguard.jsonl"
+        self.lines = read(jsonl) if jsonl.exists() else []
+        self.iterations = {}  # Megatron-LM's own log lines; a restarted attempt's overwrite the earlier ones
+        for m in LINE.finditer(self.log):
+            self.iterations[int(m[1])] = {"consumed": int(m[2]), "lr": m[3], "loss": m[4], "skipped": int(m[5])}
+
+    def events(self, name):
+        return [x for x in self.lines if x.get("event") == name]
+
+    def ok(self):
+        assert self.rc == 0 and max(self.iterations, default=0) == ITERS, \
+            f"exit {self.rc}, iterations {sorted(self.iterations)}:\n{self.log[-4000:]}"
+        return self
+
+
+def launch(tmp_path, name, layout, block=None, more=(), torchrun=(), timeout=300) -> LMRun:
+    """Megatron-LM's pretrain_gpt.py for ITERS iterations on 2 ranks, from ``tmp_path/name``;
+    ``block``: the trainguard block (its JSONL goes to ``name/trainguard.jsonl``); None: no argument."""
+    out = tmp_path / name
+    out.mkdir()
+    args = [*TINY, *LAYOUT[layout], "--train-iters", str(ITERS), *more]
+    if block is not None:
+        cfg = out / "tg.json"
+        cfg.write_text(json.dumps({"trainguard": {"metrics": {"jsonl": str(out / "trainguard.jsonl")}, **block}}))
+        args += ["--trainguard-config", str(cfg)]
+    command = [str(BIN / LAUNCH[0]), *LAUNCH[1:4], str(BIN / "torchrun"), *LAUNCH[4:], *torchrun,
+               str(MEGATRON_LM / "pretrain_gpt.py"), *args]
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TRAINGUARD_TEST_ROOT=str(ROOT),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"), str(MEGATRON_LM)]))
+    with open(out / "megatron.log", "w") as log:
+        try:
+            rc = subprocess.run(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return LMRun(rc, out)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Megatron-LM without the argument (under the same prefix): the run every other one is compared with."""
+    return launch(tmp_path_factory.mktemp("lm"), "plain", "tp").ok()
+
+
+def same_schedule(run, plain, iterations):
+    """Iteration, consumed samples and LR as in the run without the fault (Megatron-LM's own log)."""
+    for i in iterations:
+        got, want = run.iterations[i], plain.iterations[i]
+        assert (got["consumed"], got["lr"]) == (want["consumed"], want["lr"]), (i, got, want)
+
+
+@pytest.mark.parametrize("layout, fault, coords, layer", [
+    ("tp", {"type": "inf_activation", "module": "decoder.layers.1.mlp.linear_fc1"}, {"tp": 1, "pp": 0}, 2),
+    ("pp", {"type": "inf_activation", "module": "decoder.layers.0.mlp.linear_fc1"}, {"tp": 0, "pp": 1}, 2),
+])
+def test_nonfinite_on_one_rank_is_named_and_skipped(tmp_path, plain, layout, fault, coords, layer):
+    """Megatron-LM's NaN check left at its default (on): the run does not exit 16/17 -- trainguard took
+    the check over, named rank 1 with its coordinates and first layer, and skipped iteration 5 on every
+    rank; Megatron-LM counts it as skipped and the schedule goes on as in the run without the fault."""
+    run = launch(tmp_path, "nan", layout, {"allow_faults": True, "faults": [{**fault, "step": 5, "rank": 1}]}).ok()
+    (handover,) = run.events("handover")
+    assert handover["detail"]["setting"] == "check_for_nan_in_loss_and_grad" and handover["detail"]["now"] is False
+    (event,) = run.events("nonfinite")
+    assert (event["step"], event["ranks"], event["action"]) == (5, [1], "skip_step")
+    named = event["detail"]["per_rank"]["1"]
+    assert {k: named["coords"][k] for k in ("dp", "tp", "pp")} == {"dp": 0, **coords}
+    assert named["first_nonfinite_module"].endswith(fault["module"].split(".", 2)[-1])
+    assert named["localized"]["global_layer"] == layer
+    assert named["sample_ids"] == list(range(32, 40))  # Megatron-LM's sampler positions of iteration 5
+    assert run.iterations[5]["skipped"] == 1 and all(run.iterations[i]["skipped"] == 0 for i in (4, 6, ITERS))
+    same_schedule(run, plain, range(1, ITERS + 1))
+    assert abs(float(run.iterations[ITERS]["loss"]) - float(plain.iterations[ITERS]["loss"])) < 0.1
+
+
+def test_rollback_keeps_iteration_consumed_samples_and_lr(tmp_path, plain):
+    """A NaN loss at iteration 8 with the ladder set to roll back: the weights come back from the
+    stable snapshot of iteration 6; Megatron-LM's loop goes on at 9 with the consumed samples and LR of
+    the run without the fault (the window 7-8 is not replayed), and ends near its loss."""
+    block = {"allow_faults": True, "faults": [{"type": "nan_loss", "step": 8, "rank": 0}],
+             "recovery": {"ladders": {"nonfinite": ["rollback"]}},
+             "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3, "stable_after": 1}}
+    run = launch(tmp_path, "rb", "tp", block).ok()
+    (rb,) = run.events("rollback")
+    assert rb["step"] == 8 and rb["detail"]["to_tag"] == "step00000006" and rb["detail"]["to_step"] == 6
+    assert rb["detail"]["loop"]["iteration"] == 8 and rb["detail"]["loop"]["not_replayed_iterations"] == [7, 8]
+    assert run.iterations[8]["skipped"] == 1
+    same_schedule(run, plain, range(1, ITERS + 1))
+    # the snapshots after the rollback are tagged by Megatron-LM's iteration
+    assert [e["detail"]["tag"] for e in run.events("checkpoint_saved")] == \
+        ["step00000003", "step00000006", "step00000009", "step00000012"]
+    assert abs(float(run.iterations[ITERS]["loss"]) - float(plain.iterations[ITERS]["loss"])) < 0.2
+
+
+def test_sigkill_and_restart_resume_once_from_the_newest_snapshot(tmp_path, plain):
+    """Rank 1 killed in iteration 8; torchrun restarts the job. Megatron-LM's own --load brings its
+    checkpoint of iteration 4, trainguard's snapshot of iteration 6 is newer: that one is loaded (once),
+    with Megatron-LM's iteration, consumed samples and scheduler -- and the run ends exactly as the run
+    that was never interrupted."""
+    mck = tmp_path / "megatron-ckpt"
+    block = {"allow_faults": True, "faults": [{"type": "kill_rank", "step": 8, "rank": 1}],
+             "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3}}
+    run = launch(tmp_path, "kill", "tp", block, ["--save", str(mck), "--load", str(mck), "--save-interval", "4"],
+                 torchrun=["--max-restarts=1", "--monitor-interval=0.5"]).ok()
+    assert "successfully loaded checkpoint from" in run.log and "at iteration 4" in run.log  # Megatron-LM's, first
+    (restart,) = run.events("restart")
+    assert restart["detail"]["attempt"] == 1 and restart["detail"]["resumed_at_step"] == 6
+    (resume,) = run.events("resume")
+    assert resume["detail"]["tag"] == "step00000006" and resume["detail"]["rng_restored"]
+    for i in range(9, ITERS + 1):  # every iteration after the restart's first, exactly
+        assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
+
+
+def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path):
+    """One process, no process group yet: Megatron-LM's argument parser rejects the block, naming the key."""
+    out = tmp_path / "bad"
+    out.mkdir()
+    cfg = out / "tg.json"
+    cfg.write_text(json.dumps({"trainguard": {"recovery": {"ladders": {"nonfinite": ["teleport"]}}}}))
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", TRAINGUARD_TEST_ROOT=str(ROOT), RANK="0", WORLD_SIZE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"), str(MEGATRON_LM)]))
+    done = subprocess.run([str(BIN / "trainguard"), "run", "--", sys.executable, str(MEGATRON_LM / "pretrain_gpt.py"),
+                           *TINY, "--train-iters", "2", "--trainguard-config", str(cfg)],
+                          cwd=out, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "--trainguard-config" in done.stderr and "ladders.nonfinite" in done.stderr and "teleport" in done.stderr
+
+
+def test_readme_shows_the_launch_line_the_tests_run():
+    readme = (ROOT / "README.md").read_text()
+    assert " ".join(LAUNCH) + " pretrain_gpt.py" in readme and "--trainguard-config tg.json" in readme
