@@ -1,7 +1,7 @@
 """Distribution "trainguard": a plugin suite that keeps DeepSpeed and Megatron-core runs alive.
 
-Ranges, not pins: installing into a cluster environment that already has torch and DeepSpeed must
-not change their versions. torch is deliberately *not* a hard requirement here: an unpinned torch
+Floors, not pins or caps: installing into a cluster environment that already has torch, DeepSpeed
+or megatron-core must not change their versions. torch is deliberately *not* a hard requirement here: an unpinned torch
 resolved from scratch pulls a multi-GB CUDA build; install your torch first (README).
 """
 import os
@@ -38,8 +38,10 @@ setup(
         "numpy>=1.23",
     ],
     extras_require={
-        "deepspeed": ["deepspeed>=0.16,<0.20"],
-        "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
+        # floors only, at the versions the tests run (deepspeed 0.19.8; megatron-core 0.16.1 and 0.17.1):
+        # an install into a cluster's environment never downgrades its framework
+        "deepspeed": ["deepspeed>=0.19.8"],
+        "megatron": ["megatron-core>=0.16.1", "psutil"],
         "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6", "wandb>=0.17"],
         # the zero-code entry is tested under Hugging Face's Trainer and Accelerate (tested: 5.24 / 1.15)
         "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", "transformers>=5,<6", "accelerate>=1.15,<2"],

@@ -21,9 +21,14 @@ want="$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)-$what"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q "torch==2.13.0"
   if [ "$what" = "test" ]; then
-    # the tests cover both adapters: megatron-core 0.16.1 is the newest for Python 3.11 (PLATFORM.md)
+    # the tests cover both adapters and Megatron-LM's loop: megatron-core 0.17.1 (its cp311 wheel holds
+    # megatron.training; its metadata asks for Python 3.12 but it runs on 3.11: test environments only),
+    # and 0.16.1 (the newest whose metadata allows 3.11) beside it for tests/dist/test_megatron_dist.py's
+    # version runs (PLATFORM.md)
     python -m pip install -q -e ".[deepspeed,monitor,test,megatron]"
-    python -c "import megatron.core as m; assert m.__version__.startswith('0.16'), m.__version__"
+    python -m pip install -q --ignore-requires-python "megatron-core==0.17.1"
+    python -m pip install -q --no-deps --upgrade --target "$VENV/megatron-core-0.16.1" "megatron-core==0.16.1"
+    python -c "import megatron.core as m, megatron.training; assert m.__version__ == '0.17.1', m.__version__"
   else
     python -m pip install -q -e ".[deepspeed,monitor,test]"
   fi
@@ -35,6 +40,7 @@ fi
 # cache it per machine, so CI and the demo compile it once.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+[ -d "$VENV/megatron-core-0.16.1/megatron" ] && export TRAINGUARD_MEGATRON_CORE_016="$(cd "$VENV/megatron-core-0.16.1" && pwd)"
 
 case "$what" in
   demo) exec trainguard demo "$@" ;;

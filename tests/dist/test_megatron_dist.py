@@ -1,8 +1,11 @@
 """megatron-core under torchrun (issue 6): a tiny GPTModel with megatron's own DDP, optimizer and
 pipeline schedules (tests/support/megatron_worker.py, CPU compatibility layer in tests/support),
-guarded by megatron_hooks.install. 2 processes per layout: TP=2, PP=2, DP=2."""
+guarded by megatron_hooks.install. 2 processes per layout: TP=2, PP=2, DP=2. The installed
+megatron-core (0.17.1 in CI) runs every test; the tests taking ``megatron_core`` run on 0.16.1 too
+(installed beside it by scripts/setup.sh, put first on the workers' PYTHONPATH)."""
 import argparse
 import json
+import os
 
 import pytest
 
@@ -25,6 +28,26 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["installed", "0.16.1"])
+def megatron_core(request, monkeypatch):
+    """The megatron-core version the workers run (asserted from their run_start record)."""
+    if request.param == "installed":
+        import megatron.core
+
+        return megatron.core.__version__
+    path = os.environ.get("TRAINGUARD_MEGATRON_CORE_016")
+    if not path:
+        pytest.skip("megatron-core 0.16.1 beside the installed one: bash scripts/setup.sh test puts it in "
+                    ".venv/megatron-core-0.16.1 and exports TRAINGUARD_MEGATRON_CORE_016")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p))
+    return "0.16.1"
+
+
+def ran_on(lines, version):
+    (start,) = [x for x in lines if x.get("event") == "run_start"]
+    assert start["detail"]["megatron_core"] == version
+
+
 def run(tmp_path, name, layout, steps, block=None, more=()):
     """Two ranks of tests/support/megatron_worker.py in ``tmp_path/name``, guarded by ``block``
     (written to ``name.json``; None: plain megatron); must finish. Returns (per-rank results,
@@ -43,12 +66,13 @@ def run(tmp_path, name, layout, steps, block=None, more=()):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout):
+def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout, megatron_core):
     """One run per layout: a fault on rank 0 at step 3, one on rank 1 at step 5."""
     steps = {0: 3, 1: 5}
     faults = [{**CASES[(layout, r)][0], "step": steps[r], "rank": r} for r in (0, 1)]
     block = {"checks": {"enabled": False}, "allow_faults": True, "faults": faults}
     results, lines = run(tmp_path, "run", layout, 7, block)
+    ran_on(lines, megatron_core)
     events = [x for x in lines if x.get("event") == "nonfinite"]
     assert [(e["step"], e["ranks"], e["action"]) for e in events] == [(3, [0], "skip_step"), (5, [1], "skip_step")]
     for e, rank in zip(events, (0, 1)):
@@ -162,7 +186,7 @@ def test_fp16_grad_scaler_clamp_is_detected_and_the_scale_reset(tmp_path):
     assert guarded["loss_scale"][-1] > 1.0 and all(r["weights_finite"] for r in runs["guarded"])
 
 
-def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path):
+def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
     """DP=2: NaN losses on rank 1 at iterations 10, 11, 12 -> skip, skip, then (3 within the ladder
     window) an in-process rollback to the newest stable snapshot from before the first one; both
     replicas end identical and finite, and the snapshots of the abandoned trajectory are set aside."""
@@ -171,6 +195,7 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path):
              "checkpoint": {"dir": str(ck), "stable_after": 1, "verify_steps": 1},
              "faults": [{"type": "nan_loss", "step": s, "rank": 1} for s in (10, 11, 12)]}
     res, lines = run(tmp_path, "rb", "dp", 16, block, ["--ckpt", str(ck), "--save-at", "4", "--save-at", "8"])
+    ran_on(lines, megatron_core)
     actions = [(x["step"], x["action"]) for x in lines if x.get("event") == "nonfinite"]
     assert actions == [(10, "skip_step"), (11, "skip_step"), (12, "rollback")]
     (rb,) = [x for x in lines if x.get("event") == "rollback"]
