@@ -33,7 +33,8 @@ What ``install`` does, on every rank:
 Sample ids: call ``guard.on_batch(sample_ids)`` in your ``forward_step`` (optional). Forward
 passes in eval mode (``model.eval()``, as Megatron-LM's ``evaluate`` does) are ignored.
 
-Megatron-LM: :func:`extra_args_provider` adds ``--trainguard-config FILE``.
+Megatron-LM's own loop: ``trainguard run -- torchrun ... pretrain_gpt.py ... --trainguard-config tg.json``
+(megatron_hooks.lm); :func:`extra_args_provider` is the argument it adds.
 
 Snapshots: ``guard.checkpointer.save(dir, data_state=...)`` / ``.load(dir)`` (megatron_hooks.checkpoint);
 with ``checkpoint.dir`` and ``checkpoint.every_steps`` the guard saves by itself (with what
