@@ -16,9 +16,9 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainguard.errors import ConfigError
 
@@ -29,8 +29,20 @@ FAULT_TYPES = ("nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "i
                "attention_collapse", "bad_label")
 
 
+def _usable_path(value: str) -> str:
+    if not value or not value.strip():
+        raise ValueError("an empty path: give a file or directory, or null")
+    if "\x00" in value:
+        raise ValueError("a path with a NUL character cannot be opened")
+    return value
+
+
+# a file or directory the run writes to or reads from: checked here, not at its first use on every rank
+PathStr = Annotated[str, AfterValidator(_usable_path)]
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # (JSON: true is no number, 0 no bool)
 
 
 class PluginSpec(_Section):
@@ -173,9 +185,9 @@ class SanitizeConfig(_Section):
 class CheckpointConfig(_Section):
     """Full, verified checkpoints through DeepSpeed's own save/load, committed atomically."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
 
-    dir: Optional[str] = Field(
+    dir: Optional[PathStr] = Field(
         None, description="Checkpoint directory for periodic saves and automatic resume. null: only your own "
         "engine.save_checkpoint/load_checkpoint calls (which still get the commit protocol and verification).")
     every_steps: int = Field(0, ge=0, description="Save every N optimizer steps (0: never on its own).")
@@ -268,8 +280,8 @@ class WatchdogConfig(_Section):
     board: Literal["store", "dir"] = Field(
         "store", description="store: the rendezvous store (torchrun's, multi-node). dir: files in `dir` (a "
         "directory every rank can read).")
-    dir: Optional[str] = Field(None, description="board 'dir': where the heartbeat files go.")
-    stacks_dir: Optional[str] = Field(None, description="Where `stacks.rank<r>.txt` go on a hang (default: beside "
+    dir: Optional[PathStr] = Field(None, description="board 'dir': where the heartbeat files go.")
+    stacks_dir: Optional[PathStr] = Field(None, description="Where `stacks.rank<r>.txt` go on a hang (default: beside "
                                       "metrics.jsonl, else the working directory).")
     exit_code: int = Field(75, ge=1, le=255, description="Exit code of every live rank after a hang (75, "
                            "EX_TEMPFAIL: retry). torchrun restarts on any non-zero code; see the README.")
@@ -310,7 +322,7 @@ class WandbConfig(_Section):
 
     project: str = Field(description="The W&B project.")
     name: Optional[str] = Field(None, description="The run's name (default: W&B's).")
-    dir: Optional[str] = Field(None, description="Where W&B writes its files (default: W&B's, ./wandb).")
+    dir: Optional[PathStr] = Field(None, description="Where W&B writes its files (default: W&B's, ./wandb).")
     mode: Optional[Literal["online", "offline", "disabled"]] = Field(
         None, description="W&B's mode (default: its environment, WANDB_MODE). offline: files only, `wandb sync` later.")
 
@@ -318,13 +330,13 @@ class WandbConfig(_Section):
 class MetricsConfig(_Section):
     """The JSONL event log, the run's source of truth."""
 
-    jsonl: Optional[str] = Field(
+    jsonl: Optional[PathStr] = Field(
         "trainguard.jsonl",
         description="Event and metric log written by rank 0 (one JSON object per line). null: none.")
     per_rank: bool = Field(
         False, description="Also write one file per rank (`<stem>.rank<r>.jsonl`) with its local values.")
     every_steps: int = Field(1, ge=1, description="Write a metric line every N optimizer steps (events always).")
-    tensorboard: Optional[str] = Field(None, description="Directory for TensorBoard scalars (rank 0). null: off.")
+    tensorboard: Optional[PathStr] = Field(None, description="Directory for TensorBoard scalars (rank 0). null: off.")
     prometheus_port: Optional[int] = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics over HTTP from rank 0 on this port "
         "(0: any free port). null: off.")
@@ -539,6 +551,8 @@ def read_json(path: str | os.PathLike) -> dict:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError([("<file>", f"cannot read {p}: {e.strerror}")], str(p)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([("<file>", f"not UTF-8 text (byte {e.start}): a JSON file is UTF-8")], str(p)) from None
     try:
         data = json.loads(text, object_pairs_hook=_reject_duplicates)
     except json.JSONDecodeError as e:
@@ -546,6 +560,8 @@ def read_json(path: str | os.PathLike) -> dict:
                           str(p)) from None
     except ValueError as e:
         raise ConfigError([("<file>", str(e))], str(p)) from None
+    except RecursionError:
+        raise ConfigError([("<file>", "nested too deeply to be a ds_config")], str(p)) from None
     if not isinstance(data, dict):
         raise ConfigError([("<file>", "the top level must be a JSON object (a ds_config)")], str(p))
     return data
@@ -590,6 +606,8 @@ def _type_name(annotation: Any) -> str:
         return f"list of {_type_name(typing.get_args(annotation)[0])}"
     if annotation is type(None):
         return "null"
+    if annotation is PathStr:
+        return "path (non-empty)"
     return getattr(annotation, "__name__", str(annotation)).replace("Config", "").replace("Spec", "")
 
 
