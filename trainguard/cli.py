@@ -91,12 +91,17 @@ def _report(args) -> int:
 
 def _ckpt(args) -> int:
     from trainguard.checkpoint import cli as ck
+    from trainguard.checkpoint.layout import CheckpointError
 
-    if args.ckpt_command == "list":
-        return ck.ckpt_list(args.dir, checksums=not args.fast)
-    if args.ckpt_command == "verify":
-        return ck.ckpt_verify(args.dir, args.tag)
-    return ck.ckpt_inspect(args.dir, args.tag)
+    try:
+        if args.ckpt_command == "list":
+            return ck.ckpt_list(args.dir, checksums=not args.fast)
+        if args.ckpt_command == "verify":
+            return ck.ckpt_verify(args.dir, args.tag)
+        return ck.ckpt_inspect(args.dir, args.tag)
+    except CheckpointError as e:  # (a bad tag, an unreadable manifest: the message, never a traceback)
+        print(f"trainguard ckpt {args.ckpt_command}: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(args) -> int:

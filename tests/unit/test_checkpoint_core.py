@@ -214,3 +214,56 @@ def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
             assert f"newer than step {newer_than}" in d["reason"]
         else:
             assert not skipped
+
+
+def _committed(root, name, step, files=None):
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "weights.bin").write_bytes(b"w" * (step + 1))
+    Manifest(tag=name, step=step, files=files or hash_files(d, list_files(d))).write(d)
+    return d
+
+
+def test_manifest_entries_outside_the_checkpoint_are_refused_unread(tmp_path):
+    """Issue 15 item 12: an absolute or '..' manifest entry used to be read from outside the checkpoint."""
+    from trainguard.checkpoint.manifest import sha256_file, verify
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s")
+    digest, _ = sha256_file(secret)
+    for rel in (str(secret), "../secret.bin", "a/../../secret.bin"):
+        root = tmp_path / f"ck{abs(hash(rel))}"
+        d = _committed(root, "step00000001", 1)
+        from trainguard.checkpoint.manifest import Manifest
+
+        man = Manifest.read(d)
+        man.files[rel] = {"size": 1, "sha256": digest}
+        man.write(d)
+        res = verify(d)
+        assert not res.ok and res.bad_file == rel and "outside the checkpoint" in res.reason
+
+
+def test_a_directory_with_an_invalid_tag_name_is_passed_over_not_fatal(tmp_path):
+    """Issue 15 item 12: a committed-looking directory named 'bad tag!' crashed rollback, retention and
+    resume on rank 0 (CheckpointError from tag_dir) while the other ranks waited."""
+    from trainguard.checkpoint.layout import CheckpointLayout
+    from trainguard.checkpoint.rollback import choose_rollback
+
+    root = tmp_path / "ck"
+    _committed(root, "step00000004", 4)
+    _committed(root, "bad tag!", 9)
+    layout = CheckpointLayout(root)
+    assert layout.tags() == ["step00000004"] and layout.invalid_names == ["bad tag!"]
+    tag, _, bad = choose_rollback(root, onset=10, mode="latest_valid")
+    assert tag == "step00000004" and bad[0]["tag"] == "bad tag!" and "not a valid tag" in bad[0]["reason"]
+
+
+def test_ckpt_cli_turns_checkpoint_errors_into_exit_1(tmp_path, capsys):
+    from trainguard.cli import main
+
+    _committed(tmp_path / "ck", "step00000001", 1)
+    assert main(["ckpt", "inspect", str(tmp_path / "ck"), "../etc"]) == 1
+    err = capsys.readouterr().err
+    assert "invalid checkpoint tag" in err and "Traceback" not in err

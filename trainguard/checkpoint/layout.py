@@ -36,6 +36,7 @@ def step_tag(step: int) -> str:
 class CheckpointLayout:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+        self.invalid_names: list[str] = []
 
     def tag_dir(self, tag: str) -> Path:
         return self.root / validate_tag(tag)
@@ -60,10 +61,14 @@ class CheckpointLayout:
         import json
 
         out = []
+        self.invalid_names = []  # committed-looking directories whose name is no valid tag: passed over
         if not self.root.is_dir():
             return out
         for d in self.root.iterdir():
             if not d.is_dir() or d.name.startswith(".") or not (d / MANIFEST).is_file():
+                continue
+            if not _TAG.match(d.name) or ".." in d.name:
+                self.invalid_names.append(d.name)
                 continue
             try:
                 step = int(json.loads((d / MANIFEST).read_text()).get("step", -1))

@@ -121,8 +121,10 @@ class CheckpointManager:
     def choose(self, root: Path, mode: str) -> tuple[str | None, list[dict]]:
         """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode)."""
         layout = CheckpointLayout(root)
-        skipped = []
-        for tag, step in reversed(layout.steps()):
+        steps = layout.steps()
+        skipped = [{"tag": name, "bad_file": name, "reason": "not a valid tag name: passed over", "dir": str(root)}
+                   for name in layout.invalid_names]
+        for tag, step in reversed(steps):
             if step <= self._newer_than:  # (older ones are older still)
                 skipped.append({"tag": tag, "reason": f"not newer than step {self._newer_than}, which the "
                                 f"framework loaded from its own checkpoint", "dir": str(root)})

@@ -86,6 +86,15 @@ class VerifyResult:
     manifest: Manifest | None = None
 
 
+def inside(rel: str) -> bool:
+    """Whether a manifest entry names a file inside its checkpoint (relative, no '..', no drive)."""
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    p = PurePosixPath(rel)
+    return bool(rel) and not p.is_absolute() and ".." not in p.parts and not PureWindowsPath(rel).drive \
+        and "\x00" not in rel
+
+
 def verify(tag_dir: str | os.PathLike, checksums: bool = True) -> VerifyResult:
     """Check a committed checkpoint: its manifest parses, every listed file exists with its size
     and (when ``checksums``) its sha256, and no unlisted file appeared. Names the first bad file."""
@@ -98,6 +107,9 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True) -> VerifyResult:
     except (OSError, ValueError, KeyError) as e:
         return VerifyResult(False, tag, MANIFEST, f"unreadable manifest: {e}")
     for rel, want in sorted(man.files.items()):
+        if not inside(rel):
+            return VerifyResult(False, tag, rel, "a manifest entry outside the checkpoint (absolute, or with '..'): "
+                                "refused, never read", man)
         p = tag_dir / rel
         try:
             size = p.stat().st_size
