@@ -340,6 +340,11 @@ class MetricsConfig(_Section):
     prometheus_port: Optional[int] = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics over HTTP from rank 0 on this port "
         "(0: any free port). null: off.")
+    prometheus_addr: str = Field(
+        "0.0.0.0", min_length=1, description="The address the Prometheus endpoint binds. 0.0.0.0 (every interface): "
+        "a Prometheus server on another host must reach rank 0's node to scrape it. The endpoint serves training "
+        "statistics and rank/host labels, no credentials and no controls; bind 127.0.0.1 (scraped through a local "
+        "agent) or the node's cluster-network address where other networks can reach the node.")
     wandb: Optional[WandbConfig] = Field(None, description="Mirror to Weights & Biases (needs `pip install wandb`). "
                                          "null: off.")
     sinks: list[PluginSpec] = Field(

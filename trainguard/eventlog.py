@@ -93,7 +93,7 @@ class EventLog:
         if m.prometheus_port is not None:
             from trainguard.metrics.prometheus import PrometheusSink
 
-            self.mirrors.append(PrometheusSink(m.prometheus_port))
+            self.mirrors.append(PrometheusSink(m.prometheus_port, m.prometheus_addr))
         if m.wandb is not None:
             from trainguard.metrics.wandb import WandbSink
 

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -73,15 +74,31 @@ def launch(tmp_path, name, layout, block=None, more=(), torchrun=(), timeout=300
         args += ["--trainguard-config", str(cfg)]
     command = [str(BIN / LAUNCH[0]), *LAUNCH[1:4], str(BIN / "torchrun"), *LAUNCH[4:], *torchrun,
                str(MEGATRON_LM / "pretrain_gpt.py"), *args]
+    marker = f"{out}:{uuid.uuid4().hex}"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TRAINGUARD_TEST_ROOT=str(ROOT),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"), str(MEGATRON_LM)]))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"), str(MEGATRON_LM)]),
+               TRAINGUARD_TEST_RUN=marker)
     with open(out / "megatron.log", "w") as log:
         try:
             rc = subprocess.run(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
+    kill_marked(marker)
     return LMRun(rc, out)
+
+
+def kill_marked(marker: str) -> None:
+    """Every process this launch left behind: a SIGKILLed rank's dist_checkpointing writer (a spawned
+    child) outlives it, orphaned, in the worker's own session -- found by the launch's environment."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TRAINGUARD_TEST_RUN") == marker:
+                p.kill()
+        except (psutil.Error, OSError):
+            pass
 
 
 @pytest.fixture(scope="module")

@@ -191,3 +191,18 @@ def test_prometheus_endpoint_is_scraped(tmp_path):
     lines = [json.loads(x) for x in open(tmp_path / "l.jsonl")]
     m = [x for x in lines if x["type"] == "metric"]
     assert m[0]["grad_norm"] == 2.0 and m[1]["grad_norm"] is None  # deferred norm, null when skipped
+
+
+def test_prometheus_bind_address_is_the_configured_one(tmp_path):
+    """Issue 15 item 13: the endpoint bound 0.0.0.0 for any fixed port, undocumented and not settable."""
+    from trainguard.guard import StepGuard
+    from trainguard.isolation import RankCoords
+
+    assert parse_block({}).metrics.prometheus_addr == "0.0.0.0"  # (documented: Prometheus scrapes from another host)
+    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0,
+                                   "prometheus_addr": "127.0.0.1"}})
+    g = StepGuard(cfg, rank=0, world=1)
+    g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
+    (sink,) = g.events.mirrors
+    assert sink.server.server_address[0] == "127.0.0.1"
+    g.on_close()

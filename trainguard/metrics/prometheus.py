@@ -29,7 +29,7 @@ from trainguard.errors import TrainguardError
 
 
 class PrometheusSink:
-    def __init__(self, port: int):
+    def __init__(self, port: int, addr: str = "0.0.0.0"):
         try:
             import prometheus_client as pc
         except ImportError as e:  # pragma: no cover
@@ -52,8 +52,7 @@ class PrometheusSink:
         self.heartbeat = g("trainguard_heartbeat_timestamp_seconds", "last completed step time", ["rank"])
         self.skipped = pc.Counter("trainguard_skipped_steps", "optimizer steps not applied", registry=self.registry)
         self.events = pc.Counter("trainguard_events", "trainguard events by type", ["event"], registry=self.registry)
-        self.server, self.thread = pc.start_http_server(port, addr="127.0.0.1" if port == 0 else "0.0.0.0",
-                                                        registry=self.registry)
+        self.server, self.thread = pc.start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
         self._skipped_seen = 0
 
