@@ -430,8 +430,7 @@ class EngineGuard:
         if self._closed:
             return
         self._closed = True
-        if self.watchdog is not None:
-            self.watchdog.stop()
+        watchdog = self.watchdog.stop() if self.watchdog is not None else None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -439,7 +438,8 @@ class EngineGuard:
             self.checkpointer.close()  # the last async save commits before the logs close
         if self.guard is not None:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
-                                 "global_steps": self.engine.global_steps, "goodput": self.goodput.summary()})
+                                 "global_steps": self.engine.global_steps, "goodput": self.goodput.summary(),
+                                 **({"watchdog": watchdog} if watchdog else {})})
 
 
 def _plain_class(cls: type) -> type:

@@ -419,8 +419,7 @@ class MegatronGuard:
         return {"from": "fp16", "to": "bf16", "at_step": self.iteration, **detail}
 
     def close(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.stop()
+        watchdog = self.watchdog.stop() if self.watchdog is not None else None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -429,7 +428,8 @@ class MegatronGuard:
         if getattr(self.optimizer, "step", None) == self.step:
             self.optimizer.step = self._base_step
         if self.guard is not None:
-            self.guard.on_close({"iterations": self.iteration, "goodput": self.guard.goodput.summary()})
+            self.guard.on_close({"iterations": self.iteration, "goodput": self.guard.goodput.summary(),
+                                 **({"watchdog": watchdog} if watchdog else {})})
 
 
 def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,

@@ -46,11 +46,12 @@ class Beat:
     phase: str
     progress: float      # wall time of the last phase change
     published: float     # wall time this record was written (the publisher's own liveness)
+    attempt: int = 0     # torchrun's restart attempt that wrote it (TORCHELASTIC_RESTART_COUNT)
 
     @classmethod
     def parse(cls, text: str | bytes) -> "Beat":
         d = json.loads(text)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "attempt"})
 
 
 class Heartbeat:
@@ -59,6 +60,7 @@ class Heartbeat:
     def __init__(self, rank: int):
         self.rank, self.host, self.pid = rank, socket.gethostname(), os.getpid()
         self.step, self.phase, self.progress = 0, "start", time.time()
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
     def beat(self, phase: str, step: int | None = None) -> None:
         self.phase = phase
@@ -67,7 +69,7 @@ class Heartbeat:
         self.progress = time.time()
 
     def record(self) -> Beat:
-        return Beat(self.rank, self.host, self.pid, self.step, self.phase, self.progress, time.time())
+        return Beat(self.rank, self.host, self.pid, self.step, self.phase, self.progress, time.time(), self.attempt)
 
 
 # ---------------------------------------------------------------------------------- boards
@@ -125,8 +127,12 @@ class HangVerdict:
 
 
 def find_hung(beats: dict[int, Beat], world: int, now: float, hang_timeout_s: float,
-              interval_s: float) -> HangVerdict | None:
-    """Pure: from everyone's last heartbeat, is the job hung, and which rank(s) caused it?"""
+              interval_s: float, attempt: int | None = None) -> HangVerdict | None:
+    """Pure: from everyone's last heartbeat, is the job hung, and which rank(s) caused it?
+    ``attempt``: only heartbeats of this restart attempt count (a rank that has not published in it
+    yet is still starting, whatever the attempt before left on the board)."""
+    if attempt is not None:
+        beats = {r: b for r, b in beats.items() if b.attempt == attempt}
     if len(beats) < world:
         return None  # not everyone has started yet: startup is not a hang
     stalled = {r: b for r, b in beats.items() if now - b.progress > hang_timeout_s}
@@ -157,17 +163,28 @@ class Monitor(threading.Thread):
         self.heart, self.board, self.world = heart, board, world
         self.interval_s, self.hang_timeout_s, self.on_hang = interval_s, hang_timeout_s, on_hang
         self._halt = threading.Event()  # (not _stop: threading.Thread has a method of that name)
-        self.errors = 0
+        self.errors = 0             # publish/read failures, in all
+        self.failing = 0            # ... in a row (while > 0, hangs go undetected)
+        self.last_error: str | None = None
 
     def run(self) -> None:
         while not self._halt.wait(self.interval_s):
             try:
                 self.board.publish(self.heart.record())
                 verdict = find_hung(self.board.read(), self.world, time.time(), self.hang_timeout_s,
-                                    self.interval_s)
-            except Exception:  # noqa: BLE001 - a board hiccup must never kill training
+                                    self.interval_s, attempt=self.heart.attempt)
+            except Exception as e:  # noqa: BLE001 - a board hiccup must never kill training ...
                 self.errors += 1
+                self.failing += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+                if self.failing in (1, 10) or self.failing % 100 == 0:  # ... nor go unnoticed
+                    import logging
+
+                    logging.getLogger("trainguard").warning(
+                        "trainguard watchdog on rank %d: the heartbeat board failed %d time(s) in a row (%s); "
+                        "hangs go undetected while it fails", self.heart.rank, self.failing, self.last_error)
                 continue
+            self.failing = 0
             if verdict is not None and not self._halt.is_set():
                 self.on_hang(verdict)
                 return
@@ -176,12 +193,14 @@ class Monitor(threading.Thread):
         self._halt.set()
 
 
-def install_stack_dump_signal(path: str | os.PathLike | None) -> None:
-    """SIGUSR1 makes this process write every thread's Python stack (to ``path`` or stderr)."""
+def install_stack_dump_signal(path: str | os.PathLike | None):
+    """SIGUSR1 makes this process write every thread's Python stack (to ``path`` or stderr). The
+    file is opened now (a hung main thread runs no Python: faulthandler writes from C); returns it."""
     if not hasattr(signal, "SIGUSR1"):
-        return
+        return None
     target = open(path, "a") if path else sys.stderr  # noqa: SIM115 - kept open for the handler
     faulthandler.register(signal.SIGUSR1, file=target, all_threads=True, chain=False)
+    return target if path else None
 
 
 def dump_own_stacks(path: str | os.PathLike) -> None:
@@ -242,6 +261,7 @@ class Watchdog:
         self.cfg, self.guard, self.heart = cfg, guard, heart   # cfg: the whole TrainguardConfig
         self.rank, self.world, self.step_fn = rank, world, step_fn
         self.monitor: Monitor | None = None
+        self._stacks = None  # the file SIGUSR1 dumps into (removed at stop when nothing was written)
 
     def stacks_dir(self) -> Path:
         w = self.cfg.distributed.watchdog
@@ -259,9 +279,10 @@ class Watchdog:
         if board is None:
             return
         self.stacks_dir().mkdir(parents=True, exist_ok=True)
-        install_stack_dump_signal(self.stacks_dir() / f"stacks.rank{self.rank}.txt")
+        self._stacks = install_stack_dump_signal(self.stacks_dir() / f"stacks.rank{self.rank}.txt")
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        previous = board.read()  # the last heartbeats of the attempt before, if any
+        # the last heartbeats of the attempt before, if any (not those this attempt's faster ranks wrote already)
+        previous = {r: b for r, b in board.read().items() if b.attempt != self.heart.attempt}
         step = self.step_fn()
         if attempt > 0:
             last_alive = max((b.published for b in previous.values()), default=None)
@@ -305,6 +326,21 @@ class Watchdog:
             signal_local(verdict, self.heart.host, signal.SIGKILL)
         os._exit(w.exit_code)  # (the JSONL sinks flush every line)
 
-    def stop(self) -> None:
+    def stop(self) -> dict:
+        """Stop watching; a stacks file nothing was written to is removed (a healthy run leaves none).
+        Returns what the run_end record says of the watchdog."""
         if self.monitor is not None:
             self.monitor.stop()
+        if self._stacks is not None:
+            if hasattr(signal, "SIGUSR1"):
+                faulthandler.unregister(signal.SIGUSR1)
+            path = Path(self._stacks.name)
+            self._stacks.close()
+            self._stacks = None
+            try:
+                if path.stat().st_size == 0:
+                    path.unlink()
+            except OSError:
+                pass
+        m = self.monitor
+        return {"board_errors": m.errors, "last_error": m.last_error} if m is not None else {}

@@ -58,3 +58,59 @@ def test_goodput_counts_only_surviving_applied_steps():
     state = dict(m.state_dict(), saved_at=time.time() - 5.0)
     r.load_state_dict(state)
     assert r.summary()["productive_s"] == 6.5 and 14.9 < r.summary()["wall_s"] < 15.5
+
+
+def test_heartbeats_of_the_previous_attempt_are_not_current(monkeypatch):
+    """Issue 15 item 10: after a restart the board still holds the failed attempt's heartbeats; a rank
+    that has not published in this attempt yet is starting, not hung."""
+    now = 1000.0
+    old = beat(1, 9, "forward", 60, 60, now)                         # attempt 0's, a minute old
+    fresh = Beat(0, "h", 100, 6, "data", now - 20, now - 0.1, attempt=1)
+    assert find_hung({0: fresh, 1: old}, 2, now, 10, 1, attempt=1) is None
+    assert find_hung({0: fresh, 1: old}, 2, now, 10, 1).culprits == [1]  # (what it used to conclude)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert Heartbeat(rank=0).record().attempt == 2
+    assert Beat.parse('{"rank": 0, "host": "h", "pid": 1, "step": 0, "phase": "data", "progress": 1, '
+                      '"published": 1}').attempt == 0  # (a record of an older trainguard)
+
+
+def test_a_failing_board_is_counted_and_warned_about(caplog):
+    """Issue 15 item 10: the monitor swallowed board failures forever (hang detection silently off)."""
+    from trainguard.watchdog import Monitor
+
+    class Broken:
+        def publish(self, beat):
+            raise OSError("board gone")
+
+        def read(self):
+            return {}
+
+    m = Monitor(Heartbeat(rank=0), Broken(), world=1, interval_s=0.01, hang_timeout_s=10, on_hang=lambda v: None)
+    with caplog.at_level("WARNING", logger="trainguard"):
+        m.start()
+        deadline = time.time() + 10
+        while m.errors < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        m.stop()
+        m.join(5)
+    assert m.errors >= 3 and "board gone" in m.last_error
+    assert any("hangs go undetected" in r.getMessage() for r in caplog.records)
+
+
+def test_a_healthy_run_leaves_no_empty_stacks_file(tmp_path):
+    """Issue 15 item 10: every run left an empty stacks.rank<r>.txt (opened for SIGUSR1) behind."""
+    from trainguard.config import parse_block
+    from trainguard.watchdog import Watchdog
+
+    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "log.jsonl")},
+                       "distributed": {"watchdog": {"board": "dir", "dir": str(tmp_path / "hb"), "interval_s": 0.05}}})
+
+    class Guard:
+        def emit(self, *a, **k):
+            pass
+
+    w = Watchdog(cfg, Guard(), Heartbeat(rank=0), rank=0, world=1, step_fn=lambda: 0)
+    w.start()
+    assert (tmp_path / "stacks.rank0.txt").exists()
+    summary = w.stop()
+    assert not (tmp_path / "stacks.rank0.txt").exists() and summary["board_errors"] == 0
