@@ -169,11 +169,14 @@ def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
     from trainguard.config import parse_block
     from trainguard.events import Record
 
-    for step in (10, 20):  # two committed, verified, not stable checkpoints
-        d = tmp_path / "ck" / f"step{step:08d}"
-        d.mkdir(parents=True)
-        (d / "weights.bin").write_bytes(b"w" * step)
-        Manifest(tag=d.name, step=step, files=hash_files(d, list_files(d))).write(d)
+    def two(name):  # two committed, verified, not stable checkpoints
+        for step in (10, 20):
+            d = tmp_path / name / f"step{step:08d}"
+            d.mkdir(parents=True)
+            (d / "weights.bin").write_bytes(b"w" * step)
+            Manifest(tag=d.name, step=step, files=hash_files(d, list_files(d))).write(d)
+        return tmp_path / name
+
     records = []
 
     class Guard:
@@ -183,17 +186,21 @@ def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
             records.append((step, record, detail))
 
     class Manager(CheckpointManager):
+        at = 0  # the step the run is at (a load moves it)
+
         def step_count(self):
-            return 0
+            return self.at
 
         def load(self, root, tag=None, mode="latest_valid", purpose="resume", **kw):
             chosen, _ = self.choose_for_load(root, tag, mode)
             self.resumed_tag = chosen
+            if chosen:
+                self.at = int(chosen[4:])
             return chosen
 
     for mode, loaded in (("stable", None), ("latest_valid", "step00000020")):
         records.clear()
-        cfg = parse_block({"checkpoint": {"dir": str(tmp_path / "ck"), "resume": mode}})
+        cfg = parse_block({"checkpoint": {"dir": str(two(mode)), "resume": mode}})
         m = Manager(cfg, Guard(), heart=None)
         assert m.resume_on_start() == loaded
         skipped = [d for _, r, d in records if r is Record.RESUME_SKIPPED]
@@ -206,7 +213,8 @@ def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
     # the framework loaded its own checkpoint first (Megatron-LM's --load): only a newer snapshot loads
     for newer_than, loaded in ((15, "step00000020"), (20, None), (25, None)):
         records.clear()
-        m = Manager(parse_block({"checkpoint": {"dir": str(tmp_path / "ck")}}), Guard(), heart=None)
+        m = Manager(parse_block({"checkpoint": {"dir": str(two(f"n{newer_than}"))}}), Guard(), heart=None)
+        m.at = newer_than
         assert m.resume_on_start(newer_than=newer_than) == loaded
         skipped = [d for _, r, d in records if r is Record.RESUME_SKIPPED]
         if loaded is None:
@@ -267,3 +275,38 @@ def test_ckpt_cli_turns_checkpoint_errors_into_exit_1(tmp_path, capsys):
     assert main(["ckpt", "inspect", str(tmp_path / "ck"), "../etc"]) == 1
     err = capsys.readouterr().err
     assert "invalid checkpoint tag" in err and "Traceback" not in err
+
+
+def test_checkpoints_of_another_trajectory_are_set_aside_not_replaced(tmp_path):
+    """Issue 15 item 4: resume "stable" with no stable checkpoint started from step 0, and its saves
+    at steps 10 and 20 replaced the old trajectory's checkpoints under the same tags. Now they are
+    moved to .abandoned/ at the start (kept, out of the listing), and resume_skipped names them."""
+    from trainguard.checkpoint.layout import CheckpointLayout
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.config import parse_block
+    from trainguard.events import Record
+
+    root = tmp_path / "ck"
+    for step in (10, 20):
+        _committed(root, f"step{step:08d}", step)
+    records = []
+
+    class Guard:
+        faults = None
+
+        def emit(self, step, record, ranks, action, detail, **kw):
+            records.append((record, detail))
+
+    class Manager(CheckpointManager):
+        def step_count(self):
+            return 0
+
+        def load(self, root, tag=None, mode="latest_valid", purpose="resume", **kw):
+            self.resumed_tag, _ = self.choose_for_load(root, tag, mode)
+
+    Manager(parse_block({"checkpoint": {"dir": str(root), "resume": "stable"}}), Guard(), heart=None).resume_on_start()
+    (skipped,) = [d for r, d in records if r is Record.RESUME_SKIPPED]
+    assert skipped["set_aside"] == ["step00000010", "step00000020"]
+    assert CheckpointLayout(root).tags() == []
+    kept = sorted(p.name.split(".")[0] for p in (root / ".abandoned").iterdir())
+    assert kept == ["step00000010", "step00000020"]  # nothing lost: a save at step 10 now replaces nothing

@@ -166,7 +166,9 @@ class CheckpointManager:
         finds nothing to load says so (``resume_skipped``) when the directory holds checkpoints.
         ``newer_than``: the step the run is at already (the framework loaded its own checkpoint,
         e.g. Megatron-LM's ``--load``): only a newer snapshot is loaded -- one state, never two.
-        Returns what ``load`` returns (None when nothing was loaded)."""
+        Checkpoints after the step the run goes on from belong to another trajectory: they are set
+        aside (``.abandoned/``, never deleted), so that no later save replaces them under their tag
+        and no later resume picks them. Returns what ``load`` returns (None when nothing was loaded)."""
         c = self.cfg
         if not c.dir:
             return None
@@ -184,6 +186,13 @@ class CheckpointManager:
             result = self.load(root, mode=c.resume)
         finally:
             self._newer_than = -1
+        set_aside = self.abandon_after(root, self.step_count())
+        if set_aside and rank() == 0:
+            import logging
+
+            logging.getLogger("trainguard").warning(
+                "trainguard: the run goes on from step %d; the checkpoints after it (%s) belong to another "
+                "trajectory and were moved to %s", self.step_count(), ", ".join(set_aside), root / ".abandoned")
         if self.resumed_tag is None:
             reason = "no checkpoint verifies" + (" and is stable" if c.resume == "stable" else "")
             if newer_than > 0:
@@ -191,7 +200,7 @@ class CheckpointManager:
                     (" and is stable" if c.resume == "stable" else "")
             self.emit(self.step_count(), Record.RESUME_SKIPPED, {
                 "dir": str(root), "mode": c.resume, "checkpoints": tags, "reason": reason,
-                "starting_at_step": self.step_count()})
+                "starting_at_step": self.step_count(), "set_aside": set_aside})
             if rank() == 0:
                 import logging
 
