@@ -210,6 +210,26 @@ def dump_own_stacks(path: str | os.PathLike) -> None:
         faulthandler.dump_traceback(file=f, all_threads=True)
 
 
+HANG_MARKER = "TRAINGUARD_HANG_MARKER"
+
+
+def exit_for_restart(code: int, detail: dict | None = None) -> None:
+    """Leave the process with ``code`` (distributed.watchdog.exit_code) after a hang was found. torchrun
+    reports a failed worker as its own exit 1, so the code does not reach a job script: when the
+    environment names a marker file (``TRAINGUARD_HANG_MARKER``, set by
+    scripts/launch/slurm_deepspeed.sbatch), it is written first -- the script requeues on it."""
+    marker = os.environ.get(HANG_MARKER)
+    if marker:
+        try:
+            Path(marker).parent.mkdir(parents=True, exist_ok=True)
+            with open(marker, "a") as f:
+                f.write(json.dumps({"time": time.time(), "exit_code": code, "pid": os.getpid(), **(detail or {})})
+                        + "\n")
+        except OSError:
+            pass  # (the exit matters more than the marker)
+    os._exit(code)  # (the JSONL sinks flush every line)
+
+
 def signal_local(verdict: HangVerdict, host: str, sig: int) -> list[int]:
     """Send ``sig`` to the culprit ranks that run on this host; returns their pids."""
     sent = []
@@ -324,7 +344,8 @@ class Watchdog:
                         rank_local=True, to_run_log=first, takeover=first)
         if w.kill_hung_local:
             signal_local(verdict, self.heart.host, signal.SIGKILL)
-        os._exit(w.exit_code)  # (the JSONL sinks flush every line)
+        exit_for_restart(w.exit_code, {"step": self.heart.step, "culprits": verdict.culprits, "why": verdict.why,
+                                       "rank": self.rank, "host": self.heart.host})
 
     def stop(self) -> dict:
         """Stop watching; a stacks file nothing was written to is removed (a healthy run leaves none).

@@ -28,3 +28,42 @@ def test_torchrun_multinode_arguments(tmp_path):
                    "--rdzv-endpoint=node0:29500", "--rdzv-id=job7", "train.py", "--deepspeed_config", "c.json"]
     usage = subprocess.run(["bash", str(LAUNCH / "torchrun_multinode.sh")], env=env, capture_output=True, text=True)
     assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def _slurm(tmp_path, worker_exit: int):
+    """scripts/launch/slurm_deepspeed.sbatch with Slurm's srun/scontrol faked (recorded) and a real
+    torchrun (1 node, 1 process, no restarts) whose worker exits ``worker_exit`` -- 75 the way
+    trainguard's watchdog exits after a hang. Returns (exit code, what scontrol was asked)."""
+    import socket
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\nif [ "$1" = show ]; then echo 127.0.0.1; '
+                                      'else echo "$@" >> "$SCONTROL_LOG"; fi\n')
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    worker = tmp_path / "worker.py"
+    worker.write_text("import sys\nfrom trainguard.watchdog import exit_for_restart\ncode = int(sys.argv[1])\n"
+                      "exit_for_restart(code, {'why': 'test'}) if code == 75 else sys.exit(code)\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / f"scontrol.{worker_exit}.log"
+    env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n1",
+               SLURM_NNODES="1", SLURM_JOB_ID="42", NPROC_PER_NODE="1", MAX_RESTARTS="0", MASTER_PORT=str(port),
+               LOG_DIR=str(tmp_path), SCONTROL_LOG=str(log), PYTHONPATH=str(ROOT))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "launch" / "slurm_deepspeed.sbatch"), str(worker),
+                           str(worker_exit)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return done.returncode, (log.read_text() if log.exists() else ""), done.stderr
+
+
+def test_slurm_requeues_after_a_hang_exit_that_torchrun_reported_as_1(tmp_path):
+    """Issue 15 item 3: torchrun exits 1 when its worker exits 75, so the script's `rc -eq 75` branch
+    never ran. The watchdog's marker file is what the script reads now."""
+    rc, asked, err = _slurm(tmp_path, 75)
+    assert rc == 1, err[-2000:]  # torchrun's own code: 75 does not get through
+    assert "requeue 42" in asked and (tmp_path / "trainguard-hang.42").read_text().count('"exit_code": 75') == 1
+    rc, asked, err = _slurm(tmp_path, 3)  # a crash (or an abort): a person looks first, no requeue
+    assert rc == 1 and asked == "", asked
