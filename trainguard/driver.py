@@ -130,7 +130,10 @@ class StepDriver:
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
             "lr": self.step_lr if self.step_lr is not None else _lr(fw.lr_groups()),
             "loss_scale": before.scale if before is not None else 1.0, "skipped_steps": fw.skipped_steps(),
-            "applied": out.applied, "action": decision.action.value, "goodput": guard.goodput.ratio()})
+            "applied": out.applied, "action": decision.action.value, "goodput": guard.goodput.ratio(),
+            # (monotonic in a process, unlike the framework's skipped count, which a rollback's load sets back)
+            "executed_steps": guard.goodput.executed + 1,
+            "not_applied_steps": guard.goodput.skipped + (not out.applied)})
         acting = scale_decision or decision
         if acting.action is Action.ABORT:
             raise guard.abort(step, acting)

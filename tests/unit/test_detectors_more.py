@@ -1,6 +1,7 @@
 import json
 import math
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,7 +181,8 @@ def test_prometheus_endpoint_is_scraped(tmp_path):
         d = g.on_decide(step, obs)
         g.on_step(step, d, applied=step == 1)
         g.on_end(step, obs, {"grad_norm": torch.tensor(2.0), "lr": 0.1, "loss_scale": 1.0,
-                             "skipped_steps": step - 1, "applied": step == 1})
+                             "skipped_steps": step - 1, "applied": step == 1,
+                             "executed_steps": step, "not_applied_steps": step - 1})  # (as the driver does)
     g.on_agree(3)  # flushes step 2's line
     body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
     assert "trainguard_loss 2.5" in body
@@ -206,3 +208,31 @@ def test_prometheus_bind_address_is_the_configured_one(tmp_path):
     (sink,) = g.events.mirrors
     assert sink.server.server_address[0] == "127.0.0.1"
     g.on_close()
+
+
+def test_prometheus_step_counters_survive_a_rollback():
+    """Issue 15 item 10: the skipped-steps counter followed the framework's skipped_steps, which a
+    rollback's load sets back (later skips went uncounted), and the skipped-rate alert divided by
+    rate() of the step *gauge*, which goes backwards on a rollback. Both now count from the metric
+    line's monotonic executed_steps / not_applied_steps."""
+    import re
+
+    import yaml
+
+    from trainguard.metrics.prometheus import PrometheusSink
+
+    sink = PrometheusSink(0, "127.0.0.1")
+    try:
+        # steps 1-4: step 3 skipped; rollback to 2 (DeepSpeed's skipped_steps back to 0); 3' and 4' skipped
+        lines = [(1, 0, 1, 0), (2, 0, 2, 0), (3, 1, 3, 1), (4, 1, 4, 1), (3, 1, 5, 2), (4, 2, 6, 3)]
+        for step, fw_skipped, executed, not_applied in lines:
+            if step == 3 and executed == 5:
+                fw_skipped = 0  # (the rollback's load set the framework's count back)
+            sink.metric(step, {"skipped_steps": fw_skipped, "executed_steps": executed, "not_applied_steps": not_applied})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
+        assert "trainguard_skipped_steps_total 3.0" in body and "trainguard_steps_total 6.0" in body
+    finally:
+        sink.close()
+    rules = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "prometheus" / "alerts.yml").read_text())
+    (rate,) = [r["expr"] for g in rules["groups"] for r in g["rules"] if r["alert"] == "TrainguardSkippedStepRateHigh"]
+    assert "rate(trainguard_steps_total" in rate and not re.search(r"rate\(trainguard_step\[", rate)

@@ -12,7 +12,8 @@ trainguard_local_loss{rank}            gauge    each rank's local loss
 trainguard_loss_scale                  gauge    fp16 loss scale (1 otherwise)
 trainguard_loss_scale_min              gauge    the scaler's floor (fp16)
 trainguard_lr                          gauge    learning rate
-trainguard_skipped_steps_total         counter  steps not applied
+trainguard_steps_total                 counter  optimizer steps executed (rolled-back ones included)
+trainguard_skipped_steps_total         counter  steps not applied (skipped by the guard or the framework)
 trainguard_events_total{event}         counter  events by type (nonfinite, instant_burst, ...)
 trainguard_attention_entropy_ratio     gauge    {layer, head, rank}: entropy / its maximum
 trainguard_activation_max_abs          gauge    {module, rank}: sampled output max-abs
@@ -51,10 +52,11 @@ class PrometheusSink:
         self.act = g("trainguard_activation_max_abs", "sampled activation max-abs", ["module", "rank"])
         self.heartbeat = g("trainguard_heartbeat_timestamp_seconds", "last completed step time", ["rank"])
         self.skipped = pc.Counter("trainguard_skipped_steps", "optimizer steps not applied", registry=self.registry)
+        self.steps = pc.Counter("trainguard_steps", "optimizer steps executed", registry=self.registry)
         self.events = pc.Counter("trainguard_events", "trainguard events by type", ["event"], registry=self.registry)
         self.server, self.thread = pc.start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
-        self._skipped_seen = 0
+        self._seen = {"executed_steps": 0, "not_applied_steps": 0}
 
     @staticmethod
     def _set(gauge, value) -> None:
@@ -74,10 +76,12 @@ class PrometheusSink:
         now = time.time()
         for rank in range(len(values.get("local_losses") or [])):
             self.heartbeat.labels(rank=str(rank)).set(now)
-        skipped = values.get("skipped_steps")
-        if isinstance(skipped, int) and skipped > self._skipped_seen:
-            self.skipped.inc(skipped - self._skipped_seen)
-            self._skipped_seen = skipped
+        # counters from the line's monotonic counts (the framework's skipped_steps goes back on a rollback)
+        for key, counter in (("executed_steps", self.steps), ("not_applied_steps", self.skipped)):
+            n = values.get(key)
+            if isinstance(n, int) and not isinstance(n, bool) and n > self._seen[key]:
+                counter.inc(n - self._seen[key])
+                self._seen[key] = n
         for rank_layers in [values.get("attention_entropy_ratio") or {}]:
             for layer, ratios in rank_layers.items():
                 for head, r in enumerate(ratios):
