@@ -7,9 +7,23 @@ import pytest
 pytestmark = pytest.mark.dist
 
 
+def bounded(cmd, timeout):
+    """Run ``cmd``; on timeout kill its whole process tree (the demo's torchrun workers live in sessions
+    of their own: a plain subprocess timeout killed the demo process only and left them running)."""
+    from trainguard.demo.run import kill_tree
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[3]} did not finish in {timeout} s (its process tree was killed):\n{out[-3000:]}{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def test_demo_prints_the_table(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "trainguard.cli", "demo", "--steps", "201", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    res = bounded([sys.executable, "-m", "trainguard.cli", "demo", "--steps", "201", "--out", str(tmp_path)], 420)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     rows = [line.split() for line in lines if line.strip() and line.split()[0].isdigit()]
@@ -34,8 +48,7 @@ def test_demo_prints_the_table(tmp_path):
 
     # trainguard report on the demo's log writes the pictures
     log = tmp_path / "trainguard" / "trainguard.jsonl"
-    rep = subprocess.run([sys.executable, "-m", "trainguard.cli", "report", str(log), "--out", str(tmp_path / "rep")],
-                         capture_output=True, text=True, timeout=120)
+    rep = bounded([sys.executable, "-m", "trainguard.cli", "report", str(log), "--out", str(tmp_path / "rep")], 180)
     assert rep.returncode == 0, rep.stderr
     names = {"loss.png", "grad_norm.png", "loss_scale.png", "attention_entropy.png", "overview.png"}
     assert {p.name for p in (tmp_path / "rep").iterdir()} == names
