@@ -165,7 +165,10 @@ def _patch_trainer(module) -> None:
         def train(self, resume_from_checkpoint=None, *args, **kwargs):
             block = _block_of_args(self.args)
             if block is not None and block.checkpoint.resume != "none" and resume_from_checkpoint in (None, True):
-                chosen = _verified_hf_checkpoint(self.args.output_dir, block.checkpoint.resume)
+                from trainguard.checkpoint.auth import key_from
+
+                chosen = _verified_hf_checkpoint(self.args.output_dir, block.checkpoint.resume,
+                                                 key_from(block.checkpoint))
                 if chosen is not None:
                     resume_from_checkpoint = chosen
             return original(self, resume_from_checkpoint, *args, **kwargs)
@@ -185,7 +188,7 @@ def _block_of_args(args):
     return block if block is not None and block.enabled else None
 
 
-def _verified_hf_checkpoint(output_dir: str, mode: str) -> str | None:
+def _verified_hf_checkpoint(output_dir: str, mode: str, key: bytes | None = None) -> str | None:
     """trainguard's automatic resume under the Trainer: the newest ``checkpoint-N`` whose DeepSpeed
     checkpoint verifies against its manifest (and is stable, in "stable" mode) -- HF's own choice
     is the newest by name, torn or not. Rank 0 decides, every rank learns. None: no checkpoint
@@ -205,7 +208,7 @@ def _verified_hf_checkpoint(output_dir: str, mode: str) -> str | None:
         for _, name in reversed(found):
             layout = CheckpointLayout(os.path.join(output_dir, name))
             tags = layout.tags()
-            if tags and verify(layout.tag_dir(tags[-1])).ok and (
+            if tags and verify(layout.tag_dir(tags[-1]), key=key).ok and (
                     mode != "stable" or (layout.tag_dir(tags[-1]) / STABLE).exists()):
                 return os.path.join(output_dir, name)
         return None

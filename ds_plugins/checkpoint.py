@@ -136,7 +136,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
 
     def _commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
         """Rank 0, once every file is written and hashed: the commit, then retention."""
-        commit_staged(root, staging_root, nonce, self._manifest(tag, step, files))
+        commit_staged(root, staging_root, nonce, self._manifest(tag, step, files), key=self.key)
         self.retention(root)
 
     # ------------------------------------------------------------------ async save

@@ -130,7 +130,7 @@ class MegatronCheckpointer(CheckpointManager):
         dist.barrier()
         if dist.get_rank() == 0:
             last = getattr(mg.guard, "last_metrics", {}) or {}
-            commit_staged(root, staging_root, nonce, Manifest(
+            commit_staged(root, staging_root, nonce, key=self.key, manifest=Manifest(
                 tag=tag, step=mg.iteration, files=hash_files(staged, list_files(staged)), layout=self._layout(),
                 lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
                 health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,

@@ -8,7 +8,7 @@
                                    fire drill: a schedule of faults (NaN, poisoned batches, corrupt
                                    checkpoint, LR ramp, fp16 scale collapse) under trainguard and
                                    under plain DeepSpeed, against a clean run; exit 0 when the goals hold
-    trainguard ckpt list DIR | verify DIR [TAG] | inspect DIR TAG
+    trainguard ckpt list DIR | verify DIR [TAG] [--key-env NAME] | inspect DIR TAG
                                    committed checkpoints: step, stable, size, checksums, lineage
     trainguard run -- COMMAND [ARGS...]
                                    run your launch command (torchrun, deepspeed, accelerate launch,
@@ -97,7 +97,15 @@ def _ckpt(args) -> int:
         if args.ckpt_command == "list":
             return ck.ckpt_list(args.dir, checksums=not args.fast)
         if args.ckpt_command == "verify":
-            return ck.ckpt_verify(args.dir, args.tag)
+            key = None
+            if args.key_env:
+                import os
+
+                key = os.environ.get(args.key_env, "").encode() or None
+                if key is None:
+                    print(f"trainguard ckpt verify: the environment variable {args.key_env} is not set", file=sys.stderr)
+                    return 2
+            return ck.ckpt_verify(args.dir, args.tag, key=key)
         return ck.ckpt_inspect(args.dir, args.tag)
     except CheckpointError as e:  # (a bad tag, an unreadable manifest: the message, never a traceback)
         print(f"trainguard ckpt {args.ckpt_command}: {e}", file=sys.stderr)
@@ -168,6 +176,8 @@ def main(argv=None) -> int:
     cv = csub.add_parser("verify", help="exit 0 when every file matches its manifest, else 1 naming the file")
     cv.add_argument("dir")
     cv.add_argument("tag", nargs="?")
+    cv.add_argument("--key-env", metavar="NAME", help="also check each manifest's HMAC with the key in this "
+                    "environment variable (checkpoint.hmac_key_env)")
     ci = csub.add_parser("inspect", help="contents, lineage, health of one checkpoint")
     ci.add_argument("dir")
     ci.add_argument("tag")

@@ -195,6 +195,12 @@ class CheckpointConfig(_Section):
     keep_stable: int = Field(2, ge=0, description="The newest this-many stable checkpoints are never deleted.")
     stable_after: int = Field(
         200, ge=1, description="A checkpoint becomes stable once this many steps after it pass with no anomaly.")
+    hmac_key_env: Optional[str] = Field(
+        None, min_length=1, description="Authenticated checkpoints: the name of an environment variable (set on every "
+        "rank) holding a secret key. Every checkpoint committed is signed (manifest.hmac, an HMAC-SHA256 of the "
+        "manifest, which lists every file's sha256), and a checkpoint without a valid signature is refused -- "
+        "checked before any of its files is opened (DeepSpeed's and dist_checkpointing's files are pickles: code). "
+        "null: no signatures (the sha256 manifest then catches rot, not tampering).")
     resume: Literal["latest_valid", "stable", "none"] = Field(
         "latest_valid", description="At initialize, when `dir` holds checkpoints: the newest one whose checksums "
         "verify, the newest stable one, or none (start fresh).")

@@ -310,3 +310,56 @@ def test_checkpoints_of_another_trajectory_are_set_aside_not_replaced(tmp_path):
     assert CheckpointLayout(root).tags() == []
     kept = sorted(p.name.split(".")[0] for p in (root / ".abandoned").iterdir())
     assert kept == ["step00000010", "step00000020"]  # nothing lost: a save at step 10 now replaces nothing
+
+
+def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_opening_a_file(tmp_path, monkeypatch):
+    """Issue 15 item 11: with checkpoint.hmac_key_env, commits are signed and a checkpoint without a
+    valid HMAC is refused by the resume's choice (which runs before any pickle is opened), naming the
+    file; a tampered file whose sha256 the attacker rewrote in the manifest is caught by the HMAC."""
+    import json as _json
+
+    from trainguard.checkpoint.commit import commit_staged
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+    from trainguard.cli import main
+    from trainguard.config import ConfigError, parse_block
+
+    cfg = parse_block({"checkpoint": {"dir": str(tmp_path / "ck"), "hmac_key_env": "TG_TEST_KEY"}})
+
+    class Manager(CheckpointManager):
+        def step_count(self):
+            return 0
+
+    monkeypatch.delenv("TG_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="TG_TEST_KEY"):  # configured, but no key: the run does not start
+        Manager(cfg, None, heart=None)
+    monkeypatch.setenv("TG_TEST_KEY", "s3cret")
+    m = Manager(cfg, None, heart=None)
+
+    def save(step, key):
+        staging = tmp_path / "ck" / ".staging" / f"n{step}"
+        staged = staging / f"step{step:08d}"
+        staged.mkdir(parents=True)
+        (staged / "model.pt").write_bytes(b"weights %d" % step)
+        commit_staged(tmp_path / "ck", staging, f"n{step}", Manifest(
+            tag=staged.name, step=step, files=hash_files(staged, list_files(staged))), key=key)
+
+    save(10, m.key)
+    save(20, None)  # unsigned
+    tag, skipped = m.choose(tmp_path / "ck", "latest_valid")
+    assert tag == "step00000010"
+    assert skipped[0]["tag"] == "step00000020" and skipped[0]["bad_file"] == "manifest.hmac"
+    assert "unauthenticated" in skipped[0]["reason"]
+    # tamper with step 10: new bytes, the manifest's sha256 and size rewritten to match
+    d = tmp_path / "ck" / "step00000010"
+    (d / "model.pt").write_bytes(b"import os; os.system('evil')")
+    man = _json.loads((d / "manifest.json").read_text())
+    man["files"] = hash_files(d, ["model.pt"])
+    (d / "manifest.json").write_text(_json.dumps(man))
+    tag, skipped = m.choose(tmp_path / "ck", "latest_valid")
+    assert tag is None and {s["bad_file"] for s in skipped} == {"manifest.hmac"}
+    assert any("HMAC mismatch" in s["reason"] for s in skipped)
+    # without a key configured the same directory verifies (sha256 only: rot, not tampering)
+    assert Manager(parse_block({"checkpoint": {"dir": str(tmp_path / "ck")}}), None, heart=None).choose(
+        tmp_path / "ck", "latest_valid")[0] == "step00000020"
+    assert main(["ckpt", "verify", str(tmp_path / "ck"), "--key-env", "TG_TEST_KEY"]) == 1

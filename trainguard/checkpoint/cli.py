@@ -35,7 +35,7 @@ def ckpt_list(root: str, checksums: bool = True) -> int:
     return 0
 
 
-def ckpt_verify(root: str, tag: str | None = None) -> int:
+def ckpt_verify(root: str, tag: str | None = None, key: bytes | None = None) -> int:
     layout = CheckpointLayout(root)
     tags = [tag] if tag else layout.tags()
     if not tags:
@@ -43,7 +43,7 @@ def ckpt_verify(root: str, tag: str | None = None) -> int:
         return 1
     bad = 0
     for t in tags:
-        res = verify(layout.tag_dir(t))
+        res = verify(layout.tag_dir(t), key=key)
         if res.ok:
             print(f"{t}: OK ({len(res.manifest.files)} files, {_size(res.manifest.total_bytes)})")
         else:

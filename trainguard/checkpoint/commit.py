@@ -13,12 +13,17 @@ from trainguard.checkpoint.layout import LATEST, STAGING, CheckpointLayout
 from trainguard.checkpoint.manifest import Manifest
 
 
-def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest) -> Path:
-    """Commit ``<staging_root>/<manifest.tag>`` as ``<root>/<manifest.tag>``; returns its path."""
+def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest, key: bytes | None = None) -> Path:
+    """Commit ``<staging_root>/<manifest.tag>`` as ``<root>/<manifest.tag>``; returns its path.
+    ``key``: sign the manifest (trainguard.checkpoint.auth) before the rename."""
     tag = manifest.tag
     staged = staging_root / tag
     make_durable(staged)
     manifest.write(staged)
+    if key is not None:
+        from trainguard.checkpoint.auth import sign
+
+        sign(staged, key)
     fsync_dir(staged)
     final = CheckpointLayout(root).tag_dir(tag)
     aside = root / STAGING / f"replaced.{nonce}"

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainguard.checkpoint import auth
 from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout
@@ -59,6 +60,7 @@ class CheckpointManager:
         self.roots: dict[str, Path] = {}       # tag -> root it was saved under (for marks)
         self._deferred: list[tuple] = []       # marks for checkpoints not committed yet
         self.resumed_tag: str | None = None    # what the last resume loaded
+        self.key = auth.key_from(self.cfg)     # checkpoint.hmac_key_env's key: sign and require signatures
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
 
     def emit(self, step: int, record: Record, detail: dict, ranks=(), action=None) -> None:
@@ -129,7 +131,7 @@ class CheckpointManager:
                 skipped.append({"tag": tag, "reason": f"not newer than step {self._newer_than}, which the "
                                 f"framework loaded from its own checkpoint", "dir": str(root)})
                 break
-            res = verify(layout.tag_dir(tag))
+            res = verify(layout.tag_dir(tag), key=self.key)
             if not res.ok:
                 skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
                 continue
@@ -145,7 +147,7 @@ class CheckpointManager:
         decision = None
         if rank() == 0:
             if tag is not None:
-                res = verify(CheckpointLayout(root).tag_dir(tag))
+                res = verify(CheckpointLayout(root).tag_dir(tag), key=self.key)
                 decision = (tag if res.ok else None,
                             [] if res.ok else [{"tag": tag, "bad_file": res.bad_file, "reason": res.reason,
                                                 "dir": str(root)}])
@@ -224,7 +226,8 @@ class CheckpointManager:
 
     def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
         """Rank 0 chooses (trainguard.checkpoint.rollback.choose_rollback), every rank learns."""
-        choice = choose_rollback(root, onset, mode, self.not_before(root), inclusive) if rank() == 0 else None
+        choice = choose_rollback(root, onset, mode, self.not_before(root), inclusive, key=self.key) \
+            if rank() == 0 else None
         tag, why, bad = broadcast_from_rank0(choice)
         for b in bad:
             self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)

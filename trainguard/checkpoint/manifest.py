@@ -24,7 +24,7 @@ from trainguard.checkpoint.fsio import atomic_write_json, sha256_file
 from trainguard.checkpoint.layout import MANIFEST, STABLE, TRAJECTORY
 
 FORMAT = 1
-NOT_LISTED = {MANIFEST, STABLE, TRAJECTORY}
+NOT_LISTED = {MANIFEST, STABLE, TRAJECTORY, "manifest.hmac"}  # (the last: trainguard.checkpoint.auth)
 
 
 @dataclass
@@ -95,11 +95,18 @@ def inside(rel: str) -> bool:
         and "\x00" not in rel
 
 
-def verify(tag_dir: str | os.PathLike, checksums: bool = True) -> VerifyResult:
-    """Check a committed checkpoint: its manifest parses, every listed file exists with its size
-    and (when ``checksums``) its sha256, and no unlisted file appeared. Names the first bad file."""
+def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None = None) -> VerifyResult:
+    """Check a committed checkpoint: (with ``key``) the manifest's HMAC first, then the manifest
+    parses, every listed file exists with its size and (when ``checksums``) its sha256, and no
+    unlisted file appeared. Names the first bad file. Opens no checkpoint file but the manifest."""
     tag_dir = Path(tag_dir)
     tag = tag_dir.name
+    if key is not None:
+        from trainguard.checkpoint.auth import SIGNATURE, problem
+
+        why = problem(tag_dir, key)
+        if why is not None:
+            return VerifyResult(False, tag, SIGNATURE, why)
     try:
         man = Manifest.read(tag_dir)
     except FileNotFoundError:

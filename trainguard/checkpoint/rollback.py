@@ -31,7 +31,7 @@ def fitting_after(root: Path, key: str, value) -> int:
 
 
 def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
-                    inclusive: bool = False) -> tuple[str | None, str, list[dict]]:
+                    inclusive: bool = False, key: bytes | None = None) -> tuple[str | None, str, list[dict]]:
     """The newest checkpoint from before ``onset`` that verifies, stable if ``mode`` is "stable"
     (else, or failing that, the newest valid one). ``inclusive``: one saved at ``onset`` itself
     qualifies (that step was skipped, so its state is the state before the anomaly).
@@ -41,7 +41,7 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     seen = []  # (tag, verify result), newest first
     for tag, step in reversed(layout.steps()):
         if not_before <= step < onset + (1 if inclusive else 0):
-            seen.append((tag, verify(layout.tag_dir(tag))))
+            seen.append((tag, verify(layout.tag_dir(tag), key=key)))
     valid = [t for t, res in seen if res.ok]
     stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
     if mode == "stable" and stable:
