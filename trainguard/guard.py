@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -215,6 +216,7 @@ class StepGuard:
         host[F["grad_checked"]] = self._grad_hooks
         host[F["faults_fired"]] = self.faults.fired_in(step)
         host[F["samples_rejected"]] = len(self._rejected)
+        host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
         pending = self.deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
@@ -296,7 +298,9 @@ class StepGuard:
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self._everyone = everyone
-        self._probe_values = {"activation": activation, "entropy": entropy}
+        # every rank's sampled values (they came with the gather above: no extra synchronisation)
+        self._probe_values = {"activation": by_rank(everyone, "activation") if activation is not None else None,
+                              "entropy": by_rank(everyone, "entropy") if entropy is not None else None}
         self._log_faults(step, obs)
         if everyone:
             self._log_rejections(step, everyone)
@@ -349,13 +353,19 @@ class StepGuard:
         line = {"loss": loss, "loss_median": self.loss_spike.window.median() if len(self.loss_spike.window) else None,
                 **metrics, "guard_skipped_steps": self.skipped_steps,
                 "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs]}
+        line["clocks"] = [o.clock for o in obs]
         probes = self._probe_values
-        if probes.get("entropy"):
-            line["attention_entropy_ratio"] = {k: v["ratio"] for k, v in probes["entropy"].items()}
-            line["attention_entropy"] = {k: v["entropy"] for k, v in probes["entropy"].items()}
-        if probes.get("activation"):
-            line["activation_max_abs"] = {k: v[0] for k, v in probes["activation"].items()}
-            line["activation_rms"] = {k: v[1] for k, v in probes["activation"].items()}
+        if probes.get("entropy"):  # {rank: {layer: {"ratio": [per head], "entropy": [...]}}}
+            ent = probes["entropy"]
+            line["attention_entropy_ratio"] = merged(ent, lambda v: v["ratio"], min)
+            line["attention_entropy"] = merged(ent, lambda v: v["entropy"], min)
+            line["attention_entropy_ratio_by_rank"] = {str(r): {k: v["ratio"] for k, v in layers.items()}
+                                                       for r, layers in ent.items()}
+        if probes.get("activation"):  # {rank: {module: (max_abs, rms)}}
+            act = probes["activation"]
+            line["activation_max_abs"] = merged(act, lambda v: v[0], max)
+            line["activation_rms"] = merged(act, lambda v: v[1], max)
+            line["activation_max_abs_by_rank"] = {str(r): {k: v[0] for k, v in mods.items()} for r, mods in act.items()}
         me = obs[self.rank] if self.rank < len(obs) else None
         rank_line = None
         if me is not None and self.events.rank_log is not None:
@@ -430,3 +440,25 @@ def _check_events_match() -> None:  # used by tests: one on_<event> method per E
     extra = [n for n in dir(StepGuard) if n.startswith("on_") and n[3:] not in {e.value for e in Event}]
     if missing or extra:
         raise AssertionError(f"StepGuard and Event disagree: missing {missing}, extra {extra}")
+
+
+def by_rank(everyone: list[dict] | None, key: str) -> dict[int, dict]:
+    """``{rank: its sampled values}`` from the gathered objects (ranks that sampled nothing left out)."""
+    return {r: e[key] for r, e in enumerate(everyone or []) if e.get(key)}
+
+
+def merged(per_rank: dict[int, dict], pick, fold) -> dict:
+    """One value per key (per head, for lists) over the ranks that have it: the extreme one (``fold``:
+    min for entropy, max for activations), so that what any rank saw shows in the line."""
+    out: dict = {}
+    for values in per_rank.values():
+        for key, v in values.items():
+            v = pick(v)
+            if key not in out:
+                out[key] = list(v) if isinstance(v, (list, tuple)) else v
+            elif isinstance(v, (list, tuple)):
+                out[key] = [b if a is None else a if b is None else fold(a, b) for a, b in zip(out[key], v)]
+            elif v is not None:
+                out[key] = v if out[key] is None else fold(out[key], v)
+    return out
+

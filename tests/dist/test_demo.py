@@ -46,8 +46,17 @@ def test_demo_prints_the_table(tmp_path):
     assert table["skipped steps (per rank)"] == ["[4]", "[4]"]
     assert float(table["held-out loss (final)"][0]) < 3.0  # it learned: ln(128) = 4.85 at the start
 
-    # trainguard report on the demo's log writes the pictures
+    # the collapse was on rank 1: the metric line carries it (it used to show rank 0's probe only)
     log = tmp_path / "trainguard" / "trainguard.jsonl"
+    import json
+
+    (line,) = [m for m in map(json.loads, log.read_text().splitlines()) if m["type"] == "metric" and m["step"] == 200]
+    assert line["attention_entropy_ratio_by_rank"]["1"]["blocks.1.attn.softmax"][3] < 0.05
+    assert line["attention_entropy_ratio_by_rank"]["0"]["blocks.1.attn.softmax"][3] > 0.05
+    assert line["attention_entropy_ratio"]["blocks.1.attn.softmax"][3] < 0.05
+    assert len(line["clocks"]) == 2 and all(abs(t - line["time"]) < 60 for t in line["clocks"])
+
+    # trainguard report on the demo's log writes the pictures
     rep = bounded([sys.executable, "-m", "trainguard.cli", "report", str(log), "--out", str(tmp_path / "rep")], 180)
     assert rep.returncode == 0, rep.stderr
     names = {"loss.png", "grad_norm.png", "loss_scale.png", "attention_entropy.png", "overview.png"}

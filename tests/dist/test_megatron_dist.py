@@ -122,12 +122,14 @@ def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
     """dist_checkpointing snapshots under trainguard's commit protocol: a TP=2 run saved at
     iterations 4 and 6 resumes at TP=2 to the same parameters and losses as if never stopped, and
     at TP=1 with the same weights (the same loss on a fixed batch); a corrupted newest snapshot is
-    passed over for the one before."""
+    passed over for the one before. Dropout 0.1 draws from megatron's tensor-parallel RNG tracker, so
+    the exact resume depends on the tracker's states and every RNG being restored (seen failing with
+    the sidecar's RNG restore made a no-op)."""
     from trainguard.checkpoint.manifest import verify
 
     ck = tmp_path / "ck"
     block = {"checks": {"enabled": False}, "checkpoint": {"stable_after": 2, "verify_steps": 2}}
-    extra = ["--ckpt", str(ck)]
+    extra = ["--ckpt", str(ck), "--dropout", "0.1"]
 
     def go(name, layout, more):
         return run(tmp_path, name, layout, 12, block, extra + more)

@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="a JSON file with the trainguard block")
     ap.add_argument("--no-guard", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (draws from megatron's "
+                    "tensor-parallel RNG tracker: what an exact resume must restore)")
     ap.add_argument("--fp16", action="store_true", help="fp16 with megatron's Float16Module and DynamicGradScaler")
     ap.add_argument("--bf16", action="store_true", help="bf16 with megatron's Float16Module (no loss scale)")
     ap.add_argument("--dist-opt", action="store_true", help="megatron's distributed optimizer")
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     cfg = TransformerConfig(num_layers=args.layers, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                            pipeline_dtype=torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                            pipeline_dtype=torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32, hidden_dropout=args.dropout, attention_dropout=args.dropout,
                             tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                             fp16=args.fp16, bf16=args.bf16,
                             params_dtype=torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32)

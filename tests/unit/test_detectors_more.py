@@ -236,3 +236,27 @@ def test_prometheus_step_counters_survive_a_rollback():
     rules = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "prometheus" / "alerts.yml").read_text())
     (rate,) = [r["expr"] for g in rules["groups"] for r in g["rules"] if r["alert"] == "TrainguardSkippedStepRateHigh"]
     assert "rate(trainguard_steps_total" in rate and not re.search(r"rate\(trainguard_step\[", rate)
+
+
+def test_every_ranks_sampled_values_and_clock_reach_the_metrics():
+    """Issue 15 item 2: attention entropy and activations came from rank 0's probe only, and every
+    rank's heartbeat gauge was rank 0's clock. The line now merges every rank's values (lowest entropy,
+    highest activation) and keeps them per rank; Prometheus labels them by rank."""
+    from trainguard.guard import merged
+    from trainguard.metrics.prometheus import PrometheusSink
+
+    ent = {0: {"b0": {"ratio": [0.9, 0.8]}, "b1": {"ratio": [0.7, 0.9]}},
+           1: {"b0": {"ratio": [0.9, 0.01]}}}  # rank 1 (another pipeline stage: b0 only) collapsed head 1
+    assert merged(ent, lambda v: v["ratio"], min) == {"b0": [0.9, 0.01], "b1": [0.7, 0.9]}
+    assert merged({0: {"m": (3.0, 1.0)}, 1: {"m": (7.0, 2.0)}}, lambda v: v[0], max) == {"m": 7.0}
+    sink = PrometheusSink(0, "127.0.0.1")
+    try:
+        sink.metric(5, {"local_losses": [1.0, 1.0], "clocks": [1000.0, 1003.5],
+                        "attention_entropy_ratio_by_rank": {"0": {"b0": [0.9, 0.8]}, "1": {"b0": [0.9, 0.01]}},
+                        "activation_max_abs_by_rank": {"1": {"m": 7.0}}})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
+    finally:
+        sink.close()
+    assert 'trainguard_attention_entropy_ratio{head="1",layer="b0",rank="1"} 0.01' in body
+    assert 'trainguard_heartbeat_timestamp_seconds{rank="1"} 1003.5' in body
+    assert 'trainguard_activation_max_abs{module="m",rank="1"} 7.0' in body

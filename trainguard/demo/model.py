@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
         super().__init__()
+        self.drop = nn.Dropout(dropout)
         self.n_heads, self.d_head = n_heads, d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.softmax = nn.Softmax(dim=-1)  # a module, so hooks can read the attention probabilities
@@ -23,15 +24,16 @@ class Attention(nn.Module):
         logits = (q @ k.transpose(-1, -2)) / math.sqrt(self.d_head)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         probs = self.softmax(logits.masked_fill(~mask, float("-inf")))
-        return self.proj((probs @ v).transpose(1, 2).reshape(b, t, d))
+        return self.drop(self.proj((self.drop(probs) @ v).transpose(1, 2).reshape(b, t, d)))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_heads)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.attn = Attention(d_model, n_heads, dropout)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model),
+                                 nn.Dropout(dropout))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -40,11 +42,11 @@ class Block(nn.Module):
 
 class TinyGPT(nn.Module):
     def __init__(self, vocab_size: int = 128, seq_len: int = 32, d_model: int = 96, n_layers: int = 3,
-                 n_heads: int = 4):
+                 n_heads: int = 4, dropout: float = 0.0):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init)

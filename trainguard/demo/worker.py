@@ -77,6 +77,7 @@ def main(argv=None) -> int:
                     help="seconds to sleep after each step (stands in for a bigger model in liveness tests)")
     ap.add_argument("--d-model", type=int, default=96)
     ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout (draws from the RNG an exact resume restores)")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         get_accelerator().is_fp16_supported = lambda: True
 
     torch.manual_seed(args.seed)
-    model = TinyGPT(d_model=args.d_model, n_layers=args.layers)
+    model = TinyGPT(d_model=args.d_model, n_layers=args.layers, dropout=args.dropout)
     dataset = MarkovCorpus(seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 

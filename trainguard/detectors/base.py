@@ -22,6 +22,7 @@ class RankObservation:
     faults_fired: int = 0
     samples_rejected: int = 0
     prev_grad_norm: float = float("nan")   # the framework's global norm of the previous step (deferred)
+    clock: float = float("nan")            # this rank's wall clock at AGREE (its heartbeat, for the metrics)
 
     @property
     def has_loss(self) -> bool:

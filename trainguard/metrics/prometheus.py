@@ -73,21 +73,24 @@ class PrometheusSink:
         for rank, v in enumerate(values.get("local_losses") or []):
             if v is not None:
                 self._set(self.local_loss.labels(rank=str(rank)), v)
-        now = time.time()
-        for rank in range(len(values.get("local_losses") or [])):
-            self.heartbeat.labels(rank=str(rank)).set(now)
+        # each rank's own clock at the step's exchange (rode the per-step table); rank 0's as a fallback
+        clocks = values.get("clocks") or [time.time()] * len(values.get("local_losses") or [])
+        for rank, t in enumerate(clocks):
+            self._set(self.heartbeat.labels(rank=str(rank)), t)
         # counters from the line's monotonic counts (the framework's skipped_steps goes back on a rollback)
         for key, counter in (("executed_steps", self.steps), ("not_applied_steps", self.skipped)):
             n = values.get(key)
             if isinstance(n, int) and not isinstance(n, bool) and n > self._seen[key]:
                 counter.inc(n - self._seen[key])
                 self._seen[key] = n
-        for rank_layers in [values.get("attention_entropy_ratio") or {}]:
-            for layer, ratios in rank_layers.items():
+        # every rank's sampled values: a collapse on any rank reaches the alert
+        for rank, layers in (values.get("attention_entropy_ratio_by_rank") or {}).items():
+            for layer, ratios in layers.items():
                 for head, r in enumerate(ratios):
-                    self._set(self.entropy.labels(layer=layer, head=str(head), rank="0"), r)
-        for module, v in (values.get("activation_max_abs") or {}).items():
-            self._set(self.act.labels(module=module, rank="0"), v)
+                    self._set(self.entropy.labels(layer=layer, head=str(head), rank=str(rank)), r)
+        for rank, modules in (values.get("activation_max_abs_by_rank") or {}).items():
+            for module, v in modules.items():
+                self._set(self.act.labels(module=module, rank=str(rank)), v)
 
     def event(self, step: int, event: str, ranks, action, detail) -> None:
         self.events.labels(event=event).inc()
