@@ -129,7 +129,9 @@ class StepDriver:
         guard.on_end(step, obs, {
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
             "lr": self.step_lr if self.step_lr is not None else _lr(fw.lr_groups()),
-            "loss_scale": before.scale if before is not None else 1.0, "skipped_steps": fw.skipped_steps(),
+            "loss_scale": before.scale if before is not None else 1.0,
+            "loss_scale_min": before.min_scale if before is not None else None,  # (the floor alert's other half)
+            "skipped_steps": fw.skipped_steps(),
             "applied": out.applied, "action": decision.action.value, "goodput": guard.goodput.ratio(),
             # (monotonic in a process, unlike the framework's skipped count, which a rollback's load sets back)
             "executed_steps": guard.goodput.executed + 1,

@@ -73,6 +73,8 @@ def test_fp16_nan_skipped_with_cpu_switch(tmp_path, torchrun, stage):
     assert (5, [0]) in [(e["step"], e["ranks"]) for e in events]
     assert (12, [1]) in [(e["step"], e["ranks"]) for e in events]
     assert all(m["loss_scale"] > 1 for m in run.metrics)
+    # the scaler's floor is in every line (Prometheus's TrainguardLossScaleAtFloor compares the two)
+    assert all(m["loss_scale_min"] is not None and 0 < m["loss_scale_min"] < m["loss_scale"] for m in run.metrics)
 
 
 def test_acceptance_nan_loss_rank1_step20(tmp_path, torchrun):

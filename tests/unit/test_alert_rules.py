@@ -41,3 +41,70 @@ def test_promtool_check_rules():
     res = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SUCCESS" in res.stdout
+
+
+def scrape_of_a_troubled_run() -> dict[str, float]:
+    """Feed trainguard's Prometheus sink what a troubled 2-rank run writes -- a metric line per step,
+    the events it emits -- and scrape it: ``{series: value}`` as the exporter serves them."""
+    import urllib.request
+
+    from trainguard.metrics.prometheus import PrometheusSink
+
+    sink = PrometheusSink(0, "127.0.0.1")
+    try:
+        for step in range(1, 21):
+            skipped = step // 4  # a quarter of the steps not applied
+            sink.metric(step, {
+                "loss": 2.0, "loss_scale": 1.0, "loss_scale_min": 1.0,  # the fp16 scale sits at its floor
+                "local_losses": [2.0, 2.0], "clocks": [1000.0 + step, 1000.0 + step],
+                "executed_steps": step, "not_applied_steps": skipped,
+                "attention_entropy_ratio_by_rank": {"0": {"blocks.1.attn.softmax": [0.9, 0.8]},
+                                                    "1": {"blocks.1.attn.softmax": [0.9, 0.01]}}})
+        for event in ("nonfinite", "instant_burst", "grad_surge", "grad_surge", "grad_surge"):
+            sink.event(20, event, [1], None, {})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).read().decode()
+    finally:
+        sink.close()
+    series = {}
+    for line in body.splitlines():
+        if line.startswith("trainguard_") and not line.split()[0].endswith("_created"):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    return series
+
+
+@pytest.mark.skipif(promtool() is None, reason="promtool not available (scripts/get_promtool.sh fetches it)")
+def test_every_alert_fires_on_the_series_the_exporter_serves(tmp_path):
+    """Issue 15 item 1: the rules were checked against the exporter's docstring, and
+    TrainguardLossScaleAtFloor could never fire (nothing set trainguard_loss_scale_min). Here promtool
+    evaluates every rule on series scraped from the sink itself: gauges held at their scraped value for
+    20 minutes, step counters growing linearly to theirs, event counters jumping to theirs in the last
+    5 minutes, heartbeats last set at the start (promtool's clock starts at 0: the ranks then stopped)
+    -- and every alert must fire."""
+    scraped = scrape_of_a_troubled_run()
+    assert scraped["trainguard_loss_scale_min"] == 1.0
+    beats = [v for n, v in scraped.items() if n.startswith("trainguard_heartbeat_timestamp_seconds")]
+    assert len(beats) == 2  # one per rank, each its own clock
+    input_series = []
+    for name, value in scraped.items():
+        if name.startswith("trainguard_heartbeat_timestamp_seconds"):
+            values = f"{value - max(beats)}x20"
+        elif name.startswith("trainguard_events_total"):
+            values = f"0x14 {value}x5"
+        elif name.split("{")[0].endswith("_total"):
+            values = f"0+{value / 20}x20"
+        else:
+            values = f"{value}x20"
+        input_series.append({"series": name, "values": values})
+    alerts = [r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    tests = {"rule_files": [str(RULES)], "evaluation_interval": "1m",
+             "tests": [{"interval": "1m", "input_series": input_series,
+                        "alert_rule_test": [{"eval_time": "20m", "alertname": a, "exp_alerts": []} for a in alerts]}]}
+    spec = tmp_path / "tests.yml"
+    spec.write_text(yaml.safe_dump(tests))
+    res = subprocess.run([promtool(), "test", "rules", str(spec)], capture_output=True, text=True, timeout=60)
+    # each test expects *no* alert: promtool then lists, per alert, what did fire -- every one must have
+    out = res.stdout + res.stderr
+    fired = {a for a in alerts if f"alertname: {a}" in out and "got:[" in out.split(f"alertname: {a}", 1)[1][:400]
+             and "got:[]" not in out.split(f"alertname: {a}", 1)[1][:400]}
+    assert fired == set(alerts), out[-4000:]
