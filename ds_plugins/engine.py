@@ -203,10 +203,9 @@ class EngineGuard:
 
     def _run_facts(self, client_scheduler) -> RunFacts:
         eng = self.engine
-        if torch.cuda.is_available():
-            bf16 = torch.cuda.is_bf16_supported()
-        else:
-            bf16 = True  # CPU kernels run bf16
+        from trainguard.checks import bf16_supported
+
+        bf16 = bf16_supported()
         sched_cfg = eng.config.get("scheduler") if isinstance(getattr(eng, "config", None), dict) else None
         warmup: int | None = None
         name = None

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import config as tg_config
-from trainguard.checks import RunFacts
+from trainguard.checks import RunFacts, bf16_supported
 from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, zero_adam_moments
 from trainguard.events import Action
 from trainguard.guard import StepGuard
@@ -246,7 +246,10 @@ class MegatronGuard:
                          "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()},
             "optimizer": type(optimizer).__name__,
             "grad_check_point": "local, before the data-parallel reduction (tensor hooks)"},
-            RunFacts(dtype=_dtype(self.chunks[0]), bf16_supported=True, warmup_steps=-1, scheduler=None,
+            RunFacts(dtype=_dtype(self.chunks[0]), bf16_supported=bf16_supported(),
+                     # (your scheduler is not ours to read; Megatron-LM's is: megatron_hooks.lm)
+                     warmup_steps=loop.warmup_steps() if loop is not None else -1,
+                     scheduler=type(loop.scheduler).__name__ if loop is not None and loop.scheduler is not None else None,
                      framework_clip=self._clip_grad()))
         if cfg.checkpoint.dir:  # the newest snapshot that verifies (or the newest stable one)
             # (only a snapshot newer than the iteration the run is at: your own checkpoint may be newer)

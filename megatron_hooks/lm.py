@@ -148,6 +148,14 @@ class LMRun:
             self.guard.guard.emit(self.guard.iteration, Record.HANDOVER, [], None, handover)
 
     # ------------------------------------------------------------------ Megatron-LM's loop state
+    def warmup_steps(self) -> int | None:
+        """Megatron-LM's LR warmup in iterations (its scheduler counts samples), for the start-of-run
+        checks; None when it has none."""
+        samples = int(getattr(self.scheduler, "lr_warmup_steps", 0) or 0) if self.scheduler is not None else -1
+        if samples < 0:
+            return -1
+        return samples // max(1, self._samples_per_iteration()) if samples else None
+
     def _samples_per_iteration(self) -> int:
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import get_num_microbatches

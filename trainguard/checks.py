@@ -38,3 +38,16 @@ def start_checks(facts: RunFacts, cfg: TrainguardConfig) -> list[Verdict]:
             "advice": "gradient clipping is off: set \"gradient_clipping\" (e.g. 1.0) or "
                       "trainguard.clipping.mode to \"norm\" or \"adaptive\"."}))
     return out
+
+
+def bf16_supported() -> bool:
+    """Whether this machine runs bf16 well: the GPU's answer, or True on a CPU (its kernels run bf16)."""
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            return bool(torch.cuda.is_bf16_supported())
+        except (RuntimeError, AssertionError, AttributeError):
+            return False
+    return True
+

@@ -123,6 +123,8 @@ def test_nonfinite_on_one_rank_is_named_and_skipped(tmp_path, plain, layout, fau
     the check over, named rank 1 with its coordinates and first layer, and skipped iteration 5 on every
     rank; Megatron-LM counts it as skipped and the schedule goes on as in the run without the fault."""
     run = launch(tmp_path, "nan", layout, {"allow_faults": True, "faults": [{**fault, "step": 5, "rank": 1}]}).ok()
+    (warmup,) = run.events("short_warmup")  # the start-of-run checks read Megatron-LM's scheduler (2 iterations)
+    assert warmup["detail"]["warmup_steps"] == 2
     (handover,) = run.events("handover")
     assert handover["detail"]["setting"] == "check_for_nan_in_loss_and_grad" and handover["detail"]["now"] is False
     (event,) = run.events("nonfinite")
