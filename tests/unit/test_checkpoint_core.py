@@ -363,3 +363,17 @@ def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_openin
     assert Manager(parse_block({"checkpoint": {"dir": str(tmp_path / "ck")}}), None, heart=None).choose(
         tmp_path / "ck", "latest_valid")[0] == "step00000020"
     assert main(["ckpt", "verify", str(tmp_path / "ck"), "--key-env", "TG_TEST_KEY"]) == 1
+
+
+def test_ckpt_list_verify_inspect_on_a_committed_checkpoint(tmp_path, capsys):
+    from trainguard.cli import main
+
+    _committed(tmp_path / "ck", "step00000007", 7)
+    assert main(["ckpt", "list", str(tmp_path / "ck")]) == 0 and "step00000007" in capsys.readouterr().out
+    assert main(["ckpt", "verify", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    assert main(["ckpt", "inspect", str(tmp_path / "ck"), "step00000007"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["step"] == 7 and shown["files"] == {"weights.bin": 8} and shown["stable"] is None
+    (tmp_path / "ck" / "step00000007" / "weights.bin").write_bytes(b"x" * 8)  # same size, other bytes
+    assert main(["ckpt", "verify", str(tmp_path / "ck")]) == 1 and "sha256" in capsys.readouterr().out
