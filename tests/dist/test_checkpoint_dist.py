@@ -25,7 +25,9 @@ def ckpt_block(d, **kw):
     return {"checkpoint": {"dir": str(d), "every_steps": N, "verify_steps": 3, "stable_after": 4, **kw}}
 
 
-@pytest.mark.parametrize("stage, async_save", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)])
+# every ZeRO stage once; async at stage 2 (the suite's time: stage 3 async and stage 2 sync ran here before and
+# are covered by the same code paths -- the async writer is stage-agnostic, stage 2 sync by the recovery tests)
+@pytest.mark.parametrize("stage, async_save", [(0, False), (1, False), (3, False), (2, True)])
 def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
     """2N steps straight == N steps, save, (4 more steps then 'crash'), new processes, resume, N more:
     identical parameters and losses; the resume checks itself against the recorded trajectory. With

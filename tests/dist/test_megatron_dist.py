@@ -67,7 +67,10 @@ def run(tmp_path, name, layout, steps, block=None, more=()):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout, megatron_core):
-    """One run per layout: a fault on rank 0 at step 3, one on rank 1 at step 5."""
+    """One run per layout: a fault on rank 0 at step 3, one on rank 1 at step 5. (megatron-core 0.16.1:
+    the TP layout only -- the suite's time; the adapter code is the same for every layout.)"""
+    if megatron_core == "0.16.1" and layout != "tp":
+        pytest.skip("0.16.1 runs the TP layout only (the other layouts run on the installed version)")
     steps = {0: 3, 1: 5}
     faults = [{**CASES[(layout, r)][0], "step": steps[r], "rank": r} for r in (0, 1)]
     block = {"checks": {"enabled": False}, "allow_faults": True, "faults": faults}
@@ -89,14 +92,14 @@ def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout, megatron_c
 
 
 def test_guard_changes_nothing_when_no_fault_fires(tmp_path):
-    """100 steps of TP=2 with every hook on (localisation flags, grad checks, probes every 10 steps):
+    """50 steps of TP=2 with every hook on (localisation flags, grad checks, probes every 10 steps):
     the same losses and parameters as without the guard, to the last bit."""
     block = {"detectors": {"attention_entropy": {"every": 10}, "activation_range": {"every": 10}}}
-    guarded, lines = run(tmp_path, "on", "tp", 100, block)
-    plain, _ = run(tmp_path, "off", "tp", 100)
+    guarded, lines = run(tmp_path, "on", "tp", 50, block)
+    plain, _ = run(tmp_path, "off", "tp", 50)
     for g, p in zip(guarded, plain):
         assert g["losses"] == p["losses"] and g["param_sha256"] == p["param_sha256"]
-    assert len(guarded[0]["losses"]) == 100 and guarded[0]["losses"][-1] < guarded[0]["losses"][0]
+    assert len(guarded[0]["losses"]) == 50 and guarded[0]["losses"][-1] < guarded[0]["losses"][0]
     metrics = [x for x in lines if x["type"] == "metric"]
     assert len(metrics) == 100 and "attention_entropy" in metrics[9]  # the probe read scale_mask_softmax
 
