@@ -249,3 +249,20 @@ def test_every_capability_row_names_the_tests_that_prove_it():
         assert files, f"no test named for: {row[:100]}"
         for f in files:
             assert (root / f).is_file(), f
+
+
+def test_an_optimizer_without_a_skip_path_is_refused_by_name():
+    """Issue 15 item 10: an optimizer the guard cannot skip is refused when the engine is guarded (the
+    engine calls find_strategy at construction), with what is supported -- not at the first bad step."""
+    import pytest
+    import torch
+
+    from ds_plugins.skip import find_strategy
+    from trainguard.errors import UnsupportedSetup
+
+    class OneBitThing:  # e.g. an optimizer that is no torch.optim.Optimizer
+        pass
+
+    with pytest.raises(UnsupportedSetup, match="OneBitThing.*supported: .*DeepSpeedZeroOptimizer"):
+        find_strategy(OneBitThing())
+    assert find_strategy(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)) is not None
