@@ -1,16 +1,19 @@
-"""Overhead of trainguard's guard against the plain DeepSpeed engine, in one process.
+"""Overhead of trainguard's guard against the plain DeepSpeed engine, on 2 ranks by default.
 
 Two engines with the same model, data and config -- one from ``deepspeed.initialize``, one from
 ``ds_plugins.initialize`` with every default detector on -- take turns, step by step (interleaved,
-so machine noise hits both alike). Printed: median step time of each, their ratio, and the host
+so machine noise hits both alike), in every rank's process. On one rank the guard's per-step
+all-reduce costs nothing; on 2 it is a real collective (``--ranks 2``, the default, relaunches the
+script under torchrun). Printed (rank 0): median and mean step time of each -- the mean includes
+the sampled probe steps --, their ratios, and the host
 synchronisations per step each engine makes (calls of ``.item()``, ``.cpu()``, ``.tolist()``,
 ``bool()``, ``float()``, ``int()`` on tensors, counted during the steps), so the guard's extra ones
 show as the difference. Targets (issue 3): ratio <= 1.01, at most one extra sync per steady-state
 step at default sampling.
 
-    python bench/guard_overhead.py [--steps 200] [--d-model 256] [--layers 4] [--zero 2] [--dtype bf16]
+    python bench/guard_overhead.py [--ranks 2] [--steps 150] [--d-model 256] [--layers 4] [--zero 2] [--dtype bf16]
 
-Runs as a single rank (no launcher needed). On a GPU machine it uses the GPU, and
+``--ranks 1`` runs as a single rank (no launcher). On a GPU machine it uses the GPU, and
 ``--sync-debug`` additionally turns on ``torch.cuda.set_sync_debug_mode("warn")``.
 """
 from __future__ import annotations
@@ -26,6 +29,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _single_rank import single_rank_env  # noqa: E402
 
+
+def _relaunch_under_torchrun() -> None:
+    """``--ranks N`` (N > 1) outside a launcher: run this script again under torchrun with N processes."""
+    argv = sys.argv[1:]
+    ranks = 2
+    if "--ranks" in argv:
+        ranks = int(argv[argv.index("--ranks") + 1])
+    if ranks > 1 and "LOCAL_RANK" not in os.environ:
+        import subprocess
+
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={ranks}", __file__, *argv])
+        sys.exit(done.returncode)
+
+
+_relaunch_under_torchrun()
 single_rank_env(29500)
 
 import torch  # noqa: E402
@@ -84,6 +103,7 @@ def build(args, guarded: bool, device):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2, help="processes (relaunched under torchrun when > 1)")
     ap.add_argument("--steps", type=int, default=150, help="measured steps per engine")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--d-model", type=int, default=256)
@@ -144,25 +164,33 @@ def main(argv=None) -> int:
     counter.uninstall()
 
     med = {k: statistics.median(v) for k, v in times.items()}
+    mean = {k: statistics.mean(v) for k, v in times.items()}
     ratio = med["guarded"] / med["plain"]
+    ratio_mean = mean["guarded"] / mean["plain"]
+    world = torch.distributed.get_world_size()
     extra_median = statistics.median(syncs["guarded"]) - statistics.median(syncs["plain"])
     extra_mean = statistics.mean(syncs["guarded"]) - statistics.mean(syncs["plain"])
     figures = {
-        "device": str(device), "params": n_params, "zero_stage": args.zero, "dtype": args.dtype,
+        "device": str(device), "ranks": world, "params": n_params, "zero_stage": args.zero, "dtype": args.dtype,
         "steps": args.steps, "step_ms_plain_median": round(med["plain"] * 1e3, 3),
         "step_ms_guarded_median": round(med["guarded"] * 1e3, 3), "ratio": round(ratio, 4),
+        "step_ms_plain_mean": round(mean["plain"] * 1e3, 3), "step_ms_guarded_mean": round(mean["guarded"] * 1e3, 3),
+        "ratio_mean": round(ratio_mean, 4),
         "syncs_per_step_plain_median": statistics.median(syncs["plain"]),
         "syncs_per_step_guarded_median": statistics.median(syncs["guarded"]),
         "extra_syncs_per_step_median": extra_median, "extra_syncs_per_step_mean": round(extra_mean, 3),
     }
-    print(f"guard overhead: {n_params / 1e6:.2f} M params, ZeRO-{args.zero} {args.dtype} on {device}, "
-          f"{args.steps} interleaved steps each")
-    print(f"  step time median   plain {figures['step_ms_plain_median']:9.2f} ms   "
-          f"guarded {figures['step_ms_guarded_median']:9.2f} ms   ratio {ratio:.4f}  (target <= 1.01)")
-    print(f"  host syncs / step  plain {figures['syncs_per_step_plain_median']:9.1f}      "
-          f"guarded {figures['syncs_per_step_guarded_median']:9.1f}      extra {extra_median:+.1f} median, "
-          f"{extra_mean:+.2f} mean with sampled steps  (target <= 1)")
-    if args.json:
+    if torch.distributed.get_rank() == 0:
+        print(f"guard overhead: {n_params / 1e6:.2f} M params, ZeRO-{args.zero} {args.dtype} on {device} x {world} "
+              f"rank(s), {args.steps} interleaved steps each")
+        print(f"  step time median   plain {figures['step_ms_plain_median']:9.2f} ms   "
+              f"guarded {figures['step_ms_guarded_median']:9.2f} ms   ratio {ratio:.4f}  (target <= 1.01)")
+        print(f"  step time mean     plain {figures['step_ms_plain_mean']:9.2f} ms   "
+              f"guarded {figures['step_ms_guarded_mean']:9.2f} ms   ratio {ratio_mean:.4f}  (sampled steps included)")
+        print(f"  host syncs / step  plain {figures['syncs_per_step_plain_median']:9.1f}      "
+              f"guarded {figures['syncs_per_step_guarded_median']:9.1f}      extra {extra_median:+.1f} median, "
+              f"{extra_mean:+.2f} mean with sampled steps  (target <= 1)")
+    if args.json and torch.distributed.get_rank() == 0:
         Path(args.json).write_text(json.dumps(figures, indent=1))
     for eng in (plain, guarded):
         eng.destroy()

@@ -204,7 +204,8 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_sav
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
 def test_resume_at_another_data_parallel_size(tmp_path, before, after):
     """Through DeepSpeed universal checkpoints (converted on demand): the run goes on at the new
-    size, and the data position is re-split so that no sample is lost or repeated."""
+    size with the same full fp32 master parameters and Adam moments as the source run saved, and the
+    data position is re-split so that no sample is lost or repeated."""
     import torch
 
     from trainguard.demo.run import run_worker
@@ -212,10 +213,13 @@ def test_resume_at_another_data_parallel_size(tmp_path, before, after):
 
     d = tmp_path / "ck"
     cfg = make_config(tmp_path, block={"checkpoint": {"dir": str(d), "every_steps": N}}, bf16={"enabled": True})
-    rc, first = run_worker(cfg, tmp_path / "first", N, nproc=before, timeout=240)
+    rc, first = run_worker(cfg, tmp_path / "first", N, nproc=before, timeout=240, extra=["--state-digest"])
     assert rc == 0
-    rc, second = run_worker(cfg, tmp_path / "second", N + 4, nproc=after, timeout=240)
+    rc, second = run_worker(cfg, tmp_path / "second", N + 4, nproc=after, timeout=240, extra=["--state-digest"])
     assert rc == 0, (tmp_path / "second" / "torchrun.log").read_text()[-3000:]
+    # the state the source run saved at step N (its end) is the state the new size starts from, exactly
+    saved = first[0]["state_at_end"]
+    assert all(r["state_at_start"] == saved for r in second), (saved, [r["state_at_start"] for r in second])
     assert all(r["first_step"] == N and r["global_steps"] == N + 4 and r["weights_finite"] for r in second)
     (res,) = [e for e in read(tmp_path / "second" / "trainguard.jsonl") if e.get("event") == "resume"]
     assert res["detail"]["resharded"] == {"from_dp": before, "to_dp": after}

@@ -59,6 +59,21 @@ def _full_params(engine):
     return [(n, p.detach().float().cpu().clone()) for n, p in params]
 
 
+def _state_digest(engine) -> dict:
+    """sha256 of the full fp32 master parameters and of Adam's two moments (every rank calls: ZeRO
+    gathers them), to compare an optimizer state across a save and a load."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        digest = hashlib.sha256()
+        for _, p in engine.module.named_parameters():
+            t = safe_get_full_fp32_param(p) if key == "fp32" else safe_get_full_optimizer_state(p, key)
+            digest.update(b"none" if t is None else t.detach().float().cpu().numpy().tobytes())
+        out[key] = digest.hexdigest()
+    return out
+
+
 def _finite(result: dict) -> dict:
     return {**result, "losses": [x if x is not None and math.isfinite(x) else None for x in result["losses"]]}
 
@@ -78,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=96)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout (draws from the RNG an exact resume restores)")
+    ap.add_argument("--state-digest", action="store_true",
+                    help="hash the fp32 master parameters and Adam moments at the start (after a resume) and the end")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -111,6 +128,8 @@ def main(argv=None) -> int:
     rank = torch.distributed.get_rank()
     result = {"rank": rank, "plain": args.plain, "losses": [], "aborted": None,
               "engine_class": type(engine).__name__, "first_step": engine.global_steps}
+    if args.state_digest:
+        result["state_at_start"] = _state_digest(engine)
     micro = []
     meter = GoodputMeter()  # the plain run's goodput (a guarded run's own meter reports in run_end)
     epoch = 0
@@ -148,6 +167,8 @@ def main(argv=None) -> int:
     result["goodput"] = meter.summary()
     result["t_end"] = time.time()
 
+    if args.state_digest:
+        result["state_at_end"] = _state_digest(engine)
     params = _full_params(engine)
     digest = hashlib.sha256()
     for _, p in params:
