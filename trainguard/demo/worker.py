@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     rank = torch.distributed.get_rank()
     result = {"rank": rank, "plain": args.plain, "losses": [], "aborted": None,
               "engine_class": type(engine).__name__, "first_step": engine.global_steps}
-    if args.state_digest:
+    if args.state_digest and engine.global_steps > 0:  # (a resumed engine; a fresh one has no Adam state yet)
         result["state_at_start"] = _state_digest(engine)
     micro = []
     meter = GoodputMeter()  # the plain run's goodput (a guarded run's own meter reports in run_end)
