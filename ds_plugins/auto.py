@@ -32,12 +32,12 @@ Nothing is imported early: the patches wait until ``deepspeed`` / ``accelerate``
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 import threading
 
 from ds_plugins._bootstrap._trainguard_hook import AfterImport
+from ds_plugins._bootstrap._trainguard_hook import wrap_once as _wrap
 
 _state = threading.local()
 _WATCHED = ("deepspeed", "accelerate.accelerator", "transformers.trainer")
@@ -57,16 +57,6 @@ def install() -> None:
 def installed() -> bool:
     ds = sys.modules.get("deepspeed")
     return ds is not None and getattr(ds.initialize, "_trainguard", False)
-
-
-def _wrap(owner, attr: str, make) -> None:
-    """Replace ``owner.attr`` by ``make(original)`` once (marked, so a second install is a no-op)."""
-    original = getattr(owner, attr)
-    if getattr(original, "_trainguard", False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper._trainguard = True
-    setattr(owner, attr, wrapper)
 
 
 # ---------------------------------------------------------------------------------- deepspeed

@@ -42,6 +42,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from ds_plugins._bootstrap._trainguard_hook import wrap_once
+from trainguard.data import DataPosition
 from trainguard.errors import ConfigError
 from trainguard.events import Record
 
@@ -56,36 +58,23 @@ def install_entry() -> None:
 
     import megatron_hooks
 
-    if getattr(training, "_trainguard_entry", False):
-        return
-    training._trainguard_entry = True
-    add = arguments.add_megatron_arguments
+    wrap_once(arguments, "add_megatron_arguments",
+              lambda add: lambda parser: megatron_hooks.extra_args_provider(add(parser)))
+    wrap_once(training, "setup_model_and_optimizer",
+              lambda setup: lambda *args, **kwargs: _setup(setup, *args, **kwargs))
 
-    @functools.wraps(add)
-    def add_megatron_arguments(parser):
-        return megatron_hooks.extra_args_provider(add(parser))
+    def make_train(train):
+        def guarded_train(forward_step_func, *args, **kwargs):
+            run = _RUN
+            if run is None:
+                return train(forward_step_func, *args, **kwargs)
+            try:
+                return train(run.wrap_forward_step(forward_step_func), *args, **kwargs)
+            finally:
+                run.close()
+        return guarded_train
 
-    arguments.add_megatron_arguments = add_megatron_arguments
-    setup = training.setup_model_and_optimizer
-
-    @functools.wraps(setup)
-    def setup_model_and_optimizer(*args, **kwargs):
-        return _setup(setup, *args, **kwargs)
-
-    training.setup_model_and_optimizer = setup_model_and_optimizer
-    train = training.train
-
-    @functools.wraps(train)
-    def guarded_train(forward_step_func, *args, **kwargs):
-        run = _RUN
-        if run is None:
-            return train(forward_step_func, *args, **kwargs)
-        try:
-            return train(run.wrap_forward_step(forward_step_func), *args, **kwargs)
-        finally:
-            run.close()
-
-    training.train = guarded_train
+    wrap_once(training, "train", make_train)
 
 
 def _setup(setup, *args, **kwargs):
@@ -229,9 +218,7 @@ class LMRun:
             self._iteration_seen, self._micro = current, 0
             self.guard.iteration = current
         if getattr(m, "dataloader_type", "single") == "single":
-            from megatron.core import parallel_state as ps
-
-            from trainguard.data import DataPosition
+            from megatron.core import parallel_state as ps  # (imported already: megatron.training is)
 
             mbs, dp = m.micro_batch_size, ps.get_data_parallel_world_size()
             first = int(m.consumed_train_samples) + self._micro * mbs * dp + ps.get_data_parallel_rank() * mbs

@@ -99,9 +99,9 @@ def _ckpt(args) -> int:
         if args.ckpt_command == "verify":
             key = None
             if args.key_env:
-                import os
+                from trainguard.checkpoint.auth import key_in
 
-                key = os.environ.get(args.key_env, "").encode() or None
+                key = key_in(args.key_env)
                 if key is None:
                     print(f"trainguard ckpt verify: the environment variable {args.key_env} is not set", file=sys.stderr)
                     return 2

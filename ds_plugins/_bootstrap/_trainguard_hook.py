@@ -1,8 +1,19 @@
 """After-import hooks, with no dependencies (the bootstrap loads this before anything else, as a
 top-level module; ds_plugins.auto imports it as ds_plugins._bootstrap._trainguard_hook)."""
+import functools
 import importlib.abc
 import importlib.util
 import threading
+
+
+def wrap_once(owner, attr: str, make) -> None:
+    """Replace ``owner.attr`` by ``make(original)`` once (marked, so a second install is a no-op)."""
+    original = getattr(owner, attr)
+    if getattr(original, "_trainguard", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._trainguard = True
+    setattr(owner, attr, wrapper)
 
 
 class AfterImport(importlib.abc.MetaPathFinder):

@@ -29,12 +29,17 @@ def key_from(cfg) -> bytes | None:
     name = getattr(cfg, "hmac_key_env", None)
     if not name:
         return None
-    value = os.environ.get(name, "")
-    if not value:
+    key = key_in(name)
+    if key is None:
         raise ConfigError([("trainguard.checkpoint.hmac_key_env",
                             f"the environment variable {name} it names is not set (or empty): set it to the key on "
                             "every rank, or remove the key to run without authenticated checkpoints")])
-    return value.encode()
+    return key
+
+
+def key_in(name: str) -> bytes | None:
+    """The key held by the environment variable ``name``; None when it is unset or empty."""
+    return os.environ.get(name, "").encode() or None
 
 
 def signature(tag_dir: str | os.PathLike, key: bytes) -> str:

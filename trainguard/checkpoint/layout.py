@@ -77,5 +77,11 @@ class CheckpointLayout:
             out.append((step, d.name))
         return [(name, step) for step, name in sorted(out)]
 
+    def passed_over(self) -> list[dict]:
+        """What :meth:`steps` passed over (after a call): directories whose name is no valid tag,
+        in the shape of a ``checkpoint_invalid`` detail."""
+        return [{"tag": name, "bad_file": name, "reason": "not a valid tag name: passed over", "dir": str(self.root)}
+                for name in self.invalid_names]
+
     def tags(self) -> list[str]:
         return [tag for tag, _ in self.steps()]

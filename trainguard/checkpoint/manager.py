@@ -124,8 +124,7 @@ class CheckpointManager:
         """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode)."""
         layout = CheckpointLayout(root)
         steps = layout.steps()
-        skipped = [{"tag": name, "bad_file": name, "reason": "not a valid tag name: passed over", "dir": str(root)}
-                   for name in layout.invalid_names]
+        skipped = layout.passed_over()
         for tag, step in reversed(steps):
             if step <= self._newer_than:  # (older ones are older still)
                 skipped.append({"tag": tag, "reason": f"not newer than step {self._newer_than}, which the "

@@ -51,8 +51,7 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
             " (none was stable yet)" if mode == "stable" else "")
     else:
         chosen, why = None, f"no valid checkpoint in {root} predates step {onset}"
-    bad = [{"tag": name, "bad_file": name, "reason": "not a valid tag name: passed over", "dir": str(root)}
-           for name in layout.invalid_names]
+    bad = layout.passed_over()
     for tag, res in seen:  # the invalid ones newer than the choice: say why they were passed over
         if tag == chosen:
             break

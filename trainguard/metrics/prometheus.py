@@ -23,7 +23,6 @@ trainguard_heartbeat_timestamp_seconds gauge    {rank}: time of the rank's last 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from trainguard.errors import TrainguardError
@@ -73,9 +72,8 @@ class PrometheusSink:
         for rank, v in enumerate(values.get("local_losses") or []):
             if v is not None:
                 self._set(self.local_loss.labels(rank=str(rank)), v)
-        # each rank's own clock at the step's exchange (rode the per-step table); rank 0's as a fallback
-        clocks = values.get("clocks") or [time.time()] * len(values.get("local_losses") or [])
-        for rank, t in enumerate(clocks):
+        # each rank's own clock at the step's exchange (it rode the per-step table)
+        for rank, t in enumerate(values.get("clocks") or []):
             self._set(self.heartbeat.labels(rank=str(rank)), t)
         # counters from the line's monotonic counts (the framework's skipped_steps goes back on a rollback)
         for key, counter in (("executed_steps", self.steps), ("not_applied_steps", self.skipped)):
