@@ -10,16 +10,12 @@ pytestmark = pytest.mark.dist
 def bounded(cmd, timeout):
     """Run ``cmd``; on timeout kill its whole process tree (the demo's torchrun workers live in sessions
     of their own: a plain subprocess timeout killed the demo process only and left them running)."""
-    from trainguard.demo.run import kill_tree
+    from trainguard.demo.run import run_bounded
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
+    rc, out, err = run_bounded(cmd, timeout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if rc == 124:
         pytest.fail(f"{cmd[3]} did not finish in {timeout} s (its process tree was killed):\n{out[-3000:]}{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
 def test_demo_prints_the_table(tmp_path):

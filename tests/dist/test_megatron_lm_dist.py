@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.demo.run import run_bounded
 from trainguard.metrics.jsonl import read
 
 pytest.importorskip("megatron.training", reason="Megatron-LM's loop ships in the megatron-core 0.17.1 wheel")
@@ -80,11 +81,7 @@ def launch(tmp_path, name, layout, block=None, more=(), torchrun=(), timeout=300
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"), str(MEGATRON_LM)]),
                TRAINGUARD_TEST_RUN=marker)
     with open(out / "megatron.log", "w") as log:
-        try:
-            rc = subprocess.run(command, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+        rc, _, _ = run_bounded(command, timeout, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
     kill_marked(marker)
     return LMRun(rc, out)
 

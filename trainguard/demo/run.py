@@ -61,6 +61,20 @@ def worker_pids(agent_pid: int) -> list[int]:
     return [pid for _, pid in sorted(out)]
 
 
+def run_bounded(cmd: Sequence[str], timeout: float, **popen) -> tuple[int, object, object]:
+    """Run ``cmd`` in a session of its own; after ``timeout`` seconds kill its whole process tree
+    (torchrun's workers included) and return exit code 124. Returns ``(exit code, stdout, stderr)``
+    as ``communicate`` gives them (None where they were not piped)."""
+    proc = subprocess.Popen(list(cmd), start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        return 124, out, err
+
+
 def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, nproc: int = 2,
                extra: Sequence[str] = (), timeout: float = 300, log_name: str = "torchrun.log",
                launcher: Sequence[str] = (), module: str = "trainguard.demo.worker",
@@ -77,14 +91,7 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
            "-m", module, *(["--config", str(config)] if config else []), "--steps", str(steps), "--out", str(out),
            *extra]
     with open(out / log_name, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env(),
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.wait()
-            rc = 124
+        rc, _, _ = run_bounded(cmd, timeout, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env())
     results = []
     for r in range(nproc):
         p = out / f"result.rank{r}.json"
