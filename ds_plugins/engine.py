@@ -138,6 +138,7 @@ class EngineGuard:
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
         self.checkpointer = None
         self.driver = None            # trainguard.driver.StepDriver: the step sequence
+        self.applied_grad = None      # trainguard.appliedgrad.AppliedGradMeter on DeepSpeed's inner optimizer
         self.scaler_view = ScalerView(engine)
         self.goodput = GoodputMeter()
         self.heart = Heartbeat(self.rank)
@@ -231,6 +232,10 @@ class EngineGuard:
             self.faults.precision = self._dtype()
             self._hooks += self.faults.install_module_faults(self.engine.module, self.step_number)
         self._install_grad_hooks()
+        if self.guard is not None:
+            self.applied_grad = _applied_grad_meter(self.engine)
+            if self.applied_grad is not None:
+                self._hooks.append(self.applied_grad)
         if self.guard is not None and self.cfg.clipping.mode == "norm":
             self._set_clip(self.cfg.clipping.max_norm)
         self.after_load()
@@ -465,3 +470,23 @@ def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_sch
     object.__setattr__(engine, "_trainguard", state)
     engine.__class__ = _guarded_class(type(engine))
     return state
+
+
+def _applied_grad_meter(engine):
+    """A meter on the torch optimizer DeepSpeed steps after clipping (ZeRO's inner optimizer over the
+    fp32 partitions; at ZeRO-0 fp32 the optimizer itself, on the full reduced gradients)."""
+    from trainguard.appliedgrad import AppliedGradMeter
+
+    inner = engine.optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) and inner.optimizer is not inner:
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        return None
+    local = sum(p.numel() for g in inner.param_groups for p in g["params"])
+    full = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+    group = getattr(engine, "data_parallel_group", None)
+    dp = dist.get_world_size(group) if dist.is_initialized() else 1
+    # a partition (ZeRO >= 1) is held once; full gradients (ZeRO-0) by every data-parallel rank
+    replication = max(1, round(local * dp / full)) if full else 1
+    return AppliedGradMeter([inner], replication=replication)
+

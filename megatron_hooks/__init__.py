@@ -229,9 +229,11 @@ class MegatronGuard:
         self.checkpointer = MegatronCheckpointer(self) if self.guard is not None else None
         self.driver = StepDriver(self, self.guard, cfg, self.heart) if self.guard is not None else None
         self.watchdog = None
+        self.applied_grad = None  # trainguard.appliedgrad.AppliedGradMeter on the inner torch optimizer(s)
         if self.guard is None:
             return
         self.guard.clipper.framework_max_norm = self._clip_grad()
+        self.applied_grad = self._applied_grad_meter()
         if cfg.clipping.mode == "norm":
             self.set_clip(cfg.clipping.max_norm)
         coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
@@ -356,6 +358,26 @@ class MegatronGuard:
     def _clip_grad(self) -> float:
         return float(getattr(getattr(_optimizers(self.optimizer)[0], "config", None), "clip_grad", 0.0) or 0.0)
 
+    def _applied_grad_meter(self):
+        """Where megatron clips: its inner torch optimizers step with the clipped main gradients. Measured
+        over megatron's own list for the norm (shared and tensor-parallel duplicates left out); without
+        the distributed optimizer every data-parallel replica holds the same gradients."""
+        from megatron.core import parallel_state as ps
+        from trainguard.appliedgrad import AppliedGradMeter
+
+        from megatron_hooks.checkpoint import _distributed
+
+        outer = {id(o.optimizer): o for o in _optimizers(self.optimizer)
+                 if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)
+                 and hasattr(o, "get_main_grads_for_grad_norm")}
+        if not outer:
+            return None
+        replication = 1 if _distributed(self.optimizer) else ps.get_data_parallel_world_size(with_context_parallel=True)
+        meter = AppliedGradMeter([o.optimizer for o in outer.values()], replication=replication,
+                                 grads=lambda inner: outer[id(inner)].get_main_grads_for_grad_norm())
+        self._hooks.append(meter)
+        return meter
+
     def set_clip(self, max_norm: float) -> None:
         """megatron clips inside optimizer.step() by its config's clip_grad (the global norm it computes anyway)."""
         for o in _optimizers(self.optimizer):
@@ -415,6 +437,9 @@ class MegatronGuard:
             raise FallbackUnavailable(f"{e}; {advice}") from None
         if getattr(self.optimizer, "step", None) != self.step:  # (a rebuilt optimizer: the guard decides again)
             self.optimizer.step = self.step
+        if self.applied_grad is not None:
+            self.applied_grad.remove()
+        self.applied_grad = self._applied_grad_meter()
         self.grad_scaler = None  # bf16: no loss scale to watch
         self.guard.loss_scale.reset()
         if self.faults is not None:

@@ -66,6 +66,7 @@ class Framework(Protocol):
     rank: int
     checkpointer: Any          # trainguard.checkpoint.manager.CheckpointManager, or None
     data: DataControl | None   # None: the data loader is the user's (megatron)
+    applied_grad: Any          # trainguard.appliedgrad.AppliedGradMeter on the inner optimizer, or None
 
     def completed_steps(self) -> int:
         """Optimizer steps done (DeepSpeed's global_steps, megatron's iteration); a load sets it back."""
@@ -124,10 +125,14 @@ class StepDriver:
             limit = guard.clip_limit()
             if limit is not None and self.cfg.clipping.mode == "adaptive":
                 fw.set_clip(limit)
+            meter = getattr(fw, "applied_grad", None)
+            if meter is not None and guard.line_due(step):
+                meter.arm()  # (the line written for this step says what the update really used)
             out = fw.apply(decision, base_step)
         scale_decision = guard.on_step(step, decision, out.applied, before)
         guard.on_end(step, obs, {
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
+            "applied_grad_sq": meter.take() if meter is not None else None,
             "lr": self.step_lr if self.step_lr is not None else _lr(fw.lr_groups()),
             "loss_scale": before.scale if before is not None else 1.0,
             "loss_scale_min": before.min_scale if before is not None else None,  # (the floor alert's other half)

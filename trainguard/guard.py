@@ -232,10 +232,13 @@ class StepGuard:
             row[F["grad_sq"]] = sq[0] if len(sq) == 1 else torch.stack(sq).sum()
         if isinstance(pending, torch.Tensor):
             row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
+        applied = self.deferred.applied_sq
+        row[F["prev_applied_sq"]] = float("nan") if applied is None else applied.detach().reshape(()).to(
+            self.device, torch.float64)  # (likewise)
         table = agree(row, self.group)
         obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor)
         self._scaled = dynamic_scale
-        self.deferred.flush(obs[0].prev_grad_norm)
+        self.deferred.flush(obs[0].prev_grad_norm, sum(o.prev_applied_sq for o in obs))
         return obs
 
     def on_decide(self, step: int, obs: list[RankObservation]) -> Decision:
@@ -345,8 +348,8 @@ class StepGuard:
         self.last_step = step
         norm = metrics.pop("grad_norm", None)
         limit = metrics.pop("clip_limit", None)
-        due = step % self.cfg.metrics.every_steps == 0 or (
-            self.last_decision is not None and self.last_decision.action is not Action.CONTINUE)
+        applied_sq = metrics.pop("applied_grad_sq", None)
+        due = self.line_due(step)
         with_loss = [o for o in obs if o.has_loss]
         finite = [o.loss for o in with_loss if math.isfinite(o.loss)]
         loss = (sum(finite) / len(finite)) if len(finite) == len(with_loss) and finite else float("nan")
@@ -374,13 +377,18 @@ class StepGuard:
                          "position": self._position.as_dict() if self._position else None}
         self.faults.step_done(step)
         self.last_metrics = line
-        self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm)
+        self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm, applied_sq)
         self._probe_values = {}
         self._reset_step()
 
+    def line_due(self, step: int) -> bool:
+        """Whether this step's metric line is written (known once DECIDE has run)."""
+        return step % self.cfg.metrics.every_steps == 0 or (
+            self.last_decision is not None and self.last_decision.action is not Action.CONTINUE)
+
     def on_close(self, totals: dict[str, Any] | None = None) -> None:
         """CLOSE: the last metric line, totals, then close the files."""
-        self.deferred.close()
+        self.deferred.close(self.world)
         self.emit(self.last_step, Record.RUN_END, range(self.world), None,
                   {"guard_skipped_steps": self.skipped_steps,
                    "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})

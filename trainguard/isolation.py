@@ -20,7 +20,7 @@ from trainguard.detectors.base import RankObservation
 
 # Columns of the gathered table. Appending a field is compatible; reordering is not.
 FIELDS = ("loss_sum", "micro_batches", "loss_nonfinite", "grad_sq", "grad_checked", "faults_fired",
-          "samples_rejected", "prev_grad_norm", "clock")
+          "samples_rejected", "prev_grad_norm", "clock", "prev_applied_sq")
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -86,7 +86,8 @@ def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
                                    loss_nonfinite=int(row[F["loss_nonfinite"]]), grad_norm=grad_norm,
                                    faults_fired=int(row[F["faults_fired"]]),
                                    samples_rejected=int(row[F["samples_rejected"]]),
-                                   prev_grad_norm=row[F["prev_grad_norm"]], clock=row[F["clock"]]))
+                                   prev_grad_norm=row[F["prev_grad_norm"]], clock=row[F["clock"]],
+                                   prev_applied_sq=row[F["prev_applied_sq"]]))
     return out
 
 

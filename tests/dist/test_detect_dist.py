@@ -105,17 +105,22 @@ def test_clipping_modes_log_raw_and_clipped_norms(tmp_path, torchrun, mode):
     run = torchrun(cfg, 30).ok()
     lines = [m for m in run.metrics if m["grad_norm"] is not None]
     assert len(lines) == 30
+    # grad_norm_clipped is measured: the norm of the gradients DeepSpeed's inner optimizer stepped with,
+    # summed over the ZeRO partitions through the next step's table (the run's last line has no next table)
+    assert lines[-1]["grad_norm_clipped"] is None
+    lines = lines[:-1]
     for m in lines:
-        assert m["grad_norm_clipped"] == pytest.approx(min(m["grad_norm"], m["clip_limit"]))
+        assert m["grad_norm_clipped"] == pytest.approx(min(m["grad_norm"], m["clip_limit"]), rel=1e-3), m
     if mode == "norm":
         assert {m["clip_limit"] for m in lines} == {0.1}
-        assert all(m["grad_norm_clipped"] <= 0.1 for m in lines)
+        assert all(m["grad_norm_clipped"] <= 0.1 * 1.0001 for m in lines)
     elif mode == "adaptive":
         limits = [m["clip_limit"] for m in lines]
         assert set(limits[:10]) == {1.0}                  # max_norm while the EMA warms up
         assert len(set(limits[12:])) > 5                   # then it follows the recent norms
         burst = next(m for m in lines if m["step"] == 20)   # the spike_batch burst was cut to the limit
-        assert burst["grad_norm"] > 5 * burst["clip_limit"] and burst["grad_norm_clipped"] == burst["clip_limit"]
+        assert burst["grad_norm"] > 5 * burst["clip_limit"]
+        assert burst["grad_norm_clipped"] == pytest.approx(burst["clip_limit"], rel=1e-4)  # DeepSpeed really cut it
     else:
         params = 350_000
         assert all(m["grad_norm"] <= 1e-5 * params ** 0.5 * 1.01 for m in lines)  # every element clamped

@@ -102,6 +102,10 @@ def test_guard_changes_nothing_when_no_fault_fires(tmp_path):
     assert len(guarded[0]["losses"]) == 50 and guarded[0]["losses"][-1] < guarded[0]["losses"][0]
     metrics = [x for x in lines if x["type"] == "metric"]
     assert len(metrics) == 50 and "attention_entropy" in metrics[9]  # the probe read scale_mask_softmax
+    # the clipped norm is measured where megatron clipped (its deduplicated main gradients, summed over the
+    # TP ranks through the next step's table): it equals megatron's own global norm, cut to clip_grad
+    for m in metrics[:-1]:
+        assert m["grad_norm_clipped"] == pytest.approx(min(m["grad_norm"], m["clip_limit"]), rel=1e-4), m
 
 
 def test_megatron_lm_argument_extension(tmp_path):

@@ -23,6 +23,7 @@ class RankObservation:
     samples_rejected: int = 0
     prev_grad_norm: float = float("nan")   # the framework's global norm of the previous step (deferred)
     clock: float = float("nan")            # this rank's wall clock at AGREE (its heartbeat, for the metrics)
+    prev_applied_sq: float = float("nan")  # its squared norm of the gradients the previous step applied
 
     @property
     def has_loss(self) -> bool:
