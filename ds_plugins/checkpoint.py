@@ -177,7 +177,9 @@ class DeepSpeedCheckpointer(CheckpointManager):
                 self._commit(root, tag, staging_root, nonce, step, table)
         blocking = time.perf_counter() - t0
         self.state.goodput.overhead(blocking)
-        self._pending = (BackgroundCommit(staged, _rank(), _world(), writes, json_writes, finish),
+        faults = self.state.faults
+        fail = faults.write_error(step) if faults is not None else None
+        self._pending = (BackgroundCommit(staged, _rank(), _world(), writes, json_writes, finish, fail=fail),
                          {"tag": tag, "dir": str(root), "step": step, "blocking_s": blocking, "t0": t0})
         self.roots[tag] = root
         self.health.saved(tag, step)

@@ -372,7 +372,7 @@ class FaultSpec(_Section):
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
                   "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint", "kill_rank",
-                  "hang_rank"] = Field(
+                  "hang_rank", "checkpoint_write_error"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -386,7 +386,9 @@ class FaultSpec(_Section):
         "scale fixes it, bf16 does). corrupt_checkpoint: at the end of `step`, bytes are flipped in the largest "
         "file of the newest committed checkpoint under checkpoint.dir (storage rot; `rank` does it). "
         "kill_rank: the rank SIGKILLs itself at the start of `step` (a dead node). hang_rank: the rank SIGSTOPs "
-        "itself there (a hung node). Both only in restart attempt `attempt` (TORCHELASTIC_RESTART_COUNT).")
+        "itself there (a hung node). Both only in restart attempt `attempt` (TORCHELASTIC_RESTART_COUNT). "
+        "checkpoint_write_error: the background write of the async save taken at `step` fails on `rank` after its "
+        "first file (a full disk): the checkpoint stays invisible, every rank records checkpoint_failed.")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")

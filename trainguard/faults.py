@@ -24,6 +24,8 @@ kill_rank, hang_rank   FORWARD      the process SIGKILLs / SIGSTOPs itself (rest
                                     ``attempt`` only: the restarted job must get past it)
 corrupt_checkpoint     END          bytes flipped in the largest file of the newest committed
                                     checkpoint (storage rot: the next load must notice)
+checkpoint_write_error SAVE         the background write of the async save taken at ``step``
+                                    fails on ``rank`` after its first file (a full disk)
 =====================  ===========  =====================================================
 
 It works without the guard too, so the demo can inject the same faults into plain DeepSpeed.
@@ -225,6 +227,14 @@ class FaultInjector:
         self.fired.append((step, "corrupt_checkpoint"))  # after END: spent at once, logged by the caller
         self._spent.add((step, "corrupt_checkpoint"))
         return True
+
+    def write_error(self, step: int) -> OSError | None:
+        """checkpoint_write_error: the error this rank's background write of the save at ``step`` meets."""
+        if not self._due("checkpoint_write_error", step):
+            return None
+        self.fired.append((step, "checkpoint_write_error"))
+        self._spent.add((step, "checkpoint_write_error"))
+        return OSError(28, "No space left on device (injected: checkpoint_write_error)")
 
     # STEP ------------------------------------------------------------------------------------
     def lr_multiplier(self, step: int) -> float:

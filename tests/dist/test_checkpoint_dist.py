@@ -61,6 +61,25 @@ def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
     assert [s["step"] for s in ok["detail"]["steps"]] == [N + 1, N + 2, N + 3]
 
 
+def test_a_failed_background_write_stays_invisible_and_training_goes_on(tmp_path, torchrun):
+    """An async save whose write fails on one rank (a full disk: the checkpoint_write_error fault on
+    rank 1): every rank gives up on it at once -- rank 0 does not wait out its 30-minute timeout for
+    rank 1's files -- it never becomes visible, ``checkpoint_failed`` names the rank and the error, the
+    run finishes and the next save commits."""
+    d = tmp_path / "ck"
+    cfg = make_config(tmp_path, block={"checkpoint": {"dir": str(d), "every_steps": 4, "async": True}},
+                      bf16={"enabled": True}, faults=[{"type": "checkpoint_write_error", "step": 8, "rank": 1}])
+    run = torchrun(cfg, 12, timeout=180).ok()
+    (failed,) = [e for e in run.events if e["event"] == "checkpoint_failed"]
+    assert failed["detail"]["tag"] == "step00000008"
+    assert "rank 1" in failed["detail"]["error"] and "No space left on device" in failed["detail"]["error"]
+    layout = CheckpointLayout(d)
+    assert layout.tags() == ["step00000004", "step00000012"]
+    assert all(verify(layout.tag_dir(t)).ok for t in layout.tags())
+    assert [e["detail"]["tag"] for e in run.events if e["event"] == "checkpoint_saved"] == \
+        ["step00000004", "step00000012"]
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "trainguard.cli", "ckpt", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
