@@ -382,8 +382,8 @@ class EngineGuard:
     def skipped_steps(self) -> int:
         return self.engine.skipped_steps
 
-    def reset_moments(self) -> None:
-        zero_adam_moments(getattr(self.engine.optimizer, "optimizer", self.engine.optimizer))
+    def reset_moments(self) -> int:
+        return zero_adam_moments(getattr(self.engine.optimizer, "optimizer", self.engine.optimizer))
 
     def fallback_to_bf16(self, step: int) -> dict:
         from ds_plugins.precision import FallbackUnavailable as Unavailable

@@ -94,8 +94,8 @@ class Framework(Protocol):
     def skipped_steps(self) -> int:
         """The framework's own count of steps not applied (for the metric line)."""
 
-    def reset_moments(self) -> None:
-        """Zero Adam's moment estimates, wherever the framework keeps them."""
+    def reset_moments(self) -> int:
+        """Zero Adam's moment estimates, wherever the framework keeps them; the elements zeroed."""
 
     def fallback_to_bf16(self, step: int) -> dict:
         """Turn the fp16 run into a bf16 one in place; raise FallbackUnavailable with advice."""
@@ -226,8 +226,7 @@ class StepDriver:
                                                            "anomaly": decision.anomaly})
         if decision.lower_lr:
             self.lr_until = goes_on + rc.lr_cooldown_steps
-        if rc.reset_optimizer_moments:
-            fw.reset_moments()
+        zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.grad_norm.reset_trend()
         if self.cfg.faults:
             guard.faults.rolled_back()
@@ -238,6 +237,7 @@ class StepDriver:
             "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
             "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
             "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason,
+            **({"moments_zeroed": zeroed} if zeroed is not None else {}),
             **({"loop": loop} if loop else {})})
         if scale_case:
             self.scale_remedy(step, decision, rolled_back=True)
@@ -289,15 +289,19 @@ def scaled_lr(groups: list[dict], mult: float) -> Iterator[float | None]:
                 g["lr"] = old
 
 
-def zero_adam_moments(optimizer) -> None:
-    """Zero Adam's moment estimates (SPAM-style reset after a spike) of a torch optimizer."""
+def zero_adam_moments(optimizer) -> int:
+    """Zero Adam's moment estimates (SPAM-style reset after a spike) of a torch optimizer; returns how
+    many elements were zeroed (0: no moments where they were looked for)."""
     import torch
 
+    n = 0
     for state in getattr(optimizer, "state", {}).values():
         for key in ("exp_avg", "exp_avg_sq"):
             t = state.get(key) if isinstance(state, dict) else None
             if isinstance(t, torch.Tensor):
                 t.zero_()
+                n += t.numel()
+    return n
 
 
 def health_loss(obs) -> float | None:

@@ -21,7 +21,8 @@ def events(run, name):
 
 def test_nonfinite_ladder_rolls_back_and_never_replays_a_quarantined_sample(tmp_path, torchrun):
     faults = [{"type": "nan_loss", "step": s, "rank": 1} for s in (22, 24, 26)]
-    cfg = make_config(tmp_path, block=block(tmp_path), faults=faults, bf16={"enabled": True})
+    cfg = make_config(tmp_path, block=block(tmp_path, reset_optimizer_moments=True), faults=faults,
+                      bf16={"enabled": True})
     run = torchrun(cfg, 40).ok()
     # the ladder: skip, skip, then (3 within 100 steps) roll back
     assert [(e["step"], e["action"]) for e in events(run, "nonfinite")] == [(22, "skip_step"), (24, "skip_step"),
@@ -31,6 +32,9 @@ def test_nonfinite_ladder_rolls_back_and_never_replays_a_quarantined_sample(tmp_
     # the newest *stable* checkpoint from before the onset (22): 20 was spoiled by the NaN at 22
     assert d["to_tag"] == "step00000010" and d["onset_step"] == 22 and d["to_step"] == 10
     assert d["abandoned"] == ["step00000020"]
+    # reset_optimizer_moments: Adam's two moments of rank 0's fp32 partition (ZeRO-2: half of the model's
+    # ~350k parameters) were found in DeepSpeed's inner optimizer and zeroed
+    assert d["optimizer_moments_reset"] is True and 300_000 < d["moments_zeroed"] < 400_000
     # dirty-data isolation: only rank 1's samples of the bad steps are quarantined
     bad_ids = [i for e in events(run, "nonfinite") for i in e["detail"]["per_rank"]["1"]["sample_ids"]]
     assert list(d["quarantined"]) == ["1"] and sorted(d["quarantined"]["1"]) == sorted(bad_ids[-4:])

@@ -190,7 +190,8 @@ def main(argv=None) -> int:
         digest.update(p.numpy().tobytes())
     if guard is not None:
         result["guard_iteration"] = guard.iteration
-    result.update({"param_sha256": digest.hexdigest(), "weights_finite": all(bool(torch.isfinite(p).all())
+    result.update({"param_sha256": digest.hexdigest(), "param_count": sum(p.numel() for p in params),
+                   "weights_finite": all(bool(torch.isfinite(p).all())
                                                                              for p in params)})
     (out / f"result.rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
     if guard is not None:
