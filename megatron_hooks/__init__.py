@@ -417,9 +417,8 @@ class MegatronGuard:
     def skipped_steps(self) -> int:
         return self.not_applied
 
-    def reset_moments(self) -> None:
-        for o in _optimizers(self.optimizer):
-            zero_adam_moments(getattr(o, "optimizer", o))
+    def reset_moments(self) -> int:
+        return sum(zero_adam_moments(getattr(o, "optimizer", o)) for o in _optimizers(self.optimizer))
 
     def fallback_to_bf16(self, step: int) -> dict:
         """Turn the fp16 model chunks and optimizer into bf16 ones, in place (every rank); raises

@@ -87,7 +87,7 @@ class StepGuard:
         self.last_metrics: dict = {}            # the last metric line (for checkpoint health)
         self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
         self.culprit_samples: dict[int, list[int]] = {}
-        self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self._coords_of)
+        self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self.coords_of)
         self._everyone: list[dict] | None = None  # the last anomaly step's object gather
         self._probe_values: dict = {}
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
@@ -150,7 +150,7 @@ class StepGuard:
         """The max-norm to hand the framework for the coming step (None: leave it)."""
         return self.clipper.max_norm()
 
-    def _coords_of(self, rank: int) -> dict:
+    def coords_of(self, rank: int) -> dict:
         return self.coords[rank].as_dict() if rank < len(self.coords) else {"rank": rank}
 
     def emit(self, step: int, record: Record, ranks=(), action: str | None = None, detail: dict | None = None,
@@ -401,18 +401,18 @@ class StepGuard:
             self.emit(step, *rec, rank_local=self.rank in rec[1])
 
     def _log_rejections(self, step: int, everyone: list[dict]) -> None:
-        rec = records.rejections(everyone, self._coords_of, self.cfg.sanitize.action)
+        rec = records.rejections(everyone, self.coords_of, self.cfg.sanitize.action)
         if rec is not None:
             self.emit(step, *rec, rank_local=self.rank in rec[1])
 
     def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
-        record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self._coords_of,
+        record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self.coords_of,
                                                                 self.skipped_steps)
         self.emit(step, record, ranks, action, detail, rank_local=self.rank in ranks, **extra)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
-        report = records.abort_report(step, decision, self._everyone or [{}] * self.world, self._coords_of,
+        report = records.abort_report(step, decision, self._everyone or [{}] * self.world, self.coords_of,
                                       self.skipped_steps, self.policy)
         self.emit(step, Record.ABORT, sorted({r for v in decision.verdicts for r in v.ranks}), Action.ABORT.value,
                   report)

@@ -49,7 +49,8 @@ REFUSED: dict[str, dict[str, Refusal]] = {
     "data.": {"megatron_hooks": _DATA, "ds_plugins/framework": _DATA, "ds_plugins/own": _DATA},
     "distributed.collective_timeout_s": {"megatron_hooks": Refusal(_GROUPS_EXIST, inert=(None,))},
     "distributed.fresh_store_per_attempt": {"megatron_hooks": Refusal(
-        "the default process group exists before install(): its store cannot be chosen any more", inert=(False,))},
+        "the default process group exists before install(): its store cannot be chosen any more (launch under "
+        "`trainguard run --`: a restarted attempt's init_process_group then gets a store of its own)", inert=(False,))},
     "recovery.skip_batches": {"megatron_hooks": Refusal(
         "your data iterator cannot be moved by a rollback (it continues past the batches already seen); set 0",
         inert=(0,)), "ds_plugins/framework": _SKIP, "ds_plugins/own": _SKIP},

@@ -333,7 +333,8 @@ class Watchdog:
         asked = signal_local(verdict, self.heart.host, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else []
         if asked:
             time.sleep(1.0)  # a hung (not stopped) rank writes its stacks meanwhile
-        detail = {"culprits": verdict.describe(), "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,
+        culprits = [dict(c, coords=self.guard.coords_of(c["rank"])) for c in verdict.describe()]
+        detail = {"culprits": culprits, "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,
                   "detected_by": self.rank, "stacks": str(stacks), "exit_code": w.exit_code,
                   "advice": "the launcher restarts the job (torchrun --max-restarts); it resumes from the newest "
                             "valid checkpoint"}

@@ -4,14 +4,16 @@ workers, the deepspeed launcher's, accelerate launch's) loads trainguard's zero-
 It costs nothing until DeepSpeed, Accelerate or Megatron-LM's ``megatron.training`` is imported:
 only then is ``ds_plugins.auto`` imported (which patches ``deepspeed.initialize``; ds_plugins/auto.py),
 or ``megatron_hooks.lm`` (which adds ``--trainguard-config`` to Megatron-LM's arguments and guards its
-loop when it is given). The sitecustomize this one shadows, if the environment has one, still runs.
+loop when it is given). In a restarted torchrun attempt, ``init_process_group`` is also wrapped as
+soon as torch defines it, so that any framework's process group starts on a store of the attempt's
+own. The sitecustomize this one shadows, if the environment has one, still runs.
 ``TRAINGUARD_AUTO=0`` turns it off.
 """
 import importlib.util
 import os
 import sys
 
-from _trainguard_hook import AfterImport  # (a sibling: this folder is on sys.path)
+from _trainguard_hook import AfterImport, wrap_once  # (a sibling: this folder is on sys.path)
 
 _WATCHED = ("deepspeed", "accelerate", "megatron.training")
 
@@ -42,9 +44,25 @@ def _chain():
             return
 
 
+def _fresh_store(name, c10d):
+    """A restarted torchrun attempt, whatever the framework (a megatron-core script of your own too):
+    ``init_process_group`` on a store prefix of the attempt's own (ds_plugins.auto.init_on_fresh_store,
+    imported when it is called, once torch is whole)."""
+    def make(original):
+        def init_process_group(*args, **kwargs):
+            from ds_plugins.auto import init_on_fresh_store
+
+            return init_on_fresh_store(original, args, kwargs)
+        return init_process_group
+
+    wrap_once(c10d, "init_process_group", make)
+
+
 if os.environ.get("TRAINGUARD_AUTO", "1") != "0":
     for _name in _WATCHED:
         if _name in sys.modules:
             _load_entry(_name)
     sys.meta_path.insert(0, AfterImport(_WATCHED, _load_entry))
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:  # (the first attempt: untouched)
+        sys.meta_path.insert(0, AfterImport(("torch.distributed.distributed_c10d",), _fresh_store))
 _chain()

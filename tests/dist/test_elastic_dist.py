@@ -62,6 +62,7 @@ def test_sigstop_of_a_rank_is_named_restarted_and_resumed(tmp_path, torchrun, un
     assert culprit["rank"] == 1 and 13 <= culprit["step"] <= 18 and culprit["phase"] in ("data", "forward", "backward",
                                                                                         "collective", "checkpoint")
     assert culprit["silent_s"] > 2 and culprit["no_progress_s"] > 5
+    assert culprit["coords"]["dp"] == 1 and culprit["coords"]["host"]
     # detected within hang_timeout_s + 10 s of the last progress the log shows before it (in file order:
     # the restarted attempt logs the same steps again later)
     lines = read(run.out / "trainguard.jsonl")

@@ -5,6 +5,7 @@ megatron-core (0.17.1 in CI) runs every test; the tests taking ``megatron_core``
 (installed beside it by scripts/setup.sh, put first on the workers' PYTHONPATH)."""
 import argparse
 import json
+import sys
 import os
 
 import pytest
@@ -202,6 +203,7 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
     ck = tmp_path / "ck"
     block = {"checks": {"enabled": False}, "allow_faults": True,
              "checkpoint": {"dir": str(ck), "stable_after": 1, "verify_steps": 1},
+             "recovery": {"reset_optimizer_moments": True},
              "faults": [{"type": "nan_loss", "step": s, "rank": 1} for s in (10, 11, 12)]}
     res, lines = run(tmp_path, "rb", "dp", 16, block, ["--ckpt", str(ck), "--save-at", "4", "--save-at", "8"])
     ran_on(lines, megatron_core)
@@ -209,6 +211,9 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
     assert actions == [(10, "skip_step"), (11, "skip_step"), (12, "rollback")]
     (rb,) = [x for x in lines if x.get("event") == "rollback"]
     assert rb["detail"]["to_tag"] == "step00000008" and rb["detail"]["to_step"] == 8  # 8 stayed clean for 1 step
+    # reset_optimizer_moments: both Adam moments of every parameter megatron's optimizer holds, zeroed
+    assert rb["detail"]["optimizer_moments_reset"] is True
+    assert rb["detail"]["moments_zeroed"] == 2 * res[0]["param_count"]
     # the loop ran 16 iterations; 12 -> 8 put the guard's count 4 back
     assert all(r["guard_iteration"] == 12 for r in res)
     assert res[0]["param_sha256"] == res[1]["param_sha256"] and all(r["weights_finite"] for r in res)
@@ -358,3 +363,34 @@ def test_keys_megatron_cannot_honour_are_refused_by_name(tmp_path):
     parser = megatron_hooks.extra_args_provider(argparse.ArgumentParser(prog="pretrain_gpt.py"))
     with pytest.raises(SystemExit):
         parser.parse_args(["--trainguard-config", str(cfg)])
+
+
+def test_a_hung_rank_is_named_and_the_restart_resumes(tmp_path):
+    """The watchdog on megatron-core (issue 15 item 8): rank 1 SIGSTOPs itself at iteration 8 (a hung node).
+    Rank 0 blocks in the next collective; its watchdog names rank 1 with its coordinates from the
+    heartbeats, and the job exits for torchrun to restart it (--max-restarts=1); the new attempt resumes
+    from the newest snapshot by itself and finishes, both replicas identical."""
+    ck = tmp_path / "ck"
+    block = {"checks": {"enabled": False}, "allow_faults": True,
+             "checkpoint": {"dir": str(ck), "every_steps": 3, "stable_after": 1},
+             "distributed": {"watchdog": {"interval_s": 0.5, "hang_timeout_s": 5}},
+             "faults": [{"type": "hang_rank", "step": 8, "rank": 1}]}
+    cfg = tmp_path / "hang.json"
+    cfg.write_text(json.dumps(block))
+    out = tmp_path / "hang"
+    # (under `trainguard run --`: your script's init_process_group of a restarted attempt gets a store
+    # prefix of its own, docs/megatron.md)
+    rc, res = run_worker(cfg, out, 12, module="tests.support.megatron_worker", timeout=300,
+                         launcher=["--max-restarts=1", "--monitor-interval=0.5"],
+                         prefix=[sys.executable, "-m", "trainguard.cli", "run", "--"])
+    assert rc == 0 and all(res), (out / "torchrun.log").read_text()[-3000:]
+    lines = read(out / "trainguard.jsonl")
+    (hang,) = [x for x in lines if x.get("event") == "hang_detected"]
+    assert hang["ranks"] == [1] and hang["action"] == "restart"
+    (culprit,) = hang["detail"]["culprits"]
+    assert culprit["rank"] == 1 and culprit["coords"]["dp"] == 1 and 5 <= culprit["step"] <= 8
+    (restart,) = [x for x in lines if x.get("event") == "restart"]
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    assert restart["time"] > hang["time"] and resume["detail"]["tag"] == "step00000006"
+    assert all(r["guard_iteration"] == 12 and r["first_iteration"] == 6 and r["weights_finite"] for r in res)
+    assert res[0]["param_sha256"] == res[1]["param_sha256"]
