@@ -210,6 +210,9 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_sav
           f"{staged_at_kill} of the kills; torn checkpoints: 0; a verified resume target after every kill: "
           f"{resumable == trials}")
     assert resumable == trials
+    # the point of the test: most kills landed while a save was being written (staging held it), and
+    # none of them left a torn checkpoint behind (a test whose kills all missed the saves proves nothing)
+    assert staged_at_kill >= max(1, trials // 2), f"only {staged_at_kill} of {trials} kills hit a save in flight"
     # and DeepSpeed really loads the survivor, in new processes
     final = tmp_path / "final"
     from trainguard.demo.run import run_worker

@@ -149,3 +149,29 @@ def test_fp16_scale_collapse_ladder_ends_in_bf16_and_finishes(tmp_path, torchrun
     # the loss ends where a clean bf16 run ends (the rolled-back steps were re-trained in bf16)
     got, want = run.results[0]["eval_loss"], clean.results[0]["eval_loss"]
     assert abs(got - want) / want < 0.05
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_bf16_fallback_at_zero_0_and_1_and_the_zero_3_abort(tmp_path, torchrun, stage):
+    """The bf16_fallback rung at the other ZeRO stages (ZeRO-2: the test above). ZeRO 0 and 1: the
+    engine is re-created in bf16 and the run finishes, both replicas identical. ZeRO-3 partitions the
+    parameters into the fp16 engine, which cannot be re-created in place: the run stops with a report
+    that says so and what to do (restart in bf16 from the checkpoint), instead of DeepSpeed's crash."""
+    b = block(tmp_path, ladders={"loss_scale": ["bf16_fallback"]})
+    cfg = make_config(tmp_path, block=b, faults=FP16_COLLAPSE, zero_optimization={"stage": stage})
+    run = torchrun(cfg, 50, "--dtype", "fp16")
+    if stage == 3:
+        run.ok()  # (the demo worker catches TrainguardAbort and reports it)
+        assert all(r["aborted"] and r["global_steps"] == 20 for r in run.results)  # at the rolled-back state
+        (ab,) = events(run, "abort")
+        assert "ZeRO-3" in ab["detail"]["reason"] and "bf16" in ab["detail"]["reason"]
+        assert not events(run, "precision_fallback")
+        return
+    run.ok()
+    (fb,) = events(run, "precision_fallback")
+    assert fb["detail"]["to"] == "bf16" and fb["detail"]["zero_stage"] == stage
+    for r in run.results:
+        assert r["global_steps"] == 50 and r["weights_finite"] and r["aborted"] is None
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
+    after = [m for m in run.metrics if m["time"] > fb["time"] and m["step"] > fb["step"]]
+    assert after and all(m["applied"] and m["loss_scale"] == 1.0 for m in after)
