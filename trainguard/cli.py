@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from trainguard import __version__
@@ -77,14 +78,21 @@ def _drill(args) -> int:
 
 
 def _report(args) -> int:
+    from trainguard.metrics.jsonl import read
     from trainguard.report import render
+    from trainguard.summary import summarize
 
     try:
+        text = summarize(read(args.log))
+        print(text)  # (the answer first: then the plots)
         files = render(args.log, args.out)
     except (OSError, ValueError) as e:
         print(f"trainguard report: {e}", file=sys.stderr)
         return 2
-    for f in files:
+    from pathlib import Path
+
+    (Path(args.out) / "summary.txt").write_text(text + "\n")
+    for f in [*files, Path(args.out) / "summary.txt"]:
         print(f)
     return 0
 
@@ -106,6 +114,12 @@ def _ckpt(args) -> int:
                     print(f"trainguard ckpt verify: the environment variable {args.key_env} is not set", file=sys.stderr)
                     return 2
             return ck.ckpt_verify(args.dir, args.tag, key=key)
+        if args.ckpt_command == "diff":
+            from trainguard.checkpoint.diff import diff, format_diff
+
+            d = diff(args.a, args.b)
+            print(json.dumps(d, indent=1) if args.json else format_diff(d))
+            return 0
         return ck.ckpt_inspect(args.dir, args.tag)
     except CheckpointError as e:  # (a bad tag, an unreadable manifest: the message, never a traceback)
         print(f"trainguard ckpt {args.ckpt_command}: {e}", file=sys.stderr)
@@ -163,7 +177,8 @@ def main(argv=None) -> int:
     rn.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     rn.set_defaults(func=_run)
 
-    r = sub.add_parser("report", help="PNG plots from a trainguard JSONL log")
+    r = sub.add_parser("report", help="a text summary (incidents, ranks, samples, rollbacks, goodput), then PNG "
+                       "plots, from a trainguard JSONL log")
     r.add_argument("log")
     r.add_argument("--out", default="trainguard-report")
     r.set_defaults(func=_report)
@@ -178,6 +193,11 @@ def main(argv=None) -> int:
     cv.add_argument("tag", nargs="?")
     cv.add_argument("--key-env", metavar="NAME", help="also check each manifest's HMAC with the key in this "
                     "environment variable (checkpoint.hmac_key_env)")
+    cd = csub.add_parser("diff", help="what changed between two checkpoints: lineage, layout, rollbacks and "
+                         "quarantined samples in between")
+    cd.add_argument("a", help="a checkpoint's tag directory (DIR/TAG)")
+    cd.add_argument("b", help="a later one (DIR/TAG, the same run or a restarted one)")
+    cd.add_argument("--json", action="store_true", help="the comparison as JSON")
     ci = csub.add_parser("inspect", help="contents, lineage, health of one checkpoint")
     ci.add_argument("dir")
     ci.add_argument("tag")

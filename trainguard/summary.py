@@ -1,0 +1,87 @@
+"""The first thing read after a page: a short text summary of a trainguard JSONL log.
+
+``trainguard report`` prints it above the plots it writes (and keeps it as ``summary.txt``):
+incidents by class with their steps, ranks and samples; what was done about them (skips,
+rollbacks, restarts, precision fallbacks); steps lost and goodput; and the open questions a person
+should look at next (docs/playbooks.md says what to do for each).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+# events that are incidents (something went wrong), in the order a person should read them
+INCIDENTS = ("abort", "hang_detected", "nonfinite", "overflow", "loss_scale", "instant_burst", "slow_rise",
+             "grad_surge", "entropy_collapse", "entropy_saturation", "activation_range", "samples_rejected",
+             "suspect_rank", "checkpoint_invalid", "checkpoint_failed", "resume_discontinuity", "straggler")
+# what trainguard did
+REMEDIES = ("rollback", "rollback_unavailable", "loss_scale_reset", "precision_fallback", "restart", "resume")
+
+
+def _samples(e: dict) -> set:
+    d = e.get("detail") or {}
+    out = set()
+    for info in (d.get("per_rank") or {}).values():
+        if isinstance(info, dict):
+            out |= {i for i in info.get("sample_ids") or [] if isinstance(i, int)}
+    for ids in (d.get("quarantined") or {}).values():
+        out |= {i for i in ids if isinstance(i, int)}
+    return out
+
+
+def _ranks(e: dict) -> set:
+    ranks = set(e.get("ranks") or [])
+    for c in (e.get("detail") or {}).get("culprits") or []:
+        if isinstance(c, dict) and isinstance(c.get("rank"), int):
+            ranks.add(c["rank"])
+    return ranks
+
+
+def summarize(lines: list[dict]) -> str:
+    events = [x for x in lines if x.get("type") == "event"]
+    metrics = [x for x in lines if x.get("type") == "metric"]
+    by: dict[str, list[dict]] = defaultdict(list)
+    for e in events:
+        by[e["event"]].append(e)
+    last_step = max([x.get("step", 0) for x in lines if isinstance(x.get("step"), int)] or [0])
+    ends = by.get("run_end") or []
+    good = ((ends[-1].get("detail") or {}).get("goodput") if ends else None) or {}
+    if not good and metrics:
+        good = {"goodput": metrics[-1].get("goodput")}
+    out = []
+    verdict = "ABORTED" if by.get("abort") else "finished" if ends else "no run_end record (still running, or killed)"
+    out.append(f"trainguard summary: {verdict}; last step {last_step}; "
+               + (f"goodput {good['goodput']:.3f}" if isinstance(good.get("goodput"), (int, float)) else "goodput -")
+               + (f", steps lost {good['steps_lost']}" if good.get("steps_lost") is not None else "")
+               + (f", skipped {good['skipped_steps']}" if good.get("skipped_steps") is not None else ""))
+    incidents = [(k, by[k]) for k in INCIDENTS if by.get(k)]
+    if not incidents:
+        out.append("incidents: none")
+    else:
+        out.append("incidents:")
+        for kind, es in incidents:
+            steps = sorted({e["step"] for e in es})
+            ranks = sorted(set().union(*(_ranks(e) for e in es)))
+            samples = sorted(set().union(*(_samples(e) for e in es)))
+            span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+            line = f"  {kind:<20} x{len(es):<3} {span}"
+            if ranks:
+                line += f"; ranks {ranks}"
+            if samples:
+                line += f"; samples {samples[:8]}{' ...' if len(samples) > 8 else ''} ({len(samples)})"
+            actions = sorted({e.get("action") for e in es if e.get("action")})
+            if actions:
+                line += f"; action {', '.join(actions)}"
+            out.append(line)
+    done = [(k, by[k]) for k in REMEDIES if by.get(k)]
+    if done:
+        out.append("done about it:")
+        for kind, es in done:
+            if kind == "rollback":
+                what = ", ".join(f"{e['step']}->{(e.get('detail') or {}).get('to_step')}" for e in es)
+                out.append(f"  rollback             x{len(es):<3} ({what})")
+            else:
+                out.append(f"  {kind:<20} x{len(es):<3} at steps {sorted({e['step'] for e in es})}")
+    if by.get("abort"):
+        reason = (by["abort"][-1].get("detail") or {}).get("reason")
+        out.append(f"abort reason: {reason}")
+    return "\n".join(out)
