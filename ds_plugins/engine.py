@@ -290,7 +290,10 @@ class EngineGuard:
         probing = self.guard.probing(step) if self.guard is not None else contextlib.nullcontext()
         # the poison hook first, so that the probes see what it did
         with (_PoisonFirstModule(self.engine.module) if poison_output else contextlib.nullcontext()), probing:
-            return base_forward(*inputs, **kwargs)
+            out = base_forward(*inputs, **kwargs)
+        if self.guard is not None and self.engine.module.training:
+            self.guard.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
+        return out
 
     def _localize(self) -> dict:
         """Replay this rank's last micro-batch with a hook on every module (no gradients, RNG

@@ -278,6 +278,8 @@ class MegatronGuard:
         for chunk in self.chunks:
             inner = _unwrap(chunk)
             self._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))
+            if self.guard is not None:
+                self._hooks.append(inner.register_forward_hook(self._on_forward_done))
             if self.last_stage and (self.guard is not None or self.faults is not None):
                 self._hooks.append(inner.register_forward_hook(self._on_output))
             if self.faults is not None:
@@ -299,6 +301,11 @@ class MegatronGuard:
             # spike_batch: megatron's inputs are token ids, so the fault scales this rank's loss
             # (on the last pipeline stage, where the loss is); the inputs stay as they are
             self.faults.batch(self.step_number(), args)
+        return None
+
+    def _on_forward_done(self, module, args, output):
+        if module.training:  # (the step's own time: the straggler detector, trainguard.steptime)
+            self.guard.forward_done()
         return None
 
     def _on_output(self, module, args, output):

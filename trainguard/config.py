@@ -92,6 +92,20 @@ class GradNormConfig(_Section):
         "over trend_steps, all above the median. 0.03/step = +43% over 12 steps.")
 
 
+class StragglerConfig(_Section):
+    """A rank that is alive but slow (a throttled GPU, a bad link, a noisy neighbour)."""
+
+    enabled: bool = Field(True, description="Compare every rank's own compute time per step (data + forward, "
+                          "carried in the per-step AGREE table: no extra sync) with the median rank's.")
+    window: int = Field(20, ge=3, description="Steps over which a rank's ratio to the median rank is taken "
+                        "(its median: single noisy steps do not count).")
+    slower_by: float = Field(1.5, gt=1, description="Name a rank whose windowed ratio exceeds this (1.5: 50% "
+                             "slower than the median rank).")
+    persist_steps: int = Field(200, ge=1, description="A straggler slow for this many steps has its host written "
+                               "to suspect_hosts.json (what a launcher excludes on restart).")
+    min_step_s: float = Field(0.0, ge=0, description="Ignore steps whose median compute time is below this.")
+
+
 class AttentionEntropyConfig(_Section):
     """Entropy of attention probabilities per layer and head, sampled."""
 
@@ -144,6 +158,7 @@ class DetectorsConfig(_Section):
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
     grad_norm: GradNormConfig = Field(default_factory=GradNormConfig)
+    straggler: StragglerConfig = Field(default_factory=StragglerConfig)
     attention_entropy: AttentionEntropyConfig = Field(default_factory=AttentionEntropyConfig)
     activation_range: ActivationRangeConfig = Field(default_factory=ActivationRangeConfig)
     localize: LocalizeConfig = Field(default_factory=LocalizeConfig)
@@ -372,7 +387,7 @@ class FaultSpec(_Section):
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
                   "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint", "kill_rank",
-                  "hang_rank", "checkpoint_write_error"] = Field(
+                  "hang_rank", "checkpoint_write_error", "slow_rank"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -388,7 +403,9 @@ class FaultSpec(_Section):
         "kill_rank: the rank SIGKILLs itself at the start of `step` (a dead node). hang_rank: the rank SIGSTOPs "
         "itself there (a hung node). Both only in restart attempt `attempt` (TORCHELASTIC_RESTART_COUNT). "
         "checkpoint_write_error: the background write of the async save taken at `step` fails on `rank` after its "
-        "first file (a full disk): the checkpoint stays invisible, every rank records checkpoint_failed.")
+        "first file (a full disk): the checkpoint stays invisible, every rank records checkpoint_failed. "
+        "slow_rank: on every step of [step, step+steps) the rank sleeps `factor` (default 0.5) x its previous step's "
+        "time before its first forward (a throttled GPU: alive, slower by 1 + factor).")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
@@ -397,7 +414,8 @@ class FaultSpec(_Section):
         "first.")
     module: Optional[str] = Field(None, description="inf_activation, attention_collapse: module path.")
     factor: Optional[float] = Field(None, description="spike_batch (default 50), lr_ramp (per-step growth, "
-                                    "default 1.15), attention_collapse (default 50).")
+                                    "default 1.15), attention_collapse (default 50), slow_rank (the fraction of a "
+                                    "step slept, default 0.5).")
     head: int = Field(0, ge=0, description="attention_collapse: the head whose logits are scaled.")
     attempt: int = Field(0, ge=0, description="kill_rank, hang_rank: the restart attempt in which it fires.")
 
@@ -410,12 +428,12 @@ class FaultSpec(_Section):
             raise ValueError(f"type '{self.type}' needs 'module' (a module path, as in model.named_modules())")
         if self.module is not None and not needs_module:
             raise ValueError(f"'module' applies only to inf_activation and attention_collapse, not '{self.type}'")
-        if self.factor is not None and self.type not in ("spike_batch", "lr_ramp", "attention_collapse"):
+        if self.factor is not None and self.type not in ("spike_batch", "lr_ramp", "attention_collapse", "slow_rank"):
             raise ValueError(f"'factor' does not apply to type '{self.type}'")
         return self
 
     def factor_or_default(self) -> float:
-        defaults = {"spike_batch": 50.0, "lr_ramp": 1.15, "attention_collapse": 50.0}
+        defaults = {"spike_batch": 50.0, "lr_ramp": 1.15, "attention_collapse": 50.0, "slow_rank": 0.5}
         return self.factor if self.factor is not None else defaults.get(self.type, 1.0)
 
     def active(self, step: int) -> bool:

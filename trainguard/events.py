@@ -68,6 +68,7 @@ class Record(str, enum.Enum):
     ENTROPY_SATURATION = "entropy_saturation"  # an attention head attends uniformly
     ACTIVATION_RANGE = "activation_range"      # a module's output max-abs above the limit
     CUSTOM_ALERT = "custom_alert"              # a verdict of one of your detectors (detectors.custom)
+    STRAGGLER = "straggler"                    # a rank alive but slower than the median rank (alert only)
     SAMPLES_REJECTED = "samples_rejected"      # the sanitiser dropped samples or quarantined a batch
     ROLLBACK = "rollback"                      # in-process rollback carried out (to_tag, skipped batches, LR)
     ROLLBACK_UNAVAILABLE = "rollback_unavailable"  # no checkpoint predates the onset: the step was skipped

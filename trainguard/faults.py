@@ -22,6 +22,8 @@ fp16_overflow          BACKWARD     the same, on every step of its window while 
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
 kill_rank, hang_rank   FORWARD      the process SIGKILLs / SIGSTOPs itself (restart attempt
                                     ``attempt`` only: the restarted job must get past it)
+slow_rank              FORWARD      the rank sleeps ``factor`` x its previous step's time at
+                                    the first forward of each step in [step, step+steps)
 corrupt_checkpoint     END          bytes flipped in the largest file of the newest committed
                                     checkpoint (storage rot: the next load must notice)
 checkpoint_write_error SAVE         the background write of the async save taken at ``step``
@@ -80,6 +82,7 @@ class FaultInjector:
         self.precision: str = "fp32"  # the engine's, set by the adapter (fp16_overflow needs "fp16")
         self._now: set[tuple[int, str]] = set()    # fired in the current pass over the step
         self._ramp_steps: set[int] = set()         # steps an lr_ramp applied on (every rank, not only f.rank)
+        self._last_start: tuple[int, float, float] | None = None  # slow_rank: (step, its start, seconds slept)
 
     def _due(self, kind: str, step: int) -> list[FaultSpec]:
         # a fault fires at most once per step: after a rollback re-runs steps, the bad batch
@@ -127,11 +130,30 @@ class FaultInjector:
         import os
         import signal
 
+        self._slow(step)
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         for kind, sig in (("kill_rank", signal.SIGKILL), ("hang_rank", signal.SIGSTOP)):
             if any(f.attempt == attempt for f in self._due(kind, step)):
                 self._fire(step, kind)
                 os.kill(os.getpid(), sig)
+
+    def _slow(self, step: int) -> None:
+        """slow_rank: at the first forward of each step of its window, sleep ``factor`` (default 0.5) x the
+        time this rank's previous step took without the sleep (a throttled device: slower by 1 + factor)."""
+        import time
+
+        now = time.perf_counter()
+        last, self._last_start = self._last_start, (step, now, 0.0)
+        if last is not None and last[0] == step:
+            self._last_start = last  # (a later micro-batch of the same step)
+            return
+        due = self._due("slow_rank", step)
+        if not due or last is None:
+            return
+        self._fire(step, "slow_rank")
+        pause = due[0].factor_or_default() * max(0.0, now - last[1] - last[2])
+        time.sleep(pause)
+        self._last_start = (step, now, pause)
 
     def batch(self, step: int, inputs: Any) -> tuple[Any, bool]:
         """nan_batch / spike_batch on the inputs. Returns ``(inputs, poison_first_module_output)``."""

@@ -39,7 +39,9 @@ from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
+from trainguard.detectors.straggler import StragglerDetector
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
+from trainguard.steptime import StepTimer
 from trainguard.metricline import DeferredLine
 from trainguard.policy import Decision, Policy
 from trainguard.plugins import DETECTORS, Detector, build
@@ -91,6 +93,8 @@ class StepGuard:
         self._everyone: list[dict] | None = None  # the last anomaly step's object gather
         self._probe_values: dict = {}
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
+        self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
+        self.straggler = StragglerDetector(cfg.detectors.straggler)
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -175,6 +179,7 @@ class StepGuard:
         if facts is not None:
             for v in start_checks(facts, self.cfg):
                 self.emit(0, Record(v.anomaly), [], "warn", v.detail)
+        self.timer.start()
 
     def on_batch(self, sample_ids: list[int], position: DataPosition, rejected: Sequence = ()) -> None:
         """BATCH: the loader handed out a micro-batch with these dataset indices (and set these aside)."""
@@ -217,6 +222,7 @@ class StepGuard:
         host[F["faults_fired"]] = self.faults.fired_in(step)
         host[F["samples_rejected"]] = len(self._rejected)
         host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
+        host[F["compute_s"]] = self.timer.take()
         pending = self.deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
@@ -309,6 +315,8 @@ class StepGuard:
             self._log_rejections(step, everyone)
         for v in verdicts:
             self._log_verdict(step, v, decision, everyone)
+        if self.cfg.detectors.straggler.enabled:
+            self._log_stragglers(step, obs)
         for v in custom:  # your detectors alert; the ladders act on the built-in classes only
             self.emit(step, Record.CUSTOM_ALERT, v.ranks, ALERT, {"detector": v.detector, "anomaly": v.anomaly,
                                                                   **v.detail}, rank_local=self.rank in v.ranks)
@@ -357,6 +365,9 @@ class StepGuard:
                 **metrics, "guard_skipped_steps": self.skipped_steps,
                 "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs]}
         line["clocks"] = [o.clock for o in obs]
+        line["compute_s"] = [o.compute_s for o in obs]
+        if self.straggler.last:
+            line["straggler_ratio"] = [self.straggler.last.get(o.rank) for o in obs]
         probes = self._probe_values
         if probes.get("entropy"):  # {rank: {layer: {"ratio": [per head], "entropy": [...]}}}
             ent = probes["entropy"]
@@ -380,6 +391,7 @@ class StepGuard:
         self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm, applied_sq)
         self._probe_values = {}
         self._reset_step()
+        self.timer.start()  # (the next step's own time counts from here)
 
     def line_due(self, step: int) -> bool:
         """Whether this step's metric line is written (known once DECIDE has run)."""
@@ -395,6 +407,21 @@ class StepGuard:
         self.events.close()
 
     # ------------------------------------------------------------------ records
+    def forward_done(self) -> None:
+        """The adapter's forward returned (each micro-batch; the last one of the step counts)."""
+        self.timer.mark()
+
+    def _log_stragglers(self, step: int, obs: list[RankObservation]) -> None:
+        """Alerts only: a slow rank is named, the ladders do not act on it."""
+        for v in self.straggler.observe(step, obs):
+            (r,) = v.ranks
+            coords = self.coords_of(r)
+            self.emit(step, Record.STRAGGLER, [r], ALERT, {"coords": coords, "host": coords.get("host"), **v.detail},
+                      rank_local=self.rank == r)
+        for r in self.straggler.persisting(step):
+            self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
+                                  self.emit)
+
     def _log_faults(self, step: int, obs: list[RankObservation]) -> None:
         rec = records.faults_fired(step, obs, self.cfg.faults)
         if rec is not None:

@@ -20,7 +20,8 @@ from trainguard.detectors.base import RankObservation
 
 # Columns of the gathered table. Appending a field is compatible; reordering is not.
 FIELDS = ("loss_sum", "micro_batches", "loss_nonfinite", "grad_sq", "grad_checked", "faults_fired",
-          "samples_rejected", "prev_grad_norm", "clock", "prev_applied_sq")
+          "samples_rejected", "prev_grad_norm", "clock", "prev_applied_sq",
+          "compute_s")
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -87,7 +88,7 @@ def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
                                    faults_fired=int(row[F["faults_fired"]]),
                                    samples_rejected=int(row[F["samples_rejected"]]),
                                    prev_grad_norm=row[F["prev_grad_norm"]], clock=row[F["clock"]],
-                                   prev_applied_sq=row[F["prev_applied_sq"]]))
+                                   prev_applied_sq=row[F["prev_applied_sq"]], compute_s=row[F["compute_s"]]))
     return out
 
 

@@ -68,7 +68,7 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "nan_batch and bad_label need the loader or engine(batch) of ds_plugins; on megatron use nan_loss, "
         "inf_activation or inf_grad", inert=("nan_loss", "inf_grad", "spike_batch", "lr_ramp", "inf_activation",
                                               "attention_collapse", "kill_rank", "hang_rank", "corrupt_checkpoint",
-                                              "fp16_overflow"))},
+                                              "fp16_overflow", "slow_rank"))},
 }
 
 

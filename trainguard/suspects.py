@@ -34,6 +34,16 @@ class SuspectWatch:
                     "coords": coords, "host": coords.get("host"), "occurrences": [s for s, _ in seen],
                     "file": self._write(), "advice": ADVICE})
 
+    def suspect(self, step: int, r: int, why: str, emit) -> None:
+        """A rank suspect for another reason (a persistent straggler): the same record and file, once."""
+        if r in self.suspected:
+            return
+        self.suspected.add(r)
+        coords = self.coords_of(r)
+        emit(step, Record.SUSPECT_RANK, [r], "alert", {"coords": coords, "host": coords.get("host"),
+                                                        "occurrences": [step], "why": why, "file": self._write(),
+                                                        "advice": ADVICE})
+
     def _write(self) -> str | None:
         if self.rank != 0 or not self.jsonl:
             return None

@@ -124,3 +124,23 @@ def test_clipping_modes_log_raw_and_clipped_norms(tmp_path, torchrun, mode):
     else:
         params = 350_000
         assert all(m["grad_norm"] <= 1e-5 * params ** 0.5 * 1.01 for m in lines)  # every element clamped
+
+
+def test_a_slow_rank_is_named_and_a_healthy_run_raises_nothing(tmp_path, torchrun):
+    """Issue 17: 1,000 healthy steps on this noisy 2-core machine raise no straggler; then rank 1 sleeps
+    as long as its step takes (slow_rank, factor 1: 2x slower) and is named -- rank, coordinates, host,
+    how much slower -- within the detector's window. No new sync: the time rides the AGREE table."""
+    window = 20
+    faults = [{"type": "slow_rank", "step": 1001, "rank": 1, "steps": 60, "factor": 1.0}]
+    cfg = make_config(tmp_path, block={"detectors": {"straggler": {"window": window}},
+                                       "metrics": {"every_steps": 50, "per_rank": False}},
+                      bf16={"enabled": True}, faults=faults)
+    run = torchrun(cfg, 1060, "--d-model", "32", "--layers", "1", timeout=300).ok()
+    found = [e for e in run.events if e["event"] == "straggler"]
+    assert found and all(e["step"] > 1000 for e in found), [(e["step"], e["ranks"]) for e in found]
+    first = found[0]
+    assert first["ranks"] == [1] and first["step"] <= 1000 + window // 2 + 5
+    d = first["detail"]
+    assert d["coords"]["dp"] == 1 and d["host"] and d["slower_by"] > 1.5
+    line = next(m for m in run.metrics if m["step"] == 1050)
+    assert line["straggler_ratio"][1] > 1.5 > line["straggler_ratio"][0] and len(line["compute_s"]) == 2

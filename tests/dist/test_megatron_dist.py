@@ -107,6 +107,8 @@ def test_guard_changes_nothing_when_no_fault_fires(tmp_path):
     # TP ranks through the next step's table): it equals megatron's own global norm, cut to clip_grad
     for m in metrics[:-1]:
         assert m["grad_norm_clipped"] == pytest.approx(min(m["grad_norm"], m["clip_limit"]), rel=1e-4), m
+    # each rank's own step time rides the table (the straggler detector's input, issue 17)
+    assert all(len(m["compute_s"]) == 2 and all(t > 0 for t in m["compute_s"]) for m in metrics)
 
 
 def test_megatron_lm_argument_extension(tmp_path):

@@ -57,6 +57,7 @@ def scrape_of_a_troubled_run() -> dict[str, float]:
             sink.metric(step, {
                 "loss": 2.0, "loss_scale": 1.0, "loss_scale_min": 1.0,  # the fp16 scale sits at its floor
                 "local_losses": [2.0, 2.0], "clocks": [1000.0 + step, 1000.0 + step],
+                "compute_s": [0.1, 0.2], "straggler_ratio": [0.67, 1.33 + step / 20],  # rank 1: a straggler
                 "executed_steps": step, "not_applied_steps": skipped,
                 "attention_entropy_ratio_by_rank": {"0": {"blocks.1.attn.softmax": [0.9, 0.8]},
                                                     "1": {"blocks.1.attn.softmax": [0.9, 0.01]}}})

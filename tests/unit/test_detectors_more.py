@@ -260,3 +260,37 @@ def test_every_ranks_sampled_values_and_clock_reach_the_metrics():
     assert 'trainguard_attention_entropy_ratio{head="1",layer="b0",rank="1"} 0.01' in body
     assert 'trainguard_heartbeat_timestamp_seconds{rank="1"} 1003.5' in body
     assert 'trainguard_activation_max_abs{module="m",rank="1"} 7.0' in body
+
+
+def test_straggler_detector_names_a_slow_rank_once_and_ignores_noise():
+    """Issue 17: robust over a window (single noisy steps do not count), once per episode, hysteresis."""
+    import random
+
+    from trainguard.config import StragglerConfig
+    from trainguard.detectors.base import RankObservation
+    from trainguard.detectors.straggler import StragglerDetector
+
+    det = StragglerDetector(StragglerConfig(window=10, slower_by=1.5, persist_steps=30))
+    rnd = random.Random(0)
+
+    def obs(times):
+        return [RankObservation(rank=r, loss=1.0, micro_batches=1, loss_nonfinite=0, grad_norm=1.0, compute_s=t)
+                for r, t in enumerate(times)]
+
+    found = []
+    for step in range(1, 201):  # noise: every 7th step one rank takes 3x (a hiccup), never a window's median
+        times = [0.1 * rnd.uniform(0.8, 1.25) for _ in range(4)]
+        if step % 7 == 0:
+            times[step % 4] *= 3
+        found += det.observe(step, obs(times))
+    assert found == []
+    for step in range(201, 261):  # rank 2 becomes 2x slower
+        times = [0.1 * rnd.uniform(0.9, 1.1) for _ in range(4)]
+        times[2] *= 2
+        found += det.observe(step, obs(times))
+    assert [v.ranks for v in found] == [(2,)]
+    assert 201 < found[0].detail["since_step"] + found[0].detail["window"] and found[0].detail["slower_by"] > 1.5
+    assert det.persisting(260) == [2]
+    for step in range(261, 300):  # it recovers: the episode ends, a later one is reported again
+        found += det.observe(step, obs([0.1] * 4))
+    assert det.persisting(299) == [] and len(found) == 1

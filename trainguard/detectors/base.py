@@ -24,6 +24,7 @@ class RankObservation:
     prev_grad_norm: float = float("nan")   # the framework's global norm of the previous step (deferred)
     clock: float = float("nan")            # this rank's wall clock at AGREE (its heartbeat, for the metrics)
     prev_applied_sq: float = float("nan")  # its squared norm of the gradients the previous step applied
+    compute_s: float = float("nan")        # its own data + forward time of this step (trainguard.steptime)
 
     @property
     def has_loss(self) -> bool:

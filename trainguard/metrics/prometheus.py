@@ -18,6 +18,8 @@ trainguard_events_total{event}         counter  events by type (nonfinite, insta
 trainguard_attention_entropy_ratio     gauge    {layer, head, rank}: entropy / its maximum
 trainguard_activation_max_abs          gauge    {module, rank}: sampled output max-abs
 trainguard_heartbeat_timestamp_seconds gauge    {rank}: time of the rank's last completed step
+trainguard_step_compute_seconds        gauge    {rank}: the rank's own data + forward time of the step
+trainguard_straggler_ratio             gauge    {rank}: its compute time over the median rank's (windowed)
 =====================================  =======  ===============================================
 """
 from __future__ import annotations
@@ -50,6 +52,8 @@ class PrometheusSink:
         self.entropy = g("trainguard_attention_entropy_ratio", "attention entropy / maximum", ["layer", "head", "rank"])
         self.act = g("trainguard_activation_max_abs", "sampled activation max-abs", ["module", "rank"])
         self.heartbeat = g("trainguard_heartbeat_timestamp_seconds", "last completed step time", ["rank"])
+        self.compute = g("trainguard_step_compute_seconds", "the rank's own data + forward time of the step", ["rank"])
+        self.straggler = g("trainguard_straggler_ratio", "compute time over the median rank's, windowed", ["rank"])
         self.skipped = pc.Counter("trainguard_skipped_steps", "optimizer steps not applied", registry=self.registry)
         self.steps = pc.Counter("trainguard_steps", "optimizer steps executed", registry=self.registry)
         self.events = pc.Counter("trainguard_events", "trainguard events by type", ["event"], registry=self.registry)
@@ -75,6 +79,9 @@ class PrometheusSink:
         # each rank's own clock at the step's exchange (it rode the per-step table)
         for rank, t in enumerate(values.get("clocks") or []):
             self._set(self.heartbeat.labels(rank=str(rank)), t)
+        for key, gauge in (("compute_s", self.compute), ("straggler_ratio", self.straggler)):
+            for rank, v in enumerate(values.get(key) or []):
+                self._set(gauge.labels(rank=str(rank)), v)
         # counters from the line's monotonic counts (the framework's skipped_steps goes back on a rollback)
         for key, counter in (("executed_steps", self.steps), ("not_applied_steps", self.skipped)):
             n = values.get(key)

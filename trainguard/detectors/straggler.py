@@ -1,0 +1,60 @@
+"""Stragglers: a rank that is alive but slow holds every collective back. Pure: each step, every
+rank's own compute time (``RankObservation.compute_s``, from the AGREE table: no extra sync) over
+the median rank's; a rank whose median ratio over the last ``window`` steps exceeds ``slower_by``
+is named -- once per episode, with how much slower and for how long. Noise on a busy machine moves
+single steps, not a window's median.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from trainguard.config import StragglerConfig
+from trainguard.detectors.base import RankObservation, Verdict
+
+
+def _median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class StragglerDetector:
+    def __init__(self, cfg: StragglerConfig):
+        self.cfg = cfg
+        self.ratios: dict[int, deque] = {}
+        self.since: dict[int, int] = {}      # rank -> first step of its current slow episode
+        self.named: set[int] = set()         # ranks reported in their current episode
+        self.last: dict[int, float] = {}     # rank -> its window's median ratio (for the metrics)
+
+    def observe(self, step: int, obs: list[RankObservation]) -> list[Verdict]:
+        times = [o.compute_s for o in obs]
+        if len(obs) < 2 or not all(isinstance(t, float) and math.isfinite(t) and t >= 0 for t in times):
+            return []
+        mid = _median(times)
+        if mid < self.cfg.min_step_s:
+            return []
+        out = []
+        for o in obs:
+            window = self.ratios.setdefault(o.rank, deque(maxlen=self.cfg.window))
+            window.append(o.compute_s / mid if mid > 0 else 1.0)
+            if len(window) < self.cfg.window:
+                continue
+            ratio = _median(window)
+            self.last[o.rank] = ratio
+            if ratio > self.cfg.slower_by:
+                first = self.since.setdefault(o.rank, step - self.cfg.window + 1)
+                if o.rank not in self.named:
+                    self.named.add(o.rank)
+                    out.append(Verdict("straggler", "straggler", (o.rank,), {
+                        "slower_by": round(ratio, 3), "compute_s": round(o.compute_s, 6),
+                        "median_rank_s": round(mid, 6), "since_step": first, "for_steps": step - first + 1,
+                        "window": self.cfg.window, "limit": self.cfg.slower_by}))
+            elif ratio < 1.0 + (self.cfg.slower_by - 1.0) / 2:  # (hysteresis: the episode is over)
+                self.since.pop(o.rank, None)
+                self.named.discard(o.rank)
+        return out
+
+    def persisting(self, step: int) -> list[int]:
+        """Ranks slow for ``persist_steps`` or more (their hosts go to suspect_hosts.json)."""
+        return [r for r, s in self.since.items() if step - s + 1 >= self.cfg.persist_steps]
