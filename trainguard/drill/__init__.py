@@ -46,7 +46,18 @@ def drill_config(steps: int, faults: bool = True) -> dict:
         block["allow_faults"] = False
         return cfg
     scale = steps / SCHEDULE_STEPS
-    block["faults"] = [dict(f, step=max(1, round(f["step"] * scale))) for f in block["faults"]]
+    if scale != 1:
+        # what is measured in steps scales with the drill, so that a short drill keeps the schedule's
+        # relations (the burst's onset outside the ladder window of the NaN before it, so that its
+        # rollback meets the corrupted checkpoint; a ramp shorter than the gap to the next fault)
+        rec = block.setdefault("recovery", {})
+        rec["ladder_window"] = max(10, round(rec.get("ladder_window", 100) * scale))
+        params = (cfg.get("scheduler") or {}).get("params") or {}
+        if "warmup_num_steps" in params:
+            params["warmup_num_steps"] = max(10, round(params["warmup_num_steps"] * scale))
+    block["faults"] = [dict(f, step=max(1, round(f["step"] * scale)),
+                            **({"steps": max(5, round(f.get("steps", 1) * scale))} if f["type"] == "lr_ramp" else {}))
+                       for f in block["faults"]]
     return cfg
 
 
