@@ -377,3 +377,33 @@ def test_ckpt_list_verify_inspect_on_a_committed_checkpoint(tmp_path, capsys):
     assert shown["step"] == 7 and shown["files"] == {"weights.bin": 8} and shown["stable"] is None
     (tmp_path / "ck" / "step00000007" / "weights.bin").write_bytes(b"x" * 8)  # same size, other bytes
     assert main(["ckpt", "verify", str(tmp_path / "ck")]) == 1 and "sha256" in capsys.readouterr().out
+
+
+def test_ckpt_diff_of_something_that_is_not_a_checkpoint_is_exit_1_naming_it(tmp_path, capsys):
+    from trainguard.cli import main
+
+    _committed(tmp_path / "ck", "step00000007", 7)
+    (tmp_path / "nothing").mkdir()
+    assert main(["ckpt", "diff", str(tmp_path / "ck" / "step00000007"), str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert "nothing" in err and "not a committed checkpoint" in err and "Traceback" not in err
+    # the same checkpoint twice: nothing changed
+    assert main(["ckpt", "diff", str(tmp_path / "ck" / "step00000007"), str(tmp_path / "ck" / "step00000007")]) == 0
+    out = capsys.readouterr().out
+    assert "steps between: 0" in out and "lineage: unchanged" in out and "quarantined samples added: 0" in out
+
+
+def test_report_summary_of_an_aborted_run():
+    from trainguard.summary import summarize
+
+    lines = [{"type": "metric", "step": 5, "goodput": 0.9},
+             {"type": "event", "step": 6, "event": "nonfinite", "ranks": [1], "action": "skip_step",
+              "detail": {"per_rank": {"1": {"sample_ids": [11, 12]}}}},
+             {"type": "event", "step": 7, "event": "rollback", "ranks": [1], "action": "rollback",
+              "detail": {"to_step": 4, "quarantined": {"1": [12]}}},
+             {"type": "event", "step": 9, "event": "abort", "ranks": [1], "action": "abort",
+              "detail": {"reason": "rollback budget exhausted"}}]
+    text = summarize(lines).splitlines()
+    assert text[0].startswith("trainguard summary: ABORTED; last step 9; goodput 0.900")
+    assert any(x.strip().startswith("nonfinite") and "ranks [1]" in x and "samples [11, 12]" in x for x in text)
+    assert any("7->4" in x for x in text) and text[-1] == "abort reason: rollback budget exhausted"
