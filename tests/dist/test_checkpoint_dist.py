@@ -154,14 +154,16 @@ def test_stable_marks_and_retention(tmp_path, torchrun):
     assert res["detail"]["tag"] == stable[-1]
 
 
-KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "10"))
+# (the suite's time: each trial is a fresh 2-rank launch, ~15 s; TRAINGUARD_KILL_TRIALS=50 for the full count)
+KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "6"))
 
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_save):
     """SIGKILL a rank at random moments while the run saves every step; after each kill, every
     visible checkpoint verifies and the resume choice is a verified one. Then DeepSpeed loads it.
-    (TRAINGUARD_KILL_TRIALS=50 for the issue's full count; the default keeps CI short.)"""
+    At least half of the kills must land while a save is in flight. (TRAINGUARD_KILL_TRIALS=50 for the
+    issue's full count; the default, 6 sync + 3 async, keeps CI short.)"""
     d = tmp_path / "ck"
     cfg = make_config(tmp_path, block={"checkpoint": {"dir": str(d), "every_steps": 1, "keep_last": 2,
                                                       "verify_steps": 0, "async": async_save}},

@@ -151,10 +151,12 @@ def test_fp16_scale_collapse_ladder_ends_in_bf16_and_finishes(tmp_path, torchrun
     assert abs(got - want) / want < 0.05
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+# (ZeRO-1 re-creates the same optimizer class as ZeRO-2, the test above; it passed here too and is left out
+# for the suite's time)
+@pytest.mark.parametrize("stage", [0, 3])
 def test_bf16_fallback_at_zero_0_and_1_and_the_zero_3_abort(tmp_path, torchrun, stage):
-    """The bf16_fallback rung at the other ZeRO stages (ZeRO-2: the test above). ZeRO 0 and 1: the
-    engine is re-created in bf16 and the run finishes, both replicas identical. ZeRO-3 partitions the
+    """The bf16_fallback rung at the other ZeRO stages (ZeRO-2: the test above). ZeRO 0: the engine is
+    re-created in bf16 (FP16_Optimizer -> BF16 optimizer) and the run finishes, both replicas identical. ZeRO-3 partitions the
     parameters into the fp16 engine, which cannot be re-created in place: the run stops with a report
     that says so and what to do (restart in bf16 from the checkpoint), instead of DeepSpeed's crash."""
     b = block(tmp_path, ladders={"loss_scale": ["bf16_fallback"]})
