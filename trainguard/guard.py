@@ -33,19 +33,19 @@ from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
 from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import argmax, culprit_samples, merge_nonfinite, narrow_to_origin
 from trainguard.eventlog import EventLog
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
-from trainguard.detectors.straggler import StragglerDetector
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
-from trainguard.steptime import StepTimer
 from trainguard.metricline import DeferredLine
 from trainguard.policy import Decision, Policy
 from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import EntropyProbe, RangeProbe, select_modules
+from trainguard.steptime import StepTimer
 from trainguard.suspects import SuspectWatch
 
 ALERT = records.ALERT

@@ -1,7 +1,10 @@
 """Each rank's own time for a step, without a host synchronisation: from the end of its previous
 step to the end of its last forward of this one (data loading and forward: no gradient collective
 has run yet, so a fast rank has not started waiting for a slow one). It rides in the AGREE table
-(``compute_s``), where the straggler detector compares the ranks.
+(``compute_s``), where the straggler detector compares the ranks. What it cannot separate: with
+gradient accumulation the earlier micro-batches' backward passes (and any collective they run) are
+inside the span; under tensor parallelism the TP all-reduces inside the forward make a TP group's
+ranks wait for each other (a slow rank is then seen against the other data-parallel replicas).
 
 On CUDA the forward returns before the device has run it: the span is taken between two CUDA events
 and read one step late, when the AGREE of the next step has synchronised anyway (``query()`` is
