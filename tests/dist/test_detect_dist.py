@@ -1,5 +1,8 @@
 """Issue 3's 'done when', under torchrun with real DeepSpeed engines: each injected fault is
 detected, classified and attributed (rank, module path, layer and head)."""
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.dist.conftest import make_config
@@ -132,7 +135,7 @@ def test_a_slow_rank_is_named_and_a_healthy_run_raises_nothing(tmp_path, torchru
     how much slower -- within the detector's window. No new sync: the time rides the AGREE table."""
     window = 20
     faults = [{"type": "slow_rank", "step": 1001, "rank": 1, "steps": 60, "factor": 1.0}]
-    cfg = make_config(tmp_path, block={"detectors": {"straggler": {"window": window}},
+    cfg = make_config(tmp_path, block={"detectors": {"straggler": {"window": window, "persist_steps": 30}},
                                        "metrics": {"every_steps": 50, "per_rank": False}},
                       bf16={"enabled": True}, faults=faults)
     run = torchrun(cfg, 1060, "--d-model", "32", "--layers", "1", timeout=300).ok()
@@ -144,3 +147,7 @@ def test_a_slow_rank_is_named_and_a_healthy_run_raises_nothing(tmp_path, torchru
     assert d["coords"]["dp"] == 1 and d["host"] and d["slower_by"] > 1.5
     line = next(m for m in run.metrics if m["step"] == 1050)
     assert line["straggler_ratio"][1] > 1.5 > line["straggler_ratio"][0] and len(line["compute_s"]) == 2
+    # slow for persist_steps: its host goes to suspect_hosts.json, what a launcher excludes on restart
+    (sus,) = [e for e in run.events if e["event"] == "suspect_rank"]
+    assert sus["ranks"] == [1] and sus["step"] > first["step"] and "straggler" in sus["detail"]["why"]
+    assert json.loads(Path(sus["detail"]["file"]).read_text())["hosts"] == [d["host"]]
