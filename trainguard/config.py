@@ -237,7 +237,7 @@ SCALE_ONLY_STEPS = ("raise_floor", "bf16_fallback")
 
 def _default_ladders() -> dict:
     return {"nonfinite": ["skip_step", "skip_step", "rollback"], "instant_burst": ["rollback"],
-            "slow_rise": ["rollback_lower_lr"], "loss_scale": ["rollback", "raise_floor", "bf16_fallback"]}
+            "slow_rise": ["rollback_lower_lr"], "loss_scale": ["bf16_fallback"]}
 
 
 class RecoveryConfig(_Section):
@@ -252,7 +252,9 @@ class RecoveryConfig(_Section):
         "skipping the batches seen since plus skip_batches; rollback_lower_lr: the same, and the LR x lr_factor "
         "for lr_cooldown_steps. loss_scale (the fp16 scaler collapsed) also takes raise_floor (roll back, reset "
         "the scale, min scale x floor_factor) and bf16_fallback (roll back, then continue in bf16, see "
-        "fp16_fallback); its rollbacks reset the scale and skip no batches. A class left out keeps its default.")
+        "fp16_fallback); its rollbacks reset the scale and skip no batches. Its default goes to bf16 at once: overflows that "
+        "persist at the minimum scale are values beyond fp16's range, which no scale reset fixes (rollback, raise_floor "
+        "are there for a collapse you know to be transient). A class left out keeps its default.")
     ladder_window: int = Field(100, ge=1, description="Occurrences older than this many steps no longer count.")
     rollback_to: Literal["stable", "latest_valid"] = Field(
         "stable", description="Which checkpoint from before the onset: the newest stable one, or the newest valid.")

@@ -74,7 +74,8 @@ def test_fp16_loss_scale_collapse_climbs_the_same_ladder_on_both_adapters(tmp_pa
     """Values beyond fp16's range on rank 1 from step 12 for 40 steps, with the same scaler on both
     (initial scale 1024, hysteresis 2, minimum 1): the same overflows, collapses, rollbacks,
     resets, floor raise and the switch to bf16, at the same steps."""
-    block = {**BLOCK, "faults": [{"type": "fp16_overflow", "step": 12, "rank": 1, "steps": 40}]}
+    block = {**BLOCK, "faults": [{"type": "fp16_overflow", "step": 12, "rank": 1, "steps": 40}],
+             "recovery": {**BLOCK["recovery"], "ladders": {"loss_scale": ["rollback", "raise_floor", "bf16_fallback"]}}}
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 1000, "hysteresis": 2,
                      "min_loss_scale": 1}}
     logs = _both(tmp_path, block, 60, ds_config=fp16, mg_extra=["--fp16"])

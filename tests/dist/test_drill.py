@@ -29,7 +29,8 @@ def check_rows(rows, loss_within):
     # ... every fault having had its effect: rolled back (past the corrupted checkpoint, which was named),
     # fallen back from fp16 to bf16, been restarted after the killed rank and after the hung one (named:
     # rank 0), resuming by itself each time
-    assert tg["rollbacks"] >= 3 and tg["checkpoint_invalid"] >= 1 and tg["precision_fallback"], tg
+    assert tg["rollbacks"] >= 2 and {"nonfinite", "loss_scale"} <= set(tg["rollback_anomalies"]), tg
+    assert tg["checkpoint_invalid"] >= 1 and tg["precision_fallback"], tg
     assert tg["restarts"] == 2 and tg["hangs_named"] == [0], tg
     # while DeepSpeed alone does not finish: it stops at the minimum loss scale, or -- restarted by
     # torchrun after the killed rank, without a fresh store prefix -- its workers hang or fail at the

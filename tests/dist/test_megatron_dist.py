@@ -17,6 +17,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.dist
 
 LAYOUTS = {"tp": ["--tp", "2"], "pp": ["--pp", "2"], "dp": []}
+THREE_RUNGS = ["rollback", "raise_floor", "bf16_fallback"]  # (the default loss_scale ladder goes to bf16 at once)
 # (layout, faulty rank) -> the fault, the coordinates it must be attributed to, the first bad module's
 # global layer (None: no module produced it -- a loss or gradient fault)
 CASES = {
@@ -179,7 +180,7 @@ def test_fp16_grad_scaler_clamp_is_detected_and_the_scale_reset(tmp_path):
     """megatron's DynamicGradScaler clamps silently at its minimum: under 16 overflowing steps plain
     megatron ends at scale 1.0 for good; the guard sees the overflow at the floor, says so, and resets
     the scale (the loss_scale ladder's remedy, applied in place on megatron)."""
-    block = {"checks": {"enabled": False}, "allow_faults": True,
+    block = {"checks": {"enabled": False}, "allow_faults": True, "recovery": {"ladders": {"loss_scale": ["rollback"]}},
              "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 16}]}
     runs, logs = {}, {}
     for name, more in (("guarded", []), ("plain", ["--no-guard"])):  # (plain: the same faults injected)
@@ -233,7 +234,7 @@ def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path, optimizer):
 
     ck = tmp_path / "ck"
     block = {"checks": {"enabled": False}, "allow_faults": True,
-             "checkpoint": {"stable_after": 1, "verify_steps": 2},
+             "checkpoint": {"stable_after": 1, "verify_steps": 2}, "recovery": {"ladders": {"loss_scale": THREE_RUNGS}},
              "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 40}]}
 
     def go(name, steps, more):
@@ -301,7 +302,7 @@ def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path, optimizer):
 def test_bf16_fallback_under_tensor_and_pipeline_parallelism(tmp_path, layout):
     """The same ladder at TP=2 (each rank's attention softmax and its shard of the main parameters)
     and at PP=2 (the pipeline's p2p buffers follow config.pipeline_dtype from fp16 to bf16)."""
-    block = {"checks": {"enabled": False}, "allow_faults": True,
+    block = {"checks": {"enabled": False}, "allow_faults": True, "recovery": {"ladders": {"loss_scale": THREE_RUNGS}},
              "faults": [{"type": "fp16_overflow", "step": 5, "rank": 1, "steps": 40}]}
     res, lines = run(tmp_path, "o", layout, 120, block, ["--fp16", "--ckpt", str(tmp_path / "ck"), "--save-at", "4"])
     acts = [(x["event"], x["action"]) for x in lines if x.get("event") in ("loss_scale_reset", "precision_fallback")]

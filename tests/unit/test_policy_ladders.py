@@ -90,8 +90,11 @@ def test_fp16_overflow_is_routine_and_the_loss_scale_ladder_climbs():
     assert [s.observe(k, ScalerState(1024 / 2 ** k, 1), overflowed=True) is None for k in (2, 3, 4)] == \
         [True, True, False]
 
-    # the ladder: reset the scale, then raise the floor, then bf16; "none" as fallback aborts instead
-    p = Policy(NonfiniteConfig(), RecoveryConfig(max_rollbacks=10))
+    # the default ladder: straight to bf16 (values beyond fp16's range: no scale reset helps)
+    assert Policy(NonfiniteConfig(), RecoveryConfig()).decide_loss_scale(collapse, 30).remedy == "bf16"
+    # the three-rung ladder: reset the scale, then raise the floor, then bf16; "none" as fallback aborts instead
+    p = Policy(NonfiniteConfig(), RecoveryConfig(max_rollbacks=10,
+                                                 ladders={"loss_scale": ["rollback", "raise_floor", "bf16_fallback"]}))
     remedies = []
     for step in (30, 31, 32):
         d = p.decide_loss_scale(collapse, step)
@@ -113,7 +116,7 @@ def test_scale_rungs_only_in_the_loss_scale_ladder():
     with pytest.raises(ConfigError, match="raise_floor.*only to the 'loss_scale' ladder"):
         parse_block({"recovery": {"ladders": {"nonfinite": ["raise_floor"]}}})
     cfg = parse_block({"recovery": {"ladders": {"instant_burst": ["skip_step"]}}})
-    assert cfg.recovery.ladders["loss_scale"] == ["rollback", "raise_floor", "bf16_fallback"]  # the others keep theirs
+    assert cfg.recovery.ladders["loss_scale"] == ["bf16_fallback"]  # the others keep theirs
 
 
 def test_a_spike_soon_after_a_rollback_goes_further_back_a_later_one_does_not():

@@ -114,6 +114,7 @@ def _row(name: str, rc: int, results: list, log: Path | None, clean_loss: float 
     row.update({"goodput": good.get("goodput"), "steps_lost": good.get("steps_lost"),
                 "skipped_steps": good.get("skipped_steps"),
                 "rollbacks": sum(1 for e in events if e["event"] == "rollback"), "restarts": restarts,
+                "rollback_anomalies": sorted({e["detail"].get("anomaly") for e in events if e["event"] == "rollback"}),
                 "hangs_named": [c["rank"] for e in events if e["event"] == "hang_detected"
                                 for c in e["detail"]["culprits"]],
                 "precision_fallback": any(e["event"] == "precision_fallback" for e in events),
