@@ -52,11 +52,14 @@ def test_demo_prints_the_table(tmp_path):
     assert line["attention_entropy_ratio"]["blocks.1.attn.softmax"][3] < 0.05
     assert len(line["clocks"]) == 2 and all(abs(t - line["time"]) < 60 for t in line["clocks"])
 
-    # trainguard report on the demo's log writes the pictures
+    # trainguard report on the demo's log: the summary first, then the pictures
     rep = bounded([sys.executable, "-m", "trainguard.cli", "report", str(log), "--out", str(tmp_path / "rep")], 180)
     assert rep.returncode == 0, rep.stderr
+    assert rep.stdout.startswith("trainguard summary: finished; last step 201")
+    assert any(x.strip().startswith("entropy_collapse") and "ranks [1]" in x for x in rep.stdout.splitlines())
+    assert (tmp_path / "rep" / "summary.txt").read_text().startswith("trainguard summary: finished")
     names = {"loss.png", "grad_norm.png", "loss_scale.png", "attention_entropy.png", "overview.png"}
-    assert {p.name for p in (tmp_path / "rep").iterdir()} == names
+    assert {p.name for p in (tmp_path / "rep").iterdir()} == names | {"summary.txt"}
     for name in names:
         data = (tmp_path / "rep" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
