@@ -391,7 +391,9 @@ def test_a_hung_rank_is_named_and_the_restart_resumes(tmp_path):
     (hang,) = [x for x in lines if x.get("event") == "hang_detected"]
     assert hang["ranks"] == [1] and hang["action"] == "restart"
     (culprit,) = hang["detail"]["culprits"]
-    assert culprit["rank"] == 1 and culprit["coords"]["dp"] == 1 and 5 <= culprit["step"] <= 8
+    # (a stopped process's last published heartbeat is at most interval_s old: with iterations of tens of
+    # milliseconds, and the publisher starved on a busy machine, that can be several iterations before 8)
+    assert culprit["rank"] == 1 and culprit["coords"]["dp"] == 1 and 1 <= culprit["step"] <= 8
     (restart,) = [x for x in lines if x.get("event") == "restart"]
     (resume,) = [x for x in lines if x.get("event") == "resume"]
     assert restart["time"] > hang["time"] and resume["detail"]["tag"] == "step00000006"
