@@ -301,8 +301,14 @@ class Watchdog:
         self.stacks_dir().mkdir(parents=True, exist_ok=True)
         self._stacks = install_stack_dump_signal(self.stacks_dir() / f"stacks.rank{self.rank}.txt")
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        # the last heartbeats of the attempt before, if any (not those this attempt's faster ranks wrote already)
+        # the last heartbeats of the attempt before, if any; every rank reads them before any rank of this
+        # attempt publishes over its own (one barrier, at start only: a fast rank 1 used to replace its
+        # previous beat before rank 0 had read it, and the restart record lacked it)
         previous = {r: b for r, b in board.read().items() if b.attempt != self.heart.attempt}
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
         step = self.step_fn()
         if attempt > 0:
             last_alive = max((b.published for b in previous.values()), default=None)

@@ -27,7 +27,8 @@ def ckpt_block(d, **kw):
 
 # every ZeRO stage once; async at stage 2 (the suite's time: stage 3 async and stage 2 sync ran here before and
 # are covered by the same code paths -- the async writer is stage-agnostic, stage 2 sync by the recovery tests)
-@pytest.mark.parametrize("stage, async_save", [(0, False), (1, False), (3, False), (2, True)])
+# (ZeRO-1 passed here too and is left out for the suite's time: its optimizer is ZeRO-2's class)
+@pytest.mark.parametrize("stage, async_save", [(0, False), (3, False), (2, True)])
 def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
     """2N steps straight == N steps, save, (4 more steps then 'crash'), new processes, resume, N more:
     identical parameters and losses; the resume checks itself against the recorded trajectory. With
@@ -155,7 +156,7 @@ def test_stable_marks_and_retention(tmp_path, torchrun):
 
 
 # (the suite's time: each trial is a fresh 2-rank launch, ~15 s; TRAINGUARD_KILL_TRIALS=50 for the full count)
-KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "6"))
+KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "4"))
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -163,7 +164,7 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_sav
     """SIGKILL a rank at random moments while the run saves every step; after each kill, every
     visible checkpoint verifies and the resume choice is a verified one. Then DeepSpeed loads it.
     At least half of the kills must land while a save is in flight. (TRAINGUARD_KILL_TRIALS=50 for the
-    issue's full count; the default, 6 sync + 3 async, keeps CI short.)"""
+    issue's full count; the default, 4 sync + 2 async, keeps CI short.)"""
     d = tmp_path / "ck"
     cfg = make_config(tmp_path, block={"checkpoint": {"dir": str(d), "every_steps": 1, "keep_last": 2,
                                                       "verify_steps": 0, "async": async_save}},

@@ -23,10 +23,16 @@ def events(run, name):
     return [e for e in run.events if e["event"] == name]
 
 
-@pytest.fixture
-def uninterrupted(tmp_path, torchrun):
-    cfg = make_config(tmp_path, block=block(tmp_path, "clean"), bf16={"enabled": True})
-    return torchrun(cfg, STEPS, out_name="clean").ok()
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One uninterrupted run for the module's tests (the suite's time)."""
+    from tests.dist.conftest import Run
+    from trainguard.demo.run import run_worker
+
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    cfg = make_config(tmp, block=block(tmp, "clean"), bf16={"enabled": True})
+    rc, results = run_worker(cfg, tmp / "clean", STEPS, nproc=2, timeout=240)
+    return Run(rc, results, tmp / "clean").ok()
 
 
 def test_sigkill_of_a_rank_restarts_and_resumes_exactly(tmp_path, torchrun, uninterrupted):

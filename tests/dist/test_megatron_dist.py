@@ -222,7 +222,9 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
     assert res[0]["param_sha256"] == res[1]["param_sha256"] and all(r["weights_finite"] for r in res)
 
 
-@pytest.mark.parametrize("optimizer", ["float16", "distributed"])
+# (the suite's time: the distributed optimizer only -- the float16 optimizer's fallback runs in the TP/PP test
+# below, and this test passed with it here too)
+@pytest.mark.parametrize("optimizer", ["distributed"])
 def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path, optimizer):
     """Overflow after overflow on rank 1 in fp16 (DP=2, megatron's Float16Module, its fp16 optimizer
     -- or its distributed optimizer -- and DynamicGradScaler): the loss_scale ladder rolls back and

@@ -37,12 +37,19 @@ def test_hung_rank_releases_the_others_within_the_collective_timeout(tmp_path):
             assert len(pids) == 2, (out / "log").read_text()[-2000:]
             os.kill(pids[1], signal.SIGSTOP)   # rank 1 hangs: alive, holding its sockets, silent
             t0 = time.time()
-            rc = proc.wait(timeout=TIMEOUT_S + 90)
+            # rank 0 released: its collective raised (what torchrun does next -- 30 s of SIGTERM grace for
+            # a stopped process -- is torchrun's, not the timeout's: the test stops there, for the suite's time)
+            released = None
+            while time.time() < t0 + TIMEOUT_S + 90 and proc.poll() is None:
+                lines = [ln for ln in (out / "log").read_text(errors="replace").splitlines()
+                         if ln.startswith("[rank0]") and "timed out" in ln.lower()]
+                if lines:
+                    released = lines[0]
+                    break
+                time.sleep(0.2)
             elapsed = time.time() - t0
         finally:
             kill_tree(proc.pid)  # SIGKILL reaches a stopped process too
-    text = (out / "log").read_text()
-    assert rc != 0
+    assert released, (out / "log").read_text()[-3000:]
     assert elapsed < TIMEOUT_S + 60, elapsed   # not DeepSpeed's 10 minutes, nor gloo's 30
-    assert "rank0" in text and ("timed out" in text.lower() or "timeout" in text.lower())
     print(f"\nhung rank released the others after {elapsed:.1f} s (collective_timeout_s={TIMEOUT_S})")
