@@ -27,22 +27,19 @@ class SuspectWatch:
             seen = self.seen.setdefault(r, [])
             if not any(set(ids) == set(prev) for _, prev in seen):
                 seen.append((step, ids))
-            if len(seen) >= self.suspect_after and r not in self.suspected:
-                self.suspected.add(r)
-                coords = self.coords_of(r)
-                emit(step, Record.SUSPECT_RANK, [r], "alert", {
-                    "coords": coords, "host": coords.get("host"), "occurrences": [s for s, _ in seen],
-                    "file": self._write(), "advice": ADVICE})
+            if len(seen) >= self.suspect_after:
+                self.suspect(step, r, None, emit, occurrences=[s for s, _ in seen])
 
-    def suspect(self, step: int, r: int, why: str, emit) -> None:
-        """A rank suspect for another reason (a persistent straggler): the same record and file, once."""
+    def suspect(self, step: int, r: int, why: str | None, emit, occurrences: list[int] | None = None) -> None:
+        """Name rank ``r`` suspect, once: the record, and its host in the file. ``why``: a reason other than
+        anomalies on different data (a persistent straggler)."""
         if r in self.suspected:
             return
         self.suspected.add(r)
         coords = self.coords_of(r)
-        emit(step, Record.SUSPECT_RANK, [r], "alert", {"coords": coords, "host": coords.get("host"),
-                                                        "occurrences": [step], "why": why, "file": self._write(),
-                                                        "advice": ADVICE})
+        emit(step, Record.SUSPECT_RANK, [r], "alert", {
+            "coords": coords, "host": coords.get("host"), "occurrences": occurrences or [step],
+            **({"why": why} if why else {}), "file": self._write(), "advice": ADVICE})
 
     def _write(self) -> str | None:
         if self.rank != 0 or not self.jsonl:
