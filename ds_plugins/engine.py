@@ -97,10 +97,12 @@ def _guarded_class(base: type) -> type:
 
 
 class _PoisonFirstModule:
-    """nan_batch on an integer-only batch: NaN in the output of the first leaf module that runs."""
+    """nan_batch on an integer-only batch: NaN in the output of the first leaf module that runs (in
+    one row of it, for a fault with ``sample``: trainguard.faults.OutputPoison)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, poison=None):
         self.module = module
+        self.row = getattr(poison, "row", None)
         self.handles: list = []
         self.done = False
 
@@ -109,7 +111,12 @@ class _PoisonFirstModule:
             if self.done or not isinstance(output, torch.Tensor) or not output.is_floating_point():
                 return None
             self.done = True
-            return output + float("nan")
+            if self.row is None:
+                return output + float("nan")
+            out = output.clone()
+            if out.dim() and out.shape[0] > self.row:
+                out[self.row] = float("nan")
+            return out
 
         for m in self.module.modules():
             if not list(m.children()):
@@ -134,7 +141,6 @@ class EngineGuard:
         self.faults: FaultInjector | None = None
         self._hooks: list = []
         self._closed = False
-        self._last_inputs = None      # (args, kwargs, poison_output) of the last micro-batch, for a replay
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
         self.checkpointer = None
         self.driver = None            # trainguard.driver.StepDriver: the step sequence
@@ -150,7 +156,8 @@ class EngineGuard:
             if cfg.detectors.nonfinite.enabled:
                 find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
             self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device(),
-                                   localize=self._localize)
+                                   localize=self._localize, replay=self._replay,
+                                   narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None)
             self.guard.attach_model(engine.module)
             self.goodput = self.guard.goodput  # one meter: the guard checkpoints it with its state
             self.guard.clipper.framework_max_norm = float(engine.gradient_clipping() or 0.0)
@@ -280,16 +287,19 @@ class EngineGuard:
         self.heart.beat("forward", step)
         if self.faults is not None:
             self.faults.process(step)
-        poison_output = False
+        poison_output = None
         if self.guard is not None:
             (inputs, kwargs), poison_output = self.guard.on_forward(step, (inputs, kwargs))
         elif self.faults is not None:
             (inputs, kwargs), poison_output = self.faults.batch(step, (inputs, kwargs))
-        if self.guard is not None and self.cfg.detectors.localize.enabled:
-            self._last_inputs = (inputs, kwargs, poison_output)
+        if self.guard is not None and self.engine.module.training and (
+                self.cfg.detectors.localize.enabled or self.guard.replay is not None):
+            # (references, not copies: what a replay of this micro-batch needs, trainguard.replay)
+            self.guard.record_micro_batch((inputs, kwargs, poison_output), _rows((inputs, kwargs)))
         probing = self.guard.probing(step) if self.guard is not None else contextlib.nullcontext()
         # the poison hook first, so that the probes see what it did
-        with (_PoisonFirstModule(self.engine.module) if poison_output else contextlib.nullcontext()), probing:
+        with (_PoisonFirstModule(self.engine.module, poison_output) if poison_output else contextlib.nullcontext()), \
+                probing:
             out = base_forward(*inputs, **kwargs)
         if self.guard is not None and self.engine.module.training:
             self.guard.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
@@ -298,18 +308,40 @@ class EngineGuard:
     def _localize(self) -> dict:
         """Replay this rank's last micro-batch with a hook on every module (no gradients, RNG
         untouched); every rank does it together, since a ZeRO-3 forward gathers parameters."""
-        if self._last_inputs is None:
+        if not self.guard.book.step:
             return {"module": None, "note": "no micro-batch to replay"}
-        inputs, kwargs, poison_output = self._last_inputs
+        inputs, kwargs, poison_output = self.guard.book.step[-1].inputs
         model = self.engine.module
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
         # the poison hook (nan_batch on an integer-only batch) must be registered before the
         # localisation hooks, so that they see the output it replaced
-        with preserved_rng(devices), _PoisonFirstModule(model) if poison_output else contextlib.nullcontext():
+        with preserved_rng(devices), _PoisonFirstModule(model, poison_output) if poison_output else \
+                contextlib.nullcontext():
             report = first_nonfinite(model, lambda: model(*inputs, **kwargs))
         report["rank"] = self.rank
         return report
+
+    def _replay(self, mb, row):
+        """trainguard.replay: the loss of a recorded micro-batch (``row`` None) or of one of its rows,
+        on the current weights: no gradients, RNG untouched, injected module faults held still (they
+        stood for the original forward). None when the model's output holds no scalar loss."""
+        inputs, kwargs, poison = mb.inputs
+        if row is not None:
+            (inputs, kwargs) = _row_of((inputs, kwargs), row, mb.rows)
+            poison = poison.for_row(row) if poison else None
+        model = self.engine.module
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        quiet = self.faults is not None
+        if quiet:
+            self.faults.quiet = True
+        try:
+            with preserved_rng(devices), torch.no_grad(), \
+                    _PoisonFirstModule(model, poison) if poison else contextlib.nullcontext():
+                return _scalar_loss(model(*inputs, **kwargs))
+        finally:
+            if quiet:
+                self.faults.quiet = False
 
     def on_batch(self, sample_ids, position, rejected=()) -> None:
         if self.guard is not None:
@@ -447,6 +479,49 @@ class EngineGuard:
             self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
                                  "global_steps": self.engine.global_steps, "goodput": self.goodput.summary(),
                                  **({"watchdog": watchdog} if watchdog else {})})
+
+
+def _rows(batch) -> int | None:
+    """The batch size: the leading dimension of the first tensor in the inputs."""
+    def first(x):
+        if isinstance(x, torch.Tensor):
+            return x if x.dim() else None
+        items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+        for v in items:
+            t = first(v)
+            if t is not None:
+                return t
+        return None
+
+    t = first(batch)
+    return int(t.shape[0]) if t is not None else None
+
+
+def _row_of(batch, row: int, rows: int | None):
+    """One row of every tensor whose leading dimension is the batch size (a batch of one)."""
+    def go(x):
+        if isinstance(x, torch.Tensor):
+            return x[row:row + 1] if x.dim() and x.shape[0] == rows else x
+        if isinstance(x, dict):
+            return type(x)((k, go(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return type(x)(go(v) for v in x)
+        return x
+
+    return go(batch)
+
+
+def _scalar_loss(out) -> float | None:
+    """The loss in a model's output: a one-element tensor, an output object's or dict's ``loss``, or
+    the first element of a tuple (Hugging Face models return ``(loss, logits, ...)`` or an output
+    object)."""
+    if isinstance(out, dict) or hasattr(out, "loss"):
+        out = out.get("loss") if isinstance(out, dict) else getattr(out, "loss")
+    elif isinstance(out, (list, tuple)) and out:
+        out = out[0]
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return float(out.detach().float())
+    return None
 
 
 def _plain_class(cls: type) -> type:

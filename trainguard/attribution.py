@@ -30,7 +30,9 @@ def culprit_samples(decision, everyone: list[dict] | None) -> dict[int, list[int
     if decision.action not in (Action.SKIP_STEP, Action.ROLLBACK) or not everyone:
         return {}
     ranks = {r for v in decision.verdicts if anomaly_class(v) in ("nonfinite", "instant_burst") for r in v.ranks}
-    return {r: list(everyone[r]["sample_ids"]) for r in sorted(ranks) if r < len(everyone)}
+    # a per-sample replay (trainguard.replay) narrowed a rank's batch to the samples to blame
+    return {r: list((everyone[r].get("narrowed") or {}).get("ids") or everyone[r]["sample_ids"])
+            for r in sorted(ranks) if r < len(everyone)}
 
 
 def narrow_to_origin(v: Verdict, everyone: list[dict], coords: Sequence[RankCoords]) -> Verdict:

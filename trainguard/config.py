@@ -256,6 +256,16 @@ class RecoveryConfig(_Section):
         "persist at the minimum scale are values beyond fp16's range, which no scale reset fixes (rollback, raise_floor "
         "are there for a collapse you know to be transient). A class left out keeps its default.")
     ladder_window: int = Field(100, ge=1, description="Occurrences older than this many steps no longer count.")
+    replay_check: bool = Field(
+        True, description="On a non-finite or instant_burst step, every rank replays a micro-batch of the last "
+        "healthy step on the current weights (no gradients, RNG untouched; DeepSpeed). Healthy: the data was bad and "
+        "the skipped steps did no damage, so the step is skipped where a rung says roll back (a burst of k bad "
+        "batches costs k steps, no rollback). Non-finite or a spike: the weights are damaged, so it rolls back at "
+        "once, whatever the rung. false (and megatron-core, which has no replay): the ladders as written.")
+    narrow_samples: bool = Field(
+        True, description="With replay_check, the culprit rank replays its step's samples one at a time and names, "
+        "and quarantines, only the fewest whose removal leaves a healthy batch (at most half of it; else the whole "
+        "batch). DeepSpeed ZeRO 0-2 (a ZeRO-3 forward is collective: the whole batch is named there).")
     rollback_to: Literal["stable", "latest_valid"] = Field(
         "stable", description="Which checkpoint from before the onset: the newest stable one, or the newest valid.")
     skip_batches: int = Field(200, ge=0, description="Batches skipped past the anomaly on a rollback (PaLM skipped "
@@ -389,7 +399,7 @@ class FaultSpec(_Section):
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
                   "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint", "kill_rank",
-                  "hang_rank", "checkpoint_write_error", "slow_rank"] = Field(
+                  "hang_rank", "checkpoint_write_error", "slow_rank", "nan_weights"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -407,13 +417,18 @@ class FaultSpec(_Section):
         "checkpoint_write_error: the background write of the async save taken at `step` fails on `rank` after its "
         "first file (a full disk): the checkpoint stays invisible, every rank records checkpoint_failed. "
         "slow_rank: on every step of [step, step+steps) the rank sleeps `factor` (default 0.5) x its previous step's "
-        "time before its first forward (a throttled GPU: alive, slower by 1 + factor).")
+        "time before its first forward (a throttled GPU: alive, slower by 1 + factor). nan_weights: at the start of "
+        "`step`, NaN is written into `param` on `rank` (silent corruption of the weights in memory: every later step "
+        "is non-finite until a rollback reloads them).")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
     param: Optional[str] = Field(
-        None, description="inf_grad, fp16_overflow: parameter name (as in model.named_parameters()); default the "
-        "first.")
+        None, description="inf_grad, fp16_overflow, nan_weights: parameter name (as in model.named_parameters()); "
+        "default the first.")
+    sample: Optional[int] = Field(
+        None, ge=0, description="nan_batch: only this row of the micro-batch (0-based) becomes NaN -- one corrupted "
+        "sample in an otherwise healthy batch; default every row.")
     module: Optional[str] = Field(None, description="inf_activation, attention_collapse: module path.")
     factor: Optional[float] = Field(None, description="spike_batch (default 50), lr_ramp (per-step growth, "
                                     "default 1.15), attention_collapse (default 50), slow_rank (the fraction of a "
@@ -423,8 +438,11 @@ class FaultSpec(_Section):
 
     @model_validator(mode="after")
     def _fields_fit_the_type(self):
-        if self.param is not None and self.type not in ("inf_grad", "fp16_overflow"):
-            raise ValueError(f"'param' applies only to types 'inf_grad' and 'fp16_overflow', not '{self.type}'")
+        if self.param is not None and self.type not in ("inf_grad", "fp16_overflow", "nan_weights"):
+            raise ValueError(f"'param' applies only to types 'inf_grad', 'fp16_overflow' and 'nan_weights', "
+                             f"not '{self.type}'")
+        if self.sample is not None and self.type != "nan_batch":
+            raise ValueError(f"'sample' applies only to type 'nan_batch', not '{self.type}'")
         needs_module = self.type in ("inf_activation", "attention_collapse")
         if needs_module and not self.module:
             raise ValueError(f"type '{self.type}' needs 'module' (a module path, as in model.named_modules())")

@@ -122,6 +122,8 @@ class StepDriver:
             decision = guard.on_decide(step, obs)
             if decision.action is Action.ABORT:
                 raise guard.abort(step, decision)
+            if decision.action is Action.SKIP_STEP and fw.data is not None and fw.rank in guard.culprit_samples:
+                fw.data.set_aside(guard.culprit_samples[fw.rank])  # (never read again; a rollback does it too)
             limit = guard.clip_limit()
             if limit is not None and self.cfg.clipping.mode == "adaptive":
                 fw.set_clip(limit)
@@ -157,8 +159,11 @@ class StepDriver:
         cp = self.fw.checkpointer
         if cp is None:
             return
-        # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy
-        cp.on_step_end(step, health_loss(obs), anomaly=any(v.anomaly != "overflow" for v in decision.verdicts))
+        # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy; nor is bad data
+        # whose steps were skipped (the replay found the weights healthy: trainguard.replay)
+        blamed_data = decision.action is Action.SKIP_STEP and self.guard.weights == "healthy"
+        cp.on_step_end(step, health_loss(obs), anomaly=not blamed_data and any(v.anomaly != "overflow"
+                                                                               for v in decision.verdicts))
         cp.after_step(step)
 
     # ------------------------------------------------------------------ the LR

@@ -9,7 +9,9 @@ fault                  loop point   effect
 bad_label              BATCH        one label of the first sample becomes out of range
                                     (in the loader, before the sanitiser sees it)
 nan_batch, spike_batch FORWARD      floating inputs -> NaN / x factor (integer-only batch:
-                                    first leaf module's output -> NaN / the loss x factor)
+                                    first leaf module's output -> NaN / the loss x factor);
+                                    nan_batch ``sample``: that row only (one bad sample)
+nan_weights            FORWARD      NaN into one parameter on the rank (memory corruption)
 inf_activation         FORWARD      +Inf in the output of ``module`` (a forward hook)
 attention_collapse     FORWARD      one head's logits into the softmax ``module``,
                                     standardised per query, x factor
@@ -34,11 +36,33 @@ It works without the guard too, so the demo can inject the same faults into plai
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from trainguard.config import FaultSpec
+
+
+@dataclass(frozen=True)
+class OutputPoison:
+    """nan_batch on an integer-only batch: NaN into the output of the model's first leaf module, in
+    row ``row`` of the batch (None: every row). The adapter applies it (it owns the forward)."""
+
+    row: int | None = None
+
+    def for_row(self, row: int) -> "OutputPoison | None":
+        """What a replay of that one row (a batch of one) must poison."""
+        return OutputPoison() if self.row is None or self.row == row else None
+
+
+def _nan_rows(t: torch.Tensor, row: int | None) -> torch.Tensor:
+    if row is None:
+        return torch.full_like(t, float("nan"))
+    out = t.clone()
+    if out.dim() and out.shape[0] > row:
+        out[row] = float("nan")
+    return out
 
 
 def _map_floats(x: Any, fn) -> tuple[Any, bool]:
@@ -83,6 +107,7 @@ class FaultInjector:
         self._now: set[tuple[int, str]] = set()    # fired in the current pass over the step
         self._ramp_steps: set[int] = set()         # steps an lr_ramp applied on (every rank, not only f.rank)
         self._last_start: tuple[int, float, float] | None = None  # slow_rank: (step, its start, seconds slept)
+        self.quiet = False  # module faults hold still (a replay of another batch: trainguard.replay)
 
     def _due(self, kind: str, step: int) -> list[FaultSpec]:
         # a fault fires at most once per step: after a rollback re-runs steps, the bad batch
@@ -155,13 +180,14 @@ class FaultInjector:
         time.sleep(pause)
         self._last_start = (step, now, pause)
 
-    def batch(self, step: int, inputs: Any) -> tuple[Any, bool]:
-        """nan_batch / spike_batch on the inputs. Returns ``(inputs, poison_first_module_output)``."""
-        poison_output = False
-        if self._due("nan_batch", step):
+    def batch(self, step: int, inputs: Any) -> tuple[Any, OutputPoison | None]:
+        """nan_batch / spike_batch on the inputs. Returns ``(inputs, poison)``: an
+        :class:`OutputPoison` when an integer-only batch must be poisoned at the first module's output."""
+        poison_output = None
+        for f in self._due("nan_batch", step)[:1]:
             self._fire(step, "nan_batch")
-            inputs, found = _map_floats(inputs, lambda t: torch.full_like(t, float("nan")))
-            poison_output = not found
+            inputs, found = _map_floats(inputs, lambda t: _nan_rows(t, f.sample))
+            poison_output = None if found else OutputPoison(f.sample)
         for f in self._due("spike_batch", step):
             self._fire(step, "spike_batch")
             factor = f.factor_or_default()
@@ -171,9 +197,29 @@ class FaultInjector:
         return inputs, poison_output
 
     def install_module_faults(self, model: torch.nn.Module, step_fn) -> list:
-        """Forward hooks for inf_activation and attention_collapse; returns their handles."""
+        """Forward hooks for inf_activation, attention_collapse and nan_weights; returns their handles."""
         modules = dict(model.named_modules())
         handles = []
+        corrupt = [f for f in self.faults if f.type == "nan_weights"]
+        if corrupt:
+            params = dict(model.named_parameters())
+            for f in corrupt:
+                if (f.param or next(iter(params))) not in params:
+                    raise ValueError(f"trainguard.faults: nan_weights param '{f.param}' is not a parameter of the "
+                                     f"model (first few: {', '.join(list(params)[:5])})")
+
+            def corrupt_hook(m, args):
+                if self.quiet:
+                    return None
+                step = step_fn()
+                for f in self._due("nan_weights", step):
+                    self._fire(step, "nan_weights")
+                    with torch.no_grad():
+                        p = params[f.param or next(iter(params))]
+                        if p.numel():
+                            p.data.view(-1)[0] = float("nan")
+                return None
+            handles.append(model.register_forward_pre_hook(corrupt_hook))
         for f in self.faults:
             if f.type not in ("inf_activation", "attention_collapse"):
                 continue
@@ -184,6 +230,8 @@ class FaultInjector:
             mod = modules[f.module]
             if f.type == "inf_activation":
                 def hook(m, args, output, f=f):
+                    if self.quiet:
+                        return None
                     step = step_fn()
                     if not f.active(step) or (step, f.type) in self._spent:
                         return None
@@ -196,6 +244,8 @@ class FaultInjector:
                 handles.append(mod.register_forward_hook(hook))
             else:
                 def pre_hook(m, args, f=f):
+                    if self.quiet:
+                        return None
                     step = step_fn()
                     if not f.active(step) or (step, f.type) in self._spent or not args or \
                             not isinstance(args[0], torch.Tensor):

@@ -42,9 +42,10 @@ from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
 from trainguard.metricline import DeferredLine
-from trainguard.policy import Decision, Policy
+from trainguard.policy import DATA_OR_WEIGHTS, Decision, Policy, anomaly_class
 from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import EntropyProbe, RangeProbe, select_modules
+from trainguard.replay import MicroBatch, ReplayBook, judge_loss, narrow, weights_verdict
 from trainguard.steptime import StepTimer
 from trainguard.suspects import SuspectWatch
 
@@ -61,10 +62,15 @@ class StepGuard:
 
     ``localize`` (from the adapter) replays this rank's last micro-batch with hooks and returns
     :func:`trainguard.probes.first_nonfinite`'s report; every rank calls it on a non-finite step.
+    ``replay`` (from an adapter that can): ``replay(micro_batch, row)`` -> the loss of one recorded
+    micro-batch (``row`` None) or of one of its rows, replayed on the current weights
+    (trainguard.replay); ``narrow_rows``: whether one rank may replay alone (not under ZeRO-3,
+    whose forwards are collective).
     """
 
     def __init__(self, cfg: TrainguardConfig, rank: int, world: int, group=None,
-                 device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None):
+                 device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
+                 replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
@@ -79,6 +85,10 @@ class StepGuard:
         self.custom = [build(spec, DETECTORS, Detector, f"trainguard.detectors.custom[{i}]")
                        for i, spec in enumerate(cfg.detectors.custom)]
         self.localize = localize
+        self.replay = replay if cfg.recovery.replay_check else None
+        self.narrow_rows = narrow_rows and replay is not None and cfg.recovery.narrow_samples
+        self.book = ReplayBook()   # this step's micro-batches and the last healthy one (adapters that replay)
+        self._weights: dict | None = None  # the last anomaly step's weights check
         self.range_probe: RangeProbe | None = None
         self.entropy_probe: EntropyProbe | None = None
         self.coords: list[RankCoords] = []
@@ -104,6 +114,7 @@ class StepGuard:
         self._micro = 0
         self._grad_hooks = 0
         self._sample_ids: list[int] = []
+        self._ids_taken = 0                         # of _sample_ids, those a recorded micro-batch holds
         self._rejected: list = []
         self._position: DataPosition | None = None
 
@@ -274,16 +285,22 @@ class StepGuard:
         sampled = self.sampled(step)
         activation = self.range_probe.collect() if "activation_range" in sampled else None
         entropy = self.entropy_probe.collect() if "attention_entropy" in sampled else None
+        replayed, narrowed = self._replays(nonfinite, spikes)
 
         everyone = None
         if nonfinite or spikes or sampled or any(o.samples_rejected for o in obs):
             # one object gather, taken by every rank: all of these conditions are the same everywhere
             everyone = gather_objects({"sample_ids": self._sample_ids, "rejected": self._rejected,
                                        "position": self._position.as_dict() if self._position else None,
-                                       "localized": localized, "activation": activation, "entropy": entropy},
-                                      self.group)
+                                       "localized": localized, "activation": activation, "entropy": entropy,
+                                       "replayed": replayed, "narrowed": narrowed}, self.group)
         if nonfinite is not None and everyone:
             nonfinite = narrow_to_origin(nonfinite, everyone, self.coords)
+        self._weights = None
+        if everyone and self._replay_due(nonfinite, spikes):
+            losses = [e["replayed"] for e in everyone]
+            self._weights = {"verdict": weights_verdict(losses, self._healthy_loss),
+                             "replayed_losses": [x if x is None or math.isfinite(x) else str(x) for x in losses]}
         if everyone and activation is not None:
             found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
                                       self.cfg.detectors.activation_range)
@@ -300,9 +317,10 @@ class StepGuard:
         verdicts += spikes
         custom = [v for det in self.custom for v in det.observe(step, obs)]
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
-        decision = self.policy.decide(verdicts, step, rise_onset)
+        decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights)
         self.last_decision = decision
-        self.culprit_samples = culprit_samples(decision, everyone)
+        # damaged weights, not data: no sample is to blame
+        self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
         self.suspects.observe(step, self.culprit_samples, self.emit)
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
@@ -321,6 +339,41 @@ class StepGuard:
             self.emit(step, Record.CUSTOM_ALERT, v.ranks, ALERT, {"detector": v.detector, "anomaly": v.anomaly,
                                                                   **v.detail}, rank_local=self.rank in v.ranks)
         return decision
+
+    # ------------------------------------------------------------------ replays (trainguard.replay)
+    def record_micro_batch(self, inputs: Any, rows: int | None) -> None:
+        """The adapter hands each training micro-batch it can replay (after BATCH named its samples)."""
+        self.book.record(MicroBatch(inputs, list(self._sample_ids[self._ids_taken:]), rows))
+        self._ids_taken = len(self._sample_ids)
+
+    @property
+    def weights(self) -> str | None:
+        """This step's weights check: "healthy" (the data was to blame), "damaged", or None (none made)."""
+        return self._weights["verdict"] if self._weights else None
+
+    def _replay_due(self, nonfinite: Verdict | None, spikes: list[Verdict]) -> bool:
+        """A verdict the replay decides (trainguard.policy.DATA_OR_WEIGHTS): the same on every rank."""
+        if self.replay is None or not self.cfg.recovery.enabled:
+            return False
+        return any(anomaly_class(v) in DATA_OR_WEIGHTS for v in ([nonfinite] if nonfinite else []) + spikes)
+
+    def _healthy_loss(self, loss: float) -> bool:
+        w = self.loss_spike.window
+        robust_z = w.robust_z if len(w) >= self.cfg.detectors.loss_spike.min_history else None
+        return judge_loss(loss, robust_z, self.cfg.detectors.loss_spike.z)
+
+    def _replays(self, nonfinite: Verdict | None, spikes: list[Verdict]) -> tuple[float | None, dict | None]:
+        """Every rank replays its last healthy micro-batch (together: a ZeRO-3 forward is collective);
+        a culprit rank also replays its step's samples one by one, when it may replay alone."""
+        if not self._replay_due(nonfinite, spikes):
+            return None, None
+        replayed = self.replay(self.book.healthy, None) if self.book.healthy is not None else None
+        culprits = {r for v in ([nonfinite] if nonfinite else []) + spikes if anomaly_class(v) in DATA_OR_WEIGHTS
+                    for r in v.ranks}
+        narrowed = None
+        if self.narrow_rows and self.rank in culprits and self.book.step:
+            narrowed = narrow(self.book.step, self.replay, self._healthy_loss)
+        return replayed, narrowed
 
     def on_step(self, step: int, decision: Decision, applied: bool,
                 scaler: ScalerState | None = None) -> Decision | None:
@@ -387,6 +440,9 @@ class StepGuard:
                          "sample_ids": self._sample_ids,
                          "position": self._position.as_dict() if self._position else None}
         self.faults.step_done(step)
+        d = self.last_decision
+        self.book.step_ended(bool(metrics.get("applied", True)) and d is not None and d.action is Action.CONTINUE
+                             and not any(anomaly_class(v) for v in d.verdicts))
         self.last_metrics = line
         self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm, applied_sq)
         self._probe_values = {}
@@ -434,7 +490,7 @@ class StepGuard:
 
     def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
         record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self.coords_of,
-                                                                self.skipped_steps)
+                                                                self.skipped_steps, self._weights)
         self.emit(step, record, ranks, action, detail, rank_local=self.rank in ranks, **extra)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:

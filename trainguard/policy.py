@@ -11,6 +11,10 @@ the k-th entry; the last one repeats):
   scale; then also raise its floor; then continue in bf16 (decided after the step, by
   :meth:`Policy.decide_loss_scale`, since only the step shows whether the scaler overflowed).
 
+``weights`` (trainguard.replay, where the adapter can replay): a non-finite or burst step whose last
+healthy micro-batch still replays healthy was bad data -- skipped, never rolled back; one whose replay
+is no longer healthy means damaged weights -- rolled back at once.
+
 An fp16 ``overflow`` (gradients overflowed, every loss finite) is the scaler's routine: the step
 is skipped and the scaler lowers its scale, outside any ladder.
 
@@ -30,6 +34,7 @@ from trainguard.events import Action
 
 SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "raise_floor": 3,
             "bf16_fallback": 3, "abort": 4}
+DATA_OR_WEIGHTS = ("nonfinite", "instant_burst")  # the classes a replay of a healthy micro-batch decides
 REMEDY = {"rollback": "reset_scale", "raise_floor": "raise_floor", "bf16_fallback": "bf16"}
 
 
@@ -68,7 +73,12 @@ class Policy:
         self.last_rollback_to: int | None = None    # the step the last rollback returned to ...
         self.last_rollback_from: int | None = None  # ... from this step
 
-    def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None) -> Decision:
+    def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None,
+               weights: str | None = None) -> Decision:
+        """``weights``: what replaying the last healthy micro-batch on the current weights said
+        (trainguard.replay): "healthy" (the data was bad: a non-finite or burst step that a rung would
+        roll back is skipped instead, since a skipped step did no damage), "damaged" (roll back now,
+        whatever the rung), or None (no replay: the ladders as written)."""
         verdicts = tuple(verdicts)
         classes = {c for c in map(anomaly_class, verdicts) if c}
         if "nonfinite" in classes:
@@ -101,6 +111,15 @@ class Policy:
                 chosen, driver = rung, c
                 onset = self.history[c][0] if c == "nonfinite" else (rise_onset if c == "slow_rise" and rise_onset else step)
         reason = f"{driver or sorted(classes)[0]} on rank(s) {ranks}"
+        if weights is not None and self.recovery.enabled and driver in DATA_OR_WEIGHTS:
+            if weights == "healthy" and chosen in ("rollback", "rollback_lower_lr"):
+                chosen = "skip_step"
+                reason += (": the last healthy micro-batch replays healthy on these weights, so the data was bad "
+                           "and the skipped steps did no damage: skipped, nothing rolled back")
+            elif weights == "damaged" and SEVERITY[chosen] < SEVERITY["rollback"]:
+                chosen = "rollback"
+                reason += (": the last healthy micro-batch no longer replays healthy on these weights: they are "
+                           "damaged, rolling back now")
         if chosen == "abort":
             return self._abort(f"{reason}: the ladder says abort", verdicts, step)
         if chosen in ("rollback", "rollback_lower_lr"):
@@ -111,7 +130,8 @@ class Policy:
             if lower and self.lr_factor * self.recovery.lr_factor < self.recovery.lr_floor:
                 return self._abort(f"{reason}: the LR factor would fall below lr_floor {self.recovery.lr_floor}",
                                    verdicts, step)
-            skipped_onset = driver == "nonfinite"  # (every non-finite step was skipped)
+            # (every non-finite step was skipped -- unless the weights were damaged before it)
+            skipped_onset = driver == "nonfinite" and weights != "damaged"
             last, was_at = self.last_rollback_to, self.last_rollback_from
             if driver in ("instant_burst", "slow_rise") and last is not None and was_at is not None and \
                     0 <= step - last < 2 * (was_at - last) and last <= onset:

@@ -29,9 +29,12 @@ def rejections(everyone: list[dict], coords_of: Callable[[int], dict], action: s
 
 
 def verdict(v: Verdict, decision, everyone: list[dict] | None, coords_of: Callable[[int], dict],
-            skipped_steps: int) -> tuple:
-    """Name the culprits with their coordinates, host, samples and (non-finite) first bad module."""
-    from trainguard.policy import anomaly_class
+            skipped_steps: int, weights: dict | None = None) -> tuple:
+    """Name the culprits with their coordinates, host, samples and (non-finite) first bad module.
+    ``weights``: the step's replay of a healthy micro-batch (trainguard.replay), for the classes it
+    decides. A rank whose samples were narrowed by a per-sample replay names those samples
+    (``sample_ids``) beside its whole batch (``batch_sample_ids``)."""
+    from trainguard.policy import DATA_OR_WEIGHTS, anomaly_class
 
     detail = {"detector": v.detector, **v.detail}
     per_rank = {}
@@ -42,6 +45,10 @@ def verdict(v: Verdict, decision, everyone: list[dict] | None, coords_of: Callab
         if everyone:
             e = everyone[r]
             d.update({"sample_ids": e["sample_ids"], "position": e["position"]})
+            if e.get("narrowed") and anomaly_class(v) in DATA_OR_WEIGHTS:
+                d.update({"sample_ids": e["narrowed"]["ids"], "batch_sample_ids": e["sample_ids"],
+                          "narrowed": {"by": "per-sample replay", "rows": e["narrowed"]["rows"],
+                                       "losses": e["narrowed"]["losses"]}})
             if e.get("localized") is not None and v.anomaly == "nonfinite":
                 # the replay checks every module: it outranks a sampled probe's partial view
                 if e["localized"].get("module") or "first_nonfinite_module" not in d:
@@ -50,6 +57,8 @@ def verdict(v: Verdict, decision, everyone: list[dict] | None, coords_of: Callab
         per_rank[str(r)] = d
     if per_rank:
         detail["per_rank"] = per_rank
+    if weights is not None and anomaly_class(v) in DATA_OR_WEIGHTS:
+        detail["weights"] = weights  # {"verdict": healthy | damaged | None, "replayed_losses": per rank}
     is_nonfinite = v.anomaly == "nonfinite"
     acting = anomaly_class(v) is not None and anomaly_class(v) in (decision.anomaly, "nonfinite")
     action = decision.action.value if acting and decision.action is not Action.CONTINUE else ALERT

@@ -28,7 +28,8 @@ def test_demo_prints_the_table(tmp_path):
         ["60", "0", "inf_grad", "nonfinite", "(gradients)", "skip_step"],
         ["100", "1", "nan_batch", "nonfinite", "(loss)", "skip_step"],   # 3rd in 100 steps: no ckpt before 20
         ["120", "0", "bad_label", "samples_rejected", "drop_sample", "sample"],
-        ["150", "0", "spike_batch", "instant_burst", "rollback", rows[4][5]],  # back to the stable step 100
+        # the last healthy batch replays healthy: the data was bad, skipped without a rollback
+        ["150", "0", "spike_batch", "instant_burst", "skip_step", rows[4][5]],
         ["180", "1", "inf_activation", "nonfinite", "(loss)", "skip_step"],
         ["200", "1", "attention_collapse", "entropy_collapse", "alert", "blocks.1.attn.softmax"],
     ]
@@ -39,7 +40,7 @@ def test_demo_prints_the_table(tmp_path):
              ("completed", "weights finite", "skipped steps (per rank)", "held-out loss (final)")}
     assert table["completed"] == ["True", "True"]
     assert table["weights finite"] == ["True", "True"]
-    assert table["skipped steps (per rank)"] == ["[4]", "[4]"]
+    assert table["skipped steps (per rank)"] == ["[5]", "[4]"]  # trainguard also skips the spike at 150
     assert float(table["held-out loss (final)"][0]) < 3.0  # it learned: ln(128) = 4.85 at the start
 
     # the collapse was on rank 1: the metric line carries it (it used to show rank 0's probe only)

@@ -21,7 +21,8 @@ def events(run, name):
 
 def test_nonfinite_ladder_rolls_back_and_never_replays_a_quarantined_sample(tmp_path, torchrun):
     faults = [{"type": "nan_loss", "step": s, "rank": 1} for s in (22, 24, 26)]
-    cfg = make_config(tmp_path, block=block(tmp_path, reset_optimizer_moments=True), faults=faults,
+    # the ladder as written (replay_check off: by default a replay would find the weights healthy and skip)
+    cfg = make_config(tmp_path, block=block(tmp_path, reset_optimizer_moments=True, replay_check=False), faults=faults,
                       bf16={"enabled": True})
     run = torchrun(cfg, 40).ok()
     # the ladder: skip, skip, then (3 within 100 steps) roll back
@@ -59,11 +60,52 @@ def test_nonfinite_ladder_rolls_back_and_never_replays_a_quarantined_sample(tmp_
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
 
 
+def test_bad_data_is_skipped_without_a_rollback_and_damaged_weights_roll_back_at_once(tmp_path, torchrun):
+    """The default (recovery.replay_check): a burst of four batches on rank 1, each with one NaN sample
+    (row 2), costs four skipped steps and no rollback -- the last healthy micro-batch replays healthy on
+    the weights, and a per-sample replay names and quarantines the one bad sample of each batch, not
+    its batch. Then NaN written into rank 0's weights (memory corruption): the replay is no longer
+    healthy, so it rolls back at the first occurrence (a skip would not help), quarantining nothing."""
+    faults = [{"type": "nan_batch", "step": 22, "rank": 1, "steps": 4, "sample": 2},
+              {"type": "nan_weights", "step": 34, "rank": 0, "param": "blocks.1.mlp.0.weight"}]
+    cfg = make_config(tmp_path, block=block(tmp_path, ladder_window=5), faults=faults,
+                      train_micro_batch_size_per_gpu=8)
+    run = torchrun(cfg, 45).ok()
+    nf = events(run, "nonfinite")
+    burst = [e for e in nf if e["step"] < 30]
+    assert [(e["step"], e["action"], e["ranks"]) for e in burst] == [(s, "skip_step", [1]) for s in (22, 23, 24, 25)]
+    bad = []
+    for e in burst:
+        d = e["detail"]["per_rank"]["1"]
+        assert len(d["batch_sample_ids"]) == 8 and d["sample_ids"] == [d["batch_sample_ids"][2]], d
+        assert d["narrowed"]["rows"] == 8 and e["detail"]["weights"]["verdict"] == "healthy"
+        bad += d["sample_ids"]
+    # the ladder would have rolled back at the 3rd and 4th (within ladder_window=5); the replay said no
+    assert "the data was bad" in burst[2]["detail"]["reason"]
+    (rb,) = events(run, "rollback")
+    d = rb["detail"]
+    assert rb["step"] == 34 and d["anomaly"] == "nonfinite" and "damaged" in d["reason"]
+    (hit,) = [e for e in nf if e["step"] == 34]
+    assert hit["detail"]["weights"]["verdict"] == "damaged" and hit["ranks"] == [0]
+    assert d["quarantined"] == {}  # the weights, not the data: nothing set aside
+    # the newest stable checkpoint before 34: 20 (the skipped burst did not spoil it), not 30 (too recent)
+    assert d["to_step"] == 20
+    # only the four bad samples were quarantined (the ranks' loader state in the checkpoints)
+    from trainguard.checkpoint.diff import diff
+
+    ck = tmp_path / "ck"
+    assert diff(ck / "step00000020", ck / "step00000040")["quarantine_added"] == sorted(bad)
+    assert len(events(run, "fault_injected")) == 5
+    assert all(r["global_steps"] == 45 and r["weights_finite"] for r in run.results)
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
+
+
 def test_instant_burst_rolls_back_and_slow_rise_lowers_the_lr(tmp_path, torchrun):
     faults = [{"type": "spike_batch", "step": 27, "rank": 0},
               {"type": "lr_ramp", "step": 33, "steps": 60, "factor": 1.2}]
-    cfg = make_config(tmp_path, block=block(tmp_path, lr_factor=0.5, lr_cooldown_steps=200, max_rollbacks=10),
-                      faults=faults)
+    # (replay_check off: the instant_burst rung as written; by default the burst would be skipped, test above)
+    cfg = make_config(tmp_path, block=block(tmp_path, lr_factor=0.5, lr_cooldown_steps=200, max_rollbacks=10,
+                                            replay_check=False), faults=faults)
     run = torchrun(cfg, 80).ok()
     rbs = events(run, "rollback")
     assert rbs[0]["detail"]["anomaly"] == "instant_burst" and rbs[0]["step"] == 27
@@ -83,7 +125,7 @@ def test_instant_burst_rolls_back_and_slow_rise_lowers_the_lr(tmp_path, torchrun
 
 def test_rollback_budget_exhausted_aborts_with_a_report(tmp_path, torchrun):
     faults = [{"type": "spike_batch", "step": 27, "rank": 1}, {"type": "spike_batch", "step": 31, "rank": 1}]
-    cfg = make_config(tmp_path, block=block(tmp_path, max_rollbacks=1), faults=faults)
+    cfg = make_config(tmp_path, block=block(tmp_path, max_rollbacks=1, replay_check=False), faults=faults)
     run = torchrun(cfg, 45).ok()
     assert len(events(run, "rollback")) == 1
     for r in run.results:
@@ -96,7 +138,7 @@ def test_rollback_budget_exhausted_aborts_with_a_report(tmp_path, torchrun):
 
 
 def test_no_checkpoint_means_skip_not_crash(tmp_path, torchrun):
-    cfg = make_config(tmp_path, block={"recovery": {"skip_batches": 3}},
+    cfg = make_config(tmp_path, block={"recovery": {"skip_batches": 3, "replay_check": False}},
                       faults=[{"type": "spike_batch", "step": 25, "rank": 1}])
     run = torchrun(cfg, 30).ok()
     (u,) = events(run, "rollback_unavailable")

@@ -69,6 +69,32 @@ def test_fault_injector_fires_only_at_its_step_and_rank():
         FaultInjector([FaultSpec(type="inf_grad", step=1, rank=0, param="zzz")], 0).grad_targets(["a"])
 
 
+def test_one_bad_sample_and_corrupted_weights():
+    inj = FaultInjector([FaultSpec(type="nan_batch", step=2, rank=0, sample=1),
+                         FaultSpec(type="nan_weights", step=3, rank=0, param="1.weight")], rank=0)
+    batch, poison = inj.batch(2, {"x": torch.ones(3, 2)})
+    assert torch.isnan(batch["x"][1]).all() and torch.isfinite(batch["x"][[0, 2]]).all() and poison is None
+    _, poison = inj.batch(2, {"ids": torch.ones(3, dtype=torch.long)})  # (another micro-batch of the step)
+    assert poison.row == 1 and poison.for_row(1).row is None and poison.for_row(0) is None
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    step = {"now": 2}
+    inj.install_module_faults(model, lambda: step["now"])
+    model(torch.ones(1, 2))
+    assert torch.isfinite(model[1].weight).all()
+    step["now"] = 3
+    inj.quiet = True  # a replay: module faults hold still
+    model(torch.ones(1, 2))
+    assert torch.isfinite(model[1].weight).all()
+    inj.quiet = False
+    model(torch.ones(1, 2))
+    assert torch.isnan(model[1].weight).any() and torch.isfinite(model[0].weight).all()
+    with pytest.raises(ValueError, match="'sample' applies only"):
+        FaultSpec(type="nan_loss", step=1, sample=0)
+    with pytest.raises(ValueError, match="not a parameter"):
+        FaultInjector([FaultSpec(type="nan_weights", step=1, rank=0, param="zzz")], 0).install_module_faults(
+            model, lambda: 1)
+
+
 def test_jsonl_is_strict_json(tmp_path):
     sink = JsonlSink(tmp_path / "x.jsonl")
     sink.metric(1, loss=float("nan"), grad_norm=float("inf"), lr=torch.tensor(0.5), skipped_steps=0)

@@ -136,3 +136,27 @@ def test_a_spike_soon_after_a_rollback_goes_further_back_a_later_one_does_not():
         [Action.SKIP_STEP, Action.SKIP_STEP, Action.ROLLBACK]
     q.rolled_back(92, False, {"to_step": 80, "anomaly": "nonfinite"})
     assert q.decide([v("nonfinite")], step=85).action is Action.SKIP_STEP
+
+
+def test_a_healthy_replay_turns_a_rollback_into_a_skip_and_a_damaged_one_rolls_back_at_once():
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    # a burst of bad batches, every one skipped, the weights replaying healthy: never a rollback
+    for step in (10, 11, 12, 13):
+        d = p.decide([v("nonfinite")], step=step, weights="healthy")
+        assert d.action is Action.SKIP_STEP, (step, d)
+    assert "the data was bad" in d.reason
+    d = p.decide([v("instant_burst")], step=20, weights="healthy")
+    assert d.action is Action.SKIP_STEP and d.anomaly == "instant_burst"
+    # damaged weights: the first occurrence rolls back, and the onset step's checkpoint is not a target
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    d = p.decide([v("nonfinite")], step=30, weights="damaged")
+    assert d.action is Action.ROLLBACK and d.onset_step == 30 and not d.onset_skipped and "damaged" in d.reason
+    # no replay (megatron, replay_check false): the ladder as written
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    assert [p.decide([v("nonfinite")], step=s).action for s in (1, 2, 3)] == \
+        [Action.SKIP_STEP, Action.SKIP_STEP, Action.ROLLBACK]
+    # a slow rise was applied: the replay does not decide it
+    assert p.decide([v("slow_rise")], step=40, weights="healthy").action is Action.ROLLBACK
+    # recovery off: skip, whatever the replay says
+    p = Policy(NonfiniteConfig(), RecoveryConfig(enabled=False))
+    assert p.decide([v("nonfinite")], step=5, weights="damaged").action is Action.SKIP_STEP
