@@ -1,5 +1,5 @@
-"""The fire drill (issues 5, 7, 15): 2 ranks, ZeRO-2 fp16, a schedule of faults -- NaN, a corrupted newest
-checkpoint before a poisoned burst, a killed rank, an LR ramp, a hung rank, an fp16 collapse -- under
+"""The fire drill (issues 5, 7, 15, 16): 2 ranks, ZeRO-2 fp16, a schedule of faults -- one NaN sample, a poisoned
+burst, a corrupted newest checkpoint before a killed rank, an LR ramp, a hung rank, an fp16 collapse -- under
 torchrun --max-restarts=2; trainguard against plain DeepSpeed and a fault-free run with the same seeds
 and data.
 
@@ -18,6 +18,25 @@ from trainguard.drill import drill
 pytestmark = pytest.mark.dist
 
 
+def check_costs(costs, every_steps=10):
+    """The per-fault table (issue 16): trainguard's cost of each fault, and the baseline's beside it."""
+    tg = {(c["fault"], c["step"]): c for c in costs if c["run"] == "trainguard"}
+    assert len(costs) == 2 * len(tg) == 14  # every fault of the schedule, in both runs
+    one, burst = tg[("nan_batch", 30)], tg[("nan_batch", 60)]
+    # one bad sample: 1 step lost, no rollback, that sample named (a per-sample replay narrowed its batch)
+    assert one["steps_lost"] == 1 and one["rollbacks"] == 0 and one["narrowed"] and len(one["samples_named"]) == 1
+    assert burst["steps_lost"] == 3 and burst["rollbacks"] == 0 and burst["rung"] == "skip_step x3"
+    assert one["goal_met"] and burst["goal_met"]
+    # the corrupted checkpoint was met by the restart after the kill: one checkpoint interval more
+    corrupt, kill = tg[("corrupt_checkpoint", 89)], tg[("kill_rank", 90)]
+    assert corrupt["met"] and corrupt["steps_lost"] == every_steps and not corrupt["goal_met"]
+    assert kill["restarts"] == 1 and kill["recovered"] and "restart->70" in kill["rung"]
+    fp16 = tg[("fp16_overflow", 160)]
+    assert fp16["restarts"] == 0 and "bf16" in fp16["rung"] and fp16["goal_met"], fp16
+    hang = tg[("hang_rank", 144)]
+    assert hang["named_ranks"] == [0] and hang["recovered"]
+
+
 def check_rows(rows, loss_within):
     by = {r["run"]: r for r in rows}
     clean, insured, tg, plain = (by[k] for k in ("clean (no faults)", "trainguard, no faults", "trainguard",
@@ -26,15 +45,16 @@ def check_rows(rows, loss_within):
     assert clean["completed"] and insured["completed"] and insured["eval_loss"] == clean["eval_loss"]
     # under the faults trainguard finishes, near the clean loss ...
     assert tg["completed"] and abs(tg["loss_vs_clean"]) <= loss_within, tg
-    # ... every fault having had its effect: rolled back (past the corrupted checkpoint, which was named),
-    # fallen back from fp16 to bf16, been restarted after the killed rank and after the hung one (named:
-    # rank 0), resuming by itself each time
-    assert tg["rollbacks"] >= 2 and {"nonfinite", "loss_scale"} <= set(tg["rollback_anomalies"]), tg
+    # ... every fault having had its effect: the bad data skipped without a rollback, fallen back from fp16
+    # to bf16 (its one rollback), restarted after the killed rank (passing over the corrupted checkpoint,
+    # which was named) and after the hung one (named: rank 0), resuming by itself each time
+    assert "nonfinite" not in tg["rollback_anomalies"] and "loss_scale" in tg["rollback_anomalies"], tg
     assert tg["checkpoint_invalid"] >= 1 and tg["precision_fallback"], tg
     assert tg["restarts"] == 2 and tg["hangs_named"] == [0], tg
-    # while DeepSpeed alone does not finish: it stops at the minimum loss scale, or -- restarted by
-    # torchrun after the killed rank, without a fresh store prefix -- its workers hang or fail at the
-    # rendezvous (all three seen on this machine); the row says which
+    # while DeepSpeed alone, run as a careful user runs it (its own checkpoints, resume and timeout), does
+    # not finish: restarted after the killed rank it resumes from its checkpoint, but on the hung rank its
+    # ZeRO groups (new_group, no timeout: 30 minutes) wait on past its own timeout -- or it stops at the
+    # minimum loss scale; the row says which
     assert not plain["completed"] and plain["died"]
     # goodput is measured for every run (the 0.97 goal is not met at this fault density on CPU:
     # see the README's drill section; this bounds a regression)
@@ -51,6 +71,8 @@ def test_short_fire_drill(tmp_path):
     check_rows(rows, loss_within=0.05)
     saved = json.loads((tmp_path / "drill.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["steps"] == 200
+    check_costs(saved["costs"])
+    assert "cost per fault" in out.getvalue()
 
 
 @pytest.mark.timeout(1800)

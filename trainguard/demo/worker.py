@@ -78,6 +78,25 @@ def _finite(result: dict) -> dict:
     return {**result, "losses": [x if x is not None and math.isfinite(x) else None for x in result["losses"]]}
 
 
+def _plain_init_distributed(timeout_s: float) -> None:
+    """What a careful plain-DeepSpeed user does: DeepSpeed's own timeout on the process group. In a
+    restarted torchrun attempt the group goes on a store prefix of its own: the gloo workaround of
+    shared/docs/PLATFORM.md, so that the baseline measures DeepSpeed's recovery, not this machine's
+    gloo quirk (trainguard's runs get the same through ds_plugins)."""
+    from datetime import timedelta
+
+    import deepspeed
+    import torch.distributed as dist
+
+    td = timedelta(seconds=timeout_s)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and not dist.is_initialized():
+        from ds_plugins import attempt_store
+
+        store, rank, world, td = attempt_store(td)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=td)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True)
@@ -95,6 +114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout (draws from the RNG an exact resume restores)")
     ap.add_argument("--state-digest", action="store_true",
                     help="hash the fp32 master parameters and Adam moments at the start (after a resume) and the end")
+    ap.add_argument("--plain-save-every", type=int, default=0,
+                    help="--plain as a careful user runs it: engine.save_checkpoint every N steps, load_checkpoint of "
+                         "the latest at start (the data moved past what was consumed)")
+    ap.add_argument("--plain-timeout", type=float, default=0.0,
+                    help="--plain: deepspeed.init_distributed(timeout=...) in seconds (DeepSpeed's own collective "
+                         "timeout; 0: its default)")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -117,11 +142,17 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
     if args.plain:
+        if args.plain_timeout:
+            _plain_init_distributed(args.plain_timeout)
         engine, _, loader, _ = deepspeed.initialize(model=model, optimizer=optimizer, training_data=dataset,
                                                     config=cfg)
         block = tg_config.parse_block(cfg["trainguard"])
         if block.faults:
             attach(engine, block, guard_enabled=False)
+        if args.plain_save_every:
+            plain_dir = out / "plain_ckpt"
+            if (plain_dir / "latest").exists():
+                engine.load_checkpoint(str(plain_dir))
     else:
         engine, _, loader, _ = ds_plugins.initialize(model=model, optimizer=optimizer, training_data=dataset,
                                                      config=cfg)
@@ -136,6 +167,12 @@ def main(argv=None) -> int:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     with open(out / f"starts.rank{rank}.txt", "a") as f:  # one line per (re)start: the drill's wall clock
         f.write(f"{attempt} {time.time():.3f}\n")
+    # one line per optimizer step on rank 0 (attempt, step, time, applied): the drill's per-fault costs
+    progress = open(out / "progress.rank0.txt", "a", buffering=1) if rank == 0 else None
+    skip_micro = 0
+    if args.plain and engine.global_steps:  # a careful user's resume: past the batches already consumed
+        done = engine.global_steps * engine.gradient_accumulation_steps()
+        epoch, skip_micro = divmod(done, len(loader))
     try:
         while engine.global_steps < args.steps:
             sampler = getattr(loader, "data_sampler", None)
@@ -143,6 +180,9 @@ def main(argv=None) -> int:
                 sampler.set_epoch(epoch)
             epoch += 1
             for batch in loader:
+                if skip_micro:
+                    skip_micro -= 1
+                    continue
                 meter.begin_step()
                 loss = engine(batch)
                 engine.backward(loss)
@@ -153,6 +193,11 @@ def main(argv=None) -> int:
                     result["losses"].append(sum(micro) / len(micro))
                     micro = []
                     meter.step_done(engine.global_steps, engine.was_step_applied())
+                    if progress is not None:
+                        progress.write(f"{attempt} {engine.global_steps} {time.time():.4f} "
+                                       f"{int(engine.was_step_applied())}\n")
+                    if args.plain and args.plain_save_every and engine.global_steps % args.plain_save_every == 0:
+                        engine.save_checkpoint(str(out / "plain_ckpt"))
                     if args.step_sleep:
                         time.sleep(args.step_sleep)
                 if engine.global_steps >= args.steps:

@@ -7,13 +7,16 @@ Four runs: plain DeepSpeed without faults (the reference loss), trainguard witho
 the insurance costs: the guard and a checkpoint every 10 steps), trainguard with the faults, plain
 DeepSpeed with the same faults.
 
-The schedule (``drill.json``, written for 1,000 steps; a shorter drill scales the fault steps):
-NaN loss on one rank, a corrupted newest checkpoint just before a burst of three poisoned batches
-(whose rollback needs it), a killed rank, an LR ramp (slow rise), a hung rank, and an fp16
-loss-scale collapse (a model whose values leave fp16's range). Every run is launched with
-``torchrun --max-restarts=2``: trainguard resumes by itself from its checkpoints; plain DeepSpeed
-restarts from step 0. The run is 2 ranks, ZeRO-2, fp16 with DeepSpeed's dynamic
-loss scaler (enabled on CPU by the worker's test switch).
+The schedule (``drill.json``, written for 1,000 steps; a shorter drill scales the fault steps): one
+NaN sample in one rank's batch, a burst of three poisoned batches, a corrupted newest checkpoint just
+before a killed rank (the restart must pass over it), an LR ramp (slow rise), a hung rank, and an
+fp16 loss-scale collapse (a model whose values leave fp16's range). Every run is launched with
+``torchrun --max-restarts=2``: trainguard resumes by itself from its checkpoints; plain DeepSpeed is
+run as a careful user runs it (its own ``save_checkpoint`` every as many steps as trainguard's,
+``load_checkpoint`` of the latest on start, its own collective timeout). The run is 2 ranks, ZeRO-2,
+fp16 with DeepSpeed's dynamic loss scaler (enabled on CPU by the worker's test switch). Besides the
+whole-run table the drill prints each fault's cost in both runs (trainguard.drill.costs) against
+issue 16's goal per fault.
 
 Goals (issue 5): trainguard completes, within 2% of the clean run's final loss, with goodput
 >= 0.97; plain DeepSpeed fails to complete or ends worse. Exit code 0 when they hold.
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from trainguard.demo.run import run_worker
+from trainguard.drill.costs import cold_start, fault_cost, format_costs, goal, read_progress, step_time
 from trainguard.metrics.jsonl import read
 
 DRILL_CONFIG = Path(__file__).with_name("drill.json")
@@ -158,13 +162,44 @@ def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
     return all(ok for ok, _ in checks), [f"[{'x' if ok else ' '}] {what}" for ok, what in checks]
 
 
+def per_fault_costs(rows: list[dict], cfg: dict) -> list[dict]:
+    """trainguard.drill.costs for every fault of the schedule, in the trainguard run and the baseline."""
+    block = cfg["trainguard"]
+    every = int(block.get("checkpoint", {}).get("every_steps") or 10)
+    wd = (block.get("distributed") or {}).get("watchdog") or {}
+    hang_bound = float(wd.get("hang_timeout_s", 5)) + float(wd.get("interval_s", 0.5))
+    by = {r["run"]: r for r in rows}
+    clean = read_progress(Path(by["clean (no faults)"]["dir"]) / "progress.rank0.txt")
+    clean_step = step_time(clean)
+    out = []
+    for f in block["faults"]:
+        for name in ("trainguard", "plain DeepSpeed"):
+            d = Path(by[name]["dir"])
+            progress = read_progress(d / "progress.rank0.txt")
+            log = d / "trainguard.jsonl"
+            events = [x for x in read(log) if x["type"] == "event"] if name == "trainguard" and log.exists() else []
+            row = {"run": name, **fault_cost(f, progress, events, clean_step, every)}
+            if name == "trainguard":
+                row["goal_met"], row["goal"] = goal(row, f, every, cold_start(by[name]["launched"], progress),
+                                                    hang_bound)
+            out.append(row)
+    return out
+
+
 def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-drill", extra: Sequence[str] = (),
           stream=sys.stdout, timeout: float = 900) -> tuple[int, list[dict]]:
     out = Path(out)
+    faulty = drill_config(steps)
+    tg_block = faulty["trainguard"]
+    every = int(tg_block.get("checkpoint", {}).get("every_steps") or 10)
+    timeout_s = (tg_block.get("distributed") or {}).get("collective_timeout_s") or 60
+    # the baseline as a careful user runs plain DeepSpeed: its own save_checkpoint every M steps (M as
+    # trainguard's), load_checkpoint of the latest on start, DeepSpeed's own collective timeout
+    careful = ["--plain", "--plain-save-every", str(every), "--plain-timeout", str(timeout_s)]
     runs = [("clean (no faults)", drill_config(steps, faults=False), ["--plain"]),
             ("trainguard, no faults", drill_config(steps, faults=False), []),
-            ("trainguard", drill_config(steps), []),
-            ("plain DeepSpeed", drill_config(steps), ["--plain"])]
+            ("trainguard", faulty, []),
+            ("plain DeepSpeed", drill_config(steps), careful)]
     print(f"trainguard fire drill: 2 ranks, {steps} steps, ZeRO-2 fp16; faults at "
           + ", ".join(f"{f['type']}@{f['step']}" for f in runs[2][1]["trainguard"]["faults"]), file=stream)
     rows = []
@@ -180,11 +215,12 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
         else:
             ck["dir"] = str(d / "ckpt")
         t0 = time.monotonic()
+        launched = time.time()
         rc, results = run_worker(_write(cfg, d / "ds_config.json"), d, steps, extra=[*flags, *extra],
                                  timeout=bound, launcher=LAUNCHER)
         if i == 0:
             # a run that makes no progress (plain DeepSpeed's restarted gloo workers can hang at their
-            # rendezvous, PLATFORM.md) is stopped after twice the clean run's time
+            # rendezvous, PLATFORM.md; a live rank waits on a hung one) is stopped after twice the clean run's time
             bound = min(timeout, 2 * (time.monotonic() - t0) + 20)
         log = d / ("plain.jsonl" if "--plain" in flags else "trainguard.jsonl")
         row = _row(name, rc, results, None if "--plain" in flags else log, clean_loss, steps, _restarts(d, rc))
@@ -192,14 +228,20 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
             row["died"] = _last_error(d, rc, row["restarts"])
         if rc == 124:
             row["hung"] = True
-            row["died"] = (f"made no progress for {bound:.0f} s and was stopped (after {row['restarts']} restart(s)"
-                           "; a restarted plain gloo job can hang at its rendezvous)")
+            last = read_progress(d / "progress.rank0.txt")
+            row["reached_step"] = last[-1][1] if last else None
+            row["died"] = (f"did not finish in {bound:.0f} s and was stopped, after {row['restarts']} restart(s), "
+                           f"the last step done {row['reached_step']} (e.g. a live rank waiting on a hung one: "
+                           "DeepSpeed's ZeRO groups are made without a timeout, 30 minutes on gloo, whatever "
+                           "init_distributed was given)")
         if "--plain" in flags and row["restarts"]:
             row["goodput"] = _external_goodput(d, next((r for r in results if r), {}))
         if i == 0:
             clean_loss = row["eval_loss"]
             row["loss_vs_clean"] = 0.0 if clean_loss is not None else None
+        row["dir"], row["launched"] = str(d), launched
         rows.append(row)
+    costs = per_fault_costs(rows, faulty)
     ok, lines = verdict(rows)
     print("", file=stream)
     print(format_table(rows), file=stream)
@@ -207,8 +249,12 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
         if r.get("died"):
             print(f"  {r['run']}: {r['died'][:160]}", file=stream)
     print("", file=stream)
+    print("cost per fault (steps and seconds lost against the clean run's step time; goals: issue 16):", file=stream)
+    print(format_costs(costs), file=stream)
+    print("", file=stream)
     print("goals:", file=stream)
     for line in lines:
         print("  " + line, file=stream)
-    (out / "drill.json").write_text(json.dumps({"steps": steps, "rows": rows, "goals_met": ok}, indent=1))
+    (out / "drill.json").write_text(json.dumps({"steps": steps, "rows": rows, "costs": costs, "goals_met": ok},
+                                               indent=1))
     return (0 if ok else 1), rows
