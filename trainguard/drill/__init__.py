@@ -136,14 +136,15 @@ def format_table(rows: list[dict]) -> str:
         return "-" if x is None else fmt.format(x)
 
     head = (f"{'run':<22}{'completed':<22}{'final loss':>11}{'vs clean':>10}{'steps lost':>12}{'goodput':>9}"
-            f"{'rollbacks':>11}{'restarts':>10}{'skipped':>9}")
+            f"{'rollbacks':>11}{'restarts':>10}{'skipped':>9}{'train s':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         done = "yes" if r["completed"] else "no (hung)" if r.get("hung") else \
             f"no (died at {r.get('reached_step')})"
         lines.append(f"{r['run']:<22}{done:<22}{num(r.get('eval_loss')):>11}{pct(r.get('loss_vs_clean')):>10}"
                      f"{num(r.get('steps_lost'), '{}'):>12}{num(r.get('goodput'), '{:.3f}'):>9}"
-                     f"{r.get('rollbacks', 0):>11}{r.get('restarts', 0):>10}{num(r.get('skipped_steps'), '{}'):>9}")
+                     f"{r.get('rollbacks', 0):>11}{r.get('restarts', 0):>10}{num(r.get('skipped_steps'), '{}'):>9}"
+                     f"{num(r.get('train_s'), '{:.1f}'):>9}")
     return "\n".join(lines)
 
 
@@ -240,14 +241,23 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
             clean_loss = row["eval_loss"]
             row["loss_vs_clean"] = 0.0 if clean_loss is not None else None
         row["dir"], row["launched"] = str(d), launched
+        progress = read_progress(d / "progress.rank0.txt")
+        # first step to last, restarts included (the insurance's cost: its row against the clean one)
+        row["train_s"] = round(progress[-1][2] - progress[0][2], 2) if progress else None
         rows.append(row)
     costs = per_fault_costs(rows, faulty)
+    clean_s, insured_s = rows[0].get("train_s"), rows[1].get("train_s")
+    if clean_s and insured_s:
+        rows[1]["insurance_cost"] = round(insured_s / clean_s - 1, 4)
     ok, lines = verdict(rows)
     print("", file=stream)
     print(format_table(rows), file=stream)
     for r in rows:
         if r.get("died"):
             print(f"  {r['run']}: {r['died'][:160]}", file=stream)
+    if rows[1].get("insurance_cost") is not None:
+        print(f"  the insurance (trainguard without faults) against the clean run: "
+              f"{rows[1]['insurance_cost'] * 100:+.1f}% training time (goal <= +2%)", file=stream)
     print("", file=stream)
     print("cost per fault (steps and seconds lost against the clean run's step time; goals: issue 16):", file=stream)
     print(format_costs(costs), file=stream)

@@ -1,0 +1,48 @@
+"""trainguard.drill.costs: a fault's cost from per-step progress lines and the event records."""
+from trainguard.drill.costs import _rung, fault_cost, goal, read_progress, step_time
+
+
+def lines(*segments):
+    """(attempt, first step, last step, t0, applied-by-step) -> progress rows at 1 s per step."""
+    out = []
+    for attempt, a, b, t0, skipped in segments:
+        out += [(attempt, s, t0 + (s - a), 0 if s in skipped else 1) for s in range(a, b + 1)]
+    return out
+
+
+def test_a_skip_costs_its_steps_and_a_rollback_what_it_redid():
+    skip = lines((0, 1, 20, 0.0, {10, 11}))
+    ev = [{"event": "nonfinite", "time": 9.5, "step": 10, "action": "skip_step", "detail": {}},
+          {"event": "nonfinite", "time": 10.5, "step": 11, "action": "skip_step", "detail": {}}]
+    row = fault_cost({"type": "nan_batch", "step": 10, "steps": 2}, skip, ev, 1.0)
+    assert row["steps_lost"] == 2 and row["rollbacks"] == 0 and row["rung"] == "skip_step x2"
+    assert row["seconds_lost"] == 0.0 and row["time_to_detect_s"] == 1.5
+    assert goal(row, {"type": "nan_batch", "step": 10, "steps": 2}, 10, None, 5.5)[0]
+    # a rollback at 15 to 10: steps 11..15 redone
+    rb = lines((0, 1, 15, 0.0, {15})) + [(0, s, 15.0 + (s - 10), 1) for s in range(11, 21)]
+    ev = [{"event": "instant_burst", "time": 14.2, "step": 15, "action": "rollback", "detail": {}},
+          {"event": "rollback", "time": 14.3, "step": 15, "action": "rollback", "detail": {"to_step": 10}}]
+    row = fault_cost({"type": "spike_batch", "step": 15}, rb, ev, 1.0)
+    assert row["steps_lost"] == 6 and row["rollbacks"] == 1 and row["rung"] == "rollback->10"
+    assert not goal(row, {"type": "spike_batch", "step": 15}, 10, None, 5.5)[0]  # (one step, not narrowed)
+
+
+def test_a_killed_rank_costs_the_steps_since_the_checkpoint_and_the_restart():
+    prog = lines((0, 1, 29, 0.0, set()), (1, 21, 40, 40.0, set()))   # killed at 30, resumed from 20, 11 s down
+    row = fault_cost({"type": "kill_rank", "step": 30, "attempt": 0}, prog, [], 1.0)
+    assert row["restarts"] == 1 and row["steps_lost"] == 9 and row["downtime_s"] == 12.0
+    assert row["seconds_lost"] == 12.0 + 9 - 1  # the window (28.0 .. 49.0) less 2 clean steps
+    never = fault_cost({"type": "kill_rank", "step": 30}, lines((0, 1, 29, 0.0, set())), [], 1.0)
+    assert never["recovered"] is False and never["steps_lost"] is None
+    assert fault_cost({"type": "hang_rank", "step": 50, "attempt": 1}, prog, [], 1.0) == \
+        {"fault": "hang_rank", "step": 50, "steps": 1, "reached": False}
+
+
+def test_progress_files_and_rungs(tmp_path):
+    p = tmp_path / "progress.rank0.txt"
+    p.write_text("0 1 10.0 1\n0 2 10.5 1\n0 3 11.0 0\n1 3 2")  # a torn last line (a killed writer)
+    rows = read_progress(p)
+    assert rows == [(0, 1, 10.0, 1), (0, 2, 10.5, 1), (0, 3, 11.0, 0)] and step_time(rows) == 0.5
+    assert read_progress(tmp_path / "missing") == []
+    assert _rung([{"event": "restart", "detail": {"resumed_at_step": 70}, "step": 71},
+                  {"event": "precision_fallback", "action": "bf16_fallback", "detail": {}}]) == "restart->70, bf16"
