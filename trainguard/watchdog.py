@@ -335,10 +335,6 @@ class Watchdog:
         stacks = self.stacks_dir()
         if self.rank in verdict.culprits and len(verdict.culprits) < self.world:
             return  # a culprit that can still think leaves the decision to the others
-        dump_own_stacks(stacks / f"stacks.rank{self.rank}.txt")
-        asked = signal_local(verdict, self.heart.host, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else []
-        if asked:
-            time.sleep(1.0)  # a hung (not stopped) rank writes its stacks meanwhile
         culprits = [dict(c, coords=self.guard.coords_of(c["rank"])) for c in verdict.describe()]
         detail = {"culprits": culprits, "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,
                   "detected_by": self.rank, "stacks": str(stacks), "exit_code": w.exit_code,
@@ -347,8 +343,13 @@ class Watchdog:
         live = [r for r in range(self.world) if r not in verdict.culprits]
         # the lowest live rank writes the run's log (taking it over when rank 0 is the hung one)
         first = bool(live) and self.rank == live[0]
+        # named first, then the stacks (the record says where they go; a hung rank needs a moment to write its own)
         self.guard.emit(self.heart.step, Record.HANG_DETECTED, verdict.culprits, "restart", detail,
                         rank_local=True, to_run_log=first, takeover=first)
+        dump_own_stacks(stacks / f"stacks.rank{self.rank}.txt")
+        asked = signal_local(verdict, self.heart.host, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else []
+        if asked:
+            time.sleep(1.0)  # a hung (not stopped) rank writes its stacks meanwhile
         if w.kill_hung_local:
             signal_local(verdict, self.heart.host, signal.SIGKILL)
         exit_for_restart(w.exit_code, {"step": self.heart.step, "culprits": verdict.culprits, "why": verdict.why,
