@@ -96,17 +96,24 @@ def culprit_rows(losses: Sequence[float | None], healthy: Callable[[float], bool
     return sorted(bad)
 
 
-def narrow(batches: Sequence[MicroBatch], run: Callable[[MicroBatch, int], float | None],
-           healthy: Callable[[float], bool]) -> dict | None:
-    """Replay every row of this step's micro-batches alone and name the culprit samples. Returns
-    ``{"ids": [...], "rows": n, "losses": {id: loss}}`` (the culprits' replayed losses), or None when
-    no narrowing was possible (rows or ids unknown, or :func:`culprit_rows` found none)."""
-    pool: list[tuple[int, MicroBatch, int]] = []   # (sample id, micro-batch, row)
+MAX_ROWS = 256  # per-sample replays on one anomaly step, at most (a forward of one sample each)
+
+
+def narrow(batches: Sequence[MicroBatch], run: Callable[[MicroBatch, int | None], float | None],
+           healthy: Callable[[float], bool], max_rows: int = MAX_ROWS) -> dict | None:
+    """Name the culprit samples of this step's micro-batches: with several, each is replayed whole
+    first and only those that do not replay healthy are searched; then every row of those alone.
+    Returns ``{"ids": [...], "rows": n, "losses": {id: loss}}`` (the culprits' replayed losses), or
+    None when no narrowing was possible (rows or ids unknown, more than ``max_rows`` rows to search,
+    or :func:`culprit_rows` found none)."""
     for mb in batches:
         if mb.rows is None or not mb.ids or len(mb.ids) != mb.rows:
             return None
-        pool += [(sid, mb, r) for r, sid in enumerate(mb.ids)]
-    if len(pool) < 2:
+    if len(batches) > 1:
+        whole = [run(mb, None) for mb in batches]
+        batches = [mb for mb, loss in zip(batches, whole) if loss is None or not healthy(loss)]
+    pool: list[tuple[int, MicroBatch, int]] = [(sid, mb, r) for mb in batches for r, sid in enumerate(mb.ids)]
+    if len(pool) < 2 or len(pool) > max_rows:
         return None
     losses = [run(mb, r) for _, mb, r in pool]
     rows = culprit_rows(losses, healthy)

@@ -42,8 +42,9 @@ def test_narrow_maps_rows_to_sample_ids_across_micro_batches_and_the_book_keeps_
     b = MicroBatch("b", ids=[14, 15, 16, 17], rows=4)
     losses = {("a", r): 1.0 for r in range(4)} | {("b", r): 1.0 for r in range(4)}
     losses[("b", 2)] = float("nan")
+    losses[("a", None)], losses[("b", None)] = 1.0, float("nan")
     out = narrow([a, b], lambda mb, r: losses[(mb.inputs, r)], healthy_below(3.0))
-    assert out["ids"] == [16] and out["rows"] == 8 and out["losses"] == {"16": "nan"}
+    assert out["ids"] == [16] and out["rows"] == 4 and out["losses"] == {"16": "nan"}  # (a replayed healthy)
     # ids unknown or not one per row: no narrowing (the whole batch is named)
     assert narrow([MicroBatch("a", ids=[], rows=4)], lambda mb, r: 1.0, healthy_below(3.0)) is None
     book = ReplayBook()
@@ -54,3 +55,17 @@ def test_narrow_maps_rows_to_sample_ids_across_micro_batches_and_the_book_keeps_
     book.record(MicroBatch("c", ids=[1], rows=1))
     book.step_ended(healthy=False)  # an anomaly step is never the probe
     assert book.healthy is b
+
+
+def test_narrow_searches_only_the_micro_batches_that_replay_badly_and_caps_its_replays():
+    calls = []
+
+    def run(mb, row):
+        calls.append((mb.inputs, row))
+        return float("nan") if (mb.inputs, row) in (("b", None), ("b", 1)) else 1.0
+
+    mbs = [MicroBatch(name, ids=[10 * i + r for r in range(4)], rows=4) for i, name in enumerate("abc")]
+    out = narrow(mbs, run, healthy_below(3.0))
+    assert out["ids"] == [11] and out["rows"] == 4
+    assert calls == [("a", None), ("b", None), ("c", None)] + [("b", r) for r in range(4)]
+    assert narrow(mbs, run, healthy_below(3.0), max_rows=3) is None
