@@ -70,10 +70,11 @@ def test_sigstop_of_a_rank_is_named_restarted_and_resumed(tmp_path, torchrun, un
     assert culprit["silent_s"] > 2 and culprit["no_progress_s"] > 5
     assert culprit["coords"]["dp"] == 1 and culprit["coords"]["host"]
     # detected within hang_timeout_s + 10 s of the last progress the log shows before it (in file order:
-    # the restarted attempt logs the same steps again later)
+    # the restarted attempt logs the same steps again later); that line may follow the hung rank's last
+    # progress by a step or two (lines are written a step late; the record comes before the stacks now)
     lines = read(run.out / "trainguard.jsonl")
     before = [x for x in lines[:lines.index(hang)] if x["type"] == "metric"]
-    assert before and 5 <= hang["time"] - before[-1]["time"] < 5 + 10
+    assert before and 5 - 1 <= hang["time"] - before[-1]["time"] < 5 + 10
     # torchrun restarted the job at once: no SIGTERM grace spent on the stopped rank (it was killed)
     (restart,) = events(run, "restart")
     assert restart["time"] - hang["time"] < 20

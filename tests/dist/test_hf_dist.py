@@ -38,7 +38,7 @@ def trainer(tmp_path, name, block, *extra, steps=10, prefix=PREFIX, launcher=(),
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(tmp_path, launcher):
     """Sample 13 holds a NaN (in the data: nothing injected); rank 1 reads it at step 3 (HF's
-    seeded sampler). The event names rank 1, its coordinates and the sample ids of its batch --
+    seeded sampler). The event names rank 1, its coordinates and sample 13 of its batch --
     carried from the Trainer's own DataLoader through Accelerate to the engine -- and the first
     module whose output went non-finite; every rank skipped that step; the weights stay finite.
     Launched by torchrun, and by the deepspeed launcher."""
@@ -62,7 +62,9 @@ def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(t
     (e,) = [x for x in lines if x.get("event") == "nonfinite"]
     assert e["step"] == 3 and e["ranks"] == [1] and e["action"] == "skip_step"
     named = e["detail"]["per_rank"]["1"]
-    assert 13 in named["sample_ids"] and len(named["sample_ids"]) == 4 and named["coords"]["dp"] == 1
+    # the per-sample replay (recovery.narrow_samples) names sample 13 alone, through HF's own batches
+    assert named["sample_ids"] == [13] and len(named["batch_sample_ids"]) == 4 and 13 in named["batch_sample_ids"]
+    assert named["coords"]["dp"] == 1 and e["detail"]["weights"]["verdict"] == "healthy"
     assert named["first_nonfinite_module"] == "transformer.drop"  # where inputs_embeds enter the model
     for r in results:
         assert r["engine_class"].startswith("Trainguard") and r["skipped_steps"] == 1 and r["weights_finite"]
