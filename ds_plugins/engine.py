@@ -100,9 +100,9 @@ class _PoisonFirstModule:
     """nan_batch on an integer-only batch: NaN in the output of the first leaf module that runs (in
     one row of it, for a fault with ``sample``: trainguard.faults.OutputPoison)."""
 
-    def __init__(self, module: torch.nn.Module, poison=None):
+    def __init__(self, module: torch.nn.Module, poison):
         self.module = module
-        self.row = getattr(poison, "row", None)
+        self.poison = poison
         self.handles: list = []
         self.done = False
 
@@ -111,12 +111,7 @@ class _PoisonFirstModule:
             if self.done or not isinstance(output, torch.Tensor) or not output.is_floating_point():
                 return None
             self.done = True
-            if self.row is None:
-                return output + float("nan")
-            out = output.clone()
-            if out.dim() and out.shape[0] > self.row:
-                out[self.row] = float("nan")
-            return out
+            return self.poison.apply(output)
 
         for m in self.module.modules():
             if not list(m.children()):
@@ -312,15 +307,20 @@ class EngineGuard:
             return {"module": None, "note": "no micro-batch to replay"}
         inputs, kwargs, poison_output = self.guard.book.step[-1].inputs
         model = self.engine.module
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-
         # the poison hook (nan_batch on an integer-only batch) must be registered before the
         # localisation hooks, so that they see the output it replaced
-        with preserved_rng(devices), _PoisonFirstModule(model, poison_output) if poison_output else \
-                contextlib.nullcontext():
+        with self._replaying(poison_output):
             report = first_nonfinite(model, lambda: model(*inputs, **kwargs))
         report["rank"] = self.rank
         return report
+
+    @contextlib.contextmanager
+    def _replaying(self, poison):
+        """Around a replayed forward: the RNG put back afterwards, and the micro-batch's own poison."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with preserved_rng(devices), _PoisonFirstModule(self.engine.module, poison) if poison else \
+                contextlib.nullcontext():
+            yield
 
     def _replay(self, mb, row):
         """trainguard.replay: the loss of a recorded micro-batch (``row`` None) or of one of its rows,
@@ -330,18 +330,9 @@ class EngineGuard:
         if row is not None:
             (inputs, kwargs) = _row_of((inputs, kwargs), row, mb.rows)
             poison = poison.for_row(row) if poison else None
-        model = self.engine.module
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        quiet = self.faults is not None
-        if quiet:
-            self.faults.quiet = True
-        try:
-            with preserved_rng(devices), torch.no_grad(), \
-                    _PoisonFirstModule(model, poison) if poison else contextlib.nullcontext():
-                return _scalar_loss(model(*inputs, **kwargs))
-        finally:
-            if quiet:
-                self.faults.quiet = False
+        held = self.faults.held() if self.faults is not None else contextlib.nullcontext()
+        with held, self._replaying(poison), torch.no_grad():
+            return _scalar_loss(self.engine.module(*inputs, **kwargs))
 
     def on_batch(self, sample_ids, position, rejected=()) -> None:
         if self.guard is not None:

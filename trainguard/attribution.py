@@ -25,11 +25,11 @@ def argmax(values: Sequence[float | None]) -> int:
 def culprit_samples(decision, everyone: list[dict] | None) -> dict[int, list[int]]:
     """Dirty-data isolation: the samples of the culprit ranks only (another rank's batch was
     fine, even though the all-reduce would have carried the damage to it)."""
-    from trainguard.policy import anomaly_class
+    from trainguard.policy import DATA_OR_WEIGHTS, anomaly_class
 
     if decision.action not in (Action.SKIP_STEP, Action.ROLLBACK) or not everyone:
         return {}
-    ranks = {r for v in decision.verdicts if anomaly_class(v) in ("nonfinite", "instant_burst") for r in v.ranks}
+    ranks = {r for v in decision.verdicts if anomaly_class(v) in DATA_OR_WEIGHTS for r in v.ranks}
     # a per-sample replay (trainguard.replay) narrowed a rank's batch to the samples to blame
     return {r: list((everyone[r].get("narrowed") or {}).get("ids") or everyone[r]["sample_ids"])
             for r in sorted(ranks) if r < len(everyone)}

@@ -122,8 +122,8 @@ class StepDriver:
             decision = guard.on_decide(step, obs)
             if decision.action is Action.ABORT:
                 raise guard.abort(step, decision)
-            if decision.action is Action.SKIP_STEP and fw.data is not None and fw.rank in guard.culprit_samples:
-                fw.data.set_aside(guard.culprit_samples[fw.rank])  # (never read again; a rollback does it too)
+            if fw.data is not None and fw.rank in guard.culprit_samples:  # (a skip's or a rollback's)
+                fw.data.set_aside(guard.culprit_samples[fw.rank])  # never read again
             limit = guard.clip_limit()
             if limit is not None and self.cfg.clipping.mode == "adaptive":
                 fw.set_clip(limit)
@@ -199,10 +199,8 @@ class StepDriver:
         fw, guard, rc = self.fw, self.guard, self.cfg.recovery
         scale_case = decision.anomaly == "loss_scale"
         skip = 0 if scale_case else rc.skip_batches
-        quarantined = guard.culprit_samples
+        quarantined = guard.culprit_samples   # (set aside in the loader when the step was decided)
         data = fw.data
-        if data is not None and fw.rank in quarantined:
-            data.set_aside(quarantined[fw.rank])
         cp = fw.checkpointer
         root = cp.rollback_root() if cp is not None else None
         tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \

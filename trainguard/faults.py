@@ -36,8 +36,9 @@ It works without the guard too, so the demo can inject the same faults into plai
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -55,14 +56,27 @@ class OutputPoison:
         """What a replay of that one row (a batch of one) must poison."""
         return OutputPoison() if self.row is None or self.row == row else None
 
+    def apply(self, output: torch.Tensor) -> torch.Tensor:
+        return _nan_rows(output, self.row)
+
 
 def _nan_rows(t: torch.Tensor, row: int | None) -> torch.Tensor:
+    """NaN in row ``row`` of ``t`` (None: everywhere), keeping the autograd graph."""
     if row is None:
-        return torch.full_like(t, float("nan"))
+        return t + float("nan")
     out = t.clone()
     if out.dim() and out.shape[0] > row:
         out[row] = float("nan")
     return out
+
+
+def _param_of(f: FaultSpec, names: Sequence[str]) -> str:
+    """The parameter a fault with ``param`` acts on (default: the first), or a ValueError naming it."""
+    name = f.param or names[0]
+    if name not in names:
+        raise ValueError(f"trainguard.faults: {f.type} param '{name}' is not a parameter of the model (first few: "
+                         f"{', '.join(list(names)[:5])})")
+    return name
 
 
 def _map_floats(x: Any, fn) -> tuple[Any, bool]:
@@ -107,7 +121,17 @@ class FaultInjector:
         self._now: set[tuple[int, str]] = set()    # fired in the current pass over the step
         self._ramp_steps: set[int] = set()         # steps an lr_ramp applied on (every rank, not only f.rank)
         self._last_start: tuple[int, float, float] | None = None  # slow_rank: (step, its start, seconds slept)
-        self.quiet = False  # module faults hold still (a replay of another batch: trainguard.replay)
+        self.quiet = False  # module faults hold still (see held())
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Module faults hold still meanwhile: a replay (trainguard.replay) re-runs the forward, and what
+        they stood for belonged to the original one."""
+        self.quiet = True
+        try:
+            yield
+        finally:
+            self.quiet = False
 
     def _due(self, kind: str, step: int) -> list[FaultSpec]:
         # a fault fires at most once per step: after a rollback re-runs steps, the bad batch
@@ -203,10 +227,7 @@ class FaultInjector:
         corrupt = [f for f in self.faults if f.type == "nan_weights"]
         if corrupt:
             params = dict(model.named_parameters())
-            for f in corrupt:
-                if (f.param or next(iter(params))) not in params:
-                    raise ValueError(f"trainguard.faults: nan_weights param '{f.param}' is not a parameter of the "
-                                     f"model (first few: {', '.join(list(params)[:5])})")
+            target = {id(f): params[_param_of(f, list(params))] for f in corrupt}
 
             def corrupt_hook(m, args):
                 if self.quiet:
@@ -214,9 +235,9 @@ class FaultInjector:
                 step = step_fn()
                 for f in self._due("nan_weights", step):
                     self._fire(step, "nan_weights")
-                    with torch.no_grad():
-                        p = params[f.param or next(iter(params))]
-                        if p.numel():
+                    p = target[id(f)]
+                    if p.numel():
+                        with torch.no_grad():
                             p.data.view(-1)[0] = float("nan")
                 return None
             handles.append(model.register_forward_pre_hook(corrupt_hook))
@@ -273,11 +294,7 @@ class FaultInjector:
         for f in self.faults:
             if f.type not in ("inf_grad", "fp16_overflow"):
                 continue
-            name = f.param or names[0]
-            if name not in names:
-                raise ValueError(f"trainguard.faults: inf_grad param '{name}' is not a parameter of the "
-                                 f"model (first few: {', '.join(list(names)[:5])})")
-            targets.setdefault(name, []).append(f)
+            targets.setdefault(_param_of(f, names), []).append(f)
         return targets
 
     def grad(self, step: int, spec_list: Sequence[FaultSpec], grad: torch.Tensor) -> torch.Tensor:

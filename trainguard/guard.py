@@ -45,7 +45,7 @@ from trainguard.metricline import DeferredLine
 from trainguard.policy import DATA_OR_WEIGHTS, Decision, Policy, anomaly_class
 from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import EntropyProbe, RangeProbe, select_modules
-from trainguard.replay import MicroBatch, ReplayBook, judge_loss, narrow, weights_verdict
+from trainguard.replay import MicroBatch, ReplayBook, judge_loss, loggable, narrow, weights_verdict
 from trainguard.steptime import StepTimer
 from trainguard.suspects import SuspectWatch
 
@@ -285,7 +285,8 @@ class StepGuard:
         sampled = self.sampled(step)
         activation = self.range_probe.collect() if "activation_range" in sampled else None
         entropy = self.entropy_probe.collect() if "attention_entropy" in sampled else None
-        replayed, narrowed = self._replays(nonfinite, spikes)
+        deciding = self._replay_decides(nonfinite, spikes)
+        replayed, narrowed = self._replays(deciding)
 
         everyone = None
         if nonfinite or spikes or sampled or any(o.samples_rejected for o in obs):
@@ -297,10 +298,10 @@ class StepGuard:
         if nonfinite is not None and everyone:
             nonfinite = narrow_to_origin(nonfinite, everyone, self.coords)
         self._weights = None
-        if everyone and self._replay_due(nonfinite, spikes):
+        if everyone and deciding:
             losses = [e["replayed"] for e in everyone]
             self._weights = {"verdict": weights_verdict(losses, self._healthy_loss),
-                             "replayed_losses": [x if x is None or math.isfinite(x) else str(x) for x in losses]}
+                             "replayed_losses": [loggable(x) for x in losses]}
         if everyone and activation is not None:
             found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
                                       self.cfg.detectors.activation_range)
@@ -351,27 +352,26 @@ class StepGuard:
         """This step's weights check: "healthy" (the data was to blame), "damaged", or None (none made)."""
         return self._weights["verdict"] if self._weights else None
 
-    def _replay_due(self, nonfinite: Verdict | None, spikes: list[Verdict]) -> bool:
-        """A verdict the replay decides (trainguard.policy.DATA_OR_WEIGHTS): the same on every rank."""
+    def _replay_decides(self, nonfinite: Verdict | None, spikes: list[Verdict]) -> list[Verdict]:
+        """The verdicts a replay decides (trainguard.policy.DATA_OR_WEIGHTS), when one can be made: the
+        same on every rank (they come from the gathered table)."""
         if self.replay is None or not self.cfg.recovery.enabled:
-            return False
-        return any(anomaly_class(v) in DATA_OR_WEIGHTS for v in ([nonfinite] if nonfinite else []) + spikes)
+            return []
+        return [v for v in ([nonfinite] if nonfinite else []) + spikes if anomaly_class(v) in DATA_OR_WEIGHTS]
 
     def _healthy_loss(self, loss: float) -> bool:
         w = self.loss_spike.window
         robust_z = w.robust_z if len(w) >= self.cfg.detectors.loss_spike.min_history else None
         return judge_loss(loss, robust_z, self.cfg.detectors.loss_spike.z)
 
-    def _replays(self, nonfinite: Verdict | None, spikes: list[Verdict]) -> tuple[float | None, dict | None]:
+    def _replays(self, deciding: list[Verdict]) -> tuple[float | None, dict | None]:
         """Every rank replays its last healthy micro-batch (together: a ZeRO-3 forward is collective);
         a culprit rank also replays its step's samples one by one, when it may replay alone."""
-        if not self._replay_due(nonfinite, spikes):
+        if not deciding:
             return None, None
         replayed = self.replay(self.book.healthy, None) if self.book.healthy is not None else None
-        culprits = {r for v in ([nonfinite] if nonfinite else []) + spikes if anomaly_class(v) in DATA_OR_WEIGHTS
-                    for r in v.ranks}
         narrowed = None
-        if self.narrow_rows and self.rank in culprits and self.book.step:
+        if self.narrow_rows and any(self.rank in v.ranks for v in deciding) and self.book.step:
             narrowed = narrow(self.book.step, self.replay, self._healthy_loss)
         return replayed, narrowed
 

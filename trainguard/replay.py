@@ -120,8 +120,10 @@ def narrow(batches: Sequence[MicroBatch], run: Callable[[MicroBatch, int | None]
     if rows is None:
         return None
     return {"ids": [pool[i][0] for i in rows], "rows": len(pool),
-            "losses": {str(pool[i][0]): _finite_or_str(losses[i]) for i in rows}}
+            "losses": {str(pool[i][0]): loggable(losses[i]) for i in rows}}
 
 
-def _finite_or_str(x: float | None):
+def loggable(x: float | None):
+    """A replayed loss for the log: a non-finite one as its text ("nan", "inf"), which the JSONL writer
+    would otherwise turn into null -- the same as no replay at all."""
     return x if x is None or math.isfinite(x) else str(x)

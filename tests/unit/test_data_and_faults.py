@@ -82,10 +82,9 @@ def test_one_bad_sample_and_corrupted_weights():
     model(torch.ones(1, 2))
     assert torch.isfinite(model[1].weight).all()
     step["now"] = 3
-    inj.quiet = True  # a replay: module faults hold still
-    model(torch.ones(1, 2))
+    with inj.held():  # a replay: module faults hold still
+        model(torch.ones(1, 2))
     assert torch.isfinite(model[1].weight).all()
-    inj.quiet = False
     model(torch.ones(1, 2))
     assert torch.isnan(model[1].weight).any() and torch.isfinite(model[0].weight).all()
     with pytest.raises(ValueError, match="'sample' applies only"):

@@ -179,7 +179,7 @@ def per_fault_costs(rows: list[dict], cfg: dict) -> list[dict]:
             progress = read_progress(d / "progress.rank0.txt")
             log = d / "trainguard.jsonl"
             events = [x for x in read(log) if x["type"] == "event"] if name == "trainguard" and log.exists() else []
-            row = {"run": name, **fault_cost(f, progress, events, clean_step, every)}
+            row = {"run": name, **fault_cost(f, progress, events, clean_step)}
             if name == "trainguard":
                 row["goal_met"], row["goal"] = goal(row, f, every, cold_start(by[name]["launched"], progress),
                                                     hang_bound)
@@ -225,12 +225,12 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
             bound = min(timeout, 2 * (time.monotonic() - t0) + 20)
         log = d / ("plain.jsonl" if "--plain" in flags else "trainguard.jsonl")
         row = _row(name, rc, results, None if "--plain" in flags else log, clean_loss, steps, _restarts(d, rc))
+        progress = read_progress(d / "progress.rank0.txt")
         if not row["completed"] and not row.get("died"):
             row["died"] = _last_error(d, rc, row["restarts"])
         if rc == 124:
             row["hung"] = True
-            last = read_progress(d / "progress.rank0.txt")
-            row["reached_step"] = last[-1][1] if last else None
+            row["reached_step"] = progress[-1][1] if progress else None
             row["died"] = (f"did not finish in {bound:.0f} s and was stopped, after {row['restarts']} restart(s), "
                            f"the last step done {row['reached_step']} (e.g. a live rank waiting on a hung one: "
                            "DeepSpeed's ZeRO groups are made without a timeout, 30 minutes on gloo, whatever "
@@ -241,7 +241,6 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
             clean_loss = row["eval_loss"]
             row["loss_vs_clean"] = 0.0 if clean_loss is not None else None
         row["dir"], row["launched"] = str(d), launched
-        progress = read_progress(d / "progress.rank0.txt")
         # first step to last, restarts included (the insurance's cost: its row against the clean one)
         row["train_s"] = round(progress[-1][2] - progress[0][2], 2) if progress else None
         rows.append(row)

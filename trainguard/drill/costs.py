@@ -49,8 +49,7 @@ def _span(f: dict) -> int:
                                                     "inf_grad", "slow_rank") else 1
 
 
-def fault_cost(f: dict, progress: list, events: list[dict], clean_step_s: float | None,
-               every_steps: int | None = None) -> dict:
+def fault_cost(f: dict, progress: list, events: list[dict], clean_step_s: float | None) -> dict:
     """One fault's cost in one run (see the module docstring)."""
     s, n = int(f["step"]), _span(f)
     row: dict = {"fault": f["type"], "step": s, "steps": n}
@@ -99,7 +98,6 @@ def fault_cost(f: dict, progress: list, events: list[dict], clean_step_s: float 
     if f["type"] == "lr_ramp":
         rise = next((e for e in responses if e["event"] in ("slow_rise", "rollback")), None)
         row["detected_at_step"] = rise["step"] if rise else None
-    row["every_steps"] = every_steps
     return row
 
 
