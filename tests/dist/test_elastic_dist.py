@@ -67,7 +67,7 @@ def test_sigstop_of_a_rank_is_named_restarted_and_resumed(tmp_path, torchrun, un
     # the periodic save of step 15 (phase "checkpoint"), never "start" or "done"
     assert culprit["rank"] == 1 and 13 <= culprit["step"] <= 18 and culprit["phase"] in ("data", "forward", "backward",
                                                                                         "collective", "checkpoint")
-    assert culprit["silent_s"] > 2 and culprit["no_progress_s"] > 5
+    assert culprit["silent_s"] > 2 and culprit["no_progress_s"] >= 5  # (rounded to 0.1 s: 5.04 reads 5.0)
     assert culprit["coords"]["dp"] == 1 and culprit["coords"]["host"]
     # detected within hang_timeout_s + 10 s of the last progress the log shows before it (in file order:
     # the restarted attempt logs the same steps again later); that line may follow the hung rank's last

@@ -62,6 +62,7 @@ def main(argv=None) -> int:
         "param_sha256": digest.hexdigest(), "weights_finite": all(bool(torch.isfinite(p).all()) for p in params)}))
     if hasattr(model, "destroy"):
         model.destroy()
+    torch.distributed.destroy_process_group()  # (PLATFORM.md: without it gloo sometimes aborts at exit)
     return 0
 
 

@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     (out / f"result.rank{rank}.json").write_text(json.dumps(result, indent=1))
     if hasattr(engine, "destroy"):
         engine.destroy()
+    torch.distributed.destroy_process_group()  # (PLATFORM.md: without it gloo sometimes aborts at exit)
     return 0
 
 
