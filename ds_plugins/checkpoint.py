@@ -41,6 +41,7 @@ from trainguard.checkpoint.manager import barrier as _barrier
 from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.manager import world as _world
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.events import Record
 from trainguard.guard import config_hash
 from trainguard.isolation import broadcast_from_rank0 as _broadcast
@@ -65,6 +66,11 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self._pending = None                   # (BackgroundCommit, info) of an async save in flight
         self.floor = 0                         # checkpoints older than this step do not fit (precision change)
         self._revision = code_revision() if _rank() == 0 else None
+        self.snapshots = None                  # ds_plugins.snapshots.DeepSpeedSnapshots: the in-memory tier
+        if self.cfg.snapshot.every_steps:
+            from ds_plugins.snapshots import DeepSpeedSnapshots
+
+            self.snapshots = DeepSpeedSnapshots(self)
 
     @property
     def engine(self):
@@ -80,7 +86,51 @@ class DeepSpeedCheckpointer(CheckpointManager):
         """The older fp16 checkpoints are no rollback targets now (they do not load into the bf16 engine)."""
         if self.cfg.dir:
             self.floor = self.engine.global_steps
+        if self.snapshots is not None:
+            self.snapshots.wait()
+            self.snapshots.store.drop_before(self.floor)
         super().after_precision_change()
+
+    # ------------------------------------------------------------------ the in-memory tier
+    def snapshot(self) -> str:
+        return self.snapshots.take()
+
+    def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
+        """The newest valid tier: a snapshot in memory when one is newer than the disk's choice. In
+        "stable" mode a snapshot qualifies when ``stable_after`` steps passed between it and the onset
+        (what makes a checkpoint stable)."""
+        tag, why = super().rollback_target(root, onset, mode, inclusive)
+        if self.snapshots is None:
+            return tag, why
+        hi = onset + (1 if inclusive else 0)
+        if mode == "stable":
+            hi = min(hi, onset - self.cfg.stable_after + 1)
+        found = self.snapshots.choose(lo=max(self._disk_step(root, tag) + 1, self.floor), hi=hi)
+        if found is None:
+            return tag, why
+        return memory_tag(found[0]), "newest snapshot in memory before the onset" + (
+            f" ({self.cfg.stable_after} clean steps before it)" if mode == "stable" else "")
+
+    def abandon_after(self, root: Path, step: int) -> list[str]:
+        moved = super().abandon_after(root, step)
+        if self.snapshots is not None:
+            self.snapshots.wait()
+            self.snapshots.store.drop_after(step)
+        return moved
+
+    @staticmethod
+    def _disk_step(root: Path, tag: str | None) -> int:
+        return Manifest.read(root / tag).step if tag is not None else -1
+
+    def poll_pending(self, wait: bool = False) -> None:
+        if self.snapshots is not None:
+            self.snapshots.poll(wait)
+        self._poll_save(wait)
+
+    def close(self) -> None:
+        super().close()
+        if self.snapshots is not None:
+            self.snapshots.close()
 
     def pending_tag(self) -> str | None:
         return self._pending[1]["tag"] if self._pending is not None else None
@@ -185,7 +235,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self.health.saved(tag, step)
         return tag
 
-    def poll_pending(self, wait: bool = False) -> None:
+    def _poll_save(self, wait: bool = False) -> None:
         """Report a finished background save (all of its ranks' work, on rank 0)."""
         if self._pending is None:
             return
@@ -241,11 +291,19 @@ class DeepSpeedCheckpointer(CheckpointManager):
         statistics and budgets stay as they are now -- the run moves on, it does not relive."""
         root = Path(root)
         self.heart.beat("checkpoint")
-        tag, skipped = self.choose_for_load(root, tag, mode)
-        if tag is None:
-            return None, None
         kwargs.setdefault("load_optimizer_states", True)
         kwargs.setdefault("load_lr_scheduler_states", True)
+        if tag is not None and disk_tag(tag)[1]:  # a rollback target in memory
+            return self._load_snapshot(disk_tag(tag)[0], purpose, kwargs, [])
+        named = tag
+        tag, skipped = self.choose_for_load(root, tag, mode)
+        if named is None and self.snapshots is not None and mode != "stable":  # the newest valid tier
+            floor = max(self._disk_step(root, tag) + 1, self._newer_than + 1, self.floor)
+            found = self.snapshots.choose(lo=floor)
+            if found is not None:
+                return self._load_snapshot(found[0], purpose, kwargs, skipped)
+        if tag is None:
+            return None, None
         man = Manifest.read(root / tag)
         saved_dp = int(man.layout.get("dp", self.engine.dp_world_size))
         load_root, universal = root, saved_dp != self.engine.dp_world_size
@@ -268,9 +326,28 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self.resumed_tag = tag
         self.start_resume_check(tag, root / tag)
         self.emit(self.engine.global_steps, Record.RESUME, {
-            "tag": tag, "dir": str(root), "step": man.step, "fell_back_past": skipped,
+            "tag": tag, "dir": str(root), "step": man.step, "tier": "disk", "fell_back_past": skipped,
             "resharded": {"from_dp": saved_dp, "to_dp": self.engine.dp_world_size} if universal else None,
             "lineage": man.lineage, "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
+        return path, client_state
+
+    def _load_snapshot(self, tag: str, purpose: str, kwargs: dict, skipped: list):
+        """Load this rank's shard of snapshot ``tag`` from node memory (after fetching it from the
+        peer's copy where this node lost it), through DeepSpeed's own load_checkpoint."""
+        snaps = self.snapshots
+        fetched = snaps.fetch(tag)
+        own = snaps.store.own
+        path, client_state = self._base_load(self.engine, str(own), tag=tag, **kwargs)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load snapshot {tag} from {own}")
+        self.state.after_load()
+        self._restore_sidecars(own / tag, rng_only=purpose == "rollback")
+        if purpose == "rollback":
+            return path, client_state
+        self.resumed_tag = memory_tag(tag)
+        self.emit(self.engine.global_steps, Record.RESUME, {
+            "tag": memory_tag(tag), "dir": str(own), "step": self.engine.global_steps, "tier": "memory",
+            "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0})
         return path, client_state
 
     def _universal(self, root: Path, tag: str, man: Manifest) -> Path:

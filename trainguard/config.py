@@ -197,6 +197,30 @@ class SanitizeConfig(_Section):
         "batch is set aside and the next one is read; fail: stop with an error naming the sample ids.")
 
 
+class SnapshotConfig(_Section):
+    """The in-memory tier: every few steps each rank's own shard of the full state goes to node-local shared
+    memory (and a copy to a rank on another node), so that a lost process, or a lost node, comes back from memory
+    rather than from the last disk checkpoint (trainguard/checkpoint/snapshots.py)."""
+
+    every_steps: int = Field(
+        0, ge=0, description="Take a snapshot every N optimizer steps (0: no in-memory tier). Each rank copies its "
+        "shard (module, optimizer partition, scheduler, loss scaler, RNG, data position, guard state) to host "
+        "memory on the step (the blocking part, reported as blocking_s) and a background thread writes it to `dir` "
+        "under the same manifest checks as a disk checkpoint. Resume and rollback take the newest valid tier. Needs "
+        "checkpoint.dir (the snapshots belong to the run whose checkpoints live there); DeepSpeed ZeRO 0-2.")
+    dir: PathStr = Field(
+        "/dev/shm/trainguard", description="Node-local memory the snapshots are written to: a tmpfs outlives the "
+        "process (a restarted rank finds its shard there) but not the node. Each run has a folder of its own in it "
+        "(named by the id kept in checkpoint.dir), freed when the engine is destroyed at the end of the run.")
+    keep: int = Field(2, ge=1, description="Snapshots kept per rank (and per peer copy held), newest first.")
+    peer_copy: bool = Field(
+        True, description="Also send each rank's shard to a rank on the next node, which keeps it in its node's "
+        "memory: a node lost with its memory comes back from its peers' copies. Only where the job spans nodes.")
+    ranks_per_node: Optional[int] = Field(
+        None, ge=1, description="How ranks map onto nodes: consecutive groups of this many (null: by host name). "
+        "Set it to simulate nodes on one machine (tests, drills).")
+
+
 class CheckpointConfig(_Section):
     """Full, verified checkpoints through DeepSpeed's own save/load, committed atomically."""
 
@@ -228,6 +252,14 @@ class CheckpointConfig(_Section):
         "save waits for the previous one.")
     dataset_id: Optional[str] = Field(None, description="Lineage: an identifier of the training data.")
     dataset_version: Optional[str] = Field(None, description="Lineage: its version or content hash.")
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+
+    @model_validator(mode="after")
+    def _snapshots_need_dir(self):
+        if self.snapshot.every_steps and not self.dir:
+            raise ValueError("snapshot.every_steps needs 'dir': the snapshots belong to the run whose checkpoints "
+                             "live there")
+        return self
 
 
 LadderStep = Literal["alert", "skip_step", "rollback", "rollback_lower_lr", "raise_floor", "bf16_fallback",

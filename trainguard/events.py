@@ -85,6 +85,7 @@ class Record(str, enum.Enum):
     FAULT_INJECTED = "fault_injected"  # a configured fault fired (tests, demo, drills)
     ABORT = "abort"                  # the run stops on every rank; detail holds the report
     CHECKPOINT_SAVED = "checkpoint_saved"      # a checkpoint was committed
+    SNAPSHOT_SAVED = "snapshot_saved"          # the in-memory tier: every rank's shard committed in node memory
     CHECKPOINT_FAILED = "checkpoint_failed"    # an async save failed; it stays invisible, training goes on
     CHECKPOINT_STABLE = "checkpoint_stable"    # the stable_after steps after a checkpoint passed cleanly
     CHECKPOINT_INVALID = "checkpoint_invalid"  # a checkpoint failed verification and was passed over

@@ -83,3 +83,53 @@ def test_sigstop_of_a_rank_is_named_restarted_and_resumed(tmp_path, torchrun, un
     assert 13 <= restart["detail"]["previous"]["1"]["step"] <= 18
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
         uninterrupted.results[0]["param_sha256"]
+
+
+def snapshot_block(tmp_path, name, **snapshot):
+    """Disk checkpoints every 5 steps, the in-memory tier every 2 (in tmp_path: the test's own 'node memory')."""
+    b = block(tmp_path, name)
+    b["checkpoint"]["snapshot"] = {"every_steps": 2, "dir": str(tmp_path / "shm"), **snapshot}
+    return b
+
+
+def test_a_killed_rank_comes_back_from_its_nodes_memory(tmp_path, torchrun, uninterrupted):
+    """The in-memory tier (issue 16): the restarted ranks load the snapshot of step 18 from node memory rather
+    than the disk checkpoint of step 15, and end exactly where the uninterrupted run ends."""
+    fault = [{"type": "kill_rank", "step": 18, "rank": 1}]
+    (tmp_path / "k").mkdir()
+    cfg = make_config(tmp_path / "k", block=snapshot_block(tmp_path, "killed"), faults=fault, bf16={"enabled": True})
+    run = torchrun(cfg, STEPS, launcher=RESTART, out_name="killed").ok()
+    saved = events(run, "snapshot_saved")
+    assert saved and all(e["detail"]["bytes"] > 0 and e["detail"]["blocking_s"] < 5 for e in saved)
+    (resume,) = events(run, "resume")
+    detail = resume["detail"]
+    assert detail["tier"] == "memory" and detail["from_peer_copy"] == []
+    assert detail["tag"].startswith("memory:") and 16 <= detail["step"] <= 18  # at most S=2 steps lost
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
+        uninterrupted.results[0]["param_sha256"]
+    assert run.results[0]["global_steps"] == STEPS
+    assert not list((tmp_path / "shm").rglob("manifest.json"))  # the end of the run freed the node memory
+
+
+def test_a_node_lost_with_its_memory_comes_back_from_its_peers_copy(tmp_path, torchrun, uninterrupted):
+    """Two simulated nodes of one rank each: rank 1 is killed and its node's memory is gone (the job is
+    resubmitted on a new node); rank 1's shard comes back from the copy rank 0 keeps on the other node."""
+    import shutil
+
+    fault = [{"type": "kill_rank", "step": 18, "rank": 1}]
+    (tmp_path / "p").mkdir()
+    snap = snapshot_block(tmp_path, "peer", ranks_per_node=1)
+    cfg = make_config(tmp_path / "p", block=snap, faults=fault, bf16={"enabled": True})
+    first = torchrun(cfg, STEPS, "--step-sleep", "0.1", out_name="peer")  # (time for step 16's copy to travel)
+    assert first.rc != 0
+    (run_dir,) = (tmp_path / "shm").iterdir()
+    held = sorted(p.name for p in (run_dir / "node0" / "held-rank1").iterdir() if not p.name.startswith("."))
+    assert "step00000016" in held, held   # rank 0's node keeps rank 1's copies
+    shutil.rmtree(run_dir / "node1")      # rank 1's node is gone, with its memory
+    again = make_config(tmp_path / "p", block=snap, bf16={"enabled": True})  # (the same job, without the fault)
+    run = torchrun(again, STEPS, out_name="peer").ok()
+    (resume,) = [e for e in events(run, "resume") if e["detail"].get("tier")]
+    detail = resume["detail"]
+    assert detail["tier"] == "memory" and detail["from_peer_copy"] == [1] and 16 <= detail["step"] <= 18
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
+        uninterrupted.results[0]["param_sha256"]

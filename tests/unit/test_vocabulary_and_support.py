@@ -82,7 +82,9 @@ _ACTIVE = {"sanitize.max_seq_len": 512, "sanitize.vocab_size": 100, "sanitize.pa
            "data.drop_last": False, "distributed.collective_timeout_s": 60.0,
            "distributed.fresh_store_per_attempt": True, "recovery.skip_batches": 10, "checkpoint.async": True,
            "clipping.mode": "value", "clipping.value": 0.5, "checks.min_warmup_steps": 10, "faults[].type": "nan_batch",
-           "recovery.replay_check": True, "recovery.narrow_samples": True}
+           "recovery.replay_check": True, "recovery.narrow_samples": True, "checkpoint.snapshot.every_steps": 5,
+           "checkpoint.snapshot.dir": "/tmp/shm", "checkpoint.snapshot.keep": 3, "checkpoint.snapshot.peer_copy": True,
+           "checkpoint.snapshot.ranks_per_node": 1}
 
 
 _UNSET = object()
@@ -92,8 +94,13 @@ def _block_setting(key, r, value=_UNSET):
     value = _ACTIVE[key] if value is _UNSET else value
     if key.startswith("faults[]."):
         return {"allow_faults": True, "faults": [{"type": value, "step": 1}]}
-    section, name = key.split(".")
-    return {section: {name: value}}
+    *path, name = key.split(".")
+    block = {name: value}
+    for part in reversed(path):
+        block = {part: block}
+    if key.startswith("checkpoint.snapshot."):
+        block["checkpoint"]["dir"] = "ckpt"  # (the in-memory tier belongs to a checkpoint directory's run)
+    return block
 
 
 def test_honoured_keys_are_read_by_the_code_of_each_adapter():

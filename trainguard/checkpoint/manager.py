@@ -95,8 +95,11 @@ class CheckpointManager:
     def after_step(self, step: int) -> None:
         """A periodic save when one is due, and the corrupt_checkpoint fault (tests, drills)."""
         c = self.cfg
-        if c.dir and c.every_steps and step % c.every_steps == 0:
+        saved = bool(c.dir and c.every_steps and step % c.every_steps == 0)
+        if saved:
             self.save(c.dir)
+        elif c.snapshot.every_steps and step % c.snapshot.every_steps == 0:
+            self.snapshot()  # (the in-memory tier: not where a disk checkpoint was just taken)
         faults = self.guard.faults if self.guard is not None and self.block.faults else None
         if faults is not None and c.dir and faults.checkpoint_due(step):
             from trainguard.faults import corrupt_newest_checkpoint
@@ -180,8 +183,8 @@ class CheckpointManager:
         if c.resume == "none":
             return None
         tags = broadcast_from_rank0(CheckpointLayout(root).tags() if rank() == 0 else None)
-        if not tags:
-            return None
+        if not tags and not c.snapshot.every_steps:  # (with the in-memory tier, a run killed before its
+            return None                              # first disk checkpoint comes back from memory)
         self._newer_than = newer_than if newer_than > 0 else -1
         try:
             result = self.load(root, mode=c.resume)
@@ -194,7 +197,7 @@ class CheckpointManager:
             logging.getLogger("trainguard").warning(
                 "trainguard: the run goes on from step %d; the checkpoints after it (%s) belong to another "
                 "trajectory and were moved to %s", self.step_count(), ", ".join(set_aside), root / ".abandoned")
-        if self.resumed_tag is None:
+        if self.resumed_tag is None and tags:
             reason = "no checkpoint verifies" + (" and is stable" if c.resume == "stable" else "")
             if newer_than > 0:
                 reason = f"no checkpoint newer than step {newer_than} (loaded by the framework) verifies" + \
@@ -257,6 +260,10 @@ class CheckpointManager:
         so that a restart comes back in bf16 rather than replaying the fp16 trouble."""
         if self.cfg.dir:
             self.save(self.cfg.dir)
+
+    def snapshot(self) -> str:
+        """The in-memory tier (``checkpoint.snapshot``): this rank's shard to node memory, no collective."""
+        raise NotImplementedError
 
     def pending_tag(self) -> str | None:
         """The tag of a save still being written in the background, if any."""

@@ -1,0 +1,214 @@
+"""The in-memory snapshot tier on DeepSpeed (trainguard/checkpoint/snapshots.py holds the framework-free part).
+
+A snapshot is what ``save_checkpoint`` would write for *this rank alone*, taken without a collective:
+DeepSpeed's own state dicts (module and engine state, the rank's ZeRO optimizer partition, scheduler,
+loss scaler, steps) are built by its ``_save_checkpoint`` / ``_save_zero_checkpoint`` -- with every rank
+keeping the module states, so that each shard loads on its own -- and copied to host memory (the
+blocking part). A background thread writes them with trainguard's sidecar (RNG, data position) and the
+guard's state into node memory, commits the shard, and exchanges copies with the peer ranks on the
+next node. A shard loads through DeepSpeed's own ``load_checkpoint`` from the rank's own folder.
+
+ZeRO stages 0-2 (under ZeRO-3 the module states are gathered: a collective), without MoE or pipeline engines.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainguard import __version__
+from trainguard.checkpoint.async_writer import snapshot as host_copy
+from trainguard.checkpoint.fsio import atomic_write_json, save_hashed, sha256_file
+from trainguard.checkpoint.layout import SIDECAR, CheckpointLayout, step_tag
+from trainguard.checkpoint.manager import rank as _rank
+from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, run_id
+from trainguard.errors import ConfigError
+from trainguard.events import Record
+from trainguard.isolation import broadcast_from_rank0, gather_objects
+
+
+class DeepSpeedSnapshots:
+    """Built on every rank together (initialize): the run's folder, the node map, the peers' group."""
+
+    def __init__(self, cp):
+        self.cp = cp                          # ds_plugins.checkpoint.DeepSpeedCheckpointer
+        self.cfg = cp.cfg.snapshot
+        eng = cp.engine
+        why = None
+        if eng.zero_optimization_stage() > 2:
+            why = "ZeRO-3 gathers the module states to save them (a collective on the step)"
+        elif getattr(eng, "has_moe_layers", False):
+            why = "MoE engines save expert states per expert group"
+        elif hasattr(eng, "is_pipe_parallel") and eng.is_pipe_parallel:
+            why = "pipeline engines save their layers through the pipeline module"
+        if why:
+            raise ConfigError(f"trainguard.checkpoint.snapshot.every_steps: the in-memory tier is not supported "
+                              f"here: {why}; set it to 0 (disk checkpoints still work)")
+        rid = broadcast_from_rank0(run_id(cp.cfg.dir) if _rank() == 0 else None)
+        place = Placement.build(_rank(), gather_objects(Placement.host()), self.cfg.ranks_per_node)
+        self.store = SnapshotStore(Path(self.cfg.dir) / rid, place, self.cfg.keep, key=cp.key)
+        spans_nodes = len(set(place.node_of)) > 1
+        self.peer = place.peer(place.rank) if self.cfg.peer_copy else None
+        self.sources = place.sources() if self.cfg.peer_copy else []
+        # the copies travel on a group of their own: the writer thread never meets the loop's collectives
+        self.group = dist.new_group(backend="gloo") if self.cfg.peer_copy and spans_nodes else None
+        self._job: _Job | None = None
+        self._fetch: dict[str, list] = {}
+
+    # ------------------------------------------------------------------ taking one (every rank, no collective)
+    def take(self) -> str:
+        self.wait()
+        t0 = time.perf_counter()
+        cp, eng = self.cp, self.cp.engine
+        step = eng.global_steps
+        tag = step_tag(step)
+        nonce = f"{tag}.{uuid.uuid4().hex[:8]}"
+        staging_root = CheckpointLayout(self.store.own).staging_root(nonce)
+        staging_root.mkdir(parents=True, exist_ok=True)
+        from ds_plugins.checkpoint import _Capture
+
+        capture = _Capture(eng.checkpoint_engine, host_copy)
+        engine_before, eng.checkpoint_engine = eng.checkpoint_engine, capture
+        writer_before, eng.save_non_zero_checkpoint = eng.save_non_zero_checkpoint, True  # each shard loads alone
+        try:
+            cs = {"trainguard": {"tag": tag, "step": step, "version": __version__, "tier": "memory"}}
+            eng._save_checkpoint(str(staging_root), tag, client_state=cs)
+            if eng.save_zero_checkpoint:
+                eng._save_zero_checkpoint(str(staging_root), tag)
+        finally:
+            eng.checkpoint_engine, eng.save_non_zero_checkpoint = engine_before, writer_before
+        staged = staging_root / tag
+        writes = [(state, Path(path)) for state, path in capture.writes]
+        writes.append((host_copy(cp._sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
+        json_writes = [(cp.guard.state_dict(), staged / SIDECAR / "guard.json")] if cp.guard is not None else []
+        manifest = cp._manifest(tag, step, {})
+        blocking = time.perf_counter() - t0
+        cp.state.goodput.overhead(blocking)
+        self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking)
+        return tag
+
+    def _exchange(self, payload: bytes) -> None:
+        """The writer thread, on every rank of a job that spans nodes: send this shard to the peer (an
+        empty message when there is none to send: the peer waits for one), keep the sources' copies."""
+        reqs = []
+        if self.peer is not None:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+            reqs.append(dist.isend(torch.tensor([data.numel()], dtype=torch.int64), self.peer, group=self.group))
+            if data.numel():
+                reqs.append(dist.isend(data, self.peer, group=self.group))
+        for q in self.sources:
+            payload_q = _recv(q, self.group)
+            if payload_q:
+                self.store.unpack(payload_q, self.store.held(q))
+        for req in reqs:
+            req.wait()
+
+    # ------------------------------------------------------------------ the writer's outcome
+    def poll(self, wait: bool = False) -> None:
+        job = self._job
+        if job is None or (not wait and job.thread.is_alive()):
+            return
+        self._job = None
+        job.thread.join()
+        if job.error is not None:
+            self.cp.emit(job.step, Record.CHECKPOINT_FAILED, {"tag": job.tag, "dir": str(self.store.own),
+                                                              "tier": "memory",
+                                                              "error": f"{type(job.error).__name__}: {job.error}"})
+            return
+        self.cp.emit(job.step, Record.SNAPSHOT_SAVED, {
+            "tag": job.tag, "step": job.step, "dir": str(self.store.own), "bytes": job.bytes,
+            "node_memory_bytes": job.node_bytes, "blocking_s": round(job.blocking, 4),
+            "write_s": round(job.seconds, 3), "peer": self.peer})
+
+    def wait(self) -> None:
+        self.poll(wait=True)
+
+    # ------------------------------------------------------------------ choosing and loading (every rank together)
+    def choose(self, lo: int = 0, hi: float = float("inf")) -> tuple[str, int] | None:
+        """The newest snapshot with ``lo <= step < hi`` that every rank can load (None: none)."""
+        self.wait()
+        table = gather_objects(self.store.survey(world=dist.get_world_size() if dist.is_initialized() else 1))
+        found = common_choice(table, self.store.place, lo, hi)
+        if found is None:
+            return None
+        tag, step, fetch = found
+        self._fetch[tag] = fetch
+        return tag, step
+
+    def fetch(self, tag: str) -> list[int]:
+        """Before loading ``tag``: the ranks whose node lost their shard get the copy their peer keeps.
+        Returns those ranks."""
+        moved = self._fetch.pop(tag, [])
+        for r, holder in moved:
+            if _rank() == holder:
+                data = torch.frombuffer(bytearray(self.store.pack(tag, self.store.held(r))), dtype=torch.uint8)
+                dist.send(torch.tensor([data.numel()], dtype=torch.int64), r, group=self.group)
+                dist.send(data, r, group=self.group)
+            elif _rank() == r:
+                self.store.unpack(_recv(holder, self.group), self.store.own)
+        return [r for r, _ in moved]
+
+    def close(self) -> None:
+        """The end of the run: the writer finishes, then this rank's node memory is freed."""
+        self.wait()
+        self.store.clear()
+
+
+class _Job:
+    """One snapshot's background work on one rank: write, hash, commit, exchange."""
+
+    def __init__(self, owner: DeepSpeedSnapshots, tag, step, staged, staging_root, nonce, writes, json_writes,
+                 manifest, blocking):
+        self.owner, self.tag, self.step, self.blocking = owner, tag, step, blocking
+        self.staged, self.staging_root, self.nonce = staged, staging_root, nonce
+        self.writes, self.json_writes, self.manifest = writes, json_writes, manifest
+        self.error: BaseException | None = None
+        self.bytes = self.node_bytes = 0
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name=f"trainguard-snapshot-{_rank()}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        store = self.owner.store
+        payload = b""
+        try:
+            table = {}
+            for state, path in self.writes:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                table[str(path.relative_to(self.staged))] = save_hashed(state, path)
+            for data, path in self.json_writes:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(path, data)
+                digest, size = sha256_file(path)
+                table[str(path.relative_to(self.staged))] = {"sha256": digest, "size": size}
+            self.bytes = sum(v["size"] for v in table.values())
+            store.commit(store.own, self.staging_root, self.nonce, dataclasses.replace(self.manifest, files=table))
+            if self.owner.peer is not None:
+                payload = store.pack(self.tag)
+        except BaseException as e:  # noqa: BLE001 - reported by poll(); the snapshot stays invisible
+            self.error = e
+        finally:
+            self.writes = self.json_writes = []  # free the host copies
+        try:
+            if self.owner.group is not None:
+                self.owner._exchange(payload)
+            self.node_bytes = store.bytes_used()
+        except BaseException as e:  # noqa: BLE001
+            self.error = self.error or e
+        self.seconds = time.perf_counter() - t0
+
+
+def _recv(src: int, group) -> bytes:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    if not int(size.item()):
+        return b""
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(buf, src, group=group)
+    return buf.numpy().tobytes()

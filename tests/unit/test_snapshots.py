@@ -1,0 +1,62 @@
+"""The in-memory tier's framework-free part: who keeps whose copy, which snapshot every rank can load,
+and copies that verify as their originals (trainguard/checkpoint/snapshots.py)."""
+import torch
+
+from trainguard.checkpoint.fsio import save_hashed
+from trainguard.checkpoint.layout import CheckpointLayout
+from trainguard.checkpoint.manifest import Manifest, verify
+from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, disk_tag, memory_tag, run_id
+
+
+def test_peers_are_on_the_next_node_and_one_node_has_none():
+    place = Placement.build(0, ["a", "a", "b", "b", "c", "c"])
+    assert place.node_of == (0, 0, 1, 1, 2, 2)
+    assert [place.peer(r) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert place.sources() == [4] and Placement(3, place.node_of).sources() == [1]
+    assert Placement.build(1, ["a", "a"]).peer(1) is None
+    assert [Placement.build(0, ["h"] * 4, ranks_per_node=1).peer(r) for r in range(4)] == [1, 2, 3, 0]
+
+
+def test_the_choice_is_the_newest_snapshot_every_rank_can_load():
+    place = Placement.build(0, ["a", "b"])  # rank 0 keeps rank 1's copies, and rank 1 rank 0's
+    table = [{"own": [("s4", 4), ("s6", 6)], "held": {1: [("s4", 4), ("s6", 6)]}},
+             {"own": [("s4", 4)], "held": {0: [("s4", 4)]}}]
+    assert common_choice(table, place) == ("s6", 6, [(1, 0)])       # rank 1 lost s6: its peer's copy
+    assert common_choice(table, place, hi=6) == ("s4", 4, [])       # a rollback before step 6
+    table[0]["held"] = {1: []}
+    assert common_choice(table, place) == ("s4", 4, [])             # no copy of s6 anywhere for rank 1
+    assert common_choice(table, place, lo=5) is None
+    assert memory_tag("s4") == "memory:s4" and disk_tag("memory:s4") == ("s4", True) and disk_tag("s4") == ("s4", False)
+
+
+def _shard(store, tag, step, world=2):
+    staging = CheckpointLayout(store.own).staging_root(f"{tag}.x")
+    staged = staging / tag
+    staged.mkdir(parents=True)
+    files = {"w.pt": save_hashed({"w": torch.full((3,), float(step))}, staged / "w.pt")}
+    store.commit(store.own, staging, f"{tag}.x", Manifest(tag=tag, step=step, files=files, layout={"world": world}))
+
+
+def test_a_copy_verifies_as_its_original_and_old_ones_go(tmp_path):
+    place = Placement.build(0, ["a", "b"])
+    mine = SnapshotStore(tmp_path / "run", place, keep=2)
+    theirs = SnapshotStore(tmp_path / "run", Placement(1, place.node_of), keep=2)
+    for step in (2, 4, 6):
+        _shard(mine, f"step{step}", step)
+        theirs.unpack(mine.pack(f"step{step}"), theirs.held(0))
+    assert CheckpointLayout(mine.own).tags() == ["step4", "step6"]          # keep=2
+    assert CheckpointLayout(theirs.held(0)).tags() == ["step4", "step6"]
+    assert verify(theirs.held(0) / "step6").ok
+    assert theirs.survey(world=2)["held"] == {0: [("step4", 4), ("step6", 6)]}
+    assert mine.survey(world=4)["own"] == []                                # another layout's shards do not fit
+    (theirs.held(0) / "step6" / "w.pt").write_bytes(b"rot")
+    assert theirs.survey(world=2)["held"] == {0: [("step4", 4)]}            # a copy that rotted is no copy
+    assert mine.drop_after(4) == ["step6"] and CheckpointLayout(mine.own).tags() == ["step4"]
+    assert mine.bytes_used() > 0
+    mine.clear()
+    assert not mine.own.exists()
+
+
+def test_the_run_id_lives_in_the_checkpoint_directory(tmp_path):
+    first = run_id(tmp_path / "ck")
+    assert run_id(tmp_path / "ck") == first and run_id(tmp_path / "other") != first

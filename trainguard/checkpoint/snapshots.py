@@ -1,0 +1,266 @@
+"""The in-memory snapshot tier (framework-free part): where each rank's shard lives, which snapshot
+every rank can come back to, and the copies that travel between nodes.
+
+Every ``snapshot.every_steps`` steps each rank copies its *own* shard of the full state to host memory
+(the blocking part, in the adapter) and a background thread writes it into node-local shared memory
+(``snapshot.dir``, a tmpfs: it outlives the process, not the node), as a checkpoint directory of that
+rank alone -- files hashed while written, a manifest written last, renamed into place
+(trainguard.checkpoint.commit). So no collective runs on the step, and a restarted process finds its
+shard where it left it. With ``peer_copy``, the same thread then sends the committed shard to a rank
+on the next node, which keeps it in its own node's memory: a node that is lost with its memory comes
+back from those copies.
+
+Layout, under ``<snapshot.dir>/<run id>/`` (the run id is kept in ``checkpoint.dir``: a new run, or
+another job on the node, never sees these snapshots)::
+
+    node<n>/rank<r>/<tag>/...          rank r's own shard (a checkpoint root of its own)
+    node<n>/held-rank<q>/<tag>/...     the copy of rank q's shard that a rank of node n keeps
+
+Choosing (every rank, at a resume or a rollback): each rank lists what verifies in its node's memory
+(:func:`survey`), the lists are gathered, and :func:`common_choice` takes the newest snapshot that
+*every* rank can load -- from its own shard, or from the copy its peer holds, which is then sent back
+(``fetch``). A snapshot that one rank lacks is no snapshot of the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainguard.checkpoint.commit import commit_staged
+from trainguard.checkpoint.layout import STAGING, CheckpointLayout
+from trainguard.checkpoint.manifest import NOT_LISTED, Manifest, list_files, verify
+
+RUN_ID = ".trainguard-run"   # in checkpoint.dir: the id that names the run's snapshot folder
+MEMORY = "memory:"           # how a snapshot's tag reads in choices and records (never a valid disk tag)
+
+
+def memory_tag(tag: str) -> str:
+    return MEMORY + tag
+
+
+def disk_tag(tag: str) -> tuple[str, bool]:
+    """``(tag, from_memory)`` of a tag as :func:`memory_tag` may have written it."""
+    return (tag[len(MEMORY):], True) if tag.startswith(MEMORY) else (tag, False)
+
+
+def run_id(checkpoint_dir: str | os.PathLike) -> str:
+    """The run's id, created in ``checkpoint_dir`` by the first caller (rank 0) and read by the rest."""
+    path = Path(checkpoint_dir) / RUN_ID
+    try:
+        return json.loads(path.read_text())["id"]
+    except (OSError, ValueError, KeyError):
+        pass
+    from trainguard.checkpoint.fsio import atomic_write_json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"id": uuid.uuid4().hex[:16]})
+    return json.loads(path.read_text())["id"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which node each rank is on, and who keeps whose copy."""
+
+    rank: int
+    node_of: tuple[int, ...]          # node index of every rank
+
+    @classmethod
+    def build(cls, rank: int, hosts: list[str], ranks_per_node: int | None = None) -> "Placement":
+        if ranks_per_node:
+            return cls(rank, tuple(r // ranks_per_node for r in range(len(hosts))))
+        order: dict[str, int] = {}
+        return cls(rank, tuple(order.setdefault(h, len(order)) for h in hosts))
+
+    @staticmethod
+    def host() -> str:
+        return socket.gethostname()
+
+    @property
+    def world(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def node(self) -> int:
+        return self.node_of[self.rank]
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def peer(self, r: int) -> int | None:
+        """The rank on the next node that keeps rank ``r``'s copy (None: the job is on one node)."""
+        nodes = sorted(set(self.node_of))
+        if len(nodes) < 2:
+            return None
+        mine = self.ranks_on(self.node_of[r])
+        there = self.ranks_on(nodes[(nodes.index(self.node_of[r]) + 1) % len(nodes)])
+        return there[mine.index(r) % len(there)]
+
+    def sources(self, r: int | None = None) -> list[int]:
+        """The ranks whose copies rank ``r`` (this one) keeps."""
+        r = self.rank if r is None else r
+        return [q for q in range(self.world) if self.peer(q) == r]
+
+
+class SnapshotStore:
+    """One rank's view of its node's snapshot memory."""
+
+    def __init__(self, base: str | os.PathLike, placement: Placement, keep: int, key: bytes | None = None):
+        self.base = Path(base)
+        self.place = placement
+        self.keep = keep
+        self.key = key
+
+    def node_dir(self, node: int | None = None) -> Path:
+        return self.base / f"node{self.place.node if node is None else node}"
+
+    @property
+    def own(self) -> Path:
+        """This rank's shards: a checkpoint root of its own (DeepSpeed loads from it)."""
+        return self.node_dir() / f"rank{self.place.rank}"
+
+    def held(self, q: int) -> Path:
+        return self.node_dir() / f"held-rank{q}"
+
+    # ------------------------------------------------------------------ writing (the background thread)
+    def commit(self, root: Path, staging_root: Path, nonce: str, manifest: Manifest) -> Path:
+        """Commit a staged shard into ``root``, then keep only the newest ``keep`` there."""
+        final = commit_staged(root, staging_root, nonce, manifest, key=self.key)
+        self.prune(root)
+        return final
+
+    def prune(self, root: Path, keep: int | None = None) -> None:
+        layout = CheckpointLayout(root)
+        steps = layout.steps()
+        for tag, _ in steps[:max(0, len(steps) - (self.keep if keep is None else keep))]:
+            _remove(layout.tag_dir(tag), root)
+
+    def drop_after(self, step: int) -> list[str]:
+        """After a rollback to ``step``: shards of the abandoned trajectory go (own and held alike)."""
+        dropped = []
+        for root in [self.own, *(self.held(q) for q in self.place.sources())]:
+            layout = CheckpointLayout(root)
+            for tag, saved_at in layout.steps():
+                if saved_at > step:
+                    _remove(layout.tag_dir(tag), root)
+                    if root == self.own:
+                        dropped.append(tag)
+        return dropped
+
+    def drop_before(self, step: int) -> None:
+        """Shards that no longer fit the engine (a precision change) go."""
+        for root in [self.own, *(self.held(q) for q in self.place.sources())]:
+            layout = CheckpointLayout(root)
+            for tag, saved_at in layout.steps():
+                if saved_at < step:
+                    _remove(layout.tag_dir(tag), root)
+
+    def clear(self) -> None:
+        """The end of the run: this rank's memory is freed (its shards and the copies it keeps)."""
+        for root in [self.own, *(self.held(q) for q in self.place.sources())]:
+            shutil.rmtree(root, ignore_errors=True)
+        try:
+            self.node_dir().rmdir()
+            self.base.rmdir()
+        except OSError:
+            pass
+
+    def bytes_used(self) -> int:
+        """Host memory this rank's snapshots take on its node (its shards and the copies it keeps)."""
+        total = 0
+        for root in [self.own, *(self.held(q) for q in self.place.sources())]:
+            for dirpath, _, names in os.walk(root):
+                total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names)
+        return total
+
+    # ------------------------------------------------------------------ peer copies
+    def pack(self, tag: str, root: Path | None = None) -> bytes:
+        """The committed shard ``tag`` (of ``root``: this rank's own by default) as one message: every
+        file, the manifest included."""
+        tag_dir = CheckpointLayout(self.own if root is None else root).tag_dir(tag)
+        files = {rel: (tag_dir / rel).read_bytes() for rel in [*list_files(tag_dir), *_manifest_files(tag_dir)]}
+        return pickle.dumps({"tag": tag, "files": files}, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def unpack(self, payload: bytes, root: Path) -> str:
+        """Write a packed shard into ``root`` under the commit protocol (staged, then renamed): the
+        manifest travelled with it, so the copy verifies exactly as the original did."""
+        msg = pickle.loads(payload)  # (between the job's own ranks, as DeepSpeed's pickles are)
+        tag = msg["tag"]
+        nonce = f"{tag}.{uuid.uuid4().hex[:8]}"
+        staged = CheckpointLayout(root).staging_root(nonce) / tag
+        for rel, data in msg["files"].items():
+            path = staged / rel
+            if not str(path.resolve()).startswith(str(staged.resolve())):
+                raise ValueError(f"snapshot copy of {tag}: file {rel!r} lies outside its directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        final = CheckpointLayout(root).tag_dir(tag)
+        aside = root / STAGING / f"replaced.{nonce}"
+        if final.exists():
+            os.replace(final, aside)
+        os.replace(staged, final)
+        shutil.rmtree(staged.parent, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        self.prune(root)
+        return tag
+
+    # ------------------------------------------------------------------ choosing
+    def survey(self, world: int) -> dict:
+        """What verifies in this node's memory for this rank: its own shards and the copies it keeps
+        (those of a job of ``world`` ranks: a shard is one rank's partition of that layout)."""
+        return {"own": _valid(self.own, self.key, world),
+                "held": {q: _valid(self.held(q), self.key, world) for q in self.place.sources()}}
+
+
+def common_choice(table: list[dict], place: Placement, lo: int = 0, hi: float = float("inf")
+                  ) -> tuple[str, int, list[tuple[int, int]]] | None:
+    """The newest snapshot (``lo <= step < hi``) that every rank can load: from its own shard, or from
+    the copy its peer keeps. Returns ``(tag, step, [(rank, holder) to fetch])`` or None.
+    ``table``: every rank's :meth:`SnapshotStore.survey`, in rank order."""
+    own = [{tuple(t) for t in row["own"]} for row in table]
+    held = [{q: {tuple(t) for t in kept} for q, kept in row["held"].items()} for row in table]
+    for tag, step in sorted(set().union(*own), key=lambda t: t[1], reverse=True):
+        if not lo <= step < hi:
+            continue
+        fetch = []
+        for r in range(len(table)):
+            if (tag, step) in own[r]:
+                continue
+            holder = place.peer(r)
+            if holder is None or (tag, step) not in held[holder].get(r, ()):
+                break
+            fetch.append((r, holder))
+        else:
+            return tag, step, fetch
+    return None
+
+
+def _manifest_files(tag_dir: Path) -> list[str]:
+    """The manifest (and its signature), which list_files leaves out: the copy must verify as the original."""
+    return [name for name in NOT_LISTED if (tag_dir / name).is_file()]
+
+
+def _valid(root: Path, key: bytes | None, world: int) -> list[tuple[str, int]]:
+    layout = CheckpointLayout(root)
+    out = []
+    for tag, step in layout.steps():
+        tag_dir = layout.tag_dir(tag)
+        if verify(tag_dir, key=key).ok and Manifest.read(tag_dir).layout.get("world") == world:
+            out.append((tag, step))
+    return out
+
+
+def _remove(tag_dir: Path, root: Path) -> None:
+    """Out of the listing at once (renamed into staging), then deleted."""
+    trash = root / STAGING / f"deleted.{tag_dir.name}.{uuid.uuid4().hex[:6]}"
+    trash.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tag_dir, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
