@@ -93,23 +93,22 @@ class DeepSpeedCheckpointer(CheckpointManager):
 
     # ------------------------------------------------------------------ the in-memory tier
     def snapshot(self) -> str:
-        return self.snapshots.take()
+        tag = self.snapshots.take()
+        self.health.saved(memory_tag(tag), self.engine.global_steps)  # (stable marks: rollbacks in "stable" mode)
+        return tag
 
     def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
-        """The newest valid tier: a snapshot in memory when one is newer than the disk's choice. In
-        "stable" mode a snapshot qualifies when ``stable_after`` steps passed between it and the onset
-        (what makes a checkpoint stable)."""
+        """The newest valid tier: a snapshot in memory when one is newer than the disk's choice (in
+        "stable" mode, one this process saw become stable: ``stable_after`` clean steps after it)."""
         tag, why = super().rollback_target(root, onset, mode, inclusive)
         if self.snapshots is None:
             return tag, why
-        hi = onset + (1 if inclusive else 0)
-        if mode == "stable":
-            hi = min(hi, onset - self.cfg.stable_after + 1)
-        found = self.snapshots.choose(lo=max(self._disk_step(root, tag) + 1, self.floor), hi=hi)
+        only = {disk_tag(t)[0] for t in self.stable_snapshots} if mode == "stable" else None
+        found = self.snapshots.choose(lo=max(self._disk_step(root, tag) + 1, self.floor),
+                                      hi=onset + (1 if inclusive else 0), only=only)
         if found is None:
             return tag, why
-        return memory_tag(found[0]), "newest snapshot in memory before the onset" + (
-            f" ({self.cfg.stable_after} clean steps before it)" if mode == "stable" else "")
+        return memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset"
 
     def abandon_after(self, root: Path, step: int) -> list[str]:
         moved = super().abandon_after(root, step)

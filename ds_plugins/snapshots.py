@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint.async_writer import snapshot as host_copy
-from trainguard.checkpoint.fsio import atomic_write_json, save_hashed, sha256_file
+from trainguard.checkpoint.fsio import atomic_write_json, save_buffered, sha256_file
 from trainguard.checkpoint.layout import SIDECAR, CheckpointLayout, step_tag
 from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, run_id
@@ -52,6 +52,13 @@ class DeepSpeedSnapshots:
         rid = broadcast_from_rank0(run_id(cp.cfg.dir) if _rank() == 0 else None)
         place = Placement.build(_rank(), gather_objects(Placement.host()), self.cfg.ranks_per_node)
         self.store = SnapshotStore(Path(self.cfg.dir) / rid, place, self.cfg.keep, key=cp.key)
+        try:
+            self.store.own.mkdir(parents=True, exist_ok=True)
+            self.store.clear_staging()  # what a killed writer left half-written
+        except OSError as e:
+            raise ConfigError(f"trainguard.checkpoint.snapshot.dir: cannot write the snapshots of rank {_rank()} "
+                              f"to {self.store.own}: {e}; expected a node-local directory (a tmpfs such as "
+                              "/dev/shm) every rank can write") from e
         spans_nodes = len(set(place.node_of)) > 1
         self.peer = place.peer(place.rank) if self.cfg.peer_copy else None
         self.sources = place.sources() if self.cfg.peer_copy else []
@@ -129,11 +136,11 @@ class DeepSpeedSnapshots:
         self.poll(wait=True)
 
     # ------------------------------------------------------------------ choosing and loading (every rank together)
-    def choose(self, lo: int = 0, hi: float = float("inf")) -> tuple[str, int] | None:
-        """The newest snapshot with ``lo <= step < hi`` that every rank can load (None: none)."""
+    def choose(self, lo: int = 0, hi: float = float("inf"), only: set[str] | None = None) -> tuple[str, int] | None:
+        """The newest snapshot with ``lo <= step < hi`` (and among ``only``) that every rank can load."""
         self.wait()
         table = gather_objects(self.store.survey(world=dist.get_world_size() if dist.is_initialized() else 1))
-        found = common_choice(table, self.store.place, lo, hi)
+        found = common_choice(table, self.store.place, lo, hi, only)
         if found is None:
             return None
         tag, step, fetch = found
@@ -181,7 +188,7 @@ class _Job:
             table = {}
             for state, path in self.writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                table[str(path.relative_to(self.staged))] = save_hashed(state, path)
+                table[str(path.relative_to(self.staged))] = save_buffered(state, path)
             for data, path in self.json_writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(path, data)

@@ -29,6 +29,7 @@ from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, Checkpoint
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
+from trainguard.checkpoint.snapshots import MEMORY, snapshot_step
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0
 
@@ -62,6 +63,7 @@ class CheckpointManager:
         self.resumed_tag: str | None = None    # what the last resume loaded
         self.key = auth.key_from(self.cfg)     # checkpoint.hmac_key_env's key: sign and require signatures
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
+        self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
 
     def emit(self, step: int, record: Record, detail: dict, ranks=(), action=None) -> None:
         if self.guard is not None:
@@ -79,6 +81,10 @@ class CheckpointManager:
         actions, self._deferred = self._deferred + self.health.on_step(step, loss, anomaly), []
         for action in actions:
             kind, tag, value = action
+            if tag.startswith(MEMORY):  # a snapshot: marked in this process's memory, on every rank
+                if kind == "stable":
+                    self.stable_snapshots.add(tag)
+                continue
             root = self.roots.get(tag)
             if rank() != 0 or root is None:
                 continue
@@ -239,6 +245,7 @@ class CheckpointManager:
         """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside."""
         moved = abandon_after(root, step) if rank() == 0 else None
         self.health.watching = [w for w in self.health.watching if w.step <= step]
+        self.stable_snapshots = {t for t in self.stable_snapshots if snapshot_step(t) <= step}
         return broadcast_from_rank0(moved)
 
     # ------------------------------------------------------------------ the adapter's part

@@ -49,6 +49,11 @@ def disk_tag(tag: str) -> tuple[str, bool]:
     return (tag[len(MEMORY):], True) if tag.startswith(MEMORY) else (tag, False)
 
 
+def snapshot_step(tag: str) -> int:
+    """The step of a snapshot's tag (snapshots are always tagged ``step_tag(step)``)."""
+    return int(disk_tag(tag)[0][len("step"):])
+
+
 def run_id(checkpoint_dir: str | os.PathLike) -> str:
     """The run's id, created in ``checkpoint_dir`` by the first caller (rank 0) and read by the rest."""
     path = Path(checkpoint_dir) / RUN_ID
@@ -160,6 +165,11 @@ class SnapshotStore:
                 if saved_at < step:
                     _remove(layout.tag_dir(tag), root)
 
+    def clear_staging(self) -> None:
+        """At start: shards a killed writer left half-written (never committed) are freed."""
+        for root in [self.own, *(self.held(q) for q in self.place.sources())]:
+            shutil.rmtree(root / STAGING, ignore_errors=True)
+
     def clear(self) -> None:
         """The end of the run: this rank's memory is freed (its shards and the copies it keeps)."""
         for root in [self.own, *(self.held(q) for q in self.place.sources())]:
@@ -217,15 +227,15 @@ class SnapshotStore:
                 "held": {q: _valid(self.held(q), self.key, world) for q in self.place.sources()}}
 
 
-def common_choice(table: list[dict], place: Placement, lo: int = 0, hi: float = float("inf")
-                  ) -> tuple[str, int, list[tuple[int, int]]] | None:
-    """The newest snapshot (``lo <= step < hi``) that every rank can load: from its own shard, or from
-    the copy its peer keeps. Returns ``(tag, step, [(rank, holder) to fetch])`` or None.
+def common_choice(table: list[dict], place: Placement, lo: int = 0, hi: float = float("inf"),
+                  only: set[str] | None = None) -> tuple[str, int, list[tuple[int, int]]] | None:
+    """The newest snapshot (``lo <= step < hi``; a tag in ``only`` if given) that every rank can load: from
+    its own shard, or from the copy its peer keeps. Returns ``(tag, step, [(rank, holder) to fetch])`` or None.
     ``table``: every rank's :meth:`SnapshotStore.survey`, in rank order."""
     own = [{tuple(t) for t in row["own"]} for row in table]
     held = [{q: {tuple(t) for t in kept} for q, kept in row["held"].items()} for row in table]
     for tag, step in sorted(set().union(*own), key=lambda t: t[1], reverse=True):
-        if not lo <= step < hi:
+        if not lo <= step < hi or (only is not None and tag not in only):
             continue
         fetch = []
         for r in range(len(table)):

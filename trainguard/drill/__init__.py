@@ -3,9 +3,9 @@ plain DeepSpeed, against a fault-free run with the same seeds and data.
 
     trainguard drill [--steps 1000] [--out DIR]      (also: python bench/fire_drill.py)
 
-Four runs: plain DeepSpeed without faults (the reference loss), trainguard without faults (what
-the insurance costs: the guard and a checkpoint every 10 steps), trainguard with the faults, plain
-DeepSpeed with the same faults.
+Four runs: plain DeepSpeed without faults (the reference loss), trainguard without faults (what the
+insurance costs: the guard, a disk checkpoint every 50 steps and a snapshot in memory every 10),
+trainguard with the faults, plain DeepSpeed with the same faults.
 
 The schedule (``drill.json``, written for 1,000 steps; a shorter drill scales the fault steps): one
 NaN sample in one rank's batch, a burst of three poisoned batches, a corrupted newest checkpoint just
@@ -18,8 +18,11 @@ fp16 with DeepSpeed's dynamic loss scaler (enabled on CPU by the worker's test s
 whole-run table the drill prints each fault's cost in both runs (trainguard.drill.costs) against
 issue 16's goal per fault.
 
-Goals (issue 5): trainguard completes, within 2% of the clean run's final loss, with goodput
->= 0.97; plain DeepSpeed fails to complete or ends worse. Exit code 0 when they hold.
+Goals (issues 5, 16): trainguard completes, within 2% of the clean run's final loss, with goodput
+>= 0.97 over the in-process faults (the killed and hung ranks' windows taken out of the wall time: they
+are reported on their own, with the restart downtime); plain DeepSpeed fails to complete or ends worse.
+Exit code 0 when they hold. trainguard's runs keep disk checkpoints every 50 steps (the baseline saves
+as often) and the in-memory tier every 10 (``checkpoint.snapshot``).
 """
 from __future__ import annotations
 
@@ -115,7 +118,8 @@ def _row(name: str, rc: int, results: list, log: Path | None, clean_loss: float 
     events = [x for x in read(log) if x["type"] == "event"] if log is not None and log.exists() else []
     end = next((e for e in reversed(events) if e["event"] == "run_end"), None)
     good = (end or {}).get("detail", {}).get("goodput") or r0.get("goodput") or {}
-    row.update({"goodput": good.get("goodput"), "steps_lost": good.get("steps_lost"),
+    row.update({"goodput": good.get("goodput"), "productive_s": good.get("productive_s"),
+                "wall_s": good.get("wall_s"), "downtime_s": good.get("downtime_s"), "steps_lost": good.get("steps_lost"),
                 "skipped_steps": good.get("skipped_steps"),
                 "rollbacks": sum(1 for e in events if e["event"] == "rollback"), "restarts": restarts,
                 "rollback_anomalies": sorted({e["detail"].get("anomaly") for e in events if e["event"] == "rollback"}),
@@ -155,18 +159,50 @@ def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
         (tg["completed"], "trainguard completed"),
         (tg.get("loss_vs_clean") is not None and abs(tg["loss_vs_clean"]) <= GOALS["loss_within"],
          f"trainguard's final loss within {GOALS['loss_within']:.0%} of the clean run"),
-        (tg.get("goodput") is not None and tg["goodput"] >= GOALS["goodput"],
-         f"trainguard's goodput >= {GOALS['goodput']}"),
+        (tg.get("goodput_in_process") is not None and tg["goodput_in_process"] >= GOALS["goodput"],
+         f"trainguard's goodput over the in-process faults >= {GOALS['goodput']}"),
         (not plain["completed"] or (plain.get("loss_vs_clean") or 0) > (tg.get("loss_vs_clean") or 0),
          "plain DeepSpeed failed to complete or ended worse"),
     ]
     return all(ok for ok, _ in checks), [f"[{'x' if ok else ' '}] {what}" for ok, what in checks]
 
 
+PROCESS_FAULTS = ("kill_rank", "hang_rank")
+
+
+def snapshot_figures(log: Path) -> dict | None:
+    """What the in-memory tier cost a run (its snapshot_saved records): blocking time per snapshot, the
+    background write, the shard's size and the node memory a rank's snapshots take."""
+    saved = [x["detail"] for x in (read(log) if log.exists() else [])
+             if x["type"] == "event" and x["event"] == "snapshot_saved"]
+    if not saved:
+        return None
+    import statistics
+
+    return {"count": len(saved), "blocking_ms_median": statistics.median(d["blocking_s"] for d in saved) * 1e3,
+            "blocking_ms_max": max(d["blocking_s"] for d in saved) * 1e3,
+            "write_ms_median": statistics.median(d["write_s"] for d in saved) * 1e3,
+            "shard_mb": max(d["bytes"] for d in saved) / 1e6,
+            "node_memory_mb": max(d["node_memory_bytes"] for d in saved) / 1e6}
+
+
+def in_process_goodput(row: dict, costs: list[dict]) -> None:
+    """Issue 16's goodput for the in-process faults: the run's productive time over its wall time less the
+    windows of the process faults (a killed or hung rank: detection, restart, steps re-run), which the
+    drill reports on their own (their rows, and the restart downtime)."""
+    lost = [c.get("seconds_lost") for c in costs if c["run"] == "trainguard" and c["fault"] in PROCESS_FAULTS]
+    if row.get("productive_s") is None or not row.get("wall_s") or any(x is None for x in lost):
+        return
+    row["process_fault_s"] = round(sum(lost), 2)
+    wall = row["wall_s"] - row["process_fault_s"]
+    row["goodput_in_process"] = round(row["productive_s"] / wall, 4) if wall > 0 else None
+
+
 def per_fault_costs(rows: list[dict], cfg: dict) -> list[dict]:
     """trainguard.drill.costs for every fault of the schedule, in the trainguard run and the baseline."""
     block = cfg["trainguard"]
-    every = int(block.get("checkpoint", {}).get("every_steps") or 10)
+    ck = block.get("checkpoint", {})
+    every = int((ck.get("snapshot") or {}).get("every_steps") or ck.get("every_steps") or 10)  # S: the newest tier's
     wd = (block.get("distributed") or {}).get("watchdog") or {}
     hang_bound = float(wd.get("hang_timeout_s", 5)) + float(wd.get("interval_s", 0.5))
     by = {r["run"]: r for r in rows}
@@ -245,6 +281,7 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
         row["train_s"] = round(progress[-1][2] - progress[0][2], 2) if progress else None
         rows.append(row)
     costs = per_fault_costs(rows, faulty)
+    in_process_goodput(rows[2], costs)
     clean_s, insured_s = rows[0].get("train_s"), rows[1].get("train_s")
     if clean_s and insured_s:
         rows[1]["insurance_cost"] = round(insured_s / clean_s - 1, 4)
@@ -254,6 +291,18 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
     for r in rows:
         if r.get("died"):
             print(f"  {r['run']}: {r['died'][:160]}", file=stream)
+    tg = rows[2]
+    if tg.get("goodput_in_process") is not None:
+        print(f"  trainguard's goodput over the in-process faults (the process faults' windows -- "
+              f"{tg['process_fault_s']:.1f} s, restart downtime {tg.get('downtime_s') or 0:.1f} s of it -- taken out "
+              f"of the wall time): {tg['goodput_in_process']:.3f} (goal >= {GOALS['goodput']})", file=stream)
+    snaps = snapshot_figures(Path(rows[1]["dir"]) / "trainguard.jsonl")
+    if snaps:
+        rows[1]["snapshots"] = snaps
+        print(f"  the in-memory tier (trainguard without faults): {snaps['count']} snapshots, "
+              f"{snaps['blocking_ms_median']:.1f} ms blocking each (median; max {snaps['blocking_ms_max']:.1f}), "
+              f"{snaps['write_ms_median']:.0f} ms written in the background, {snaps['shard_mb']:.1f} MB a shard, "
+              f"{snaps['node_memory_mb']:.1f} MB of node memory per rank", file=stream)
     if rows[1].get("insurance_cost") is not None:
         print(f"  the insurance (trainguard without faults) against the clean run: "
               f"{rows[1]['insurance_cost'] * 100:+.1f}% training time (goal <= +2%)", file=stream)

@@ -10,7 +10,8 @@ For a fault at step ``s`` lasting ``n`` steps the window opens when the run firs
 Inside the window: ``steps_lost`` = steps executed beyond the net progress (re-run after a rollback or
 a restart) + steps not applied (skipped); ``seconds_lost`` = the window's length less what those
 ``n + 1`` steps take in the run without faults. A corrupted checkpoint costs what the load that met it
-lost: the steps between the corrupted checkpoint and the one loaded instead.
+lost: the steps between the corrupted checkpoint and the one loaded instead (none when the load took a
+newer tier: a snapshot in memory).
 """
 from __future__ import annotations
 
@@ -156,7 +157,8 @@ def _corruption_cost(f: dict, events: list[dict]) -> dict:
     to = (loaded or {}).get("detail", {}).get("to_step") if (loaded or {}).get("event") == "rollback" else \
         (loaded or {}).get("detail", {}).get("step")
     return {"met": True, "rung": f"passed over {bad}" + (f", loaded step {to}" if to is not None else ""),
-            "steps_lost": (bad_step - int(to)) if to is not None else None, "met_by": (loaded or {}).get("event")}
+            # (a load that took a newer tier -- a snapshot in memory -- lost nothing to the corruption)
+            "steps_lost": max(0, bad_step - int(to)) if to is not None else None, "met_by": (loaded or {}).get("event")}
 
 
 def goal(row: dict, f: dict, every_steps: int, cold_start_s: float | None, hang_bound_s: float) -> tuple[bool | None, str]:
