@@ -5,7 +5,9 @@ import torch
 from trainguard.checkpoint.fsio import save_hashed
 from trainguard.checkpoint.layout import CheckpointLayout
 from trainguard.checkpoint.manifest import Manifest, verify
+from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, disk_tag, memory_tag, run_id
+from trainguard.config import parse_block
 
 
 def test_peers_are_on_the_next_node_and_one_node_has_none():
@@ -23,6 +25,8 @@ def test_the_choice_is_the_newest_snapshot_every_rank_can_load():
              {"own": [("s4", 4)], "held": {0: [("s4", 4)]}}]
     assert common_choice(table, place) == ("s6", 6, [(1, 0)])       # rank 1 lost s6: its peer's copy
     assert common_choice(table, place, hi=6) == ("s4", 4, [])       # a rollback before step 6
+    assert common_choice(table, place, only={"s4"}) == ("s4", 4, [])  # a "stable" rollback: s6 not stable yet
+    assert common_choice(table, place, only=set()) is None
     table[0]["held"] = {1: []}
     assert common_choice(table, place) == ("s4", 4, [])             # no copy of s6 anywhere for rank 1
     assert common_choice(table, place, lo=5) is None
@@ -60,3 +64,21 @@ def test_a_copy_verifies_as_its_original_and_old_ones_go(tmp_path):
 def test_the_run_id_lives_in_the_checkpoint_directory(tmp_path):
     first = run_id(tmp_path / "ck")
     assert run_id(tmp_path / "ck") == first and run_id(tmp_path / "other") != first
+
+
+def test_a_snapshot_becomes_stable_after_clean_steps_and_a_rollback_forgets_the_later_ones(tmp_path):
+    """What lets a "stable" rollback take a snapshot: the marks a disk checkpoint gets, kept in this process."""
+    m = CheckpointManager(parse_block({"checkpoint": {"dir": str(tmp_path), "stable_after": 3, "verify_steps": 2}}), None, None)
+    m.health.saved(memory_tag("step00000010"), 10)
+    for step in (11, 12, 13):
+        m.on_step_end(step, 1.0, anomaly=False)
+    m.health.saved(memory_tag("step00000020"), 20)
+    m.on_step_end(21, 1.0, anomaly=False)
+    m.on_step_end(22, 9.0, anomaly=True)                  # an anomaly 2 steps after it: never stable
+    m.health.saved(memory_tag("step00000030"), 30)
+    for step in (31, 32, 33):
+        m.on_step_end(step, 1.0, anomaly=False)
+    assert m.stable_snapshots == {"memory:step00000010", "memory:step00000030"}
+    assert not (tmp_path / "step00000010").exists()        # nothing written for a snapshot's marks
+    m.abandon_after(tmp_path, 25)
+    assert m.stable_snapshots == {"memory:step00000010"}

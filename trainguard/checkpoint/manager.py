@@ -82,8 +82,8 @@ class CheckpointManager:
         for action in actions:
             kind, tag, value = action
             if tag.startswith(MEMORY):  # a snapshot: marked in this process's memory, on every rank
-                if kind == "stable":
-                    self.stable_snapshots.add(tag)
+                if kind == "stable":  # (the newest few: older ones have left node memory long since)
+                    self.stable_snapshots = set(sorted(self.stable_snapshots | {tag}, key=snapshot_step)[-16:])
                 continue
             root = self.roots.get(tag)
             if rank() != 0 or root is None:
