@@ -69,10 +69,11 @@ class DeepSpeedSnapshots:
 
     # ------------------------------------------------------------------ taking one (every rank, no collective)
     def take(self) -> str:
-        self.wait()
         t0 = time.perf_counter()
+        self.wait()  # (a writer still busy holds the step up: part of this one's blocking time)
         cp, eng = self.cp, self.cp.engine
         step = eng.global_steps
+        interval = self._pace(step)
         tag = step_tag(step)
         nonce = f"{tag}.{uuid.uuid4().hex[:8]}"
         staging_root = CheckpointLayout(self.store.own).staging_root(nonce)
@@ -96,8 +97,18 @@ class DeepSpeedSnapshots:
         manifest = cp._manifest(tag, step, {})
         blocking = time.perf_counter() - t0
         cp.state.goodput.overhead(blocking)
-        self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking)
+        self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval)
         return tag
+
+    def _pace(self, step: int) -> int:
+        """With a cost budget (``snapshot.max_overhead``): what the previous snapshot cost training and the
+        median step since, agreed by every rank (the largest cost, the shortest step), set the interval to
+        the next one (trainguard.checkpoint.pacing). Returns the interval."""
+        pacer = self.cp.pacer
+        everyone = gather_objects(pacer.figures()) if pacer.paced else [None]
+        if any(x is None for x in everyone):
+            return pacer.taken(step)
+        return pacer.taken(step, max(c for c, _ in everyone), min(s for _, s in everyone))
 
     def _exchange(self, payload: bytes) -> None:
         """The writer thread, on every rank of a job that spans nodes: send this shard to the peer (an
@@ -122,6 +133,7 @@ class DeepSpeedSnapshots:
             return
         self._job = None
         job.thread.join()
+        self.cp.pacer.writer_done()
         if job.error is not None:
             self.cp.emit(job.step, Record.CHECKPOINT_FAILED, {"tag": job.tag, "dir": str(self.store.own),
                                                               "tier": "memory",
@@ -130,7 +142,8 @@ class DeepSpeedSnapshots:
         self.cp.emit(job.step, Record.SNAPSHOT_SAVED, {
             "tag": job.tag, "step": job.step, "dir": str(self.store.own), "bytes": job.bytes,
             "node_memory_bytes": job.node_bytes, "blocking_s": round(job.blocking, 4),
-            "write_s": round(job.seconds, 3), "peer": self.peer})
+            "write_s": round(job.seconds, 3), "write_cpu_s": round(job.cpu, 4), "interval": job.interval,
+            "peer": self.peer})
 
     def wait(self) -> None:
         self.poll(wait=True)
@@ -170,18 +183,18 @@ class _Job:
     """One snapshot's background work on one rank: write, hash, commit, exchange."""
 
     def __init__(self, owner: DeepSpeedSnapshots, tag, step, staged, staging_root, nonce, writes, json_writes,
-                 manifest, blocking):
-        self.owner, self.tag, self.step, self.blocking = owner, tag, step, blocking
+                 manifest, blocking, interval):
+        self.owner, self.tag, self.step, self.blocking, self.interval = owner, tag, step, blocking, interval
         self.staged, self.staging_root, self.nonce = staged, staging_root, nonce
         self.writes, self.json_writes, self.manifest = writes, json_writes, manifest
         self.error: BaseException | None = None
         self.bytes = self.node_bytes = 0
-        self.seconds = 0.0
+        self.seconds = self.cpu = 0.0  # wall and this thread's CPU time
         self.thread = threading.Thread(target=self._run, name=f"trainguard-snapshot-{_rank()}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         store = self.owner.store
         payload = b""
         try:
@@ -208,7 +221,7 @@ class _Job:
             self.node_bytes = store.bytes_used()
         except BaseException as e:  # noqa: BLE001
             self.error = self.error or e
-        self.seconds = time.perf_counter() - t0
+        self.seconds, self.cpu = time.perf_counter() - t0, time.thread_time() - cpu0
 
 
 def _recv(src: int, group) -> bytes:

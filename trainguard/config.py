@@ -212,6 +212,12 @@ class SnapshotConfig(_Section):
         "/dev/shm/trainguard", description="Node-local memory the snapshots are written to: a tmpfs outlives the "
         "process (a restarted rank finds its shard there) but not the node. Each run has a folder of its own in it "
         "(named by the id kept in checkpoint.dir), freed when the engine is destroyed at the end of the run.")
+    max_overhead: Optional[float] = Field(
+        None, gt=0, lt=1, description="A cost budget, as a fraction of the training time (e.g. 0.01): the snapshots are "
+        "spaced so that their cost -- the blocking copy plus the background writer's CPU time, counted as taken from "
+        "training (it is where the cores are all busy; on a GPU node an upper bound) -- stays within it; every_steps "
+        "is then the shortest interval. Every rank agrees on the figures (one small all-gather per snapshot), so all "
+        "snapshot on the same steps. null: every every_steps steps, whatever it costs.")
     keep: int = Field(2, ge=1, description="Snapshots kept per rank (and per peer copy held), newest first.")
     peer_copy: bool = Field(
         True, description="Also send each rank's shard to a rank on the next node, which keeps it in its node's "

@@ -133,3 +133,19 @@ def test_a_node_lost_with_its_memory_comes_back_from_its_peers_copy(tmp_path, to
     assert detail["tier"] == "memory" and detail["from_peer_copy"] == [1] and 16 <= detail["step"] <= 18
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
         uninterrupted.results[0]["param_sha256"]
+
+
+def test_a_cost_budget_spaces_the_snapshots_alike_on_every_rank(tmp_path, torchrun, uninterrupted):
+    """checkpoint.snapshot.max_overhead: a budget no snapshot fits (0.01% of the training time) stops the tier
+    after the first one measured -- on every rank at the same step (the figures are agreed), so no rank waits
+    in the agreement for another -- and the run ends where the uninterrupted one does."""
+    (tmp_path / "b").mkdir()
+    snap = snapshot_block(tmp_path, "paced", max_overhead=0.0001)
+    run = torchrun(make_config(tmp_path / "b", block=snap, bf16={"enabled": True}), STEPS, out_name="paced").ok()
+    # (a rank that snapshotted on other steps would wait in the agreement's all-gather: the run would not end)
+    saved = [e["detail"] for e in events(run, "snapshot_saved")]
+    # step 2: no figures yet (every_steps); step 4 measured step 2's cost: the next one past the run's end
+    assert [d["step"] for d in saved] == [2, 4], saved
+    assert saved[0]["interval"] == 2 and saved[1]["interval"] > STEPS and saved[1]["write_cpu_s"] > 0
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
+        uninterrupted.results[0]["param_sha256"]

@@ -1,5 +1,6 @@
 """The in-memory tier's framework-free part: who keeps whose copy, which snapshot every rank can load,
 and copies that verify as their originals (trainguard/checkpoint/snapshots.py)."""
+import pytest
 import torch
 
 from trainguard.checkpoint.fsio import save_hashed
@@ -82,3 +83,49 @@ def test_a_snapshot_becomes_stable_after_clean_steps_and_a_rollback_forgets_the_
     assert not (tmp_path / "step00000010").exists()        # nothing written for a snapshot's marks
     m.abandon_after(tmp_path, 25)
     assert m.stable_snapshots == {"memory:step00000010"}
+
+
+def test_a_cost_budget_spaces_the_snapshots_by_what_they_cost_the_steps():
+    from trainguard.checkpoint.pacing import SnapshotPacer
+
+    fixed = SnapshotPacer(10)
+    assert [s for s in range(1, 41) if fixed.due(s)] == [10, 20, 30, 40]
+    assert not SnapshotPacer(0, 0.01).due(10)
+    paced = SnapshotPacer(10, max_overhead=0.02, smoothing=1.0)
+    assert [s for s in range(1, 25) if paced.due(s)] == [10, 20]                # the first on a multiple
+    clock = [0.0]
+
+    def run(times, events=None):  # one tick per step, the step taking `times[i]` seconds; then its event
+        for i, t in enumerate(times):
+            clock[0] += t
+            paced.tick(clock[0])
+            {"writer": paced.writer_done, "disk": paced.disk_saved}.get((events or {}).get(i), lambda: None)()
+
+    run([0.025] * 10)
+    assert paced.figures() is None and paced.taken(10) == 10                    # none before: every_steps
+    assert not paced.due(19) and paced.due(20)
+    # the snapshot's blocking and its writer slowed the steps until the writer was done and the one after by
+    # 5 ms each (3 steps); the others took 25 ms
+    run([0.030, 0.030, 0.030] + [0.025] * 7, events={1: "writer"})
+    cost, step = paced.figures()
+    assert (cost, step) == pytest.approx((0.015, 0.025))
+    # 15 ms where a step takes 25 ms: 2% of the training time needs >= 30 steps between snapshots
+    assert paced.taken(20, cost, step) == 30 and paced.next_step == 50
+    # the steps after a disk checkpoint (its blocking part, its writer) are not the tier's cost
+    run([0.025, 0.025, 0.025, 0.025] + [0.060, 0.030, 0.030, 0.030] + [0.025] * 8, events={0: "writer", 3: "disk"})
+    assert paced.figures() == pytest.approx((0.0, 0.025))
+    assert paced.taken(50, 0.0, 0.025) == 10                                    # cheap: every_steps
+    assert paced.taken(60, 0.100, 0.025) == 200
+    paced.stood_in(260)                                                         # a disk checkpoint where one was due
+    assert paced.next_step == 460 and paced.figures() is None
+    paced.rewind(100)                                                           # a rollback: one interval on
+    assert paced.next_step == 300
+    busy = SnapshotPacer(2, max_overhead=0.02)                                   # a writer that outlasts the interval:
+    busy.tick(0.0)
+    busy.taken(2)
+    for t in (0.1, 0.2, 0.3):                                                   # no step free of it to compare with,
+        busy.tick(t)
+    assert busy.figures() == pytest.approx((0.3, 0.1)) and busy.taken(4, *busy.figures()) >= 150  # all its cost
+    smooth = SnapshotPacer(10, max_overhead=0.02)
+    smooth.taken(10, cost_s=0.010, step_s=0.025)
+    assert smooth.taken(30, cost_s=0.030, step_s=0.025) == 40                   # (10 + 30) / 2 ms

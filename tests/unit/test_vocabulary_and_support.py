@@ -84,7 +84,7 @@ _ACTIVE = {"sanitize.max_seq_len": 512, "sanitize.vocab_size": 100, "sanitize.pa
            "clipping.mode": "value", "clipping.value": 0.5, "checks.min_warmup_steps": 10, "faults[].type": "nan_batch",
            "recovery.replay_check": True, "recovery.narrow_samples": True, "checkpoint.snapshot.every_steps": 5,
            "checkpoint.snapshot.dir": "/tmp/shm", "checkpoint.snapshot.keep": 3, "checkpoint.snapshot.peer_copy": True,
-           "checkpoint.snapshot.ranks_per_node": 1}
+           "checkpoint.snapshot.ranks_per_node": 1, "checkpoint.snapshot.max_overhead": 0.01}
 
 
 _UNSET = object()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout
 from trainguard.checkpoint.manifest import verify
+from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 from trainguard.checkpoint.snapshots import MEMORY, snapshot_step
@@ -64,6 +66,7 @@ class CheckpointManager:
         self.key = auth.key_from(self.cfg)     # checkpoint.hmac_key_env's key: sign and require signatures
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
+        self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
 
     def emit(self, step: int, record: Record, detail: dict, ranks=(), action=None) -> None:
         if self.guard is not None:
@@ -101,10 +104,14 @@ class CheckpointManager:
     def after_step(self, step: int) -> None:
         """A periodic save when one is due, and the corrupt_checkpoint fault (tests, drills)."""
         c = self.cfg
+        self.pacer.tick(time.perf_counter())  # (the step times a snapshot's cost shows in: max_overhead)
         saved = bool(c.dir and c.every_steps and step % c.every_steps == 0)
         if saved:
             self.save(c.dir)
-        elif c.snapshot.every_steps and step % c.snapshot.every_steps == 0:
+            self.pacer.disk_saved()
+            if self.pacer.paced and self.pacer.due(step):
+                self.pacer.stood_in(step)
+        elif self.pacer.due(step):
             self.snapshot()  # (the in-memory tier: not where a disk checkpoint was just taken)
         faults = self.guard.faults if self.guard is not None and self.block.faults else None
         if faults is not None and c.dir and faults.checkpoint_due(step):
@@ -246,6 +253,7 @@ class CheckpointManager:
         moved = abandon_after(root, step) if rank() == 0 else None
         self.health.watching = [w for w in self.health.watching if w.step <= step]
         self.stable_snapshots = {t for t in self.stable_snapshots if snapshot_step(t) <= step}
+        self.pacer.rewind(step)
         return broadcast_from_rank0(moved)
 
     # ------------------------------------------------------------------ the adapter's part
