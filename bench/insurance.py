@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainguard.demo.run import run_worker  # noqa: E402
 from trainguard.drill import LAUNCHER, drill_config  # noqa: E402
-from trainguard.drill.costs import read_progress  # noqa: E402
+from trainguard.drill.costs import read_progress, tier_cost  # noqa: E402
 from trainguard.metrics.jsonl import read  # noqa: E402
 
 VARIANTS = ("clean", "guard", "insured", "paced")
@@ -53,21 +53,6 @@ def config(variant: str, out: Path, snapshot_every: int, budget: float) -> tuple
     if variant == "paced":
         ck["snapshot"]["max_overhead"] = budget
     return cfg, []
-
-
-def tier_cost(progress: list, snapshots: list[int], disk_every: int, window: int = 3) -> tuple[float, float] | None:
-    """The tier's cost measured inside one run, far less noisy than two runs' wall times: the steps just after
-    each snapshot (its blocking copy, the steps its writer overlapped: ``window`` steps) against the mean of
-    the others (the steps after a disk checkpoint left out). Returns (seconds per snapshot, share of the run)."""
-    dts = {b[1]: b[2] - a[2] for a, b in zip(progress, progress[1:]) if b[0] == a[0]}
-    near = {k + i for k in snapshots for i in range(1, window + 1)}
-    disk = {k + i for k in range(0, max(dts, default=0) + 1, disk_every) for i in range(1, window + 2)}
-    others = [t for s, t in dts.items() if s not in near and s not in disk]
-    tier = [t for s, t in dts.items() if s in near and s not in disk]
-    if not tier or len(others) < 10:
-        return None
-    extra = sum(tier) - len(tier) * statistics.fmean(others)
-    return extra / len(snapshots), extra / sum(dts.values())
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
 """trainguard.drill.costs: a fault's cost from per-step progress lines and the event records."""
-from trainguard.drill.costs import _rung, fault_cost, goal, read_progress, step_time
+from trainguard.drill.costs import _rung, fault_cost, goal, read_progress, step_time, tier_cost
 
 
 def lines(*segments):
@@ -46,3 +46,17 @@ def test_progress_files_and_rungs(tmp_path):
     assert read_progress(tmp_path / "missing") == []
     assert _rung([{"event": "restart", "detail": {"resumed_at_step": 70}, "step": 71},
                   {"event": "precision_fallback", "action": "bf16_fallback", "detail": {}}]) == "restart->70, bf16"
+
+
+def test_the_tiers_cost_in_the_step_times():
+    # 100 steps of 20 ms; a snapshot every 10 steps slows the step after it by 6 ms and the next by 2; a disk
+    # checkpoint every 50 slows the step after it by 30 ms (the disk's, not the tier's)
+    times, clock = [], 0.0
+    for step in range(1, 101):
+        clock += 0.020 + (0.006 if step % 10 == 1 and step > 1 else 0.002 if step % 10 == 2 and step > 2 else 0) \
+            + (0.030 if step in (51,) else 0)
+        times.append((0, step, clock, 1))
+    snaps = [s for s in range(10, 100, 10) if s != 50]
+    per_snapshot, share = tier_cost(times, snaps, disk_every=50)
+    assert abs(per_snapshot - 0.008) < 1e-6 and 0.03 < share < 0.04  # 8 ms each (the steps after 50 are the disk's)
+    assert tier_cost(times, [], 50) is None

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Sequence
 
 from trainguard.demo.run import run_worker
-from trainguard.drill.costs import cold_start, fault_cost, format_costs, goal, read_progress, step_time
+from trainguard.drill.costs import cold_start, fault_cost, format_costs, goal, read_progress, step_time, tier_cost
 from trainguard.metrics.jsonl import read
 
 DRILL_CONFIG = Path(__file__).with_name("drill.json")
@@ -170,20 +170,25 @@ def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
 PROCESS_FAULTS = ("kill_rank", "hang_rank")
 
 
-def snapshot_figures(log: Path) -> dict | None:
+def snapshot_figures(run_dir: Path, disk_every: int) -> dict | None:
     """What the in-memory tier cost a run (its snapshot_saved records): blocking time per snapshot, the
-    background write, the shard's size and the node memory a rank's snapshots take."""
+    background write, the shard's size and the node memory a rank's snapshots take; and its cost in the
+    step times (trainguard.drill.costs.tier_cost: what the steps after each snapshot took beyond the others)."""
+    log = run_dir / "trainguard.jsonl"
     saved = [x["detail"] for x in (read(log) if log.exists() else [])
              if x["type"] == "event" and x["event"] == "snapshot_saved"]
     if not saved:
         return None
     import statistics
 
+    in_run = tier_cost(read_progress(run_dir / "progress.rank0.txt"), [d["step"] for d in saved], disk_every)
     return {"count": len(saved), "blocking_ms_median": statistics.median(d["blocking_s"] for d in saved) * 1e3,
             "blocking_ms_max": max(d["blocking_s"] for d in saved) * 1e3,
             "write_ms_median": statistics.median(d["write_s"] for d in saved) * 1e3,
             "shard_mb": max(d["bytes"] for d in saved) / 1e6,
-            "node_memory_mb": max(d["node_memory_bytes"] for d in saved) / 1e6}
+            "node_memory_mb": max(d["node_memory_bytes"] for d in saved) / 1e6,
+            "in_run_ms": None if in_run is None else in_run[0] * 1e3,
+            "in_run_share": None if in_run is None else in_run[1]}
 
 
 def in_process_goodput(row: dict, costs: list[dict]) -> None:
@@ -296,13 +301,15 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
         print(f"  trainguard's goodput over the in-process faults (the process faults' windows -- "
               f"{tg['process_fault_s']:.1f} s, restart downtime {tg.get('downtime_s') or 0:.1f} s of it -- taken out "
               f"of the wall time): {tg['goodput_in_process']:.3f} (goal >= {GOALS['goodput']})", file=stream)
-    snaps = snapshot_figures(Path(rows[1]["dir"]) / "trainguard.jsonl")
+    snaps = snapshot_figures(Path(rows[1]["dir"]), every)
     if snaps:
         rows[1]["snapshots"] = snaps
         print(f"  the in-memory tier (trainguard without faults): {snaps['count']} snapshots, "
               f"{snaps['blocking_ms_median']:.1f} ms blocking each (median; max {snaps['blocking_ms_max']:.1f}), "
               f"{snaps['write_ms_median']:.0f} ms written in the background, {snaps['shard_mb']:.1f} MB a shard, "
-              f"{snaps['node_memory_mb']:.1f} MB of node memory per rank", file=stream)
+              f"{snaps['node_memory_mb']:.1f} MB of node memory per rank"
+              + (f"; in the step times {snaps['in_run_ms']:.1f} ms a snapshot, {snaps['in_run_share']:+.1%} of the "
+                 "run" if snaps["in_run_ms"] is not None else ""), file=stream)
     if rows[1].get("insurance_cost") is not None:
         print(f"  the insurance (trainguard without faults) against the clean run: "
               f"{rows[1]['insurance_cost'] * 100:+.1f}% training time (goal <= +2%)", file=stream)

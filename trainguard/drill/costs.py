@@ -207,11 +207,26 @@ def format_costs(rows: list[dict]) -> str:
         return "-" if x is None else fmt.format(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
 
     head = (f"{'fault':<20}{'step':>5}  {'run':<16}{'steps lost':>11}{'s lost':>8}{'detect s':>9}{'again s':>8}"
-            f"  {'rung':<40} goal")
+            f"  {'rung':<44} goal")
     lines = [head, "-" * (len(head) + 30)]
     for r in rows:
         mark = {True: "[x]", False: "[ ]", None: "   "}[r.get("goal_met")]
         lines.append(f"{r['fault']:<20}{r['step']:>5}  {r['run']:<16}{f(r.get('steps_lost'), '{}'):>11}"
                      f"{f(r.get('seconds_lost')):>8}{f(r.get('time_to_detect_s')):>9}{f(r.get('time_to_train_again_s')):>8}"
-                     f"  {str(r.get('rung') or '-')[:40]:<40} {mark} {r.get('goal', '')}")
+                     f"  {str(r.get('rung') or '-')[:44]:<44} {mark} {r.get('goal', '')}")
     return "\n".join(lines)
+
+
+def tier_cost(progress: list, snapshots: list[int], disk_every: int, window: int = 3) -> tuple[float, float] | None:
+    """The tier's cost measured inside one run, far less noisy than two runs' wall times: the steps just after
+    each snapshot (its blocking copy, the steps its writer overlapped: ``window`` steps) against the mean of
+    the others (the steps after a disk checkpoint left out). Returns (seconds per snapshot, share of the run)."""
+    dts = {b[1]: b[2] - a[2] for a, b in zip(progress, progress[1:]) if b[0] == a[0]}
+    near = {k + i for k in snapshots for i in range(1, window + 1)}
+    disk = {k + i for k in range(0, max(dts, default=0) + 1, disk_every) for i in range(1, window + 2)}
+    others = [t for s, t in dts.items() if s not in near and s not in disk]
+    tier = [t for s, t in dts.items() if s in near and s not in disk]
+    if not tier or len(others) < 10:
+        return None
+    extra = sum(tier) - len(tier) * statistics.fmean(others)
+    return extra / len(snapshots), extra / sum(dts.values())
