@@ -47,18 +47,21 @@ class DeepSpeedSnapshots:
         elif hasattr(eng, "is_pipe_parallel") and eng.is_pipe_parallel:
             why = "pipeline engines save their layers through the pipeline module"
         if why:
-            raise ConfigError(f"trainguard.checkpoint.snapshot.every_steps: the in-memory tier is not supported "
-                              f"here: {why}; set it to 0 (disk checkpoints still work)")
+            raise ConfigError([("trainguard.checkpoint.snapshot.every_steps", f"the in-memory tier is not supported "
+                               f"here: {why}; set it to 0 (disk checkpoints still work)")])
         rid = broadcast_from_rank0(run_id(cp.cfg.dir) if _rank() == 0 else None)
         place = Placement.build(_rank(), gather_objects(Placement.host()), self.cfg.ranks_per_node)
         self.store = SnapshotStore(Path(self.cfg.dir) / rid, place, self.cfg.keep, key=cp.key)
+        problem = None
         try:
             self.store.own.mkdir(parents=True, exist_ok=True)
             self.store.clear_staging()  # what a killed writer left half-written
         except OSError as e:
-            raise ConfigError(f"trainguard.checkpoint.snapshot.dir: cannot write the snapshots of rank {_rank()} "
-                              f"to {self.store.own}: {e}; expected a node-local directory (a tmpfs such as "
-                              "/dev/shm) every rank can write") from e
+            problem = f"rank {_rank()} cannot write to {self.store.own}: {e}"
+        problems = [p for p in gather_objects(problem) if p]  # (every rank stops, not only the one that failed)
+        if problems:
+            raise ConfigError([("trainguard.checkpoint.snapshot.dir", f"{'; '.join(problems)}; expected a node-local "
+                               "directory (a tmpfs such as /dev/shm) every rank can write")])
         spans_nodes = len(set(place.node_of)) > 1
         self.peer = place.peer(place.rank) if self.cfg.peer_copy else None
         self.sources = place.sources() if self.cfg.peer_copy else []

@@ -111,8 +111,8 @@ def _check_dirs(cfg, margs) -> None:
     for flag in ("save", "load"):
         theirs = getattr(margs, flag, None)
         if theirs and Path(theirs).resolve() == Path(mine).resolve():
-            raise ConfigError(f"trainguard.checkpoint.dir ({mine}) is Megatron-LM's --{flag} directory: give "
-                              f"trainguard's snapshots a directory of their own (e.g. {Path(mine) / 'trainguard'})")
+            raise ConfigError([("trainguard.checkpoint.dir", f"{mine} is Megatron-LM's --{flag} directory: give "
+                               f"trainguard's snapshots a directory of their own (e.g. {Path(mine) / 'trainguard'})")])
 
 
 class LMRun:

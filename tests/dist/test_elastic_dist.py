@@ -149,3 +149,15 @@ def test_a_cost_budget_spaces_the_snapshots_alike_on_every_rank(tmp_path, torchr
     assert saved[0]["interval"] == 2 and saved[1]["interval"] > STEPS and saved[1]["write_cpu_s"] > 0
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
         uninterrupted.results[0]["param_sha256"]
+
+
+def test_a_snapshot_dir_no_rank_can_write_stops_every_rank_naming_the_key(tmp_path, torchrun):
+    (tmp_path / "w").mkdir()
+    not_a_dir = tmp_path / "shm-is-a-file"
+    not_a_dir.write_text("")  # (root writes anywhere: a file where the folder should be fails for root too)
+    snap = snapshot_block(tmp_path, "unwritable", dir=str(not_a_dir))
+    run = torchrun(make_config(tmp_path / "w", block=snap, bf16={"enabled": True}), STEPS, out_name="unwritable")
+    assert run.rc != 0 and not any(run.results)
+    log = (run.out / "torchrun.log").read_text()
+    assert "trainguard.checkpoint.snapshot.dir" in log and "rank 0 cannot write" in log and "rank 1 cannot write" in log
+    assert not (tmp_path / "unwritable" / "ck").exists() or not any((tmp_path / "unwritable" / "ck").glob("step*"))

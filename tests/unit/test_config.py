@@ -135,3 +135,17 @@ def test_cli_validate_ok_and_error(root, tmp_path):
     assert "trainguard.detectors.nonfinite.actoin" in res.stderr and "did you mean 'action'" in res.stderr
     assert "trainguard.metrics.every_steps" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_megatron_lms_checkpoint_directory_is_refused_for_trainguards_snapshots(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_hooks.lm import _check_dirs
+    from trainguard.config import parse_block
+    from trainguard.errors import ConfigError
+
+    cfg = parse_block({"checkpoint": {"dir": str(tmp_path / "ckpt")}})
+    _check_dirs(cfg, SimpleNamespace(save=str(tmp_path / "megatron"), load=None))  # apart: fine
+    with pytest.raises(ConfigError) as e:
+        _check_dirs(cfg, SimpleNamespace(save=None, load=str(tmp_path / "ckpt")))
+    assert e.value.problems[0][0] == "trainguard.checkpoint.dir" and "--load" in str(e.value)
