@@ -113,7 +113,7 @@ def collective_device(accelerator: str | None = None) -> torch.device:
 
 
 def gather_objects(obj, group=None) -> list:
-    """Only on anomaly steps: a second, variable-size gather (sample ids, data positions)."""
+    """Off the per-step path (anomaly steps, the snapshot tier's set-up and paced snapshots): a variable-size gather."""
     if not _distributed():
         return [obj]
     out: list = [None] * dist.get_world_size(group)
