@@ -1,7 +1,7 @@
 """What trainguard costs when nothing goes wrong (issue 16's insurance), measured as whole runs.
 
 The fire drill's worker (2 ranks under torchrun, ZeRO-2 fp16, the drill's model and data) runs the
-same number of steps in three ways, round after round, the order rotating every round so that machine
+same number of steps in four ways, round after round, the order rotating every round so that machine
 noise and warm caches hit every variant alike:
 
 - ``clean``: plain DeepSpeed (``deepspeed.initialize``), no trainguard at all;
@@ -35,9 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainguard.demo.run import run_worker  # noqa: E402
-from trainguard.drill import LAUNCHER, drill_config  # noqa: E402
-from trainguard.drill.costs import read_progress, tier_cost  # noqa: E402
-from trainguard.metrics.jsonl import read  # noqa: E402
+from trainguard.drill import LAUNCHER, drill_config, snapshot_figures  # noqa: E402
+from trainguard.drill.costs import read_progress  # noqa: E402
 
 VARIANTS = ("clean", "guard", "insured", "paced")
 
@@ -82,19 +81,16 @@ def main(argv=None) -> int:
                 print(f"  {variant} (round {rnd + 1}) failed: exit {rc}; see {d}", file=sys.stderr)
                 return 1
             seconds[variant].append(progress[-1][2] - progress[0][2])
-            snaps = [x["detail"] for x in (read(d / "trainguard.jsonl") if variant != "clean" else [])
-                     if x["type"] == "event" and x["event"] == "snapshot_saved"]
+            snaps = snapshot_figures(d, disk_every)
+            line = f"  round {rnd + 1}/{args.rounds} {variant:8s} {seconds[variant][-1]:7.2f} s"
             if snaps:
-                intervals[variant].append(snaps[-1]["interval"])
-                inrun = tier_cost(progress, [x["step"] for x in snaps], disk_every)
-                if inrun is not None:
-                    in_run[variant].append(inrun)
-            print(f"  round {rnd + 1}/{args.rounds} {variant:8s} {seconds[variant][-1]:7.2f} s"
-                  + (f"  {len(snaps)} snapshots, the last interval {snaps[-1]['interval']} steps, "
-                     f"{statistics.median(s['blocking_s'] + s['write_cpu_s'] for s in snaps) * 1e3:.1f} ms each "
-                     "(blocking + writer CPU, median)" if snaps else "")
-                  + (f"; in the step times {in_run[variant][-1][0] * 1e3:.1f} ms each, "
-                     f"{in_run[variant][-1][1]:+.1%} of the run" if snaps and in_run[variant] else ""), flush=True)
+                intervals[variant].append(snaps["last_interval"])
+                line += (f"  {snaps['count']} snapshots, the last interval {snaps['last_interval']} steps, "
+                         f"{snaps['blocking_and_writer_cpu_ms_median']:.1f} ms each (blocking + writer CPU, median)")
+                if snaps["in_run_ms"] is not None:
+                    in_run[variant].append((snaps["in_run_ms"] / 1e3, snaps["in_run_share"]))
+                    line += f"; in the step times {snaps['in_run_ms']:.1f} ms each, {snaps['in_run_share']:+.1%} of the run"
+            print(line, flush=True)
     med = {v: statistics.median(s) for v, s in seconds.items()}
     paired = {v: statistics.median(a / b for a, b in zip(seconds[v], seconds["clean"])) for v in VARIANTS}
     print(f"insurance: {args.steps} steps x {args.rounds} rounds, 2 ranks, the drill's model (ZeRO-2 fp16); "

@@ -105,7 +105,7 @@ class DeepSpeedSnapshots:
 
     def _pace(self, step: int) -> int:
         """With a cost budget (``snapshot.max_overhead``): what the previous snapshot cost training and the
-        median step since, agreed by every rank (the largest cost, the shortest step), set the interval to
+        mean step, agreed by every rank (the largest cost, the shortest step), set the interval to
         the next one (trainguard.checkpoint.pacing). Returns the interval."""
         pacer = self.cp.pacer
         everyone = gather_objects(pacer.figures()) if pacer.paced else [None]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -179,12 +180,13 @@ def snapshot_figures(run_dir: Path, disk_every: int) -> dict | None:
              if x["type"] == "event" and x["event"] == "snapshot_saved"]
     if not saved:
         return None
-    import statistics
-
     in_run = tier_cost(read_progress(run_dir / "progress.rank0.txt"), [d["step"] for d in saved], disk_every)
     return {"count": len(saved), "blocking_ms_median": statistics.median(d["blocking_s"] for d in saved) * 1e3,
             "blocking_ms_max": max(d["blocking_s"] for d in saved) * 1e3,
             "write_ms_median": statistics.median(d["write_s"] for d in saved) * 1e3,
+            "blocking_and_writer_cpu_ms_median": statistics.median(d["blocking_s"] + d["write_cpu_s"]
+                                                                   for d in saved) * 1e3,
+            "last_interval": saved[-1]["interval"],
             "shard_mb": max(d["bytes"] for d in saved) / 1e6,
             "node_memory_mb": max(d["node_memory_bytes"] for d in saved) / 1e6,
             "in_run_ms": None if in_run is None else in_run[0] * 1e3,
