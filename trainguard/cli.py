@@ -8,7 +8,7 @@
                                    fire drill: a schedule of faults (NaN, poisoned batches, corrupt
                                    checkpoint, LR ramp, fp16 scale collapse) under trainguard and
                                    under plain DeepSpeed, against a clean run; exit 0 when the goals hold
-    trainguard ckpt list DIR | verify DIR [TAG] [--key-env NAME] | inspect DIR TAG
+    trainguard ckpt list DIR | verify DIR [TAG] [--key-env NAME] | inspect DIR TAG | sign DIR [TAG] --key-env NAME
                                    committed checkpoints: step, stable, size, checksums, lineage
     trainguard run -- COMMAND [ARGS...]
                                    run your launch command (torchrun, deepspeed, accelerate launch,
@@ -104,15 +104,18 @@ def _ckpt(args) -> int:
     try:
         if args.ckpt_command == "list":
             return ck.ckpt_list(args.dir, checksums=not args.fast)
-        if args.ckpt_command == "verify":
+        if args.ckpt_command in ("verify", "sign"):
             key = None
             if args.key_env:
                 from trainguard.checkpoint.auth import key_in
 
                 key = key_in(args.key_env)
                 if key is None:
-                    print(f"trainguard ckpt verify: the environment variable {args.key_env} is not set", file=sys.stderr)
+                    print(f"trainguard ckpt {args.ckpt_command}: the environment variable {args.key_env} is not set",
+                          file=sys.stderr)
                     return 2
+            if args.ckpt_command == "sign":
+                return ck.ckpt_sign(args.dir, key, args.tag, force=args.force)
             return ck.ckpt_verify(args.dir, args.tag, key=key)
         if args.ckpt_command == "diff":
             from trainguard.checkpoint.diff import diff, format_diff
@@ -198,6 +201,13 @@ def main(argv=None) -> int:
     cd.add_argument("a", help="a checkpoint's tag directory (DIR/TAG)")
     cd.add_argument("b", help="a later one (DIR/TAG, the same run or a restarted one)")
     cd.add_argument("--json", action="store_true", help="the comparison as JSON")
+    cs = csub.add_parser("sign", help="sign committed checkpoints (each verified against its sha256 manifest first) "
+                         "for a job that turns checkpoint.hmac_key_env on")
+    cs.add_argument("dir")
+    cs.add_argument("tag", nargs="?")
+    cs.add_argument("--key-env", metavar="NAME", required=True, help="the environment variable holding the key "
+                    "(the one checkpoint.hmac_key_env names)")
+    cs.add_argument("--force", action="store_true", help="replace a signature of another key (a key rotation)")
     ci = csub.add_parser("inspect", help="contents, lineage, health of one checkpoint")
     ci.add_argument("dir")
     ci.add_argument("tag")

@@ -91,6 +91,7 @@ class Record(str, enum.Enum):
     CHECKPOINT_INVALID = "checkpoint_invalid"  # a checkpoint failed verification and was passed over
     RESUME = "resume"                          # a checkpoint was loaded to resume the run
     RESUME_SKIPPED = "resume_skipped"          # a resume was asked for, but no checkpoint qualified
+    FRESH_START = "fresh_start"                # nothing to resume from: a new run (or resume "none", by choice)
     RESUME_VERIFIED = "resume_verified"        # the losses after a resume continued the recorded ones
     RESUME_DISCONTINUITY = "resume_discontinuity"  # ... and did not
     HANG_DETECTED = "hang_detected"            # the watchdog: a rank stopped making progress

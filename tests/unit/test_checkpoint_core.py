@@ -107,7 +107,9 @@ def test_rng_round_trip_through_a_weights_only_file(tmp_path):
 def test_atomic_write_and_permissions(tmp_path):
     atomic_write_json(tmp_path / "m.json", {"a": 1})
     assert json.loads((tmp_path / "m.json").read_text()) == {"a": 1}
-    assert oct(os.stat(tmp_path / "m.json").st_mode & 0o777) == "0o644"
+    from trainguard.checkpoint.fsio import UMASK
+
+    assert os.stat(tmp_path / "m.json").st_mode & 0o777 == 0o666 & ~UMASK  # the user's umask, not a fixed 0644
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     digest, size = sha256_file(tmp_path / "m.json")
     assert size == (tmp_path / "m.json").stat().st_size and len(digest) == 64
@@ -161,33 +163,25 @@ def test_checkpoints_of_another_precision_are_no_rollback_target(tmp_path):
     assert tag is None and "predates step 11" in why
 
 
-def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
-    """resume "stable" over checkpoints none of which is stable: the run starts where it is, and a
-    resume_skipped record (and a warning) says so -- it used to start from step 0 silently."""
+class _Guard:
+    faults = None
+
+    def __init__(self):
+        self.records = []
+
+    def emit(self, step, record, ranks, action, detail, **kw):
+        self.records.append((step, record, detail))
+
+    def of(self, record):
+        return [d for _, r, d in self.records if r is record]
+
+
+def _manager(cfg_block, at=0):
+    """A CheckpointManager whose framework part only moves the step: enough for the resume's choices."""
     from trainguard.checkpoint.manager import CheckpointManager
-    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
     from trainguard.config import parse_block
-    from trainguard.events import Record
-
-    def two(name):  # two committed, verified, not stable checkpoints
-        for step in (10, 20):
-            d = tmp_path / name / f"step{step:08d}"
-            d.mkdir(parents=True)
-            (d / "weights.bin").write_bytes(b"w" * step)
-            Manifest(tag=d.name, step=step, files=hash_files(d, list_files(d))).write(d)
-        return tmp_path / name
-
-    records = []
-
-    class Guard:
-        faults = None
-
-        def emit(self, step, record, ranks, action, detail, **kw):
-            records.append((step, record, detail))
 
     class Manager(CheckpointManager):
-        at = 0  # the step the run is at (a load moves it)
-
         def step_count(self):
             return self.at
 
@@ -198,30 +192,149 @@ def test_a_resume_that_finds_nothing_to_load_says_so(tmp_path):
                 self.at = int(chosen[4:])
             return chosen
 
-    for mode, loaded in (("stable", None), ("latest_valid", "step00000020")):
-        records.clear()
-        cfg = parse_block({"checkpoint": {"dir": str(two(mode)), "resume": mode}})
-        m = Manager(cfg, Guard(), heart=None)
-        assert m.resume_on_start() == loaded
-        skipped = [d for _, r, d in records if r is Record.RESUME_SKIPPED]
-        if loaded is None:
-            (d,) = skipped
-            assert d["mode"] == "stable" and d["checkpoints"] == ["step00000010", "step00000020"]
-            assert d["starting_at_step"] == 0 and "stable" in d["reason"]
-        else:
-            assert not skipped
-    # the framework loaded its own checkpoint first (Megatron-LM's --load): only a newer snapshot loads
+    m = Manager(parse_block({"checkpoint": cfg_block}), _Guard(), heart=None)
+    m.at = at
+    return m
+
+
+def _two(root):
+    """Two committed, verified, not stable checkpoints (steps 10 and 20)."""
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+
+    for step in (10, 20):
+        d = root / f"step{step:08d}"
+        d.mkdir(parents=True)
+        (d / "weights.bin").write_bytes(b"w" * step)
+        Manifest(tag=d.name, step=step, files=hash_files(d, list_files(d))).write(d)
+    return root
+
+
+def _listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_resume_that_finds_checkpoints_but_loads_none_stops_and_moves_nothing(tmp_path, monkeypatch):
+    """Issue 25 item 1: resume "stable" over checkpoints none of which is stable, or an authenticated run
+    whose key was rotated (or just turned on), started from step 0 and moved every checkpoint to
+    .abandoned/ with one warning. Now it stops with an error naming each checkpoint and why, and not one
+    file moves. (Seen failing on the code before: resume_on_start returned None and the listing changed.)"""
+    from trainguard.checkpoint.layout import CheckpointError
+    from trainguard.events import Record
+
+    root = _two(tmp_path / "stable")
+    before = _listing(root)
+    m = _manager({"dir": str(root), "resume": "stable"})
+    with pytest.raises(CheckpointError) as e:
+        m.resume_on_start()
+    msg = str(e.value)
+    assert "none can be loaded" in msg and "step00000010: not stable" in msg and "step00000020: not stable" in msg
+    assert 'resume to "latest_valid"' in msg and _listing(root) == before
+    assert not m.guard.of(Record.RESUME_SKIPPED) and not m.guard.of(Record.FRESH_START)
+
+    # authentication turned on (or the key rotated) for checkpoints signed with no key or another one
+    root = _two(tmp_path / "auth")
+    before = _listing(root)
+    monkeypatch.setenv("TG_ROTATED", "new-key")
+    m = _manager({"dir": str(root), "hmac_key_env": "TG_ROTATED"})
+    with pytest.raises(CheckpointError) as e:
+        m.resume_on_start()
+    assert "step00000020: manifest.hmac: unauthenticated" in str(e.value) and _listing(root) == before
+    assert [d["tag"] for d in m.guard.of(Record.CHECKPOINT_INVALID)] == ["step00000020", "step00000010"]
+
+    # the default resume loads the newest: no error, nothing set aside
+    m = _manager({"dir": str(_two(tmp_path / "latest"))})
+    assert m.resume_on_start() == "step00000020" and not m.guard.of(Record.FRESH_START)
+
+    # the framework loaded its own checkpoint first (Megatron-LM's --load): only a newer snapshot loads,
+    # and none newer is no failure (the run did resume)
     for newer_than, loaded in ((15, "step00000020"), (20, None), (25, None)):
-        records.clear()
-        m = Manager(parse_block({"checkpoint": {"dir": str(two(f"n{newer_than}"))}}), Guard(), heart=None)
-        m.at = newer_than
+        m = _manager({"dir": str(_two(tmp_path / f"n{newer_than}"))}, at=newer_than)
         assert m.resume_on_start(newer_than=newer_than) == loaded
-        skipped = [d for _, r, d in records if r is Record.RESUME_SKIPPED]
+        skipped = m.guard.of(Record.RESUME_SKIPPED)
         if loaded is None:
             (d,) = skipped
             assert f"newer than step {newer_than}" in d["reason"]
         else:
             assert not skipped
+
+
+def test_a_missing_or_foreign_checkpoint_dir_is_a_record_at_first_and_a_stop_on_a_restart(tmp_path, monkeypatch):
+    """Issue 25 item 1: a checkpoint.dir that is missing or unmounted gave no record at all, and the next
+    save created it. A first attempt now says so (fresh_start, created); a restarted attempt (torchrun's
+    or Slurm's count) whose directory lacks the run marker the first attempt wrote stops."""
+    from trainguard.checkpoint.layout import CheckpointError
+    from trainguard.checkpoint.snapshots import RUN_ID
+    from trainguard.events import Record
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    root = tmp_path / "ck"
+    m = _manager({"dir": str(root)})
+    assert m.resume_on_start() is None
+    (d,) = m.guard.of(Record.FRESH_START)
+    assert d["created"] is True and d["attempt"] == 0 and (root / RUN_ID).is_file()
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _manager({"dir": str(root)}).resume_on_start() is None  # its own dir, no save yet: fine
+    for where in (tmp_path / "unmounted", tmp_path / "empty"):
+        if where.name == "empty":
+            where.mkdir()
+        with pytest.raises(CheckpointError) as e:
+            _manager({"dir": str(where)}).resume_on_start()
+        assert "restarted attempt 1" in str(e.value) and str(where) in str(e.value)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    with pytest.raises(CheckpointError, match="restarted attempt 2"):
+        _manager({"dir": str(tmp_path / "requeued")}).resume_on_start()
+
+
+def test_resume_none_is_the_explicit_fresh_start_and_sets_the_old_checkpoints_aside(tmp_path):
+    """Issue 15 item 4 / issue 25 item 1: a fresh start over existing checkpoints is resume "none", by
+    choice; they are moved to .abandoned/ (kept, out of the listing), so a save at step 10 replaces none."""
+    from trainguard.checkpoint.layout import CheckpointLayout
+    from trainguard.events import Record
+
+    root = _two(tmp_path / "ck")
+    m = _manager({"dir": str(root), "resume": "none"})
+    assert m.resume_on_start() is None
+    (d,) = m.guard.of(Record.FRESH_START)
+    assert d["set_aside"] == ["step00000010", "step00000020"] and "none" in d["reason"]
+    assert CheckpointLayout(root).tags() == []
+    kept = sorted(p.name.split(".")[0] for p in (root / ".abandoned").iterdir())
+    assert kept == ["step00000010", "step00000020"]
+
+
+def test_a_crash_between_the_renames_of_a_resave_loses_nothing(tmp_path, monkeypatch):
+    """Issue 25 item 2: saving a tag again moves the old copy aside, then renames the new one in; a crash
+    between the two left neither in place, and the next start deleted .staging holding the old one."""
+    import os as _os
+    from pathlib import Path
+
+    from trainguard.checkpoint import commit as commit_mod
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
+
+    root = _two(tmp_path / "ck")
+    staged_root = root / ".staging" / "n1"
+    d = staged_root / "step00000020"
+    d.mkdir(parents=True)
+    (d / "weights.bin").write_bytes(b"new" * 7)
+    real_replace = _os.replace
+
+    def crash_on_second(src, dst):  # the old copy goes aside, then the process dies
+        if Path(src) == d:
+            raise KeyboardInterrupt("killed between the renames")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(commit_mod.os, "replace", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        commit_mod.commit_staged(root, staged_root, "n1", Manifest(tag=d.name, step=20,
+                                                                   files=hash_files(d, list_files(d))))
+    monkeypatch.setattr(commit_mod.os, "replace", real_replace)
+    assert not (root / "step00000020").exists()  # the window the issue describes
+    m = _manager({"dir": str(root)})
+    assert m.resume_on_start() == "step00000020"  # put back, verified, loaded
+    assert verify(root / "step00000020").ok and not (root / ".staging").exists()
+    assert (root / "step00000020" / "weights.bin").read_bytes() == b"w" * 20  # the committed (old) copy
 
 
 def _committed(root, name, step, files=None):
@@ -275,41 +388,6 @@ def test_ckpt_cli_turns_checkpoint_errors_into_exit_1(tmp_path, capsys):
     assert main(["ckpt", "inspect", str(tmp_path / "ck"), "../etc"]) == 1
     err = capsys.readouterr().err
     assert "invalid checkpoint tag" in err and "Traceback" not in err
-
-
-def test_checkpoints_of_another_trajectory_are_set_aside_not_replaced(tmp_path):
-    """Issue 15 item 4: resume "stable" with no stable checkpoint started from step 0, and its saves
-    at steps 10 and 20 replaced the old trajectory's checkpoints under the same tags. Now they are
-    moved to .abandoned/ at the start (kept, out of the listing), and resume_skipped names them."""
-    from trainguard.checkpoint.layout import CheckpointLayout
-    from trainguard.checkpoint.manager import CheckpointManager
-    from trainguard.config import parse_block
-    from trainguard.events import Record
-
-    root = tmp_path / "ck"
-    for step in (10, 20):
-        _committed(root, f"step{step:08d}", step)
-    records = []
-
-    class Guard:
-        faults = None
-
-        def emit(self, step, record, ranks, action, detail, **kw):
-            records.append((record, detail))
-
-    class Manager(CheckpointManager):
-        def step_count(self):
-            return 0
-
-        def load(self, root, tag=None, mode="latest_valid", purpose="resume", **kw):
-            self.resumed_tag, _ = self.choose_for_load(root, tag, mode)
-
-    Manager(parse_block({"checkpoint": {"dir": str(root), "resume": "stable"}}), Guard(), heart=None).resume_on_start()
-    (skipped,) = [d for r, d in records if r is Record.RESUME_SKIPPED]
-    assert skipped["set_aside"] == ["step00000010", "step00000020"]
-    assert CheckpointLayout(root).tags() == []
-    kept = sorted(p.name.split(".")[0] for p in (root / ".abandoned").iterdir())
-    assert kept == ["step00000010", "step00000020"]  # nothing lost: a save at step 10 now replaces nothing
 
 
 def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_opening_a_file(tmp_path, monkeypatch):
@@ -407,3 +485,108 @@ def test_report_summary_of_an_aborted_run():
     assert text[0].startswith("trainguard summary: ABORTED; last step 9; goodput 0.900")
     assert any(x.strip().startswith("nonfinite") and "ranks [1]" in x and "samples [11, 12]" in x for x in text)
     assert any("7->4" in x for x in text) and text[-1] == "abort reason: rollback budget exhausted"
+
+
+def test_ckpt_sign_turns_authentication_on_for_an_existing_run(tmp_path, monkeypatch, capsys):
+    """Issue 25 items 1 and 10: `trainguard ckpt sign DIR --key-env VAR` signs verified checkpoints (so a job
+    that turns checkpoint.hmac_key_env on resumes from them); a corrupt one is never signed; `ckpt list` and
+    `verify` without a key say "unsigned" instead of a bare OK."""
+    from trainguard.checkpoint.auth import problem
+    from trainguard.cli import main
+
+    root = _two(tmp_path / "ck")
+    (root / "step00000010" / "weights.bin").write_bytes(b"x" * 10)  # rot: same size, other bytes
+    assert main(["ckpt", "verify", str(root), "step00000020"]) == 0
+    assert "unsigned" in capsys.readouterr().out
+    monkeypatch.setenv("TG_SIGN_KEY", "k1")
+    assert main(["ckpt", "sign", str(root), "--key-env", "TG_SIGN_KEY"]) == 1  # one could not be signed
+    out = capsys.readouterr().out
+    assert "step00000010: NOT SIGNED" in out and "sha256 mismatch" in out and "step00000020: signed" in out
+    assert problem(root / "step00000020", b"k1") is None and problem(root / "step00000010", b"k1") is not None
+    m = _manager({"dir": str(root), "hmac_key_env": "TG_SIGN_KEY"})
+    assert m.resume_on_start() == "step00000020"
+    monkeypatch.setenv("TG_SIGN_KEY", "k2")  # another key: refused unless --force
+    assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY"]) == 1
+    assert "another key" in capsys.readouterr().out
+    assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY", "--force"]) == 0
+    assert main(["ckpt", "verify", str(root), "step00000020", "--key-env", "TG_SIGN_KEY"]) == 0
+    assert "signature valid" in capsys.readouterr().out
+
+
+def test_a_malformed_or_crafted_checkpoint_is_invalid_with_a_reason_never_an_exception_or_a_hang(tmp_path):
+    """Issue 25 items 9 and 6: a non-ASCII signature raised TypeError, '"files": []' AttributeError, a FIFO
+    listed as a file blocked rank 0 in its read (the other ranks then hang in the broadcast); unlisted
+    dotfiles and '*.tmp' files, and symlinks, passed verification while a loader may open them."""
+    import threading
+
+    from trainguard.checkpoint.auth import sign
+    from trainguard.checkpoint.manifest import Manifest, sha256_file
+
+    def fresh(name):
+        return _committed(tmp_path / name, "step00000001", 1)
+
+    cases = {}
+    d = fresh("sig")
+    sign(d, b"k")
+    (d / "manifest.hmac").write_bytes("é0f".encode())
+    cases["sig"] = (d, b"k", "HMAC mismatch")
+    d = fresh("sigbin")
+    (d / "manifest.hmac").write_bytes(b"\xff\xfe")
+    cases["sigbin"] = (d, b"k", "HMAC mismatch")
+    d = fresh("empty")
+    man = Manifest.read(d).to_json()
+    man["files"] = []
+    (d / "manifest.json").write_text(json.dumps(man))
+    cases["empty"] = (d, None, "non-empty mapping")
+    d = fresh("list")
+    (d / "manifest.json").write_text("[1, 2]")
+    cases["list"] = (d, None, "manifest")
+    d = fresh("entry")
+    man = Manifest.read(d).to_json()
+    man["files"]["weights.bin"] = "x"
+    (d / "manifest.json").write_text(json.dumps(man))
+    cases["entry"] = (d, None, "entry 'weights.bin'")
+    d = fresh("fifo")
+    os.mkfifo(d / "pipe.bin")
+    man = Manifest.read(d).to_json()
+    man["files"]["pipe.bin"] = {"size": 0, "sha256": "0" * 64}
+    (d / "manifest.json").write_text(json.dumps(man))
+    cases["fifo"] = (d, None, "not a regular file")
+    d = fresh("link")
+    (tmp_path / "elsewhere.bin").write_bytes(b"w" * 2)
+    (d / "weights.bin").unlink()
+    (d / "weights.bin").symlink_to(tmp_path / "elsewhere.bin")
+    cases["link"] = (d, None, "not a regular file")
+    d = fresh("linkdir")
+    (tmp_path / "outside").mkdir()
+    (d / "sub").symlink_to(tmp_path / "outside")
+    cases["linkdir"] = (d, None, "not a regular file")
+    for extra in (".hidden", "mp_rank_01_model_states.pt.tmp", ".metadata"):
+        d = fresh(f"extra{extra}")
+        (d / extra).write_bytes(b"pickle")
+        cases[f"extra{extra}"] = (d, None, "file not in the manifest")
+
+    results = {}
+
+    def run():
+        for name, (d, key, _) in cases.items():
+            results[name] = verify(d, key=key)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), f"verify blocked (done: {sorted(results)})"
+    for name, (d, key, why) in cases.items():
+        res = results[name]
+        assert not res.ok and why in res.reason, (name, res)
+    # a dotfile a framework writes (dist_checkpointing's .metadata) is hashed, so it verifies
+    d = tmp_path / "dist" / "step00000002"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"pickle")
+    (d / "w.distcp").write_bytes(b"w")
+    assert ".metadata" in list_files(d)
+    Manifest(tag=d.name, step=2, files=hash_files(d, list_files(d))).write(d)
+    assert verify(d).ok
+    (d / ".metadata").write_bytes(b"pickl3")
+    assert verify(d).bad_file == ".metadata"
+    assert sha256_file(d / "w.distcp")[1] == 1

@@ -57,14 +57,21 @@ def sign(tag_dir: str | os.PathLike, key: bytes) -> None:
 
 def problem(tag_dir: str | os.PathLike, key: bytes) -> str | None:
     """None when the signature matches; else why not (reads only the manifest and its signature)."""
+    import stat
+
+    path = Path(tag_dir) / SIGNATURE
     try:
-        stored = (Path(tag_dir) / SIGNATURE).read_text().strip()
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return "manifest.hmac is not a regular file"
+        stored = path.read_bytes().strip()
     except OSError:
         return "unauthenticated: no manifest.hmac (this run requires checkpoints signed with its key)"
     try:
-        expected = signature(tag_dir, key)
+        if not stat.S_ISREG(os.lstat(Path(tag_dir) / "manifest.json").st_mode):
+            return "the manifest is not a regular file"
+        expected = signature(tag_dir, key).encode()
     except OSError as e:
         return f"unreadable manifest: {e}"
-    if not hmac.compare_digest(stored, expected):
+    if not hmac.compare_digest(stored, expected):  # (bytes: a non-ASCII signature is a mismatch, not a TypeError)
         return "HMAC mismatch: the manifest was altered, or signed with another key"
     return None

@@ -1,4 +1,4 @@
-"""``trainguard ckpt list|verify|inspect``: look at a checkpoint directory without a framework."""
+"""``trainguard ckpt list|verify|inspect|sign``: look at a checkpoint directory without a framework."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,7 @@ def ckpt_list(root: str, checksums: bool = True) -> int:
         res = verify(layout.tag_dir(tag), checksums=checksums)
         man = res.manifest
         stable = "yes" if (layout.tag_dir(tag) / STABLE).exists() else "no"
-        ok = "ok" if res.ok else f"BAD: {res.bad_file}: {res.reason}"
+        ok = f"ok ({_signed(layout.tag_dir(tag), None)})" if res.ok else f"BAD: {res.bad_file}: {res.reason}"
         mark = " <- latest" if tag == latest else ""
         print(f"{tag:<22}{man.step if man else '?':>8}  {stable:<7}{_size(man.total_bytes) if man else '?':>10}  {ok}{mark}")
     return 0
@@ -45,7 +45,8 @@ def ckpt_verify(root: str, tag: str | None = None, key: bytes | None = None) -> 
     for t in tags:
         res = verify(layout.tag_dir(t), key=key)
         if res.ok:
-            print(f"{t}: OK ({len(res.manifest.files)} files, {_size(res.manifest.total_bytes)})")
+            print(f"{t}: OK ({len(res.manifest.files)} files, {_size(res.manifest.total_bytes)}; "
+                  f"{_signed(layout.tag_dir(t), key)})")
         else:
             bad += 1
             print(f"{t}: BAD: {Path(root) / t / res.bad_file}: {res.reason}")
@@ -68,3 +69,44 @@ def ckpt_inspect(root: str, tag: str) -> int:
            "files": {k: v["size"] for k, v in man.files.items()}, "total_bytes": man.total_bytes}
     print(json.dumps(out, indent=1))
     return 0
+
+
+def _signed(tag_dir: Path, key: bytes | None) -> str:
+    """How a verified checkpoint stands with authentication: an unsigned one must never read as if checked."""
+    from trainguard.checkpoint.auth import SIGNATURE
+
+    if key is not None:
+        return "signature valid"
+    return "signed, signature not checked: give --key-env" if (tag_dir / SIGNATURE).is_file() else "unsigned"
+
+
+def ckpt_sign(root: str, key: bytes, tag: str | None = None, force: bool = False) -> int:
+    """Sign committed checkpoints for a job that turns authentication on (checkpoint.hmac_key_env): each is
+    verified against its sha256 manifest first (a checkpoint that does not verify is never signed); one
+    signed with another key is left alone unless ``force`` (a key rotation, by the user's choice)."""
+    from trainguard.checkpoint.auth import SIGNATURE, problem, sign
+
+    layout = CheckpointLayout(root)
+    tags = [tag] if tag else layout.tags()
+    if not tags:
+        print(f"{root}: no committed checkpoints", file=sys.stderr)
+        return 1
+    bad = 0
+    for t in tags:
+        d = layout.tag_dir(t)
+        res = verify(d)
+        if not res.ok:
+            bad += 1
+            print(f"{t}: NOT SIGNED: {d / str(res.bad_file)}: {res.reason}")
+            continue
+        if (d / SIGNATURE).is_file():
+            if problem(d, key) is None:
+                print(f"{t}: already signed with this key")
+                continue
+            if not force:
+                bad += 1
+                print(f"{t}: NOT SIGNED: it carries a signature of another key (give --force to replace it)")
+                continue
+        sign(d, key)
+        print(f"{t}: signed ({len(res.manifest.files)} files verified)")
+    return 1 if bad else 0

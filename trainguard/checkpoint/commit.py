@@ -8,22 +8,30 @@ import os
 import shutil
 from pathlib import Path
 
-from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir, make_durable
-from trainguard.checkpoint.layout import LATEST, STAGING, CheckpointLayout
+from trainguard.checkpoint.fsio import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, atomic_write_text, fsync_dir, make_durable
+from trainguard.checkpoint.layout import LATEST, MANIFEST, STAGING, CheckpointLayout
 from trainguard.checkpoint.manifest import Manifest
 
 
-def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest, key: bytes | None = None) -> Path:
+def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest, key: bytes | None = None,
+                  private: bool = False) -> Path:
     """Commit ``<staging_root>/<manifest.tag>`` as ``<root>/<manifest.tag>``; returns its path.
-    ``key``: sign the manifest (trainguard.checkpoint.auth) before the rename."""
+    ``key``: sign the manifest (trainguard.checkpoint.auth) before the rename. ``private``: files 0600 and
+    folders 0700 whatever the umask (the in-memory tier, in memory other users of the node can reach)."""
     tag = manifest.tag
     staged = staging_root / tag
-    make_durable(staged)
+    modes = (PRIVATE_FILE_MODE, PRIVATE_DIR_MODE) if private else (None, None)
+    make_durable(staged, *modes)
     manifest.write(staged)
+    written = [MANIFEST]
     if key is not None:
-        from trainguard.checkpoint.auth import sign
+        from trainguard.checkpoint.auth import SIGNATURE, sign
 
         sign(staged, key)
+        written.append(SIGNATURE)
+    if private:
+        for name in written:
+            os.chmod(staged / name, PRIVATE_FILE_MODE)
     fsync_dir(staged)
     final = CheckpointLayout(root).tag_dir(tag)
     aside = root / STAGING / f"replaced.{nonce}"
@@ -35,3 +43,30 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
     shutil.rmtree(staging_root, ignore_errors=True)
     shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+def restore_interrupted(root: Path) -> list[str]:
+    """At start, before staging is cleared: a crash between the two renames of a re-save (the old
+    copy moved aside, the new one not yet in place) left the tag in neither place -- put the old copy
+    back (it was committed; the new one never was). Returns the tags put back."""
+    import json
+
+    restored = []
+    staging = Path(root) / STAGING
+    if not staging.is_dir():
+        return restored
+    for aside in sorted(staging.glob("replaced.*")):
+        try:
+            tag = json.loads((aside / "manifest.json").read_text())["tag"]
+            final = CheckpointLayout(root).tag_dir(tag)
+        except Exception:  # (not a committed checkpoint, or no valid tag: it stays staging, cleared)
+            continue
+        if not final.exists():
+            os.replace(aside, final)
+            restored.append(tag)
+    if restored:
+        fsync_dir(root)
+        tags = CheckpointLayout(root).tags()
+        if tags:
+            atomic_write_text(Path(root) / LATEST, tags[-1])
+    return restored

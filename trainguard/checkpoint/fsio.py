@@ -6,8 +6,21 @@ import json
 import os
 from pathlib import Path
 
-FILE_MODE = 0o644
-DIR_MODE = 0o755
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # (read once, at import: os.umask can only be read by setting it)
+    os.umask(mask)
+    return mask
+
+
+# checkpoint files and folders follow the user's umask (0644 / 0755 under the usual 022; 0600 / 0700 under
+# 077); the in-memory tier's are always private (trainguard.checkpoint.private)
+UMASK = _umask()
+FILE_MODE = 0o666 & ~UMASK
+DIR_MODE = 0o777 & ~UMASK
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
 
 
 def fsync_file(path: str | os.PathLike) -> None:
@@ -61,14 +74,15 @@ def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> tuple[str, int
     return h.hexdigest(), size
 
 
-def make_durable(root: str | os.PathLike) -> None:
-    """fsync every file and directory below ``root`` (bottom-up) and set permissions explicitly."""
+def make_durable(root: str | os.PathLike, file_mode: int | None = None, dir_mode: int | None = None) -> None:
+    """fsync every file and directory below ``root`` (bottom-up) and set permissions explicitly
+    (the umask's by default; ``PRIVATE_*`` for the in-memory tier)."""
     for dirpath, dirnames, filenames in os.walk(root, topdown=False):
         for name in filenames:
             p = os.path.join(dirpath, name)
-            os.chmod(p, FILE_MODE)
+            os.chmod(p, FILE_MODE if file_mode is None else file_mode)
             fsync_file(p)
-        os.chmod(dirpath, DIR_MODE)
+        os.chmod(dirpath, DIR_MODE if dir_mode is None else dir_mode)
         fsync_dir(dirpath)
 
 

@@ -30,8 +30,9 @@ from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, Checkpoint
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
+from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
-from trainguard.checkpoint.snapshots import MEMORY, snapshot_step
+from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, run_id, snapshot_step
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0
 
@@ -42,6 +43,18 @@ def rank() -> int:
 
 def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def restart_attempt() -> int:
+    """Which attempt of the job this is (0: the first): torchrun's restarts, Slurm's requeues."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        try:
+            n = int(os.environ.get(name, "0") or 0)
+        except ValueError:
+            continue
+        if n > 0:
+            return n
+    return 0
 
 
 def barrier() -> None:
@@ -67,6 +80,11 @@ class CheckpointManager:
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
+        self.last_skipped: list[dict] = []     # what the last choice passed over, and why
+        # the directory as this process found it (rank 0), before anything here writes to it (the in-memory
+        # tier writes the run marker at initialize): (it existed, it held the run marker)
+        root = Path(self.cfg.dir) if self.cfg.dir else None
+        self._found = (root.is_dir(), (root / RUN_ID).is_file()) if root is not None and rank() == 0 else None
 
     def emit(self, step: int, record: Record, detail: dict, ranks=(), action=None) -> None:
         if self.guard is not None:
@@ -169,6 +187,7 @@ class CheckpointManager:
             else:
                 decision = self.choose(root, mode)
         chosen, skipped = broadcast_from_rank0(decision)
+        self.last_skipped = skipped
         for s in skipped:
             if "bad_file" in s:
                 self.emit(self.step_count(), Record.CHECKPOINT_INVALID, s)
@@ -178,31 +197,62 @@ class CheckpointManager:
         return chosen, skipped
 
     def resume_on_start(self, newer_than: int = 0) -> Any:
-        """With ``checkpoint.dir``: clear what a crash left in staging, then (unless ``resume`` is
-        "none") load the newest checkpoint that verifies, or the newest stable one. A resume that
-        finds nothing to load says so (``resume_skipped``) when the directory holds checkpoints.
-        ``newer_than``: the step the run is at already (the framework loaded its own checkpoint,
-        e.g. Megatron-LM's ``--load``): only a newer snapshot is loaded -- one state, never two.
-        Checkpoints after the step the run goes on from belong to another trajectory: they are set
-        aside (``.abandoned/``, never deleted), so that no later save replaces them under their tag
-        and no later resume picks them. Returns what ``load`` returns (None when nothing was loaded)."""
+        """With ``checkpoint.dir``: put back a checkpoint a crash left half-replaced, clear what a
+        crash left in staging, then (unless ``resume`` is "none") load the newest checkpoint that
+        verifies, or the newest stable one. Returns what ``load`` returns (None when nothing was loaded).
+
+        It fails closed (issue 25): when the directory holds checkpoints and none loads, or when a
+        restarted attempt finds a directory that is not its run's (no run marker: unmounted, emptied or
+        mistyped), it stops with a CheckpointError naming each checkpoint and why it was refused --
+        never a fresh start over the run's work, and nothing is moved when nothing was loaded. A fresh
+        start over existing checkpoints is the explicit ``resume: "none"`` (they are set aside, kept).
+        ``newer_than``: the step the run is at already (the framework loaded its own checkpoint, e.g.
+        Megatron-LM's ``--load``): only a newer snapshot is loaded -- one state, never two -- and finding
+        none is no failure. Checkpoints after the step the run goes on from belong to another trajectory:
+        they are set aside (``.abandoned/``, never deleted), so that no later save replaces them under
+        their tag and no later resume picks them."""
         c = self.cfg
         if not c.dir:
             return None
         root = Path(c.dir)
-        if rank() == 0 and (root / STAGING).is_dir():
-            shutil.rmtree(root / STAGING, ignore_errors=True)  # never-committed saves
-        barrier()
-        if c.resume == "none":
+        state = None
+        if rank() == 0:
+            existed, marked = self._found or (root.is_dir(), (root / RUN_ID).is_file())
+            restored = restore_interrupted(root) if root.is_dir() else []
+            if (root / STAGING).is_dir():
+                shutil.rmtree(root / STAGING, ignore_errors=True)  # never-committed saves
+            state = (existed, marked, restored)
+        existed, marked, restored = broadcast_from_rank0(state)
+        if restored:
+            self.emit(self.step_count(), Record.CHECKPOINT_INVALID, {
+                "dir": str(root), "tag": ", ".join(restored), "bad_file": STAGING,
+                "reason": "a crash while the tag was saved again left it aside in staging: put back"})
+        attempt = restart_attempt()
+        if c.resume == "none":  # a fresh start, by choice: what is there is kept, out of the way
+            set_aside = self.abandon_after(root, -1)
+            self._fresh_start(root, existed, attempt, "checkpoint.resume is \"none\"", set_aside)
             return None
         tags = broadcast_from_rank0(CheckpointLayout(root).tags() if rank() == 0 else None)
         if not tags and not c.snapshot.every_steps:  # (with the in-memory tier, a run killed before its
-            return None                              # first disk checkpoint comes back from memory)
-        self._newer_than = newer_than if newer_than > 0 else -1
-        try:
-            result = self.load(root, mode=c.resume)
-        finally:
-            self._newer_than = -1
+            result = None                            # first disk checkpoint comes back from memory)
+        else:
+            self._newer_than = newer_than if newer_than > 0 else -1
+            self.last_skipped = []
+            try:
+                result = self.load(root, mode=c.resume)
+            finally:
+                self._newer_than = -1
+        if self.resumed_tag is None and newer_than <= 0:
+            if tags:
+                raise CheckpointError(self._refusal(root, tags, self.last_skipped))
+            if attempt and not marked:
+                raise CheckpointError(
+                    f"trainguard: this is restarted attempt {attempt} of the job, and checkpoint.dir {root} "
+                    f"{'holds no checkpoint and no run marker (' + RUN_ID + ')' if existed else 'does not exist'}: "
+                    "it is not the directory the first attempt wrote to (unmounted, emptied, or another path?). "
+                    "Mount or correct it and restart; to start this job afresh, set checkpoint.resume to \"none\".")
+            self._fresh_start(root, existed, attempt, "no checkpoint in the directory yet", [])
+            return result
         set_aside = self.abandon_after(root, self.step_count())
         if set_aside and rank() == 0:
             import logging
@@ -210,21 +260,41 @@ class CheckpointManager:
             logging.getLogger("trainguard").warning(
                 "trainguard: the run goes on from step %d; the checkpoints after it (%s) belong to another "
                 "trajectory and were moved to %s", self.step_count(), ", ".join(set_aside), root / ".abandoned")
-        if self.resumed_tag is None and tags:
-            reason = "no checkpoint verifies" + (" and is stable" if c.resume == "stable" else "")
-            if newer_than > 0:
-                reason = f"no checkpoint newer than step {newer_than} (loaded by the framework) verifies" + \
-                    (" and is stable" if c.resume == "stable" else "")
+        if self.resumed_tag is None and tags:  # (the framework loaded its own, newer_than: nothing newer here)
+            reason = f"no checkpoint newer than step {newer_than} (loaded by the framework) verifies" + \
+                (" and is stable" if c.resume == "stable" else "")
             self.emit(self.step_count(), Record.RESUME_SKIPPED, {
                 "dir": str(root), "mode": c.resume, "checkpoints": tags, "reason": reason,
                 "starting_at_step": self.step_count(), "set_aside": set_aside})
-            if rank() == 0:
-                import logging
-
-                logging.getLogger("trainguard").warning(
-                    "trainguard: resume %r found no checkpoint to load in %s (%d present); starting at step %d",
-                    c.resume, root, len(tags), self.step_count())
+        self._mark_run(root)
         return result
+
+    def _fresh_start(self, root: Path, existed: bool, attempt: int, reason: str, set_aside: list[str]) -> None:
+        """A run that starts from nothing says so, and marks the directory as its own (RUN_ID)."""
+        self.emit(self.step_count(), Record.FRESH_START, {
+            "dir": str(root), "created": not existed, "attempt": attempt, "reason": reason, "set_aside": set_aside})
+        if rank() == 0:
+            import logging
+
+            logging.getLogger("trainguard").warning(
+                "trainguard: a fresh start in %s (%s%s)", root, reason,
+                "; the directory did not exist and is created" if not existed else "")
+        self._mark_run(root)
+
+    def _mark_run(self, root: Path) -> None:
+        if rank() == 0:
+            run_id(root)  # (written once: a restarted attempt that finds no marker is not in its run's dir)
+        barrier()
+
+    def _refusal(self, root: Path, tags: list[str], skipped: list[dict]) -> str:
+        why = {s["tag"]: (f"{s['bad_file']}: " if s.get("bad_file") else "") + s["reason"] for s in skipped}
+        lines = [f"  {t}: {why.get(t, 'not chosen')}" for t in reversed(tags)]
+        hint = ("set checkpoint.resume to \"latest_valid\" to take the newest valid one" if self.cfg.resume == "stable"
+                else "repair the cause (the key in checkpoint.hmac_key_env's variable, the mount, the files)")
+        return (f"trainguard: checkpoint.dir {root} holds {len(tags)} checkpoint(s) and none can be loaded "
+                f"(checkpoint.resume={self.cfg.resume!r}); nothing was moved or deleted:\n" + "\n".join(lines) +
+                f"\nTo resume, {hint}; `trainguard ckpt verify {root}` shows each one. To start afresh instead "
+                "(these are then set aside in .abandoned/, kept), set checkpoint.resume to \"none\".")
 
     def start_resume_check(self, tag: str, tag_dir: Path) -> None:
         traj = tag_dir / TRAJECTORY

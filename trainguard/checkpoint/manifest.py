@@ -57,15 +57,45 @@ class Manifest:
         return sum(int(f["size"]) for f in self.files.values())
 
 
+def _transient(rel: str) -> bool:
+    """An advisory file being written atomically right now (fsio.atomic_write_text's ``.<name>.tmp.<pid>``
+    of the stable mark or the trajectory, at the top of a committed checkpoint): not part of it."""
+    if "/" in rel or os.sep in rel:
+        return False
+    return any(rel.startswith(f".{name}.tmp.") for name in NOT_LISTED)
+
+
 def list_files(tag_dir: str | os.PathLike) -> list[str]:
+    """Every file below ``tag_dir`` but the top-level manifest, its signature and the advisory marks:
+    dotfiles (dist_checkpointing's ``.metadata``, a pickle) and ``*.tmp`` files included -- whatever a
+    loader may open must be hashed, and whatever is not hashed must not be there."""
     root = Path(tag_dir)
     out = []
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if rel not in NOT_LISTED and not name.startswith(".") and not name.endswith(".tmp"):
+            if rel not in NOT_LISTED and not _transient(rel):
                 out.append(rel)
     return sorted(out)
+
+
+def _entries(tag_dir: Path) -> tuple[list[str], str | None]:
+    """Every entry below ``tag_dir`` as a relative path (symlinked folders listed, never followed), and the
+    first one that is not a regular file or a real folder (a symlink, a FIFO, a device, a socket), if any."""
+    import stat
+
+    out, odd = [], None
+    for dirpath, dirnames, filenames in os.walk(tag_dir, followlinks=False):
+        for name in sorted(dirnames) + sorted(filenames):
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, tag_dir)
+            mode = os.lstat(full).st_mode
+            if stat.S_ISDIR(mode):
+                continue
+            out.append(rel)
+            if not stat.S_ISREG(mode) and odd is None:
+                odd = rel
+    return out, odd
 
 
 def hash_files(tag_dir: str | os.PathLike, rels: Iterable[str]) -> dict[str, dict]:
@@ -97,10 +127,35 @@ def inside(rel: str) -> bool:
 
 def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None = None) -> VerifyResult:
     """Check a committed checkpoint: (with ``key``) the manifest's HMAC first, then the manifest
-    parses, every listed file exists with its size and (when ``checksums``) its sha256, and no
-    unlisted file appeared. Names the first bad file. Opens no checkpoint file but the manifest."""
+    parses, every listed file exists as a regular file with its size and (when ``checksums``) its
+    sha256, and nothing else is there (no unlisted file, dotfile or ``*.tmp``; no symlink, FIFO or
+    device anywhere in it). Names the first bad file. Opens no checkpoint file but the manifest.
+    Never raises: a malformed checkpoint is "invalid, here is why" -- rank 0 verifies before the
+    broadcast of its choice, and an exception there would leave the other ranks waiting."""
     tag_dir = Path(tag_dir)
+    try:
+        return _verify(tag_dir, checksums, key)
+    except Exception as e:  # (anything a crafted or damaged checkpoint can provoke)
+        return VerifyResult(False, tag_dir.name, MANIFEST, f"malformed checkpoint: {type(e).__name__}: {e}")
+
+
+def _well_formed(man: "Manifest") -> str | None:
+    if not isinstance(man.files, dict) or not man.files:
+        return "malformed manifest: 'files' must be a non-empty mapping of relative path -> {size, sha256}"
+    for rel, want in man.files.items():
+        if not isinstance(rel, str) or not isinstance(want, dict) or not isinstance(want.get("size"), int) \
+                or isinstance(want.get("size"), bool) or want["size"] < 0 or not isinstance(want.get("sha256"), str) \
+                or len(want["sha256"]) != 64:
+            return f"malformed manifest: the entry {rel!r} must be {{'size': int >= 0, 'sha256': 64 hex digits}}"
+    return None
+
+
+def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
+    import stat
+
     tag = tag_dir.name
+    if tag_dir.is_symlink() or not tag_dir.is_dir():
+        return VerifyResult(False, tag, tag, "not a directory (a symlink, or gone)")
     if key is not None:
         from trainguard.checkpoint.auth import SIGNATURE, problem
 
@@ -108,27 +163,37 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None
         if why is not None:
             return VerifyResult(False, tag, SIGNATURE, why)
     try:
+        if not stat.S_ISREG(os.lstat(tag_dir / MANIFEST).st_mode):
+            return VerifyResult(False, tag, MANIFEST, "the manifest is not a regular file")
         man = Manifest.read(tag_dir)
     except FileNotFoundError:
         return VerifyResult(False, tag, MANIFEST, "no manifest: the checkpoint was never committed")
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return VerifyResult(False, tag, MANIFEST, f"unreadable manifest: {e}")
+    why = _well_formed(man)
+    if why is not None:
+        return VerifyResult(False, tag, MANIFEST, why)
+    present, odd = _entries(tag_dir)
+    if odd is not None:
+        return VerifyResult(False, tag, odd, "not a regular file (a symlink, FIFO or device): refused, never read", man)
     for rel, want in sorted(man.files.items()):
         if not inside(rel):
             return VerifyResult(False, tag, rel, "a manifest entry outside the checkpoint (absolute, or with '..'): "
                                 "refused, never read", man)
         p = tag_dir / rel
         try:
-            size = p.stat().st_size
+            st = os.lstat(p)
         except OSError:
             return VerifyResult(False, tag, rel, "missing", man)
-        if size != int(want["size"]):
-            return VerifyResult(False, tag, rel, f"size {size} != {want['size']} (truncated or grown)", man)
+        if not stat.S_ISREG(st.st_mode):
+            return VerifyResult(False, tag, rel, "not a regular file: refused, never read", man)
+        if st.st_size != int(want["size"]):
+            return VerifyResult(False, tag, rel, f"size {st.st_size} != {want['size']} (truncated or grown)", man)
         if checksums:
             digest, _ = sha256_file(p)
             if digest != want["sha256"]:
                 return VerifyResult(False, tag, rel, "sha256 mismatch (corrupt)", man)
-    extra = sorted(set(list_files(tag_dir)) - set(man.files))
+    extra = sorted(set(present) - set(man.files) - NOT_LISTED - {r for r in present if _transient(r)})
     if extra:
         return VerifyResult(False, tag, extra[0], "file not in the manifest", man)
     return VerifyResult(True, tag, manifest=man)
