@@ -16,6 +16,7 @@ import dataclasses
 import threading
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,10 +27,14 @@ from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.fsio import atomic_write_json, save_buffered, sha256_file
 from trainguard.checkpoint.layout import SIDECAR, CheckpointLayout, step_tag
 from trainguard.checkpoint.manager import rank as _rank
+from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
 from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, run_id
 from trainguard.errors import ConfigError
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, gather_objects
+
+
+PEER_TIMEOUT_S = 300.0  # the peer copies' group: a send or receive that takes longer fails (a dead peer)
 
 
 class DeepSpeedSnapshots:
@@ -51,22 +56,28 @@ class DeepSpeedSnapshots:
                                f"here: {why}; set it to 0 (disk checkpoints still work)")])
         rid = broadcast_from_rank0(run_id(cp.cfg.dir) if _rank() == 0 else None)
         place = Placement.build(_rank(), gather_objects(Placement.host()), self.cfg.ranks_per_node)
-        self.store = SnapshotStore(Path(self.cfg.dir) / rid, place, self.cfg.keep, key=cp.key)
+        base = expand(self.cfg.dir)
+        self.store = SnapshotStore(base / rid, place, self.cfg.keep, key=cp.key)
         problem = None
-        try:
-            self.store.own.mkdir(parents=True, exist_ok=True)
+        try:  # only folders this user owns and no one else can write: shards are pickles (private.py)
+            private_dir(base, rid, self.store.node_dir().name, self.store.own.name)
             self.store.clear_staging()  # what a killed writer left half-written
+        except UnsafeFolder as e:
+            problem = f"rank {_rank()}: {e}"
         except OSError as e:
             problem = f"rank {_rank()} cannot write to {self.store.own}: {e}"
         problems = [p for p in gather_objects(problem) if p]  # (every rank stops, not only the one that failed)
         if problems:
             raise ConfigError([("trainguard.checkpoint.snapshot.dir", f"{'; '.join(problems)}; expected a node-local "
-                               "directory (a tmpfs such as /dev/shm) every rank can write")])
+                               "directory (a tmpfs such as /dev/shm) every rank can write and no other user can")])
         spans_nodes = len(set(place.node_of)) > 1
         self.peer = place.peer(place.rank) if self.cfg.peer_copy else None
         self.sources = place.sources() if self.cfg.peer_copy else []
         # the copies travel on a group of their own: the writer thread never meets the loop's collectives
-        self.group = dist.new_group(backend="gloo") if self.cfg.peer_copy and spans_nodes else None
+        # and with a timeout of their own: a dead peer fails the copy (checkpoint_failed) instead of parking the
+        # writer -- and, at the next snapshot, the step -- for the default 30 minutes
+        timeout = timedelta(seconds=min(PEER_TIMEOUT_S, cp.block.distributed.collective_timeout_s or PEER_TIMEOUT_S))
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.cfg.peer_copy and spans_nodes else None
         self._job: _Job | None = None
         self._fetch: dict[str, list] = {}
 

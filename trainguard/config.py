@@ -209,9 +209,11 @@ class SnapshotConfig(_Section):
         "under the same manifest checks as a disk checkpoint. Resume and rollback take the newest valid tier. Needs "
         "checkpoint.dir (the snapshots belong to the run whose checkpoints live there); DeepSpeed ZeRO 0-2.")
     dir: PathStr = Field(
-        "/dev/shm/trainguard", description="Node-local memory the snapshots are written to: a tmpfs outlives the "
+        "/dev/shm/trainguard-{uid}", description="Node-local memory the snapshots are written to: a tmpfs outlives the "
         "process (a restarted rank finds its shard there) but not the node. Each run has a folder of its own in it "
-        "(named by the id kept in checkpoint.dir), freed when the engine is destroyed at the end of the run.")
+        "(named by the id kept in checkpoint.dir), freed when the engine is destroyed at the end of the run. {uid} is "
+        "your user id: the folder is yours alone -- created 0700, files 0600, and refused by name where it (or a "
+        "folder below it) is a symlink, belongs to another user or is writable by others (shards are pickles).")
     max_overhead: Optional[float] = Field(
         None, gt=0, lt=1, description="A cost budget, as a fraction of the training time (e.g. 0.01): the snapshots are "
         "spaced so that their cost -- the blocking copy plus the background writer's CPU time, counted as taken from "

@@ -129,3 +129,96 @@ def test_a_cost_budget_spaces_the_snapshots_by_what_they_cost_the_steps():
     smooth = SnapshotPacer(10, max_overhead=0.02)
     smooth.taken(10, cost_s=0.010, step_s=0.025)
     assert smooth.taken(30, cost_s=0.030, step_s=0.025) == 40                   # (10 + 30) / 2 ms
+
+
+def test_the_tier_writes_only_into_folders_this_user_alone_controls(tmp_path):
+    """Issue 25 item 5: the tier lived in /dev/shm/trainguard, created with exist_ok and never checked: another
+    user of the node who created it first could place a pickled shard the job loads. Folders are now created
+    0700 (files 0600) and a crafted one -- another user's, a symlink, writable by others -- is refused by name."""
+    import os
+    import stat
+
+    from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
+
+    assert str(expand("/dev/shm/trainguard-{uid}")) == f"/dev/shm/trainguard-{os.geteuid()}"
+    made = private_dir(tmp_path / "shm", "run", "node0", "rank0")
+    for p in (tmp_path / "shm", tmp_path / "shm" / "run", made):
+        assert stat.S_IMODE(os.lstat(p).st_mode) == 0o700
+    assert private_dir(tmp_path / "shm", "run", "node0", "rank0") == made  # (present and sound: accepted)
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 4242, 4242)  # (the tests run as root: a folder "another user" created first)
+    with pytest.raises(UnsafeFolder, match="belongs to another user"):
+        private_dir(theirs, "run")
+    with pytest.raises(UnsafeFolder, match="belongs to another user"):  # one level down is checked as well
+        (tmp_path / "mine").mkdir(mode=0o700)
+        (tmp_path / "mine" / "run").mkdir(mode=0o700)
+        os.chown(tmp_path / "mine" / "run", 4242, 4242)
+        private_dir(tmp_path / "mine", "run", "node0")
+    (tmp_path / "target").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    with pytest.raises(UnsafeFolder, match="is a symlink"):
+        private_dir(tmp_path / "link")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(UnsafeFolder, match="writable by other users"):
+        private_dir(open_dir)
+    above = tmp_path / "above"  # a world-writable folder above, not sticky: others could rename ours away
+    above.mkdir()
+    above.chmod(0o777)
+    with pytest.raises(UnsafeFolder, match="not sticky"):
+        private_dir(above / "shm")
+    above.chmod(0o1777)
+    assert private_dir(above / "shm").is_dir()
+
+    # the shards themselves: 0600, whatever the umask
+    store = SnapshotStore(made.parent.parent, Placement.build(0, ["a"]), keep=2)
+    _shard(store, "step2", 2)
+    files = [p for p in (store.own / "step2").rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+
+
+def test_a_peer_copy_is_plain_bytes_verified_before_it_is_committed(tmp_path):
+    """Issue 25 item 8: the peer-copy channel unpickled whatever arrived, and checked paths with a string
+    prefix. The message is now a plain length-prefixed format; what does not parse, lies outside the shard's
+    folder or does not verify (with a key: is not signed with it) raises and leaves nothing behind."""
+    import json
+    import pickle
+
+    from trainguard.checkpoint.snapshots import MAGIC
+
+    place = Placement.build(0, ["a", "b"])
+    mine = SnapshotStore(tmp_path / "run", place, keep=2, key=b"k")
+    theirs = SnapshotStore(tmp_path / "run", Placement(1, place.node_of), keep=2, key=b"k")
+    _shard(mine, "step2", 2)
+    good = mine.pack("step2")
+    assert good.startswith(MAGIC) and b"\x80\x04" not in good[:16]
+    assert theirs.unpack(good, theirs.held(0)) == "step2" and verify(theirs.held(0) / "step2", key=b"k").ok
+
+    def forged(files, tag="step4"):
+        header = json.dumps({"tag": tag, "files": [[rel, len(b)] for rel, b in files]}).encode()
+        return b"".join([MAGIC, len(header).to_bytes(8, "big"), header, *[b for _, b in files]])
+
+    evil = pickle.dumps({"tag": "step4", "files": {"w.pt": b"x"}})
+    n = len(good)
+    n_before = sorted(p.name for p in theirs.held(0).iterdir())
+    header_len = int.from_bytes(good[8:16], "big")
+    first_size = json.loads(good[16:16 + header_len])["files"][0][1]
+    tampered = bytearray(good)
+    tampered[16 + header_len + first_size // 2] ^= 0xFF  # one byte of the first file
+    for payload, why in ((evil, "magic"), (good[:n - 3], "add up"),
+                         (forged([("../../escape.bin", b"x")]), "outside"),
+                         (forged([("/etc/escape.bin", b"x")]), "outside"),
+                         (forged([("w.pt", b"x")], tag="../x"), "malformed header"),
+                         (forged([("w.pt", b"x")]), "does not verify"),
+                         (bytes(tampered), "does not verify")):
+        with pytest.raises(ValueError, match=why):
+            theirs.unpack(payload, theirs.held(0))
+    assert sorted(p.name for p in theirs.held(0).iterdir()) == n_before  # nothing staged is left behind
+    assert not (tmp_path / "escape.bin").exists()
+    unsigned = SnapshotStore(tmp_path / "plain", place, keep=2)  # a shard signed with no key: refused by a keyed run
+    _shard(unsigned, "step6", 6)
+    with pytest.raises(ValueError, match="does not verify: manifest.hmac"):
+        theirs.unpack(unsigned.pack("step6"), theirs.held(0))

@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainguard.checkpoint.commit import commit_staged
+from trainguard.checkpoint.commit import commit_staged, restore_interrupted
+from trainguard.checkpoint.fsio import PRIVATE_FILE_MODE
 from trainguard.checkpoint.layout import STAGING, CheckpointLayout
 from trainguard.checkpoint.manifest import NOT_LISTED, Manifest, list_files, verify
 
 RUN_ID = ".trainguard-run"   # in checkpoint.dir: the id that names the run's snapshot folder
+MAGIC = b"TGSHARD1"          # a packed shard's first bytes (SnapshotStore.pack)
+MAX_HEADER = 16 << 20        # a packed shard's header: a list of file names and sizes, never this large
 MEMORY = "memory:"           # how a snapshot's tag reads in choices and records (never a valid disk tag)
 
 
@@ -135,7 +137,7 @@ class SnapshotStore:
     # ------------------------------------------------------------------ writing (the background thread)
     def commit(self, root: Path, staging_root: Path, nonce: str, manifest: Manifest) -> Path:
         """Commit a staged shard into ``root``, then keep only the newest ``keep`` there."""
-        final = commit_staged(root, staging_root, nonce, manifest, key=self.key)
+        final = commit_staged(root, staging_root, nonce, manifest, key=self.key, private=True)
         self.prune(root)
         return final
 
@@ -168,6 +170,7 @@ class SnapshotStore:
     def clear_staging(self) -> None:
         """At start: shards a killed writer left half-written (never committed) are freed."""
         for root in [self.own, *(self.held(q) for q in self.place.sources())]:
+            restore_interrupted(root)  # (a shard the writer was replacing under its tag: the old one back)
             shutil.rmtree(root / STAGING, ignore_errors=True)
 
     def clear(self) -> None:
@@ -190,32 +193,49 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ peer copies
     def pack(self, tag: str, root: Path | None = None) -> bytes:
-        """The committed shard ``tag`` (of ``root``: this rank's own by default) as one message: every
-        file, the manifest included."""
+        """The committed shard ``tag`` (of ``root``: this rank's own by default) as one message in a plain
+        format, never a pickle: ``MAGIC``, the header's length (8 bytes, big-endian), a JSON header
+        ``{"tag", "files": [[path, size], ...]}``, then every file's bytes in that order -- the manifest
+        (and its signature) among them, so the copy verifies exactly as the original did."""
         tag_dir = CheckpointLayout(self.own if root is None else root).tag_dir(tag)
-        files = {rel: (tag_dir / rel).read_bytes() for rel in [*list_files(tag_dir), *_manifest_files(tag_dir)]}
-        return pickle.dumps({"tag": tag, "files": files}, protocol=pickle.HIGHEST_PROTOCOL)
+        rels = [*list_files(tag_dir), *_manifest_files(tag_dir)]
+        blobs = [(tag_dir / rel).read_bytes() for rel in rels]
+        header = json.dumps({"tag": tag, "files": [[rel, len(b)] for rel, b in zip(rels, blobs)]}).encode()
+        return b"".join([MAGIC, len(header).to_bytes(8, "big"), header, *blobs])
 
     def unpack(self, payload: bytes, root: Path) -> str:
-        """Write a packed shard into ``root`` under the commit protocol (staged, then renamed): the
-        manifest travelled with it, so the copy verifies exactly as the original did."""
-        msg = pickle.loads(payload)  # (between the job's own ranks, as DeepSpeed's pickles are)
-        tag = msg["tag"]
+        """Write a packed shard into ``root`` under the commit protocol -- staged, *verified* (its manifest,
+        and with a key its signature: a copy from another node is checked like any checkpoint before it
+        becomes visible), then renamed. A malformed message, a path outside the shard's folder, or a copy
+        that does not verify raises ValueError and leaves nothing behind."""
+        tag, files = _parse(payload)
         nonce = f"{tag}.{uuid.uuid4().hex[:8]}"
-        staged = CheckpointLayout(root).staging_root(nonce) / tag
-        for rel, data in msg["files"].items():
-            path = staged / rel
-            if not str(path.resolve()).startswith(str(staged.resolve())):
-                raise ValueError(f"snapshot copy of {tag}: file {rel!r} lies outside its directory")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        final = CheckpointLayout(root).tag_dir(tag)
-        aside = root / STAGING / f"replaced.{nonce}"
-        if final.exists():
-            os.replace(final, aside)
-        os.replace(staged, final)
-        shutil.rmtree(staged.parent, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
+        staging_root = CheckpointLayout(root).staging_root(nonce)
+        staged = staging_root / tag
+        try:
+            staged.mkdir(parents=True, exist_ok=True)
+            base = staged.resolve()
+            for rel, data in files:
+                path = staged / rel
+                if not path.resolve().is_relative_to(base):  # (inside() refused '..' already; links cannot exist yet)
+                    raise ValueError(f"snapshot copy of {tag}: file {rel!r} lies outside its directory")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "xb") as f:  # (x: never through something already there)
+                    f.write(data)
+                os.chmod(path, PRIVATE_FILE_MODE)
+            res = verify(staged, key=self.key)
+            if not res.ok:
+                raise ValueError(f"snapshot copy of {tag} does not verify: {res.bad_file}: {res.reason}")
+            if res.manifest.tag != tag:
+                raise ValueError(f"snapshot copy of {tag} carries the manifest of {res.manifest.tag}")
+            final = CheckpointLayout(root).tag_dir(tag)
+            aside = root / STAGING / f"replaced.{nonce}"
+            if final.exists():
+                os.replace(final, aside)
+            os.replace(staged, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging_root, ignore_errors=True)
         self.prune(root)
         return tag
 
@@ -248,6 +268,37 @@ def common_choice(table: list[dict], place: Placement, lo: int = 0, hi: float = 
         else:
             return tag, step, fetch
     return None
+
+
+def _parse(payload: bytes) -> tuple[str, list[tuple[str, memoryview]]]:
+    """A packed shard's tag and files; ValueError naming what is wrong (it came over the network)."""
+    from trainguard.checkpoint.layout import validate_tag
+    from trainguard.checkpoint.manifest import inside
+
+    view = memoryview(payload)
+    if bytes(view[:len(MAGIC)]) != MAGIC:
+        raise ValueError("not a packed snapshot shard (wrong magic bytes)")
+    n = int.from_bytes(view[len(MAGIC):len(MAGIC) + 8], "big")
+    start = len(MAGIC) + 8
+    if n > MAX_HEADER or start + n > len(view):
+        raise ValueError(f"packed shard: a header of {n} bytes does not fit the message")
+    try:
+        header = json.loads(bytes(view[start:start + n]).decode("utf-8"))
+        tag = validate_tag(header["tag"])
+        entries = [(str(rel), int(size)) for rel, size in header["files"]]
+    except Exception as e:
+        raise ValueError(f"packed shard: malformed header ({type(e).__name__}: {e})") from None
+    offset, files = start + n, []
+    for rel, size in entries:
+        if not inside(rel) or size < 0 or rel.startswith("/"):
+            raise ValueError(f"packed shard {tag}: file {rel!r} lies outside its directory (or a negative size)")
+        files.append((rel, view[offset:offset + size]))
+        offset += size
+    if offset != len(view):
+        raise ValueError(f"packed shard {tag}: the sizes add up to {offset} bytes, the message has {len(view)}")
+    if len({rel for rel, _ in files}) != len(files):
+        raise ValueError(f"packed shard {tag}: a file is listed twice")
+    return tag, files
 
 
 def _manifest_files(tag_dir: Path) -> list[str]:

@@ -1,0 +1,86 @@
+"""Folders only this user can write: where the in-memory tier keeps shards that DeepSpeed loads as pickles.
+
+Node memory (``/dev/shm``) is shared by every user of the node. A folder there with a predictable name,
+created with ``exist_ok`` and never checked, lets another user who creates it first (or swaps a
+symlink in) place a pickled shard that the job then loads -- code run as the job's user. So every
+folder from the configured ``snapshot.dir`` down is created 0700 by this user, or, where it exists,
+checked with ``lstat`` (never following a link): a real folder, owned by this user, writable by no
+one else. The folders above it (``/dev/shm`` itself) must be owned by root or this user and, where
+others may write to them, sticky (no one can rename this user's folder away). A folder that fails is
+refused by name, with what was found.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from trainguard.errors import TrainguardError
+
+__all__ = ["UnsafeFolder", "private_dir", "expand"]
+
+
+class UnsafeFolder(TrainguardError):
+    """A folder the in-memory tier would write to (and load from) that another user can control."""
+
+
+def expand(path: str | os.PathLike) -> Path:
+    """``{uid}`` in a configured folder becomes this user's id (the default is per user:
+    ``/dev/shm/trainguard-{uid}``)."""
+    return Path(str(path).replace("{uid}", str(os.geteuid())))
+
+
+def _describe(st: os.stat_result) -> str:
+    return f"owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}"
+
+
+def _check_ancestor(p: Path, uid: int) -> None:
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        raise UnsafeFolder(f"{p} does not exist (the in-memory tier creates its own folder inside an existing one, "
+                           "such as /dev/shm)") from None
+    if stat.S_ISLNK(st.st_mode):
+        if st.st_uid != 0:  # (a root-owned link such as /var/run -> /run is the system's)
+            raise UnsafeFolder(f"{p} is a symlink owned by uid {st.st_uid}: another user could point it anywhere")
+        st = os.stat(p)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFolder(f"{p} is not a folder")
+    if st.st_uid not in (0, uid):
+        raise UnsafeFolder(f"{p} belongs to another user ({_describe(st)})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeFolder(f"{p} is writable by other users and not sticky ({_describe(st)}): they could rename "
+                           "the folders below it")
+
+
+def _check_own(p: Path, uid: int) -> None:
+    st = os.lstat(p)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeFolder(f"{p} is a symlink: refused (the in-memory tier writes only into real folders it owns)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFolder(f"{p} is not a folder")
+    if st.st_uid != uid:
+        raise UnsafeFolder(f"{p} belongs to another user ({_describe(st)}): it may hold files they wrote; use a "
+                           "folder of your own (snapshot.dir, default /dev/shm/trainguard-{uid})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeFolder(f"{p} is writable by other users ({_describe(st)}): chmod go-w it, or use another folder")
+
+
+def private_dir(base: str | os.PathLike, *below: str) -> Path:
+    """``base/below...`` made safe to write and load from: every folder from ``base`` down created 0700 by
+    this user where missing, checked where present; ``base``'s ancestors checked as the system's.
+    Returns the deepest folder. Raises UnsafeFolder naming the first folder that fails."""
+    uid = os.geteuid()
+    base = Path(os.path.abspath(base))
+    for anc in reversed(base.parents):
+        _check_ancestor(anc, uid)
+    p = base
+    for part in ("", *below):
+        p = p / part if part else p
+        try:
+            os.mkdir(p, 0o700)
+            os.chmod(p, 0o700)  # (the umask may have taken bits away; never adds any)
+        except FileExistsError:
+            pass
+        _check_own(p, uid)
+    return p
