@@ -163,12 +163,16 @@ class Monitor(threading.Thread):
         self.heart, self.board, self.world = heart, board, world
         self.interval_s, self.hang_timeout_s, self.on_hang = interval_s, hang_timeout_s, on_hang
         self._halt = threading.Event()  # (not _stop: threading.Thread has a method of that name)
+        self.io_since: float | None = None  # monotonic time the current board publish/read began
+        self.on_stall: Callable[[float], None] | None = None
         self.errors = 0             # publish/read failures, in all
         self.failing = 0            # ... in a row (while > 0, hangs go undetected)
         self.last_error: str | None = None
 
     def run(self) -> None:
+        threading.Thread(target=self._watch_own_io, name=f"{self.name}-io", daemon=True).start()
         while not self._halt.wait(self.interval_s):
+            self.io_since = time.monotonic()  # (board I/O in progress: a hung filesystem stops it here)
             try:
                 self.board.publish(self.heart.record())
                 verdict = find_hung(self.board.read(), self.world, time.time(), self.hang_timeout_s,
@@ -184,9 +188,22 @@ class Monitor(threading.Thread):
                         "trainguard watchdog on rank %d: the heartbeat board failed %d time(s) in a row (%s); "
                         "hangs go undetected while it fails", self.heart.rank, self.failing, self.last_error)
                 continue
+            finally:
+                self.io_since = None
             self.failing = 0
             if verdict is not None and not self._halt.is_set():
                 self.on_hang(verdict)
+                return
+
+    def _watch_own_io(self) -> None:
+        """The monitor's board I/O blocked past the hang timeout (a hung filesystem under a ``dir`` board, a
+        stalled store): hang detection is blind, and a hung filesystem is a leading cause of hangs -- hand
+        it to ``on_stall`` (the whole: exit for a restart, under a deadline)."""
+        while not self._halt.wait(min(self.interval_s, 1.0)):
+            since = self.io_since
+            if since is not None and time.monotonic() - since > self.hang_timeout_s:
+                if self.on_stall is not None and not self._halt.is_set():
+                    self.on_stall(time.monotonic() - since)
                 return
 
     def stop(self) -> None:
@@ -211,6 +228,17 @@ def dump_own_stacks(path: str | os.PathLike) -> None:
 
 
 HANG_MARKER = "TRAINGUARD_HANG_MARKER"
+EXIT_DEADLINE_S = 15.0  # after a hang is found: the record, stacks and marker get this long, then the exit anyway
+
+
+def arm_exit_deadline(code: int, after_s: float | None = None) -> threading.Timer:
+    """Before any I/O on the way out: a timer that leaves the process with ``code`` after ``after_s``,
+    whatever the I/O does meanwhile (a hung filesystem blocks the JSONL record, the stack dump and the
+    marker -- and a rank that never exits is never restarted). No I/O of its own."""
+    timer = threading.Timer(EXIT_DEADLINE_S if after_s is None else after_s, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def exit_for_restart(code: int, detail: dict | None = None) -> None:
@@ -327,14 +355,38 @@ class Watchdog:
         self.heart.beat("data", step)
         board.publish(self.heart.record())
         self.monitor = Monitor(self.heart, board, self.world, w.interval_s, w.hang_timeout_s, self.on_hang)
+        self.monitor.on_stall = self.on_stall
         self.monitor.start()
 
+    def on_stall(self, seconds: float) -> None:
+        """The board's I/O blocked for ``seconds`` (> hang_timeout_s): nobody's hang can be seen. Exit for a
+        restart like a hang, the deadline armed before any I/O (the record may block on the same filesystem)."""
+        w = self.cfg.distributed.watchdog
+        arm_exit_deadline(w.exit_code)
+        why = (f"the heartbeat board's I/O on rank {self.rank} blocked for {seconds:.0f} s (> hang_timeout_s "
+               f"{w.hang_timeout_s:g}): a hung filesystem or store; hang detection is blind")
+        try:
+            sys.stderr.write(f"trainguard watchdog: {why}; exiting {w.exit_code} for a restart\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        me = [{"rank": self.rank, "host": self.heart.host, "pid": os.getpid(), "step": self.heart.step,
+               "phase": "board_io"}]
+        self.guard.emit(self.heart.step, Record.HANG_DETECTED, [self.rank], "restart", {
+            "culprits": [dict(c, coords=self.guard.coords_of(self.rank)) for c in me], "why": why,
+            "hang_timeout_s": w.hang_timeout_s, "detected_by": self.rank, "exit_code": w.exit_code},
+            rank_local=True)
+        exit_for_restart(w.exit_code, {"step": self.heart.step, "culprits": [self.rank], "why": why,
+                                       "rank": self.rank, "host": self.heart.host})
+
     def on_hang(self, verdict: HangVerdict) -> None:
-        """On the monitor thread of every live rank: stacks, the record, then exit for a restart."""
+        """On the monitor thread of every live rank: stacks, the record, then exit for a restart -- under a
+        deadline armed before any of that I/O (arm_exit_deadline)."""
         w = self.cfg.distributed.watchdog
         stacks = self.stacks_dir()
         if self.rank in verdict.culprits and len(verdict.culprits) < self.world:
             return  # a culprit that can still think leaves the decision to the others
+        arm_exit_deadline(w.exit_code)
         culprits = [dict(c, coords=self.guard.coords_of(c["rank"])) for c in verdict.describe()]
         detail = {"culprits": culprits, "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,
                   "detected_by": self.rank, "stacks": str(stacks), "exit_code": w.exit_code,

@@ -114,3 +114,59 @@ def test_a_healthy_run_leaves_no_empty_stacks_file(tmp_path):
     assert (tmp_path / "stacks.rank0.txt").exists()
     summary = w.stop()
     assert not (tmp_path / "stacks.rank0.txt").exists() and summary["board_errors"] == 0
+
+
+_HUNG_FS = r"""
+import sys, threading, time
+import trainguard.watchdog as wd
+from trainguard.config import parse_block
+
+wd.EXIT_DEADLINE_S = 1.0
+cfg = parse_block({"distributed": {"watchdog": {"board": "dir", "dir": sys.argv[2], "interval_s": 0.05,
+                                                "hang_timeout_s": 0.5, "stacks_dir": sys.argv[2]}}})
+forever = threading.Event()
+
+class HungGuard:  # every write of a record blocks: the JSONL sink on a hung filesystem
+    def emit(self, *a, **k):
+        forever.wait()
+    def coords_of(self, rank):
+        return {}
+
+w = wd.Watchdog(cfg, HungGuard(), wd.Heartbeat(rank=0), rank=0, world=2, step_fn=lambda: 0)
+if sys.argv[1] == "hang":  # the other rank is hung; the record blocks
+    now = time.time()
+    beats = {0: wd.Beat(0, "h", 1, 5, "collective", now, now), 1: wd.Beat(1, "h", 2, 5, "forward", now - 60, now - 60)}
+    w.on_hang(wd.find_hung(beats, 2, now, 0.5, 0.05))
+else:  # the board's own read blocks
+    class HungBoard:
+        def publish(self, beat):
+            pass
+        def read(self):
+            forever.wait()
+    m = wd.Monitor(w.heart, HungBoard(), 2, 0.05, 0.5, w.on_hang)
+    m.on_stall = w.on_stall
+    m.start()
+    time.sleep(60)
+print("still alive")
+"""
+
+
+def test_a_hung_filesystem_cannot_keep_the_watchdog_from_exiting(tmp_path):
+    """Issue 25 item 4: on a hang the watchdog wrote the record, the stacks and the marker before it exited;
+    on a hung filesystem those block and the job is never restarted. The exit deadline is armed first.
+    And a board whose own I/O blocks past the hang timeout (a hung filesystem under a 'dir' board) is a
+    hang too: detection is blind, so the rank exits for a restart. (Seen failing before: both timed out.)"""
+    import subprocess
+    import sys
+
+    for case in ("hang", "board"):
+        t0 = time.monotonic()
+        try:
+            out = subprocess.run([sys.executable, "-c", _HUNG_FS, case, str(tmp_path / case)], capture_output=True,
+                                 text=True, timeout=40)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{case}: the watchdog never exited") from None
+        assert out.returncode == 75, (case, out.returncode, out.stderr[-2000:])
+        assert "still alive" not in out.stdout and time.monotonic() - t0 < 40
+        if case == "board":
+            assert "hang detection is blind" in out.stderr
