@@ -21,6 +21,7 @@ past any that fail (an event names the bad file), and broadcasts the choice.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manager import barrier as _barrier
 from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.manager import world as _world
-from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.events import Record
 from trainguard.guard import config_hash
@@ -312,7 +313,9 @@ class DeepSpeedCheckpointer(CheckpointManager):
         previous = eng._config.load_universal_checkpoint
         eng._config.load_universal_checkpoint = universal or previous
         try:
-            path, client_state = self._base_load(eng, str(load_root), tag=tag, **kwargs)
+            reader = None if universal else VerifiedReader(root / tag, self.chosen_digest, self.key)
+            with _verified_loads(eng, reader):
+                path, client_state = self._base_load(eng, str(load_root), tag=tag, **kwargs)
         finally:
             eng._config.load_universal_checkpoint = previous
         if path is None:
@@ -327,6 +330,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self.emit(self.engine.global_steps, Record.RESUME, {
             "tag": tag, "dir": str(root), "step": man.step, "tier": "disk", "fell_back_past": skipped,
             "resharded": {"from_dp": saved_dp, "to_dp": self.engine.dp_world_size} if universal else None,
+            "verified_on_load": len(reader.read_files) if reader is not None else None,
             "lineage": man.lineage, "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
         return path, client_state
 
@@ -336,7 +340,9 @@ class DeepSpeedCheckpointer(CheckpointManager):
         snaps = self.snapshots
         fetched = snaps.fetch(tag)
         own = snaps.store.own
-        path, client_state = self._base_load(self.engine, str(own), tag=tag, **kwargs)
+        reader = VerifiedReader(own / tag, key=self.key)  # (this rank's own shard, or the peer copy just fetched)
+        with _verified_loads(self.engine, reader):
+            path, client_state = self._base_load(self.engine, str(own), tag=tag, **kwargs)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load snapshot {tag} from {own}")
         self.state.after_load()
@@ -346,7 +352,8 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self.resumed_tag = memory_tag(tag)
         self.emit(self.engine.global_steps, Record.RESUME, {
             "tag": memory_tag(tag), "dir": str(own), "step": self.engine.global_steps, "tier": "memory",
-            "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0})
+            "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0,
+            "verified_on_load": len(reader.read_files)})
         return path, client_state
 
     def _universal(self, root: Path, tag: str, man: Manifest) -> Path:
@@ -420,6 +427,39 @@ class _Hashing:
 
     def __getattr__(self, name):
         return getattr(self.real, name)
+
+
+class _Verifying:
+    """Stands in for DeepSpeed's torch checkpoint engine during a load: each file DeepSpeed loads is read
+    once on this rank, checked against the manifest (trainguard.checkpoint.manifest.VerifiedReader) and
+    deserialised from those bytes -- never reopened by path after the check."""
+
+    def __init__(self, real, reader):
+        self.real, self.reader = real, reader
+
+    def load(self, path, map_location=None):
+        import io
+
+        data = self.reader.read(path)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@contextlib.contextmanager
+def _verified_loads(eng, reader):
+    """DeepSpeed's loads of this checkpoint go through ``_Verifying`` (its torch engine only; a universal
+    checkpoint's converted files are not in the manifest and load as DeepSpeed reads them)."""
+    real = eng.checkpoint_engine
+    if reader is None or type(real).__name__ != "TorchCheckpointEngine":
+        yield
+        return
+    eng.checkpoint_engine = _Verifying(real, reader)
+    try:
+        yield
+    finally:
+        eng.checkpoint_engine = real
 
 
 class _Capture:

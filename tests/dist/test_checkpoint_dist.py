@@ -53,6 +53,9 @@ def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
     assert first.results[0]["losses"][N:N + 4] == straight.results[0]["losses"][N:N + 4]
     (res,) = [e for e in resumed.events if e["event"] == "resume"]
     assert res["detail"]["tag"] == f"step{N:08d}" and res["detail"]["fell_back_past"] == []
+    # every file DeepSpeed loaded on rank 0 came from bytes checked against the manifest (issue 25 item 7):
+    # the module states, and its ZeRO optimizer partition where there is one
+    assert res["detail"]["verified_on_load"] >= (1 if stage == 0 else 2)
     (saved,) = [e for e in first.events if e["event"] == "checkpoint_saved"]
     assert saved["detail"].get("async", False) == async_save
     if async_save:

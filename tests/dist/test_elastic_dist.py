@@ -103,7 +103,7 @@ def test_a_killed_rank_comes_back_from_its_nodes_memory(tmp_path, torchrun, unin
     assert saved and all(e["detail"]["bytes"] > 0 and e["detail"]["blocking_s"] < 5 for e in saved)
     (resume,) = events(run, "resume")
     detail = resume["detail"]
-    assert detail["tier"] == "memory" and detail["from_peer_copy"] == []
+    assert detail["tier"] == "memory" and detail["from_peer_copy"] == [] and detail["verified_on_load"] >= 2
     assert detail["tag"].startswith("memory:") and 16 <= detail["step"] <= 18  # at most S=2 steps lost
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
         uninterrupted.results[0]["param_sha256"]

@@ -590,3 +590,37 @@ def test_a_malformed_or_crafted_checkpoint_is_invalid_with_a_reason_never_an_exc
     (d / ".metadata").write_bytes(b"pickl3")
     assert verify(d).bad_file == ".metadata"
     assert sha256_file(d / "w.distcp")[1] == 1
+
+
+def test_each_rank_loads_only_bytes_that_match_the_manifest_rank_0_verified(tmp_path):
+    """Issue 25 item 7: rank 0 hashed the files when it chose the checkpoint and every rank reopened them by
+    path later: a file swapped in between was loaded unseen. VerifiedReader (DeepSpeed's loads go through it,
+    ds_plugins.checkpoint._Verifying) pins the manifest rank 0 verified by its digest, then hands over only
+    bytes it read once and matched against it."""
+    from trainguard.checkpoint.auth import sign
+    from trainguard.checkpoint.manifest import VerifiedReader, manifest_digest
+
+    d = _committed(tmp_path / "ck", "step00000001", 1)
+    sign(d, b"k")
+    digest = manifest_digest(d)
+    reader = VerifiedReader(d, digest, key=b"k")
+    assert reader.read(d / "weights.bin") == b"w" * 2 and reader.read_files == ["weights.bin"]
+    (d / "weights.bin").write_bytes(b"x" * 2)  # swapped after rank 0's verify: same size, other bytes
+    with pytest.raises(CheckpointError, match="differ from the manifest"):
+        reader.read(d / "weights.bin")
+    (d / "extra.pt").write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match="not listed"):
+        reader.read(d / "extra.pt")
+    with pytest.raises(CheckpointError, match="not listed"):
+        reader.read(tmp_path / "ck" / "other" / "x.pt")
+    (d / "weights.bin").unlink()
+    (d / "weights.bin").symlink_to(tmp_path / "ck" / "step00000001" / "extra.pt")
+    with pytest.raises(OSError):  # O_NOFOLLOW: a symlink is never followed
+        reader.read(d / "weights.bin")
+    man = json.loads((d / "manifest.json").read_text())
+    man["step"] = 2
+    (d / "manifest.json").write_text(json.dumps(man))  # the manifest itself changed after rank 0 verified it
+    with pytest.raises(CheckpointError, match="changed since it was verified"):
+        VerifiedReader(d, digest, key=b"k")
+    with pytest.raises(CheckpointError, match="HMAC mismatch"):
+        VerifiedReader(d, None, key=b"k")

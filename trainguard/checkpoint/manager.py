@@ -27,7 +27,7 @@ from trainguard.checkpoint import auth
 from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout
-from trainguard.checkpoint.manifest import verify
+from trainguard.checkpoint.manifest import manifest_digest, verify
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.commit import restore_interrupted
@@ -81,6 +81,7 @@ class CheckpointManager:
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
         self.last_skipped: list[dict] = []     # what the last choice passed over, and why
+        self.chosen_digest: str | None = None  # sha256 of the manifest rank 0 verified for the last choice
         # the directory as this process found it (rank 0), before anything here writes to it (the in-memory
         # tier writes the run marker at initialize): (it existed, it held the run marker)
         root = Path(self.cfg.dir) if self.cfg.dir else None
@@ -186,7 +187,9 @@ class CheckpointManager:
                                                 "dir": str(root)}])
             else:
                 decision = self.choose(root, mode)
-        chosen, skipped = broadcast_from_rank0(decision)
+            # the manifest rank 0 verified, pinned by its digest: every rank loads against that one
+            decision = (*decision, manifest_digest(CheckpointLayout(root).tag_dir(decision[0])) if decision[0] else None)
+        chosen, skipped, self.chosen_digest = broadcast_from_rank0(decision)
         self.last_skipped = skipped
         for s in skipped:
             if "bad_file" in s:
