@@ -26,7 +26,9 @@ one line, ``import ds_plugins.auto``, before the engine is built. From then on:
   holds an enabled block is *tagged*: each batch carries its samples' dataset indices (and the
   sanitiser runs in its collate function), and the guarded engine takes them out again before the
   model sees the batch, so events name the culprit samples as with trainguard's own loader
-  (ds_plugins/loaders.py).
+  (ds_plugins/loaders.py). A batch with no room for them (a ``(features, labels)`` tuple, a tensor)
+  travels wrapped and Accelerate's prepared loader hands it out unwrapped. A loader that cannot be
+  tagged (an IterableDataset, no automatic batching) is named in the ``run_start`` record.
 
 Nothing is imported early: the patches wait until ``deepspeed`` / ``accelerate`` are imported.
 """
@@ -40,7 +42,7 @@ from ds_plugins._bootstrap._trainguard_hook import AfterImport
 from ds_plugins._bootstrap._trainguard_hook import wrap_once as _wrap
 
 _state = threading.local()
-_WATCHED = ("deepspeed", "accelerate.accelerator", "transformers.trainer")
+_WATCHED = ("deepspeed", "accelerate.accelerator", "accelerate.data_loader", "transformers.trainer")
 
 
 def install() -> None:
@@ -144,6 +146,24 @@ def _patch_accelerate(module) -> None:
     _wrap(module.Accelerator, "prepare_data_loader", make)
 
 
+def _patch_accelerate_loaders(module) -> None:
+    """Accelerate's prepared loaders hand out a wrapped batch (one with no room for the ids: a tuple, a
+    tensor) unwrapped, its ids left for the next forward (ds_plugins.loaders.untag). Batches trainguard
+    did not wrap pass untouched."""
+    def make(original):
+        def __iter__(self):
+            from ds_plugins.loaders import untag
+
+            for batch in original(self):
+                yield untag(batch)
+        return __iter__
+
+    for name in ("DataLoaderShard", "DataLoaderDispatcher", "SkipDataLoader"):
+        cls = getattr(module, name, None)
+        if cls is not None and "__iter__" in vars(cls):
+            _wrap(cls, "__iter__", make)
+
+
 def _block_of(accelerator):
     """The enabled trainguard block of an Accelerator's DeepSpeed config, else None."""
     plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
@@ -217,6 +237,6 @@ def _verified_hf_checkpoint(output_dir: str, mode: str, key: bytes | None = None
 
 
 _PATCHES = {"deepspeed": _patch_deepspeed, "accelerate.accelerator": _patch_accelerate,
-            "transformers.trainer": _patch_trainer}
+            "accelerate.data_loader": _patch_accelerate_loaders, "transformers.trainer": _patch_trainer}
 
 install()

@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ds_plugins.loaders import UNTAGGED as _UNTAGGED
 from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import ScalerView
 from ds_plugins.skip import find_strategy, forced_skip
@@ -29,7 +30,7 @@ from trainguard.goodput import GoodputMeter
 from trainguard.watchdog import Heartbeat
 from trainguard.guard import StepGuard
 from trainguard.isolation import collective_device, gather_coords
-from trainguard.probes import first_nonfinite, preserved_rng
+from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
 
 _GUARDED_CLASSES: dict[type, type] = {}
 
@@ -202,7 +203,8 @@ class EngineGuard:
                 "grad_check_point": "local, before the data-parallel reduction (tensor hooks)",
                 "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
                 "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
-                "clipping": {"mode": self.cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()}}
+                "clipping": {"mode": self.cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()},
+                "untagged_loaders": list(_UNTAGGED)}
 
     def _run_facts(self, client_scheduler) -> RunFacts:
         eng = self.engine
@@ -331,8 +333,14 @@ class EngineGuard:
             (inputs, kwargs) = _row_of((inputs, kwargs), row, mb.rows)
             poison = poison.for_row(row) if poison else None
         held = self.faults.held() if self.faults is not None else contextlib.nullcontext()
-        with held, self._replaying(poison), torch.no_grad():
-            return _scalar_loss(self.engine.module(*inputs, **kwargs))
+        watch = FiniteWatch(self.engine.module)
+        with held, self._replaying(poison), torch.no_grad(), watch.watching():
+            out = self.engine.module(*inputs, **kwargs)
+        loss = _scalar_loss(out)
+        if loss is None:
+            loss = _finite_proxy(out)
+        # a non-finite activation inside the forward makes the gradients non-finite, whatever the loss says
+        return loss if loss is None or watch.finite() else float("nan")
 
     def on_batch(self, sample_ids, position, rejected=()) -> None:
         if self.guard is not None:
@@ -513,6 +521,30 @@ def _scalar_loss(out) -> float | None:
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         return float(out.detach().float())
     return None
+
+
+def _finite_proxy(out) -> float | None:
+    """For a model whose output holds no loss (logits; the loop computes the loss outside): 0.0 when every
+    floating value of the output is finite, NaN when one is not -- enough to tell a row that turns the
+    output non-finite from the others, and weights that do from weights that do not (not a spike: that
+    needs a loss). None when the output holds no floating tensor."""
+    seen, finite = False, True
+
+    def walk(x):
+        nonlocal seen, finite
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                seen = True
+                finite = finite and bool(torch.isfinite(x).all())
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(out)
+    return (0.0 if finite else float("nan")) if seen else None
 
 
 def _plain_class(cls: type) -> type:

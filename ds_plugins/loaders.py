@@ -9,6 +9,13 @@ rejected samples, or fails, as configured) and add the indices under :data:`TAG`
 engine takes them out of the batch before the model sees it (ds_plugins/engine.py). Order,
 workers and prefetching cannot mix them up.
 
+A batch that is not a mapping -- ``(features, labels)`` from a ``TensorDataset``, a bare tensor --
+has no room for a key: the collate function then wraps it, ``{WRAPPED: batch, TAG: ids}``, which
+travels through workers and Accelerate's device transfer like any dict, and Accelerate's prepared
+loaders unwrap it as they hand it out (:func:`untag`, patched into their ``__iter__`` by
+ds_plugins/auto.py): the loop gets its own batch back, and the ids wait in :data:`HANDOFF` for the
+next forward -- which is this batch's, since a loop trains on the batch it was just given.
+
 What does not carry over to such a loader (the framework owns it): trainguard's shuffling and
 data position (``data.*``), moving past bad batches on a rollback (``recovery.skip_batches``) and
 the quarantine of sample ids in later epochs -- refused or documented (trainguard/support.py).
@@ -20,6 +27,38 @@ from typing import Any, Callable
 
 TAG = "trainguard_sample_ids"
 REJECTED = "trainguard_rejected"
+WRAPPED = "trainguard_batch"  # a batch with no room for TAG (a tuple, a tensor), wrapped on its way
+
+
+class _Handoff:
+    """The ids of the batch a prepared loader last handed out unwrapped, until the next forward takes them."""
+
+    def __init__(self):
+        self.ids: list | None = None
+        self.rejected: list = []
+
+    def put(self, ids, rejected) -> None:
+        self.ids, self.rejected = list(ids), list(rejected)
+
+    def take(self) -> tuple[list | None, list]:
+        ids, rejected, self.ids, self.rejected = self.ids, self.rejected, None, []
+        return ids, rejected
+
+
+HANDOFF = _Handoff()
+UNTAGGED: list[dict] = []  # loaders Accelerate prepared that could not be tagged, and why (the run_start record)
+
+
+def untag(batch):
+    """What a prepared loader hands out: a wrapped batch unwrapped, its ids left in :data:`HANDOFF`."""
+    if type(batch) is dict and WRAPPED in batch:
+        HANDOFF.put(_as_list(batch.get(TAG, [])), batch.get(REJECTED, []))
+        return batch[WRAPPED]
+    return batch
+
+
+def _as_list(ids) -> list:
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
 
 
 class EmptyBatch(Exception):
@@ -82,10 +121,11 @@ class TaggingCollate:
                 if not samples:  # a framework's loader cannot fetch replacements: nothing left to train on
                     raise EmptyBatch(rejected)
         batch = self.collate_fn(samples)
-        if isinstance(batch, MutableMapping):
-            batch[TAG] = ids
-            if rejected:
-                batch[REJECTED] = rejected
+        if not isinstance(batch, MutableMapping):
+            batch = {WRAPPED: batch}  # (no room for a key: wrapped; the prepared loader unwraps it, untag)
+        batch[TAG] = ids
+        if rejected:
+            batch[REJECTED] = rejected
         return batch
 
 
@@ -97,7 +137,14 @@ def tag_loader(loader, sanitize_cfg=None) -> bool:
 
     if not isinstance(loader, tud.DataLoader) or getattr(loader, "_trainguard_tagged", False):
         return False
-    if isinstance(loader.dataset, tud.IterableDataset) or loader.batch_size is None and loader.batch_sampler is None:
+    why = None
+    if isinstance(loader.dataset, tud.IterableDataset):
+        why = "an IterableDataset has no indices to name its samples by"
+    elif loader.batch_size is None and loader.batch_sampler is None:
+        why = "a loader without automatic batching (batch_size=None) hands out samples its dataset batched"
+    if why is not None:
+        UNTAGGED.append({"loader": f"DataLoader over {type(loader.dataset).__name__}", "why": why,
+                         "effect": "records of its batches carry no sample ids"})
         return False
     # DataLoader refuses to change its dataset after __init__; the iterators read it afresh
     object.__setattr__(loader, "dataset", TaggedDataset(loader.dataset))
@@ -118,6 +165,8 @@ def take_tags(inputs: tuple, kwargs: dict) -> tuple[tuple, dict, list | None, li
         ids = batch.pop(TAG)
         rejected = batch.pop(REJECTED, [])
         inputs = (batch, *inputs[1:])
+    if ids is None:  # a wrapped batch's ids, left by the prepared loader that unwrapped it (untag)
+        ids, rejected = HANDOFF.take()
     if ids is not None and hasattr(ids, "tolist"):
         ids = ids.tolist()
     return inputs, kwargs, (list(ids) if ids is not None else None), list(rejected)

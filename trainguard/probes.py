@@ -172,6 +172,36 @@ def first_nonfinite(model: torch.nn.Module, run: Callable[[], Any]) -> dict:
     return found
 
 
+class FiniteWatch:
+    """Whether every module output of a forward stayed finite: one device flag ANDed by a hook on every
+    module, read once at the end (one host sync per replay, not per module). For replays: a sample can
+    make an intermediate activation infinite while the output stays finite (a saturating tanh, a
+    softmax), and its gradients are then NaN -- the output or the loss alone would call it healthy."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = [(n, m) for n, m in model.named_modules() if n]
+        self.flag: torch.Tensor | None = None
+
+    @contextmanager
+    def watching(self) -> Iterator["FiniteWatch"]:
+        self.flag = None
+
+        def make(name):
+            def hook(m, args, out):
+                t = _first_tensor(out)
+                if t is not None and t.is_floating_point():
+                    ok = torch.isfinite(t).all()
+                    self.flag = ok if self.flag is None else self.flag & ok
+                return None
+            return hook
+
+        with hooked(self.modules, make):
+            yield self
+
+    def finite(self) -> bool:
+        return True if self.flag is None else bool(self.flag)
+
+
 @contextmanager
 def preserved_rng(devices=()) -> Iterator[None]:
     """A replay must not consume the training run's random numbers (dropout)."""

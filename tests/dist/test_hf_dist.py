@@ -137,7 +137,7 @@ def accelerate(tmp_path, name, block, *extra, prefix=PREFIX):
                         str(out), *extra])
 
 
-def launch(out, cmd):
+def launch(out, cmd, env=None):
     """Run a launch command (bounded: its process tree is killed after 300 s); must succeed.
     Returns (per-rank results, the run's trainguard.jsonl lines)."""
     import subprocess
@@ -145,7 +145,8 @@ def launch(out, cmd):
     from trainguard.demo.run import kill_tree, torchrun_env
 
     with open(out / "launch.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env(), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**torchrun_env(), **(env or {})},
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
@@ -173,3 +174,47 @@ def test_accelerate_launch_with_the_block_in_its_deepspeed_config(tmp_path):
     for a, b in zip(plain, prefixed):
         assert a["losses"] == b["losses"] and a["param_sha256"] == b["param_sha256"]
         assert a["engine_class"] == b["engine_class"] == "DeepSpeedEngine"
+
+
+def plain_accelerate(tmp_path, name, how):
+    """Issue 27's script (tests/support/accelerate_plain_worker.py): the DeepSpeed config with the block handed
+    to Accelerate as a dict (``DeepSpeedPlugin(hf_ds_config=dict)``), as a JSON path, or through ``accelerate
+    launch``'s config file; launched under ``trainguard run``. One sample (37) holds +inf."""
+    out = tmp_path / name
+    out.mkdir()
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+           "trainguard": {"metrics": {"jsonl": str(out / "trainguard.jsonl"), "per_rank": True}}}
+    (out / "ds.json").write_text(json.dumps(cfg))
+    worker = ["-m", "tests.support.accelerate_plain_worker", "--steps", "10", "--out", str(out), "--nan-sample", "37"]
+    if how == "launcher":
+        (out / "acc.yaml").write_text(ACCELERATE_YAML.format(ds=out / "ds.json"))
+        cmd = [*PREFIX, sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "acc.yaml"),
+               *worker]
+    else:
+        cmd = [*PREFIX, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               *worker, "--ds-dict" if how == "dict" else "--ds-file", str(out / "ds.json")]
+    return launch(out, cmd, env={"ACCELERATE_USE_DEEPSPEED": "true"})  # (PLATFORM.md: a plugin under torchrun on CPU)
+
+
+@pytest.mark.parametrize("how", ["dict", "file", "launcher"])
+def test_accelerate_names_the_bad_sample_of_a_tuple_batch_however_the_config_is_given(tmp_path, how):
+    """Issue 27: a plain Accelerate script whose loader yields (features, labels) tuples, prepared together
+    with the model: the nonfinite record's sample_ids were [] on every rank (a tuple has no room for the
+    ids). Now the bad sample's index is named, alone (the per-sample replay: its +inf makes the first
+    Linear's output infinite and the gradients NaN while tanh keeps the loss finite -- the replay watches
+    every module's output), on both ranks (Accelerate on CPU does not shard this loader), the step skipped
+    with no rollback, and the batch is named beside it. (On the previous commit: sample_ids [].)"""
+    results, lines = plain_accelerate(tmp_path, how, how)
+    (start,) = [x for x in lines if x.get("event") == "run_start"]
+    assert start["detail"]["untagged_loaders"] == []
+    bad = [x for x in lines if x.get("event") == "nonfinite"]
+    assert bad and [x["step"] for x in bad] == results[0]["bad_batch_at"]
+    for e in bad:
+        assert e["action"] == "skip_step" and e["ranks"] == [0, 1]
+        for r in ("0", "1"):
+            mine = e["detail"]["per_rank"][r]
+            assert mine["sample_ids"] == [37] and 37 in mine["batch_sample_ids"] and len(mine["batch_sample_ids"]) == 8
+    assert not [x for x in lines if x.get("event") == "rollback"]
+    assert all(r["engine_class"] == "TrainguardDeepSpeedEngine" and r["weights_finite"] for r in results)
+    assert results[0]["skipped_steps"] == len(bad)

@@ -44,3 +44,41 @@ def test_the_sanitiser_runs_in_the_collate_and_says_what_it_dropped():
     assert kwargs["input_ids"].shape[0] == 2 and REJECTED not in kwargs
     with pytest.raises(EmptyBatch, match="rejected every sample of a batch.*sample 16: token id 16 outside"):
         next(batches)  # samples 16..23: nothing left to train on -- said clearly, not an IndexError
+
+
+def test_a_tuple_batch_travels_wrapped_and_comes_out_unwrapped_with_its_ids_handed_to_the_next_forward():
+    """Issue 27: a (features, labels) batch has no room for the ids; it is wrapped through the loader (workers
+    included) and untag() -- patched into Accelerate's prepared loaders' __iter__ -- hands the loop its own
+    tuple back, the ids waiting for the next forward (take_tags); a forward takes them once."""
+    from ds_plugins.loaders import HANDOFF, WRAPPED, untag
+
+    x = torch.arange(32, dtype=torch.float32).reshape(16, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.arange(16)), batch_size=4,
+                                         shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5))
+    assert tag_loader(loader)
+    HANDOFF.take()
+    for raw in loader:
+        assert type(raw) is dict and WRAPPED in raw
+        features, labels = untag(raw)  # what the loop receives: its own tuple
+        inputs, kwargs, ids, _ = take_tags((features,), {})
+        assert ids == labels.tolist() and inputs[0] is features
+        assert take_tags((features,), {})[2] is None  # taken once: a second forward names nothing stale
+    plain = {"input_ids": torch.zeros(2)}
+    assert untag(plain) is plain  # batches trainguard did not wrap pass untouched
+
+
+def test_a_loader_that_cannot_be_tagged_is_named_for_the_start_record():
+    """Issue 27: an IterableDataset (no indices) or a loader without automatic batching used to leave the
+    records' sample_ids empty later, silently; run_start now lists it (ds_plugins.engine, untagged_loaders)."""
+    from ds_plugins.loaders import UNTAGGED
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    UNTAGGED.clear()
+    assert not tag_loader(torch.utils.data.DataLoader(Stream(), batch_size=2))
+    assert not tag_loader(torch.utils.data.DataLoader(Numbers(), batch_size=None))
+    assert [u["loader"] for u in UNTAGGED] == ["DataLoader over Stream", "DataLoader over Numbers"]
+    assert "IterableDataset" in UNTAGGED[0]["why"] and "batch_size=None" in UNTAGGED[1]["why"]
+    UNTAGGED.clear()
