@@ -147,6 +147,7 @@ class EngineGuard:
         self.watchdog = None          # trainguard.watchdog.Watchdog, started by start_watchdog()
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._framework_batches = 0   # micro-batches of a framework's tagged loader (no epochs known)
+        self._watch_trusted = True    # module outputs all finite on the last healthy replay (see _replay)
         self.entry = "initialize"     # "auto": built by a framework through the zero-code entry (ds_plugins/auto.py)
         if guard_enabled:
             if cfg.detectors.nonfinite.enabled:
@@ -339,8 +340,13 @@ class EngineGuard:
         loss = _scalar_loss(out)
         if loss is None:
             loss = _finite_proxy(out)
+        if row is None and mb is self.guard.book.healthy:
+            # the weights' probe: its loss alone decides; whether this model's intermediates are all finite on
+            # healthy data (a module may output a -inf mask) says whether the rows' replays may use the watch
+            self._watch_trusted = watch.finite()
+            return loss
         # a non-finite activation inside the forward makes the gradients non-finite, whatever the loss says
-        return loss if loss is None or watch.finite() else float("nan")
+        return loss if loss is None or watch.finite() or not self._watch_trusted else float("nan")
 
     def on_batch(self, sample_ids, position, rejected=()) -> None:
         if self.guard is not None:
