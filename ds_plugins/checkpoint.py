@@ -93,9 +93,10 @@ class DeepSpeedCheckpointer(CheckpointManager):
         super().after_precision_change()
 
     # ------------------------------------------------------------------ the in-memory tier
-    def snapshot(self) -> str:
+    def snapshot(self) -> str | None:
         tag = self.snapshots.take()
-        self.health.saved(memory_tag(tag), self.engine.global_steps)  # (stable marks: rollbacks in "stable" mode)
+        if tag is not None:  # (None: the tier is off on this rank, snapshots_off)
+            self.health.saved(memory_tag(tag), self.engine.global_steps)  # (stable marks: "stable" rollbacks)
         return tag
 
     def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:

@@ -13,6 +13,7 @@ ZeRO stages 0-2 (under ZeRO-3 the module states are gathered: a collective), wit
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, gather_objects
 
 
+MAX_FAILURES = 3       # snapshots in a row that fail to write before the tier stops writing on that rank
 PEER_TIMEOUT_S = 300.0  # the peer copies' group: a send or receive that takes longer fails (a dead peer)
 
 
@@ -66,6 +68,8 @@ class DeepSpeedSnapshots:
             problem = f"rank {_rank()}: {e}"
         except OSError as e:
             problem = f"rank {_rank()} cannot write to {self.store.own}: {e}"
+        if problem is None:
+            problem = self._room(place, _estimated_shard_bytes(eng))
         problems = [p for p in gather_objects(problem) if p]  # (every rank stops, not only the one that failed)
         if problems:
             raise ConfigError([("trainguard.checkpoint.snapshot.dir", f"{'; '.join(problems)}; expected a node-local "
@@ -80,28 +84,62 @@ class DeepSpeedSnapshots:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if self.cfg.peer_copy and spans_nodes else None
         self._job: _Job | None = None
         self._fetch: dict[str, list] = {}
+        self.failures = 0                     # snapshots in a row whose write failed on this rank
+        self.off: str | None = None           # why this rank's tier stopped writing (it keeps the schedule)
+
+    def _room(self, place: Placement, shard: int) -> str | None:
+        """Whether node memory can hold what the tier keeps on this node: every rank's ``keep`` shards and
+        the one being written, plus the peers' copies kept here. Node memory is shared with the data
+        loaders' workers and NCCL's shared-memory transport, which fail when it is full (Docker's default
+        /dev/shm is 64 MB)."""
+        import shutil
+
+        node = place.node
+        mine = place.ranks_on(node)
+        held = sum(len(place.sources(r)) for r in mine) if self.cfg.peer_copy else 0
+        need = (len(mine) * (self.cfg.keep + 1) + held * self.cfg.keep) * shard
+        usage = shutil.disk_usage(self.store.base.parent)
+        have = usage.free + self.store.bytes_used()
+        if need <= have:
+            return None
+        return (f"node memory {self.store.base.parent} has {_mb(have)} free and the tier needs about {_mb(need)} on "
+                f"this node ({len(mine)} rank(s) x (keep {self.cfg.keep} + 1 being written) + {held} peer copies x "
+                f"keep, of a shard of about {_mb(shard)}): lower snapshot.keep, make the tmpfs larger (docker run "
+                "--shm-size), or set snapshot.every_steps to 0")
 
     # ------------------------------------------------------------------ taking one (every rank, no collective)
     def take(self) -> str:
         t0 = time.perf_counter()
         self.wait()  # (a writer still busy holds the step up: part of this one's blocking time)
+        if self.off is not None:
+            return self._take_nothing(t0)
         cp, eng = self.cp, self.cp.engine
         step = eng.global_steps
         interval = self._pace(step)
         tag = step_tag(step)
         nonce = f"{tag}.{uuid.uuid4().hex[:8]}"
         staging_root = CheckpointLayout(self.store.own).staging_root(nonce)
-        staging_root.mkdir(parents=True, exist_ok=True)
         from ds_plugins.checkpoint import _Capture
 
+        try:
+            staging_root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._job = _Job(self, tag, step, None, None, None, [], [], None, time.perf_counter() - t0, interval,
+                             off=True, failed=e)
+            return None
         capture = _Capture(eng.checkpoint_engine, host_copy)
         engine_before, eng.checkpoint_engine = eng.checkpoint_engine, capture
         writer_before, eng.save_non_zero_checkpoint = eng.save_non_zero_checkpoint, True  # each shard loads alone
         try:
             cs = {"trainguard": {"tag": tag, "step": step, "version": __version__, "tier": "memory"}}
-            eng._save_checkpoint(str(staging_root), tag, client_state=cs)
+            eng._save_checkpoint(str(staging_root), tag, client_state=cs)  # (writes zero_to_fp32.py: node memory)
             if eng.save_zero_checkpoint:
                 eng._save_zero_checkpoint(str(staging_root), tag)
+        except OSError as e:  # node memory full already here: a failed snapshot, never a failed step
+            shutil.rmtree(staging_root, ignore_errors=True)
+            self._job = _Job(self, tag, step, None, None, None, [], [], None, time.perf_counter() - t0, interval,
+                             off=True, failed=e)
+            return None
         finally:
             eng.checkpoint_engine, eng.save_non_zero_checkpoint = engine_before, writer_before
         staged = staging_root / tag
@@ -113,6 +151,14 @@ class DeepSpeedSnapshots:
         cp.state.goodput.overhead(blocking)
         self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval)
         return tag
+
+    def _take_nothing(self, t0: float) -> None:
+        """The tier is off on this rank: the schedule is kept (the pace's all-gather, an empty message to the
+        peer, which waits for one), nothing is copied or written."""
+        step = self.cp.engine.global_steps
+        interval = self._pace(step)
+        self._job = _Job(self, step_tag(step), step, None, None, None, [], [], None, time.perf_counter() - t0,
+                         interval, off=True)
 
     def _pace(self, step: int) -> int:
         """With a cost budget (``snapshot.max_overhead``): what the previous snapshot cost training and the
@@ -148,16 +194,35 @@ class DeepSpeedSnapshots:
         self._job = None
         job.thread.join()
         self.cp.pacer.writer_done()
-        if job.error is not None:
-            self.cp.emit(job.step, Record.CHECKPOINT_FAILED, {"tag": job.tag, "dir": str(self.store.own),
-                                                              "tier": "memory",
-                                                              "error": f"{type(job.error).__name__}: {job.error}"})
+        if job.failed is not None:  # (the blocking part failed already: take())
+            self._failed(job.step, job.tag, job.failed)
             return
+        if job.off:
+            return
+        if job.error is not None:
+            self._failed(job.step, job.tag, job.error)
+            return
+        self.failures = 0
         self.cp.emit(job.step, Record.SNAPSHOT_SAVED, {
             "tag": job.tag, "step": job.step, "dir": str(self.store.own), "bytes": job.bytes,
             "node_memory_bytes": job.node_bytes, "blocking_s": round(job.blocking, 4),
             "write_s": round(job.seconds, 3), "write_cpu_s": round(job.cpu, 4), "interval": job.interval,
             "peer": self.peer})
+
+    def _failed(self, step: int, tag: str, error: BaseException) -> None:
+        """A snapshot that could not be written (node memory full, ...): recorded, and after MAX_FAILURES in a
+        row the tier stops writing on this rank -- never the job taken down, never the memory the data
+        loaders and NCCL need filled again and again."""
+        self.failures += 1
+        self.cp.emit(step, Record.CHECKPOINT_FAILED, {"tag": tag, "dir": str(self.store.own), "tier": "memory",
+                                                      "failures_in_a_row": self.failures,
+                                                      "error": f"{type(error).__name__}: {error}"})
+        if self.failures >= MAX_FAILURES and self.off is None:
+            self.off = f"{self.failures} snapshots in a row failed to write (the last: {type(error).__name__}: {error})"
+            self.cp.emit(step, Record.SNAPSHOTS_OFF, {
+                "dir": str(self.store.own), "why": self.off,
+                "advice": "the in-memory tier stopped writing on this rank (disk checkpoints go on); free node "
+                          "memory (df /dev/shm) and restart to turn it on again"})
 
     def wait(self) -> None:
         self.poll(wait=True)
@@ -197,8 +262,10 @@ class _Job:
     """One snapshot's background work on one rank: write, hash, commit, exchange."""
 
     def __init__(self, owner: DeepSpeedSnapshots, tag, step, staged, staging_root, nonce, writes, json_writes,
-                 manifest, blocking, interval):
+                 manifest, blocking, interval, off: bool = False, failed: BaseException | None = None):
         self.owner, self.tag, self.step, self.blocking, self.interval = owner, tag, step, blocking, interval
+        self.off = off  # nothing to write (the tier is off on this rank, or `failed`): only the peer exchange
+        self.failed = failed  # the blocking part's error
         self.staged, self.staging_root, self.nonce = staged, staging_root, nonce
         self.writes, self.json_writes, self.manifest = writes, json_writes, manifest
         self.error: BaseException | None = None
@@ -212,6 +279,8 @@ class _Job:
         store = self.owner.store
         payload = b""
         try:
+            if self.off:
+                raise _Off
             table = {}
             for state, path in self.writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,8 +294,11 @@ class _Job:
             store.commit(store.own, self.staging_root, self.nonce, dataclasses.replace(self.manifest, files=table))
             if self.owner.peer is not None:
                 payload = store.pack(self.tag)
+        except _Off:
+            pass
         except BaseException as e:  # noqa: BLE001 - reported by poll(); the snapshot stays invisible
             self.error = e
+            shutil.rmtree(self.staging_root, ignore_errors=True)  # (a full tmpfs: nothing half-written stays)
         finally:
             self.writes = self.json_writes = []  # free the host copies
         try:
@@ -236,6 +308,26 @@ class _Job:
         except BaseException as e:  # noqa: BLE001
             self.error = self.error or e
         self.seconds, self.cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+
+
+class _Off(Exception):
+    """(the writer has nothing to write: the tier is off on this rank)"""
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _estimated_shard_bytes(eng) -> int:
+    """About what one rank's shard takes before the first one is written: the module states (every rank keeps
+    them) and this rank's optimizer partition -- an fp32 master copy under bf16/fp16 and Adam's two moments,
+    over the data-parallel ranks at ZeRO 1-2. The first snapshot's record gives the real figure."""
+    params = [p for p in eng.module.parameters()]
+    module = sum(p.numel() * p.element_size() for p in params)
+    n = sum(p.numel() for p in params)
+    share = n / max(1, eng.dp_world_size) if eng.zero_optimization_stage() >= 1 else n
+    per_element = 4 * (3 if eng.bfloat16_enabled() or eng.fp16_enabled() else 2)
+    return int(module + share * per_element)
 
 
 def _recv(src: int, group) -> bytes:

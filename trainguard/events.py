@@ -87,6 +87,7 @@ class Record(str, enum.Enum):
     CHECKPOINT_SAVED = "checkpoint_saved"      # a checkpoint was committed
     SNAPSHOT_SAVED = "snapshot_saved"          # the in-memory tier: every rank's shard committed in node memory
     CHECKPOINT_FAILED = "checkpoint_failed"    # an async save failed; it stays invisible, training goes on
+    SNAPSHOTS_OFF = "snapshots_off"            # the in-memory tier stopped writing on a rank (repeated failures)
     CHECKPOINT_STABLE = "checkpoint_stable"    # the stable_after steps after a checkpoint passed cleanly
     CHECKPOINT_INVALID = "checkpoint_invalid"  # a checkpoint failed verification and was passed over
     RESUME = "resume"                          # a checkpoint was loaded to resume the run

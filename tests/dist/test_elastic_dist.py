@@ -162,3 +162,81 @@ def test_a_snapshot_dir_no_rank_can_write_stops_every_rank_naming_the_key(tmp_pa
     assert "trainguard.checkpoint.snapshot.dir" in log and "not a folder" in log
     assert "rank 0: " in log and "rank 1: " in log  # (every rank stops, each named)
     assert not (tmp_path / "unwritable" / "ck").exists() or not any((tmp_path / "unwritable" / "ck").glob("step*"))
+
+
+def _tmpfs(path, size: str):
+    """A tmpfs of ``size`` at ``path`` (node memory as small as Docker's default /dev/shm, or smaller)."""
+    import subprocess
+
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root and mount(8) needed): {done.stderr.strip()}")
+
+
+def _umount(path):
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_node_memory_too_small_is_refused_at_start_and_a_full_one_turns_the_tier_off(tmp_path, torchrun):
+    """Issue 25 item 3: node memory full (/dev/shm: Docker's default is 64 MB) had no check: staging stayed
+    behind and the loaders' workers and NCCL's shared-memory transport then failed. A tmpfs too small for what
+    the tier keeps is refused at initialize with the figures; one that fills up during the run (another
+    process takes it all) costs checkpoint_failed records, leaves no staging, and after 3 in a row the tier
+    stops writing (snapshots_off) while training and the disk checkpoints go on. (On the previous commit:
+    the small tmpfs was accepted.)"""
+    import threading
+    import time
+
+    small = tmp_path / "shm-small"
+    _tmpfs(small, "1m")
+    try:
+        (tmp_path / "s").mkdir()
+        run = torchrun(make_config(tmp_path / "s", block=snapshot_block(tmp_path, "small", dir=str(small)),
+                                   bf16={"enabled": True}), STEPS, out_name="small")
+        log = (run.out / "torchrun.log").read_text()
+        assert run.rc != 0 and not any(run.results)
+        assert "trainguard.checkpoint.snapshot.dir" in log and "MiB free and the tier needs about" in log
+    finally:
+        _umount(small)
+
+    full = tmp_path / "shm-full"
+    _tmpfs(full, "64m")
+    try:
+        (tmp_path / "f").mkdir()
+        out = tmp_path / "filled"
+        stop = threading.Event()
+
+        def fill():  # once the first snapshot is in, another process of the node takes the rest of its memory
+            while not stop.is_set():
+                log = out / "trainguard.jsonl"
+                if log.exists() and "snapshot_saved" in log.read_text():
+                    import shutil
+
+                    with open(full / "filler", "wb") as f:
+                        free = shutil.disk_usage(full).free
+                        f.write(b"\0" * max(0, free - 4096))
+                    return
+                time.sleep(0.05)
+
+        filler = threading.Thread(target=fill, daemon=True)
+        filler.start()
+        cfg = make_config(tmp_path / "f", block=snapshot_block(tmp_path, "filled", dir=str(full)), bf16={"enabled": True})
+        try:
+            run = torchrun(cfg, 120, out_name="filled").ok()
+        finally:
+            stop.set()
+            filler.join(5)
+        failed = [e for e in events(run, "checkpoint_failed") if e["detail"].get("tier") == "memory"]
+        assert len(failed) >= 3 and all("No space left" in e["detail"]["error"] for e in failed)
+        (off,) = events(run, "snapshots_off")
+        assert "3 snapshots in a row failed" in off["detail"]["why"]
+        assert max(e["step"] for e in events(run, "checkpoint_saved")) == 120  # the disk tier went on
+        assert not [e for e in events(run, "checkpoint_failed") if e["step"] > off["step"] + 2]  # then it stopped trying
+        staging = [p for p in full.rglob(".staging") if any(p.iterdir())]
+        assert not staging, staging  # a failed write leaves nothing half-written in node memory
+    finally:
+        _umount(full)

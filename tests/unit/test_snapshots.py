@@ -141,6 +141,10 @@ def test_the_tier_writes_only_into_folders_this_user_alone_controls(tmp_path):
     from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
 
     assert str(expand("/dev/shm/trainguard-{uid}")) == f"/dev/shm/trainguard-{os.geteuid()}"
+    shared = tmp_path / "tmpfs-root"  # a shared sticky folder given as it is (/dev/shm itself): one of ours inside
+    shared.mkdir()
+    shared.chmod(0o1777)
+    assert expand(shared) == shared / f"trainguard-{os.geteuid()}"
     made = private_dir(tmp_path / "shm", "run", "node0", "rank0")
     for p in (tmp_path / "shm", tmp_path / "shm" / "run", made):
         assert stat.S_IMODE(os.lstat(p).st_mode) == 0o700

@@ -25,9 +25,17 @@ class UnsafeFolder(TrainguardError):
 
 
 def expand(path: str | os.PathLike) -> Path:
-    """``{uid}`` in a configured folder becomes this user's id (the default is per user:
-    ``/dev/shm/trainguard-{uid}``)."""
-    return Path(str(path).replace("{uid}", str(os.geteuid())))
+    """The tier's own folder for a configured ``snapshot.dir``: ``{uid}`` becomes this user's id (the
+    default is per user: ``/dev/shm/trainguard-{uid}``), and a shared sticky folder given as it is
+    (``/dev/shm`` itself, a tmpfs mount point, mode 1777) gets a folder of this user's inside it."""
+    uid = os.geteuid()
+    p = Path(str(path).replace("{uid}", str(uid)))
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return p
+    shared = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH
+    return p / f"trainguard-{uid}" if shared else p
 
 
 def _describe(st: os.stat_result) -> str:
