@@ -66,6 +66,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self._base_load = base_load
         self._pending = None                   # (BackgroundCommit, info) of an async save in flight
         self.floor = 0                         # checkpoints older than this step do not fit (precision change)
+        self.failed_in_a_row = 0               # background saves that failed, in a row
         self._revision = code_revision() if _rank() == 0 else None
         self.snapshots = None                  # ds_plugins.snapshots.DeepSpeedSnapshots: the in-memory tier
         if self.cfg.snapshot.every_steps:
@@ -247,9 +248,19 @@ class DeepSpeedCheckpointer(CheckpointManager):
         try:
             job.wait()
         except Exception as e:  # noqa: BLE001 - the checkpoint stays invisible; training goes on
+            self.failed_in_a_row += 1
             self.emit(info["step"], Record.CHECKPOINT_FAILED, {"tag": info["tag"], "dir": info["dir"],
-                                                               "error": f"{type(e).__name__}: {e}"})
+                                                               "error": f"{type(e).__name__}: {e}",
+                                                               "failures_in_a_row": self.failed_in_a_row})
+            if self.failed_in_a_row >= 3 and _rank() == 0:  # (not forever in silence: the newest good one ages)
+                import logging
+
+                logging.getLogger("trainguard").error(
+                    "trainguard: %d checkpoints in a row failed to save in the background (the last: %s: %s); the "
+                    "newest committed checkpoint is getting older with every step -- check %s (space, quota, mount)",
+                    self.failed_in_a_row, type(e).__name__, e, info["dir"])
             return
+        self.failed_in_a_row = 0
         self.emit(info["step"], Record.CHECKPOINT_SAVED, {
             "tag": info["tag"], "dir": info["dir"], "bytes_this_rank": job.bytes, "async": True,
             "blocking_s": round(info["blocking_s"], 3), "write_s": round(job.seconds, 3),

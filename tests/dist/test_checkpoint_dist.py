@@ -75,6 +75,7 @@ def test_a_failed_background_write_stays_invisible_and_training_goes_on(tmp_path
                       bf16={"enabled": True}, faults=[{"type": "checkpoint_write_error", "step": 8, "rank": 1}])
     run = torchrun(cfg, 12, timeout=180).ok()
     (failed,) = [e for e in run.events if e["event"] == "checkpoint_failed"]
+    assert failed["detail"]["failures_in_a_row"] == 1  # (three in a row: an error in the log, not silence)
     assert failed["detail"]["tag"] == "step00000008"
     assert "rank 1" in failed["detail"]["error"] and "No space left on device" in failed["detail"]["error"]
     layout = CheckpointLayout(d)
