@@ -47,11 +47,22 @@ class Beat:
     progress: float      # wall time of the last phase change
     published: float     # wall time this record was written (the publisher's own liveness)
     attempt: int = 0     # torchrun's restart attempt that wrote it (TORCHELASTIC_RESTART_COUNT)
+    started: int | None = None  # the process's start time (clock ticks since boot, /proc): who `pid` is
 
     @classmethod
     def parse(cls, text: str | bytes) -> "Beat":
         d = json.loads(text)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "attempt"})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in ("attempt", "started")})
+
+
+def process_start(pid: int) -> int | None:
+    """A process's start time (field 22 of /proc/<pid>/stat, clock ticks since boot): with the pid, it names one
+    process -- a pid alone may have been reused by anyone's process since it was published. None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Heartbeat:
@@ -61,6 +72,7 @@ class Heartbeat:
         self.rank, self.host, self.pid = rank, socket.gethostname(), os.getpid()
         self.step, self.phase, self.progress = 0, "start", time.time()
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.started = process_start(self.pid)
 
     def beat(self, phase: str, step: int | None = None) -> None:
         self.phase = phase
@@ -69,7 +81,8 @@ class Heartbeat:
         self.progress = time.time()
 
     def record(self) -> Beat:
-        return Beat(self.rank, self.host, self.pid, self.step, self.phase, self.progress, time.time(), self.attempt)
+        return Beat(self.rank, self.host, self.pid, self.step, self.phase, self.progress, time.time(), self.attempt,
+                    self.started)
 
 
 # ---------------------------------------------------------------------------------- boards
@@ -259,17 +272,28 @@ def exit_for_restart(code: int, detail: dict | None = None) -> None:
 
 
 def signal_local(verdict: HangVerdict, host: str, sig: int) -> list[int]:
-    """Send ``sig`` to the culprit ranks that run on this host; returns their pids."""
+    """Send ``sig`` to the culprit ranks that run on this host; returns their pids. The heartbeat board is not
+    authenticated and pids are reused: a process is signalled only when it is still the one that published
+    the beat (same start time, same user) -- never whatever process holds that pid now."""
     sent = []
     for r in verdict.culprits:
         b = verdict.beats.get(r)
-        if b is not None and b.host == host and b.pid != os.getpid():
+        if b is not None and b.host == host and b.pid != os.getpid() and _same_process(b):
             try:
                 os.kill(b.pid, sig)
                 sent.append(b.pid)
             except OSError:
                 pass
     return sent
+
+
+def _same_process(b: Beat) -> bool:
+    if b.started is None or process_start(b.pid) != b.started:
+        return False
+    try:
+        return os.stat(f"/proc/{b.pid}").st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------- the whole

@@ -7,7 +7,9 @@ or ``megatron_hooks.lm`` (which adds ``--trainguard-config`` to Megatron-LM's ar
 loop when it is given). In a restarted torchrun attempt, ``init_process_group`` is also wrapped as
 soon as torch defines it, so that any framework's process group starts on a store of the attempt's
 own. The sitecustomize this one shadows, if the environment has one, still runs.
-``TRAINGUARD_AUTO=0`` turns it off.
+``TRAINGUARD_AUTO=0`` turns it off. An entry that cannot be loaded (trainguard broken or missing in the
+workers' environment) stops the job at that import, naming why -- a job launched under ``trainguard run``
+never trains unguarded by surprise; ``TRAINGUARD_REQUIRED=0`` lets it go on with a warning instead.
 """
 import importlib.util
 import os
@@ -26,8 +28,13 @@ def _load_entry(name="deepspeed", module=None):  # (each entry installs itself o
             from megatron_hooks.lm import install_entry
 
             install_entry()
-    except Exception as e:  # noqa: BLE001 - never break the user's job from here
-        print(f"trainguard: the zero-code entry could not be loaded: {type(e).__name__}: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001
+        why = f"trainguard: the zero-code entry could not be loaded: {type(e).__name__}: {e}"
+        if os.environ.get("TRAINGUARD_REQUIRED", "1") != "0":  # fail closed: not a run the user believes guarded
+            raise SystemExit(f"{why}\nThe job was launched under `trainguard run` and would train unguarded: stopped. "
+                             "Repair the installation (pip install trainguard in the workers' environment), or set "
+                             "TRAINGUARD_REQUIRED=0 to train without it.") from e
+        print(f"{why} (TRAINGUARD_REQUIRED=0: training goes on unguarded)", file=sys.stderr)
 
 
 def _chain():

@@ -67,3 +67,30 @@ def test_slurm_requeues_after_a_hang_exit_that_torchrun_reported_as_1(tmp_path):
     assert "requeue 42" in asked and (tmp_path / "trainguard-hang.42").read_text().count('"exit_code": 75') == 1
     rc, asked, err = _slurm(tmp_path, 3)  # a crash (or an abort): a person looks first, no requeue
     assert rc == 1 and asked == "", asked
+
+
+def test_a_broken_trainguard_under_trainguard_run_stops_the_job_instead_of_training_unguarded(tmp_path):
+    """Issue 25 item 10: the bootstrap printed a line and let the job train unguarded when trainguard failed to
+    import in the workers' environment. It now stops at the framework's import, naming why; TRAINGUARD_REQUIRED=0
+    lets it go on (with a warning)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ds_plugins
+
+    bootstrap = Path(ds_plugins.__file__).parent / "_bootstrap"
+    fake = tmp_path / "site"
+    (fake / "ds_plugins").mkdir(parents=True)
+    (fake / "ds_plugins" / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    (fake / "deepspeed.py").write_text("")  # the framework the job imports (a stand-in: the hook fires on its name)
+    code = "import deepspeed; print('trained unguarded')"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRAINGUARD_REQUIRED", "TORCHELASTIC_RESTART_COUNT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(bootstrap), str(fake)])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode != 0 and "trained unguarded" not in out.stdout
+    assert "a broken install" in out.stderr and "TRAINGUARD_REQUIRED=0" in out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "TRAINGUARD_REQUIRED": "0"}, capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0 and "trained unguarded" in out.stdout and "training goes on unguarded" in out.stderr

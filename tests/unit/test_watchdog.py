@@ -170,3 +170,27 @@ def test_a_hung_filesystem_cannot_keep_the_watchdog_from_exiting(tmp_path):
         assert "still alive" not in out.stdout and time.monotonic() - t0 < 40
         if case == "board":
             assert "hang detection is blind" in out.stderr
+
+
+def test_a_hung_rank_is_signalled_only_while_its_pid_is_still_the_process_that_published_the_beat():
+    """Issue 25 item 10: kill_hung_local sent SIGKILL to whatever pid the (unauthenticated) board named: a pid
+    reused since, or one written there by someone else, got killed. Now the process's start time must match."""
+    import signal
+    import subprocess
+    import sys
+
+    from trainguard.watchdog import HangVerdict, process_start, signal_local
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        now = time.time()
+        real = Beat(1, "h", victim.pid, 5, "forward", now - 60, now - 60, started=process_start(victim.pid))
+        forged = Beat(1, "h", victim.pid, 5, "forward", now - 60, now - 60, started=12345)  # a reused or forged pid
+        assert signal_local(HangVerdict([1], "t", {1: forged}), "h", signal.SIGKILL) == []
+        assert victim.poll() is None
+        unknown = Beat(1, "h", victim.pid, 5, "forward", now - 60, now - 60)  # (an older trainguard's beat: no start)
+        assert signal_local(HangVerdict([1], "t", {1: unknown}), "h", signal.SIGKILL) == []
+        assert signal_local(HangVerdict([1], "t", {1: real}), "h", signal.SIGKILL) == [victim.pid]
+        assert victim.wait(10) == -signal.SIGKILL
+    finally:
+        victim.kill()
