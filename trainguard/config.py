@@ -164,7 +164,9 @@ class DetectorsConfig(_Section):
     localize: LocalizeConfig = Field(default_factory=LocalizeConfig)
     custom: list[PluginSpec] = Field(
         default_factory=list, description="Your detectors (trainguard.plugins.Detector: observe(step, observations) "
-        "-> verdicts), run on every rank after the built-in ones; their verdicts are custom_alert records.")
+        "-> verdicts), run on every rank after the built-in ones; their verdicts are custom_alert records. A 'type' "
+        "named by import path is imported at initialize on every rank: its code runs with the job's rights (treat the "
+        "block as code); `trainguard validate` checks the block without importing it.")
 
 
 class ClippingConfig(_Section):
@@ -521,7 +523,9 @@ class TrainguardConfig(_Section):
         default_factory=list,
         description="Your record subscribers, as 'package.module:function': each is called with every event record "
         "(the dict of a JSONL event line) on rank 0, on a background thread, never inside the training step; one "
-        "that raises is logged and the run goes on. A path that does not import is a ConfigError at start.")
+        "that raises is logged and the run goes on. A path that does not import is a ConfigError at start. Each is "
+        "imported at initialize: its code runs with the job's rights (treat the block as code); `trainguard validate` "
+        "checks the block without importing them.")
 
     @model_validator(mode="after")
     def _faults_need_permission(self):

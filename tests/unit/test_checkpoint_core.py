@@ -624,3 +624,25 @@ def test_each_rank_loads_only_bytes_that_match_the_manifest_rank_0_verified(tmp_
         VerifiedReader(d, digest, key=b"k")
     with pytest.raises(CheckpointError, match="HMAC mismatch"):
         VerifiedReader(d, None, key=b"k")
+
+
+def test_validate_never_imports_the_plugins_a_block_names_and_ckpt_diff_refuses_an_old_torch(tmp_path, monkeypatch):
+    """Issue 25 item 10: callbacks and plugins named by import path are code; `trainguard validate` must check a
+    block without running it. `ckpt diff` reads sidecars with weights_only=True, safe only from torch 2.6."""
+    import sys
+
+    from trainguard.checkpoint import diff as diff_mod
+    from trainguard.cli import main
+
+    marker = tmp_path / "ran"
+    (tmp_path / "evil_tg_plugin.py").write_text(f"open({str(marker)!r}, 'w').write('x')\ndef f(r): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"trainguard": {"callbacks": ["evil_tg_plugin:f"],
+                                              "detectors": {"custom": [{"type": "evil_tg_plugin:f"}]}}}))
+    assert main(["validate", str(cfg)]) == 0
+    assert not marker.exists() and "evil_tg_plugin" not in sys.modules
+    d = _committed(tmp_path / "ck", "step00000001", 1)
+    monkeypatch.setattr(diff_mod.torch, "__version__", "2.5.1")
+    with pytest.raises(CheckpointError, match="safe only from torch 2.6"):
+        diff_mod.read_side(d)

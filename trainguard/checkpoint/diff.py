@@ -27,6 +27,13 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _torch_before(major: int, minor: int) -> bool:
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return m is not None and (int(m.group(1)), int(m.group(2))) < (major, minor)
+
+
 def read_side(path: str | Path) -> dict:
     """One checkpoint (its tag directory): manifest, guard state, quarantined sample ids."""
     d = Path(path)
@@ -37,6 +44,10 @@ def read_side(path: str | Path) -> dict:
     guard_file = d / SIDECAR / "guard.json"
     guard = json.loads(guard_file.read_text()) if guard_file.exists() else None
     quarantine: set[int] = set()
+    if _torch_before(2, 6):  # (weights_only's allowlist is what makes these reads safe; torch < 2.6 is too loose)
+        raise CheckpointError(f"trainguard ckpt diff reads {d / SIDECAR}/rank*.pt with weights_only=True, which is "
+                              f"safe only from torch 2.6 (this is {torch.__version__}): upgrade torch to compare "
+                              "checkpoints you did not write yourself")
     for f in sorted((d / SIDECAR).glob("rank*.pt")):
         side = torch.load(f, map_location="cpu", weights_only=True)
         data = side.get("data") if isinstance(side, dict) else None
