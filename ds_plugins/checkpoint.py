@@ -41,7 +41,7 @@ from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manager import barrier as _barrier
 from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.manager import world as _world
-from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files
+from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.events import Record
 from trainguard.guard import config_hash
@@ -369,16 +369,20 @@ class DeepSpeedCheckpointer(CheckpointManager):
         return path, client_state
 
     def _universal(self, root: Path, tag: str, man: Manifest) -> Path:
-        """Another data-parallel size: convert to a DeepSpeed universal checkpoint (once, cached
-        beside the checkpoint, committed by rename) and load that."""
-        out_root = root / ".universal"
+        """Another data-parallel size: convert to a DeepSpeed universal checkpoint (once, cached beside the
+        checkpoint, committed by rename) and load that. The cache is keyed by the digest of the manifest rank 0
+        verified -- a rollback's re-saved tag never loads the abandoned trajectory's conversion -- and is a
+        checkpoint of its own: hashed, signed with the run's key, and verified before every load (its files
+        are pickles too)."""
+        digest = self.chosen_digest or manifest_digest(root / tag) or "unverified"
+        out_root = root / ".universal" / digest[:16]
         target = out_root / tag
         if man.layout.get("zero_stage", 0) == 0:
             raise CheckpointError(f"checkpoint {tag} was saved at ZeRO-0 with dp={man.layout.get('dp')}; DeepSpeed "
                                   "can only reshard ZeRO 1-3 checkpoints (universal checkpoints); resume at the "
                                   "same data-parallel size")
         error = None
-        if _rank() == 0 and not (target / "zero").is_dir():
+        if _rank() == 0 and not verify(target, key=self.key).ok:
             import sys
 
             tmp = out_root / f".{tag}.{uuid.uuid4().hex[:6]}"
@@ -389,12 +393,17 @@ class DeepSpeedCheckpointer(CheckpointManager):
             if res.returncode != 0:
                 error = f"ds_to_universal failed for {root / tag}:\n{res.stderr[-2000:]}"
             else:
-                make_durable(tmp)
+                staged = tmp / tag
+                converted = Manifest(tag=tag, step=man.step, files=hash_files(staged, list_files(staged)),
+                                     layout=dict(man.layout, universal_of=digest))
                 if target.exists():
                     shutil.rmtree(target)
-                os.replace(tmp / tag, target)
-                fsync_dir(out_root)
+                commit_staged(out_root, tmp, tmp.name, converted, key=self.key)
             shutil.rmtree(tmp, ignore_errors=True)
+        if error is None and _rank() == 0:
+            res = verify(target, key=self.key)  # (what is about to be loaded, checked now)
+            if not res.ok:
+                error = f"the universal conversion {target} does not verify: {res.bad_file}: {res.reason}"
         error = _broadcast(error)
         if error:
             raise CheckpointError(error)

@@ -87,4 +87,11 @@ def test_fire_drill(tmp_path):
     print(out.getvalue())
     check_rows(rows, loss_within=0.02)
     tg = {r["run"]: r for r in rows}["trainguard"]
+    # (this used to read `assert rc == (0 if goodput >= 0.97 else 1)`: true whatever the goodput -- issue 25 item 11)
+    costs = json.loads((tmp_path / "drill.json").read_text())["costs"]
+    missed = [(c["fault"], c["step"], c.get("goal")) for c in costs if c["run"] == "trainguard" and c.get("goal_met") is False]
+    assert not missed, missed  # every per-fault goal of issue 16 (measured: all met, stop 21)
+    # goodput over the in-process faults: the 0.97 goal is blocked at this fault density (issue 16's note: the
+    # per-fault goals themselves allow ~0.93); measured 0.936 -- a regression below 0.90 fails
+    assert tg["goodput_in_process"] >= 0.90, tg
     assert rc == (0 if tg["goodput_in_process"] >= 0.97 else 1)
