@@ -161,7 +161,7 @@ def test_stable_marks_and_retention(tmp_path, torchrun):
     assert res["detail"]["tag"] == stable[-1]
 
 
-# (the suite's time: each trial is a fresh 2-rank launch, ~15 s; TRAINGUARD_KILL_TRIALS=50 for the full count)
+# (the suite's time: each trial is a fresh 2-rank launch, ~15 s; the long test below runs 20 + 10)
 KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "4"))
 
 
@@ -169,13 +169,27 @@ KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "4"))
 def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_save):
     """SIGKILL a rank at random moments while the run saves every step; after each kill, every
     visible checkpoint verifies and the resume choice is a verified one. Then DeepSpeed loads it.
-    At least half of the kills must land while a save is in flight. (TRAINGUARD_KILL_TRIALS=50 for the
-    issue's full count; the default, 4 sync + 2 async, keeps CI short.)"""
+    At least half of the kills must land while a save is in flight. (CI's selection: 4 sync + 2 async
+    trials; the in-flight rate over many trials is the `long` test below.)"""
+    trials = KILL_TRIALS if not async_save else max(KILL_TRIALS // 2, 1)
+    sigkill_trials(tmp_path, async_save, trials, min_in_flight=max(1, trials // 2))
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_most_sigkills_land_while_a_save_is_in_flight(tmp_path, async_save):
+    """Issue 25 item 15: 2 of 4 kills in flight is a weak claim. Over 20 sync / 10 async trials, at least 70%
+    of the kills must land while a save is in flight (measured: 44 of 50). `pytest -m long` (~6 minutes);
+    not in CI's default selection (pyproject: -m "not long")."""
+    sigkill_trials(tmp_path, async_save, 20 if not async_save else 10, min_in_flight=14 if not async_save else 7)
+
+
+def sigkill_trials(tmp_path, async_save: bool, trials: int, min_in_flight: int) -> None:
     d = tmp_path / "ck"
     cfg = make_config(tmp_path, block={"checkpoint": {"dir": str(d), "every_steps": 1, "keep_last": 2,
                                                       "verify_steps": 0, "async": async_save}},
                       bf16={"enabled": True})
-    trials = KILL_TRIALS if not async_save else max(KILL_TRIALS // 2, 1)
     rnd = random.Random(1234 + async_save)
     staged_at_kill = resumable = 0
     for trial in range(trials):
@@ -221,7 +235,7 @@ def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_sav
     assert resumable == trials
     # the point of the test: most kills landed while a save was being written (staging held it), and
     # none of them left a torn checkpoint behind (a test whose kills all missed the saves proves nothing)
-    assert staged_at_kill >= max(1, trials // 2), f"only {staged_at_kill} of {trials} kills hit a save in flight"
+    assert staged_at_kill >= min_in_flight, f"only {staged_at_kill} of {trials} kills hit a save in flight"
     # and DeepSpeed really loads the survivor, in new processes
     final = tmp_path / "final"
     from trainguard.demo.run import run_worker

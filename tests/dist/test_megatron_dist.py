@@ -200,14 +200,18 @@ def test_fp16_grad_scaler_clamp_is_detected_and_the_scale_reset(tmp_path):
 
 
 def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
-    """DP=2: NaN losses on rank 1 at iterations 10, 11, 12 -> skip, skip, then (3 within the ladder
-    window) an in-process rollback to the newest stable snapshot from before the first one; both
-    replicas end identical and finite, and the snapshots of the abandoned trajectory are set aside."""
+    """DP=2: rank 1's weights are damaged at iteration 10 (a NaN in one element of a layer's weight: memory
+    corruption) -> every forward of rank 1 is NaN from then on: skip, skip, then (3 within the ladder window) an
+    in-process rollback to the newest stable snapshot from before the first one. Only the reload can heal the
+    weights -- skipping cannot -- so a rollback that reloaded nothing would leave rank 1 NaN and fail this
+    test (issue 25 item 13: it used NaN losses, which a rollback that reloads nothing survives). Both replicas
+    end identical and finite, and the snapshots of the abandoned trajectory are set aside."""
     ck = tmp_path / "ck"
     block = {"checks": {"enabled": False}, "allow_faults": True,
              "checkpoint": {"dir": str(ck), "stable_after": 1, "verify_steps": 1},
              "recovery": {"reset_optimizer_moments": True},
-             "faults": [{"type": "nan_loss", "step": s, "rank": 1} for s in (10, 11, 12)]}
+             "faults": [{"type": "nan_weights", "step": 10, "rank": 1,
+                         "param": "decoder.layers.0.mlp.linear_fc1.weight"}]}
     res, lines = run(tmp_path, "rb", "dp", 16, block, ["--ckpt", str(ck), "--save-at", "4", "--save-at", "8"])
     ran_on(lines, megatron_core)
     actions = [(x["step"], x["action"]) for x in lines if x.get("event") == "nonfinite"]

@@ -144,14 +144,16 @@ def test_nonfinite_on_one_rank_is_named_and_skipped_pp(tmp_path, plain):
 
 def test_tp_skips_then_rolls_back_keeping_iteration_consumed_samples_and_lr(tmp_path, plain):
     """TP=2, the default ladder (skip, skip, roll back): an Inf in rank 1's tensor-parallel half of
-    layer 2 at iterations 5 and 7 is named and skipped; a NaN loss at 8 rolls the weights back to the
-    stable snapshot of iteration 3 (before the ladder's onset, 5). Megatron-LM's loop goes on at 9 with
-    the consumed samples and LR of the run without the faults (iterations 4-8 are not replayed), and
-    still learns (5 of 12 updates are gone, at a decaying LR: its loss is not the clean run's)."""
+    layer 2 at iterations 5 and 7 is named and skipped; at 8 rank 1's half of that layer's weight is damaged
+    (a NaN in memory), which rolls the weights back to the stable snapshot of iteration 3 (before the
+    ladder's onset, 5). Only the reload heals the weights: a rollback that reloaded nothing would leave every
+    later iteration NaN and fail this test (issue 25 item 13). Megatron-LM's loop goes on at 9 with the
+    consumed samples and LR of the run without the faults (iterations 4-8 are not replayed), and still
+    learns (5 of 12 updates are gone, at a decaying LR: its loss is not the clean run's)."""
     fault = {"type": "inf_activation", "module": "decoder.layers.1.mlp.linear_fc1"}
     block = {"allow_faults": True,
              "faults": [{**fault, "step": 5, "rank": 1}, {**fault, "step": 7, "rank": 1},
-                        {"type": "nan_loss", "step": 8, "rank": 1}],
+                        {"type": "nan_weights", "step": 8, "rank": 1, "param": "decoder.layers.1.mlp.linear_fc1.weight"}],
              "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3, "stable_after": 1}}
     run = launch(tmp_path, "rb", "tp", block).ok()
     (handover,) = run.events("handover")
