@@ -7,15 +7,13 @@ everywhere, shared/docs/PLATFORM.md)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from tests.support.hf_worker import EMB, SEQ, VOCAB, Embeddings
+from tests.support.results import finish
 
 
 def main(argv=None) -> int:
@@ -51,20 +49,7 @@ def main(argv=None) -> int:
             losses.append(float(loss))
             if step >= args.steps:
                 break
-    rank = int(os.environ.get("RANK", "0"))
-    params = [p.detach().float().cpu() for p in accelerator.unwrap_model(model).parameters()]
-    digest = hashlib.sha256()
-    for p in params:
-        digest.update(p.numpy().tobytes())
-    (out / f"result.rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "losses": losses, "engine_class": type(model).__name__,
-        "engine_steps": getattr(model, "global_steps", None), "skipped_steps": getattr(model, "skipped_steps", None),
-        "param_sha256": digest.hexdigest(), "weights_finite": all(bool(torch.isfinite(p).all()) for p in params)}))
-    if hasattr(model, "destroy"):
-        model.destroy()
-    torch.distributed.destroy_process_group()  # (PLATFORM.md: without it gloo sometimes aborts at exit)
-    return 0
-
+    return finish(out, accelerator.unwrap_model(model), model, losses=losses)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,11 +35,18 @@ def ckpt_list(root: str, checksums: bool = True) -> int:
     return 0
 
 
-def ckpt_verify(root: str, tag: str | None = None, key: bytes | None = None) -> int:
+def _chosen(root: str, tag: str | None) -> tuple[CheckpointLayout, list[str]]:
+    """The layout and the tags a command acts on (``tag`` alone, or every committed one); none: said on stderr."""
     layout = CheckpointLayout(root)
     tags = [tag] if tag else layout.tags()
     if not tags:
         print(f"{root}: no committed checkpoints", file=sys.stderr)
+    return layout, tags
+
+
+def ckpt_verify(root: str, tag: str | None = None, key: bytes | None = None) -> int:
+    layout, tags = _chosen(root, tag)
+    if not tags:
         return 1
     bad = 0
     for t in tags:
@@ -86,10 +93,8 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, force: bool = False
     signed with another key is left alone unless ``force`` (a key rotation, by the user's choice)."""
     from trainguard.checkpoint.auth import SIGNATURE, problem, sign
 
-    layout = CheckpointLayout(root)
-    tags = [tag] if tag else layout.tags()
+    layout, tags = _chosen(root, tag)
     if not tags:
-        print(f"{root}: no committed checkpoints", file=sys.stderr)
         return 1
     bad = 0
     for t in tags:

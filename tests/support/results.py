@@ -1,0 +1,30 @@
+"""What a worker of the HF / Accelerate tests reports, once per rank: its losses and engine counters, a digest
+of its parameters (replicas and runs compared bit for bit) -- then the exit every script should make
+(shared/docs/PLATFORM.md: destroy the engine and the process group, or gloo sometimes aborts at exit)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def finish(out: Path, model, engine, **fields) -> int:
+    """Write ``out/result.rank<RANK>.json`` (named by RANK: Accelerate on CPU may report process_index 0
+    everywhere) with ``fields``, the parameters' sha256 and finiteness, the engine's class and counters; then
+    destroy the engine and the process group. ``model``: the unwrapped module."""
+    rank = int(os.environ.get("RANK", "0"))
+    params = [p.detach().float().cpu() for p in model.parameters()]
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.numpy().tobytes())
+    result = {"rank": rank, "engine_class": type(engine).__name__, "engine_steps": getattr(engine, "global_steps", None),
+              "skipped_steps": getattr(engine, "skipped_steps", None), "param_sha256": digest.hexdigest(),
+              "weights_finite": all(bool(torch.isfinite(p).all()) for p in params), **fields}
+    (out / f"result.rank{rank}.json").write_text(json.dumps(result, indent=1))
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    torch.distributed.destroy_process_group()
+    return 0
