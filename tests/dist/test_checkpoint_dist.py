@@ -282,3 +282,52 @@ def test_resume_at_another_data_parallel_size(tmp_path, before, after):
     order = torch.randperm(4096, generator=torch.Generator().manual_seed(0)).tolist()
     assert len(seen) == len(set(seen)) == consumed          # nothing repeated
     assert sorted(seen) == sorted(order[:consumed])          # nothing lost: exactly the epoch's prefix
+
+
+def test_an_authenticated_run_end_to_end_refuses_every_altered_file(tmp_path, torchrun, monkeypatch):
+    """Issue 25 item 12, with real engines: with checkpoint.hmac_key_env, every disk checkpoint and every
+    in-memory snapshot is signed; a rollback after the weights are damaged loads a signed snapshot (each rank
+    checks the bytes it loads against the signed manifest); a restart passes over the newest checkpoint whose
+    file an attacker replaced -- rewriting its sha256 in the manifest, which the HMAC catches -- and resumes
+    from the one before; the user's own engine.load_checkpoint of the altered one is refused; and a job whose
+    key was rotated stops instead of starting afresh."""
+    from trainguard.checkpoint.manifest import Manifest, sha256_file
+
+    monkeypatch.setenv("TG_E2E_KEY", "the-run-key")
+    d, shm = tmp_path / "ck", tmp_path / "shm"
+    block = {"checkpoint": {"dir": str(d), "every_steps": 4, "stable_after": 2, "keep_last": 4,
+                            "hmac_key_env": "TG_E2E_KEY",
+                            "snapshot": {"every_steps": 2, "dir": str(shm), "ranks_per_node": 1}}}
+    cfg = make_config(tmp_path, block=block, bf16={"enabled": True},
+                      faults=[{"type": "nan_weights", "step": 7, "rank": 1, "param": "blocks.1.mlp.0.weight"}])
+    first = torchrun(cfg, 12, out_name="first").ok()
+    (rb,) = [e for e in first.events if e["event"] == "rollback"]
+    assert rb["detail"]["to_tag"].startswith("memory:")  # a signed snapshot of node memory, loaded and checked
+    assert first.results[0]["param_sha256"] == first.results[1]["param_sha256"]
+    layout = CheckpointLayout(d)
+    assert layout.tags() and all((layout.tag_dir(t) / "manifest.hmac").is_file() for t in layout.tags())
+
+    newest = layout.tags()[-1]
+    victim = layout.tag_dir(newest) / "trainguard" / "rank0.pt"  # (any listed file: this one is small)
+    victim.write_bytes(victim.read_bytes() + b"\0")
+    man = Manifest.read(layout.tag_dir(newest))
+    digest, size = sha256_file(victim)
+    man.files["trainguard/rank0.pt"] = {"sha256": digest, "size": size}  # the attacker rewrites the sha256 ...
+    man.write(layout.tag_dir(newest))                                      # ... but cannot sign it
+    again = make_config(tmp_path, block={**block, "checkpoint": {**block["checkpoint"], "snapshot": {}}},
+                        bf16={"enabled": True})
+    resumed = torchrun(again, 10, out_name="resumed").ok()  # (to 10: no save re-signs the altered tag 12)
+    (bad,) = [e for e in resumed.events if e["event"] == "checkpoint_invalid"]
+    assert bad["detail"]["tag"] == newest and "HMAC mismatch" in bad["detail"]["reason"]
+    (res,) = [e for e in resumed.events if e["event"] == "resume"]
+    assert res["detail"]["tag"] == layout.tags()[-2] and res["detail"]["verified_on_load"] >= 2
+
+    explicit = torchrun(again, 0, "--load", f"{d}:{newest}", out_name="explicit")
+    log = (explicit.out / "torchrun.log").read_text()
+    assert explicit.rc != 0 and f"checkpoint {newest}" in log and "HMAC mismatch" in log
+
+    monkeypatch.setenv("TG_E2E_KEY", "a-rotated-key")  # every checkpoint now fails its signature: stop, move nothing
+    listing = sorted(p.name for p in d.iterdir())
+    rotated = torchrun(again, 14, out_name="rotated")
+    log = (rotated.out / "torchrun.log").read_text()
+    assert rotated.rc != 0 and "none can be loaded" in log and sorted(p.name for p in d.iterdir()) == listing

@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plain-timeout", type=float, default=0.0,
                     help="--plain: deepspeed.init_distributed(timeout=...) in seconds (DeepSpeed's own collective "
                          "timeout; 0: its default)")
+    ap.add_argument("--load", metavar="DIR:TAG", help="engine.load_checkpoint(DIR, tag=TAG) after initialize, as a "
+                    "user's own call (tests: an explicit load goes through the same verification)")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
     else:
         engine, _, loader, _ = ds_plugins.initialize(model=model, optimizer=optimizer, training_data=dataset,
                                                      config=cfg)
+    if args.load:
+        load_dir, _, tag = args.load.rpartition(":")
+        engine.load_checkpoint(load_dir, tag=tag)
     rank = torch.distributed.get_rank()
     result = {"rank": rank, "plain": args.plain, "losses": [], "aborted": None,
               "engine_class": type(engine).__name__, "first_step": engine.global_steps}
