@@ -23,7 +23,8 @@ from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
 from trainguard.data import DataPosition
-from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, scaled_lr, zero_adam_moments
+from trainguard.driver import StepDriver, StepOutcome, scaled_lr, zero_adam_moments
+from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
@@ -426,7 +427,6 @@ class EngineGuard:
         return zero_adam_moments(getattr(self.engine.optimizer, "optimizer", self.engine.optimizer))
 
     def fallback_to_bf16(self, step: int) -> dict:
-        from ds_plugins.precision import FallbackUnavailable as Unavailable
         from ds_plugins.precision import fallback_to_bf16
 
         if self.entry == "auto":
@@ -434,10 +434,7 @@ class EngineGuard:
                 "the engine was built by a framework (HF Trainer / Accelerate), whose optimizer and scheduler wrappers "
                 "would keep pointing at the fp16 engine's; restart from the newest checkpoint with bf16 enabled in "
                 "your ds_config (or leave bf16_fallback out of recovery.ladders.loss_scale)")
-        try:
-            return self._rebuilt(lambda: fallback_to_bf16(self.engine, self.recipe))
-        except Unavailable as e:
-            raise FallbackUnavailable(str(e)) from None
+        return self._rebuilt(lambda: fallback_to_bf16(self.engine, self.recipe))
 
     def _rebuilt(self, rebuild) -> dict:
         """Run ``rebuild`` (which replaces the engine's state in place), then guard the new state:

@@ -28,9 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from trainguard.errors import FallbackUnavailable
 
-class FallbackUnavailable(RuntimeError):
-    pass
 
 
 @dataclass

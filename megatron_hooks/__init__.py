@@ -57,7 +57,8 @@ import torch.distributed as dist
 
 from trainguard import config as tg_config
 from trainguard.checks import RunFacts, bf16_supported
-from trainguard.driver import FallbackUnavailable, StepDriver, StepOutcome, zero_adam_moments
+from trainguard.driver import StepDriver, StepOutcome, zero_adam_moments
+from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
 from trainguard.guard import StepGuard
 from trainguard.isolation import collective_device, gather_coords
@@ -429,14 +430,13 @@ class MegatronGuard:
 
     def fallback_to_bf16(self, step: int) -> dict:
         """Turn the fp16 model chunks and optimizer into bf16 ones, in place (every rank); raises
-        trainguard.driver.FallbackUnavailable with what to do instead."""
+        trainguard.errors.FallbackUnavailable with what to do instead."""
         from megatron_hooks.checkpoint import _distributed
-        from megatron_hooks.precision import FallbackUnavailable as Unavailable
         from megatron_hooks.precision import fallback_to_bf16
 
         try:
             detail = fallback_to_bf16(self.chunks, self.optimizer)
-        except Unavailable as e:
+        except FallbackUnavailable as e:
             advice = ("restart in fp16 from the newest snapshot with a higher min_loss_scale (with the distributed "
                       "optimizer an fp16 snapshot does not load into a bf16 run)" if _distributed(self.optimizer)
                       else "restart from the newest snapshot with bf16 enabled")

@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import torch
 
+from trainguard.errors import FallbackUnavailable
+
 from megatron_hooks import _optimizers
 
-
-class FallbackUnavailable(RuntimeError):
-    pass
 
 
 def check(chunks, optimizer) -> None:

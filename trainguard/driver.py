@@ -22,14 +22,10 @@ from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkabl
 
 from trainguard.config import TrainguardConfig
 from trainguard.detectors.loss_scale import ScalerState
-from trainguard.errors import TrainguardError
+from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Record
 from trainguard.guard import StepGuard
 from trainguard.policy import Decision
-
-
-class FallbackUnavailable(TrainguardError):
-    """The framework cannot continue in bf16 here; the message says why and what to do instead."""
 
 
 @dataclass(frozen=True)

@@ -36,3 +36,9 @@ class TrainguardAbort(TrainguardError):
 
 class UnsupportedSetup(TrainguardError):
     """The framework is configured in a way the guard cannot protect (named in the message)."""
+
+
+class FallbackUnavailable(TrainguardError):
+    """The framework cannot continue in bf16 here (the loss_scale ladder's ``bf16_fallback`` rung); the message
+    says why and what to do instead. Raised by the adapters' precision modules; the driver turns it into the
+    ladder's next rung (an abort with its report)."""
