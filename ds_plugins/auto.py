@@ -209,31 +209,48 @@ def _verified_hf_checkpoint(output_dir: str, mode: str, key: bytes | None = None
     """trainguard's automatic resume under the Trainer: the newest ``checkpoint-N`` whose DeepSpeed
     checkpoint verifies against its manifest (and is stable, in "stable" mode) -- HF's own choice
     is the newest by name, torn or not. Rank 0 decides, every rank learns. None: no checkpoint
-    trainguard wrote is there (HF decides as usual)."""
+    trainguard wrote is there (HF decides as usual). Fails closed (issue 25): when trainguard's checkpoints
+    are there and none qualifies -- a rotated key, a torn disk -- a CheckpointError names each and why,
+    instead of a fresh start whose saves and rotation would then replace them."""
     import os
     import re
 
-    from trainguard.checkpoint.layout import STABLE, CheckpointLayout
+    from trainguard.checkpoint.layout import STABLE, CheckpointError, CheckpointLayout
     from trainguard.checkpoint.manifest import verify
     from trainguard.isolation import broadcast_from_rank0
 
     def choose():
         if not os.path.isdir(output_dir):
-            return None
+            return None, []
         found = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
                        if (m := re.fullmatch(r"checkpoint-(\d+)", name)))
+        refused = []
         for _, name in reversed(found):
             layout = CheckpointLayout(os.path.join(output_dir, name))
             tags = layout.tags()
-            if tags and verify(layout.tag_dir(tags[-1]), key=key).ok and (
-                    mode != "stable" or (layout.tag_dir(tags[-1]) / STABLE).exists()):
-                return os.path.join(output_dir, name)
-        return None
+            if not tags:
+                continue
+            res = verify(layout.tag_dir(tags[-1]), key=key)
+            if not res.ok:
+                refused.append(f"{name}/{tags[-1]}: {res.bad_file}: {res.reason}")
+            elif mode == "stable" and not (layout.tag_dir(tags[-1]) / STABLE).exists():
+                refused.append(f"{name}/{tags[-1]}: not stable")
+            else:
+                return os.path.join(output_dir, name), refused
+        return None, refused
 
     import torch.distributed as dist
 
     mine = choose() if not dist.is_initialized() or dist.get_rank() == 0 else None
-    return broadcast_from_rank0(mine) if dist.is_initialized() else mine
+    chosen, refused = broadcast_from_rank0(mine) if dist.is_initialized() else mine
+    if chosen is None and refused:
+        raise CheckpointError(
+            f"trainguard: {output_dir} holds checkpoints trainguard wrote and none can be resumed from (checkpoint."
+            f"resume={mode!r}); nothing was moved or deleted:\n  " + "\n  ".join(refused) +
+            "\nRepair the cause (the key in checkpoint.hmac_key_env's variable, the files), or set "
+            "checkpoint.resume to \"none\" to let Hugging Face decide (a fresh start, whose checkpoint rotation may "
+            "then delete these).")
+    return chosen
 
 
 _PATCHES = {"deepspeed": _patch_deepspeed, "accelerate.accelerator": _patch_accelerate,

@@ -646,3 +646,26 @@ def test_validate_never_imports_the_plugins_a_block_names_and_ckpt_diff_refuses_
     monkeypatch.setattr(diff_mod.torch, "__version__", "2.5.1")
     with pytest.raises(CheckpointError, match="safe only from torch 2.6"):
         diff_mod.read_side(d)
+
+
+def test_the_trainers_resume_fails_closed_when_none_of_trainguards_checkpoints_verifies(tmp_path):
+    """Issue 25 item 1 under HF's Trainer: when no checkpoint-N verified, trainguard's choice was None and HF
+    started afresh -- its saves and checkpoint rotation then replace the run's checkpoints. Now it stops, naming
+    each; with one that verifies it is chosen past the torn newer one; with none of trainguard's, HF decides."""
+    from ds_plugins.auto import _verified_hf_checkpoint
+
+    out = tmp_path / "out"
+    _committed(out / "checkpoint-10", "global_step10", 10)
+    _committed(out / "checkpoint-20", "global_step20", 20)
+    (out / "checkpoint-20" / "global_step20" / "weights.bin").write_bytes(b"torn")
+    assert _verified_hf_checkpoint(str(out), "latest_valid") == str(out / "checkpoint-10")
+    (out / "checkpoint-10" / "global_step10" / "weights.bin").write_bytes(b"t")
+    with pytest.raises(CheckpointError) as e:
+        _verified_hf_checkpoint(str(out), "latest_valid")
+    assert "checkpoint-20/global_step20: weights.bin" in str(e.value) and "checkpoint-10/global_step10" in str(e.value)
+    with pytest.raises(CheckpointError, match="manifest.hmac"):  # a key turned on for unsigned checkpoints
+        _committed(out / "checkpoint-30", "global_step30", 30)
+        _verified_hf_checkpoint(str(out), "latest_valid", key=b"k")
+    assert _verified_hf_checkpoint(str(tmp_path / "nothing"), "latest_valid") is None
+    (tmp_path / "hf-only" / "checkpoint-5").mkdir(parents=True)  # HF's own checkpoint, no manifest: HF decides
+    assert _verified_hf_checkpoint(str(tmp_path / "hf-only"), "latest_valid") is None
