@@ -669,3 +669,18 @@ def test_the_trainers_resume_fails_closed_when_none_of_trainguards_checkpoints_v
     assert _verified_hf_checkpoint(str(tmp_path / "nothing"), "latest_valid") is None
     (tmp_path / "hf-only" / "checkpoint-5").mkdir(parents=True)  # HF's own checkpoint, no manifest: HF decides
     assert _verified_hf_checkpoint(str(tmp_path / "hf-only"), "latest_valid") is None
+
+
+def test_a_checkpoint_of_an_older_trainguard_still_loads_with_the_guarantee_it_had(tmp_path):
+    """Format 1 manifests (before every file was listed) left dotfiles and *.tmp out by design: after an upgrade
+    they still verify -- a run is never stopped for its own older checkpoints -- while a format-2 one with the
+    same unlisted .metadata does not."""
+    from trainguard.checkpoint.manifest import Manifest
+
+    for fmt, ok in ((1, True), (2, False)):
+        d = tmp_path / f"f{fmt}" / "step00000001"
+        d.mkdir(parents=True)
+        (d / "w.distcp").write_bytes(b"w")
+        Manifest(tag=d.name, step=1, files=hash_files(d, ["w.distcp"]), format=fmt).write(d)
+        (d / ".metadata").write_bytes(b"pickle")
+        assert verify(d).ok is ok

@@ -1,6 +1,6 @@
 """manifest.json: what a checkpoint holds, written last; and the verification against it.
 
-    {"format": 1, "tag": ..., "step": ..., "created": ...,
+    {"format": 2, "tag": ..., "step": ..., "created": ...,
      "files": {"<relative path>": {"sha256": ..., "size": ...}, ...},
      "layout": {"world": 2, "dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "dtype": "bf16"},
      "lineage": {"dataset_id": ..., "dataset_version": ..., "config_hash": ..., "versions": {...},
@@ -23,7 +23,7 @@ from typing import Iterable
 from trainguard.checkpoint.fsio import atomic_write_json, sha256_file
 from trainguard.checkpoint.layout import MANIFEST, STABLE, TRAJECTORY
 
-FORMAT = 1
+FORMAT = 2  # 2: every file is listed, dotfiles and *.tmp included (1: trainguard before 2026-12 left those out)
 NOT_LISTED = {MANIFEST, STABLE, TRAJECTORY, "manifest.hmac"}  # (the last: trainguard.checkpoint.auth)
 
 
@@ -63,6 +63,12 @@ def _transient(rel: str) -> bool:
     if "/" in rel or os.sep in rel:
         return False
     return any(rel.startswith(f".{name}.tmp.") for name in NOT_LISTED)
+
+
+def _format1_unlisted(rel: str) -> bool:
+    """What a format-1 manifest left out by design: dotfiles and ``*.tmp`` (dist_checkpointing's .metadata)."""
+    name = os.path.basename(rel)
+    return name.startswith(".") or name.endswith(".tmp")
 
 
 def list_files(tag_dir: str | os.PathLike) -> list[str]:
@@ -194,6 +200,8 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
             if digest != want["sha256"]:
                 return VerifyResult(False, tag, rel, "sha256 mismatch (corrupt)", man)
     extra = sorted(set(present) - set(man.files) - NOT_LISTED - {r for r in present if _transient(r)})
+    if man.format < 2:  # (written before every file was listed: its dotfiles and *.tmp were never hashed -- what
+        extra = [r for r in extra if not _format1_unlisted(r)]  # it guaranteed is all an older checkpoint can give)
     if extra:
         return VerifyResult(False, tag, extra[0], "file not in the manifest", man)
     return VerifyResult(True, tag, manifest=man)
