@@ -36,6 +36,11 @@ def check_costs(costs):
     assert fp16["restarts"] == 0 and "bf16" in fp16["rung"] and fp16["goal_met"], fp16
     hang = tg[("hang_rank", 144)]
     assert hang["named_ranks"] == [0] and hang["recovered"]
+    # named within hang_timeout_s + interval_s (5.5 s: the goal); on a loaded 2-core machine the monitor thread's
+    # wake-ups slip, so the suite allows twice that -- a watchdog that stopped naming hangs in time still fails
+    assert hang["time_to_detect_s"] is not None and hang["time_to_detect_s"] <= 11.0, hang
+    # the burst and the sample cost what the goal allows, and nothing anywhere rolled back but the fp16 collapse
+    assert sum(c["rollbacks"] or 0 for c in tg.values() if c["fault"] != "fp16_overflow") == 0, tg
 
 
 def check_rows(rows, loss_within):
@@ -57,9 +62,12 @@ def check_rows(rows, loss_within):
     # ZeRO groups (new_group, no timeout: 30 minutes) wait on past its own timeout -- or it stops at the
     # minimum loss scale; the row says which
     assert not plain["completed"] and plain["died"]
-    # goodput is measured for every run (the 0.97 goal is not met at this fault density on CPU:
-    # see the README's drill section; this bounds a regression)
+    # goodput is measured for every run (the 0.97 goal is not met at this fault density on CPU: issue 16's note).
+    # Over 200 steps the two restarts dominate the wall time (0.177 measured, stop 21); what the guard controls
+    # is the steps: 16 lost (stop 21) -- a regression past 30 fails (issue 25 item 11: the 0.1 bound alone
+    # could not fail)
     assert 0.1 < tg["goodput"] < insured["goodput"] <= clean["goodput"] <= 1.0
+    assert tg["steps_lost"] <= 30, tg
     # and over the in-process faults alone (the killed and hung ranks' windows taken out of the wall time)
     assert tg["goodput"] < tg["goodput_in_process"] <= 1.0 and tg["process_fault_s"] > 0
 
