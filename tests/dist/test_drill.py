@@ -39,8 +39,6 @@ def check_costs(costs):
     # named within hang_timeout_s + interval_s (5.5 s: the goal); on a loaded 2-core machine the monitor thread's
     # wake-ups slip, so the suite allows twice that -- a watchdog that stopped naming hangs in time still fails
     assert hang["time_to_detect_s"] is not None and hang["time_to_detect_s"] <= 11.0, hang
-    # the burst and the sample cost what the goal allows, and nothing anywhere rolled back but the fp16 collapse
-    assert sum(c["rollbacks"] or 0 for c in tg.values() if c["fault"] != "fp16_overflow") == 0, tg
 
 
 def check_rows(rows, loss_within):
