@@ -71,6 +71,8 @@ def test_nan_spike_and_rollback_to_a_stable_checkpoint_are_the_same_on_both_adap
     assert _goodput(logs["deepspeed"]) == _goodput(logs["megatron"])
 
 
+# long (1 minute; each adapter's fp16 ladder has its own test: test_recovery_dist, test_megatron_dist's TP/PP fallback): `python -m pytest -m long tests`
+@pytest.mark.long
 def test_fp16_loss_scale_collapse_climbs_the_same_ladder_on_both_adapters(tmp_path):
     """Values beyond fp16's range on rank 1 from step 12 for 40 steps, with the same scaler on both
     (initial scale 1024, hysteresis 2, minimum 1): the same overflows, collapses, rollbacks,

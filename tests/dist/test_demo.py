@@ -18,6 +18,8 @@ def bounded(cmd, timeout):
     return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
+# long (1 minute; the demo's faults are the suite's own tests): `python -m pytest -m long tests`
+@pytest.mark.long
 def test_demo_prints_the_table(tmp_path):
     res = bounded([sys.executable, "-m", "trainguard.cli", "demo", "--steps", "201", "--out", str(tmp_path)], 420)
     assert res.returncode == 0, res.stdout + res.stderr

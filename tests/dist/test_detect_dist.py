@@ -129,6 +129,8 @@ def test_clipping_modes_log_raw_and_clipped_norms(tmp_path, torchrun, mode):
         assert all(m["grad_norm"] <= 1e-5 * params ** 0.5 * 1.01 for m in lines)  # every element clamped
 
 
+# long (50 s; the straggler detector's verdicts are unit-tested (tests/unit/test_detectors_more.py)): `python -m pytest -m long tests`
+@pytest.mark.long
 def test_a_slow_rank_is_named_and_a_healthy_run_raises_nothing(tmp_path, torchrun):
     """Issue 17: 1,000 healthy steps on this noisy 2-core machine raise no straggler; then rank 1 sleeps
     as long as its step takes (slow_rank, factor 1: 2x slower) and is named -- rank, coordinates, host,

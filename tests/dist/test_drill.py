@@ -70,6 +70,8 @@ def check_rows(rows, loss_within):
     assert tg["goodput"] < tg["goodput_in_process"] <= 1.0 and tg["process_fault_s"] > 0
 
 
+# long (2.5 minutes; its schedule's every fault has its own test in the suite): `python -m pytest -m long tests`
+@pytest.mark.long
 @pytest.mark.timeout(1300)  # (each of the 4 runs is bounded at 300 s; ~2 minutes in all on a quiet machine)
 def test_short_fire_drill(tmp_path):
     """200 steps, every fault of the schedule, every row checked (5% loss tolerance: a 200-step run's

@@ -158,6 +158,8 @@ def launch(out, cmd, env=None):
     return results, lines
 
 
+# long (35 s; accelerate launch with the block runs in the suite (the tuple-batch test's launcher case), a dict batch's ids under the Trainer tests): `python -m pytest -m long tests`
+@pytest.mark.long
 def test_accelerate_launch_with_the_block_in_its_deepspeed_config(tmp_path):
     """A plain Accelerate loop (accelerator.prepare / backward / optimizer.step) launched by
     ``accelerate launch`` with a DeepSpeed plugin config that holds the block: guarded, the dirty

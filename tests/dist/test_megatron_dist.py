@@ -93,6 +93,8 @@ def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout, megatron_c
         assert r["applied"] == [True, True, False, True, False, True, True] and r["weights_finite"]
 
 
+# long (30 s; DeepSpeed's twin runs in the suite, and megatron's faulted runs compare against plain ones): `python -m pytest -m long tests`
+@pytest.mark.long
 def test_guard_changes_nothing_when_no_fault_fires(tmp_path):
     """50 steps of TP=2 with every hook on (localisation flags, grad checks, probes every 10 steps):
     the same losses and parameters as without the guard, to the last bit."""
@@ -228,6 +230,8 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
 
 # (the suite's time: the distributed optimizer only -- the float16 optimizer's fallback runs in the TP/PP test
 # below, and this test passed with it here too)
+# long (75 s; megatron's bf16 fallback runs in the suite at TP=2 (test_bf16_fallback_under_tensor_and_pipeline_parallelism)): `python -m pytest -m long tests`
+@pytest.mark.long
 @pytest.mark.parametrize("optimizer", ["distributed"])
 def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path, optimizer):
     """Overflow after overflow on rank 1 in fp16 (DP=2, megatron's Float16Module, its fp16 optimizer
@@ -304,7 +308,7 @@ def test_fp16_ladder_ends_in_bf16_and_a_restart_stays_bf16(tmp_path, optimizer):
     assert abs(old[0]["probe"]["4"] - res[0]["probe"]["4"]) / res[0]["probe"]["4"] < 1e-3  # (not the initial 4.88)
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp"])
+@pytest.mark.parametrize("layout", ["tp", pytest.param("pp", marks=pytest.mark.long)])  # (pp: long, 25 s)
 def test_bf16_fallback_under_tensor_and_pipeline_parallelism(tmp_path, layout):
     """The same ladder at TP=2 (each rank's attention softmax and its shard of the main parameters)
     and at PP=2 (the pipeline's p2p buffers follow config.pipeline_dtype from fp16 to bf16)."""
@@ -324,6 +328,8 @@ def test_bf16_fallback_under_tensor_and_pipeline_parallelism(tmp_path, layout):
     assert loss < 1.35
 
 
+# long (40 s; megatron's snapshots, resume and retention run in the suite's exact-resume, rollback and hang tests): `python -m pytest -m long tests`
+@pytest.mark.long
 def test_periodic_snapshots_retention_and_automatic_resume(tmp_path):
     """The checkpoint manager on megatron (issue 12): with checkpoint.every_steps the guard writes
     snapshots by itself, keeps keep_last + the newest keep_stable stable ones, and a job launched
