@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -297,14 +298,16 @@ def test_an_authenticated_run_end_to_end_refuses_every_altered_file(tmp_path, to
 
     monkeypatch.setenv("TG_E2E_KEY", "the-run-key")
     d, shm = tmp_path / "ck", tmp_path / "shm"
-    block = {"checkpoint": {"dir": str(d), "every_steps": 4, "stable_after": 2, "keep_last": 4,
+    # disk checkpoints at 5, 10; snapshots at 2, 4, 6, 8; the weights damaged at 9: the newest stable state before
+    # it is the snapshot of 6 (8 had no clean step after it), newer than the disk's 5
+    block = {"checkpoint": {"dir": str(d), "every_steps": 5, "stable_after": 1, "verify_steps": 1, "keep_last": 4,
                             "hmac_key_env": "TG_E2E_KEY",
                             "snapshot": {"every_steps": 2, "dir": str(shm), "ranks_per_node": 1}}}
     cfg = make_config(tmp_path, block=block, bf16={"enabled": True},
-                      faults=[{"type": "nan_weights", "step": 7, "rank": 1, "param": "blocks.1.mlp.0.weight"}])
+                      faults=[{"type": "nan_weights", "step": 9, "rank": 1, "param": "blocks.1.mlp.0.weight"}])
     first = torchrun(cfg, 12, out_name="first").ok()
     (rb,) = [e for e in first.events if e["event"] == "rollback"]
-    assert rb["detail"]["to_tag"].startswith("memory:")  # a signed snapshot of node memory, loaded and checked
+    assert rb["detail"]["to_tag"] == "memory:step00000006"  # a signed snapshot of node memory, loaded and checked
     assert first.results[0]["param_sha256"] == first.results[1]["param_sha256"]
     layout = CheckpointLayout(d)
     assert layout.tags() and all((layout.tag_dir(t) / "manifest.hmac").is_file() for t in layout.tags())
@@ -316,20 +319,23 @@ def test_an_authenticated_run_end_to_end_refuses_every_altered_file(tmp_path, to
     digest, size = sha256_file(victim)
     man.files["trainguard/rank0.pt"] = {"sha256": digest, "size": size}  # the attacker rewrites the sha256 ...
     man.write(layout.tag_dir(newest))                                      # ... but cannot sign it
+    elsewhere = tmp_path / "elsewhere"  # (a copy for the explicit load below: the resume sets the original aside)
+    shutil.copytree(layout.tag_dir(newest), elsewhere / newest)
+    before = layout.tags()
     again = make_config(tmp_path, block={**block, "checkpoint": {**block["checkpoint"], "snapshot": {}}},
                         bf16={"enabled": True})
-    resumed = torchrun(again, 10, out_name="resumed").ok()  # (to 10: no save re-signs the altered tag 12)
+    resumed = torchrun(again, 8, out_name="resumed").ok()  # (to 8: no save re-signs the altered tag 10)
     (bad,) = [e for e in resumed.events if e["event"] == "checkpoint_invalid"]
     assert bad["detail"]["tag"] == newest and "HMAC mismatch" in bad["detail"]["reason"]
     (res,) = [e for e in resumed.events if e["event"] == "resume"]
-    assert res["detail"]["tag"] == layout.tags()[-2] and res["detail"]["verified_on_load"] >= 2
+    assert res["detail"]["tag"] == before[-2] and res["detail"]["verified_on_load"] >= 2
 
-    explicit = torchrun(again, 0, "--load", f"{d}:{newest}", out_name="explicit")
+    explicit = torchrun(again, 0, "--load", f"{elsewhere}:{newest}", out_name="explicit")
     log = (explicit.out / "torchrun.log").read_text()
     assert explicit.rc != 0 and f"checkpoint {newest}" in log and "HMAC mismatch" in log
 
     monkeypatch.setenv("TG_E2E_KEY", "a-rotated-key")  # every checkpoint now fails its signature: stop, move nothing
     listing = sorted(p.name for p in d.iterdir())
-    rotated = torchrun(again, 14, out_name="rotated")
+    rotated = torchrun(again, 12, out_name="rotated")
     log = (rotated.out / "torchrun.log").read_text()
     assert rotated.rc != 0 and "none can be loaded" in log and sorted(p.name for p in d.iterdir()) == listing
