@@ -308,6 +308,10 @@ def test_an_authenticated_run_end_to_end_refuses_every_altered_file(tmp_path, to
     first = torchrun(cfg, 12, out_name="first").ok()
     (rb,) = [e for e in first.events if e["event"] == "rollback"]
     assert rb["detail"]["to_tag"] == "memory:step00000006"  # a signed snapshot of node memory, loaded and checked
+    # every snapshot went to the peer on the other (simulated) node, whose copy verified with the key before commit
+    saved = [e for e in first.events if e["event"] == "snapshot_saved"]
+    assert saved and all(e["detail"]["peer"] == 1 for e in saved)
+    assert not [e for e in first.events if e["event"] == "checkpoint_failed"]
     assert first.results[0]["param_sha256"] == first.results[1]["param_sha256"]
     layout = CheckpointLayout(d)
     assert layout.tags() and all((layout.tag_dir(t) / "manifest.hmac").is_file() for t in layout.tags())
