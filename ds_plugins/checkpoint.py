@@ -35,7 +35,7 @@ import torch
 from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.commit import commit_staged
-from trainguard.checkpoint.fsio import atomic_write_json, fsync_dir, make_durable, save_hashed
+from trainguard.checkpoint.fsio import atomic_write_json, save_hashed
 from trainguard.checkpoint.layout import SIDECAR, CheckpointError, CheckpointLayout, step_tag, validate_tag
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manager import barrier as _barrier

@@ -69,7 +69,7 @@ class DeepSpeedSnapshots:
         except OSError as e:
             problem = f"rank {_rank()} cannot write to {self.store.own}: {e}"
         if problem is None:
-            problem = self._room(place, _estimated_shard_bytes(eng))
+            problem = self.store.room(_estimated_shard_bytes(eng), peer_copy=self.cfg.peer_copy)
         problems = [p for p in gather_objects(problem) if p]  # (every rank stops, not only the one that failed)
         if problems:
             raise ConfigError([("trainguard.checkpoint.snapshot.dir", f"{'; '.join(problems)}; expected a node-local "
@@ -86,26 +86,6 @@ class DeepSpeedSnapshots:
         self._fetch: dict[str, list] = {}
         self.failures = 0                     # snapshots in a row whose write failed on this rank
         self.off: str | None = None           # why this rank's tier stopped writing (it keeps the schedule)
-
-    def _room(self, place: Placement, shard: int) -> str | None:
-        """Whether node memory can hold what the tier keeps on this node: every rank's ``keep`` shards and
-        the one being written, plus the peers' copies kept here. Node memory is shared with the data
-        loaders' workers and NCCL's shared-memory transport, which fail when it is full (Docker's default
-        /dev/shm is 64 MB)."""
-        import shutil
-
-        node = place.node
-        mine = place.ranks_on(node)
-        held = sum(len(place.sources(r)) for r in mine) if self.cfg.peer_copy else 0
-        need = (len(mine) * (self.cfg.keep + 1) + held * self.cfg.keep) * shard
-        usage = shutil.disk_usage(self.store.base.parent)
-        have = usage.free + self.store.bytes_used()
-        if need <= have:
-            return None
-        return (f"node memory {self.store.base.parent} has {_mb(have)} free and the tier needs about {_mb(need)} on "
-                f"this node ({len(mine)} rank(s) x (keep {self.cfg.keep} + 1 being written) + {held} peer copies x "
-                f"keep, of a shard of about {_mb(shard)}): lower snapshot.keep, make the tmpfs larger (docker run "
-                "--shm-size), or set snapshot.every_steps to 0")
 
     # ------------------------------------------------------------------ taking one (every rank, no collective)
     def take(self) -> str:
@@ -124,9 +104,7 @@ class DeepSpeedSnapshots:
         try:
             staging_root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            self._job = _Job(self, tag, step, None, None, None, [], [], None, time.perf_counter() - t0, interval,
-                             off=True, failed=e)
-            return None
+            return self._no_write(tag, step, t0, interval, failed=e)
         capture = _Capture(eng.checkpoint_engine, host_copy)
         engine_before, eng.checkpoint_engine = eng.checkpoint_engine, capture
         writer_before, eng.save_non_zero_checkpoint = eng.save_non_zero_checkpoint, True  # each shard loads alone
@@ -137,9 +115,7 @@ class DeepSpeedSnapshots:
                 eng._save_zero_checkpoint(str(staging_root), tag)
         except OSError as e:  # node memory full already here: a failed snapshot, never a failed step
             shutil.rmtree(staging_root, ignore_errors=True)
-            self._job = _Job(self, tag, step, None, None, None, [], [], None, time.perf_counter() - t0, interval,
-                             off=True, failed=e)
-            return None
+            return self._no_write(tag, step, t0, interval, failed=e)
         finally:
             eng.checkpoint_engine, eng.save_non_zero_checkpoint = engine_before, writer_before
         staged = staging_root / tag
@@ -156,9 +132,14 @@ class DeepSpeedSnapshots:
         """The tier is off on this rank: the schedule is kept (the pace's all-gather, an empty message to the
         peer, which waits for one), nothing is copied or written."""
         step = self.cp.engine.global_steps
-        interval = self._pace(step)
-        self._job = _Job(self, step_tag(step), step, None, None, None, [], [], None, time.perf_counter() - t0,
-                         interval, off=True)
+        return self._no_write(step_tag(step), step, t0, self._pace(step))
+
+    def _no_write(self, tag: str, step: int, t0: float, interval: int, failed: BaseException | None = None) -> None:
+        """A snapshot step with nothing to write (the tier off here, or its blocking part failed: ``failed``): only
+        the writer's peer exchange runs, and poll() reports the failure."""
+        self._job = _Job(self, tag, step, None, None, None, [], [], None, time.perf_counter() - t0, interval,
+                         off=True, failed=failed)
+        return None
 
     def _pace(self, step: int) -> int:
         """With a cost budget (``snapshot.max_overhead``): what the previous snapshot cost training and the
@@ -312,10 +293,6 @@ class _Job:
 
 class _Off(Exception):
     """(the writer has nothing to write: the tier is off on this rank)"""
-
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _estimated_shard_bytes(eng) -> int:

@@ -11,13 +11,13 @@ losses, the final global step, a checksum of the full parameters, whether they a
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from tests.support.results import finish
 
 SEQ, EMB, VOCAB, SAMPLES = 16, 32, 64, 256
 
@@ -74,23 +74,8 @@ def main(argv=None) -> int:
     trainer = Trainer(model=model, args=targs, train_dataset=Embeddings(args.nan_sample), callbacks=[Record()])
     resume = bool(args.resume and os.path.isdir(targs.output_dir) and get_last_checkpoint(targs.output_dir))
     trainer.train(resume_from_checkpoint=resume or None)
-    engine = trainer.model_wrapped
-    rank = torch.distributed.get_rank()
-    params = [p.detach().float().cpu() for p in trainer.model.parameters()]
-    digest = hashlib.sha256()
-    for p in params:
-        digest.update(p.numpy().tobytes())
-    result = {"rank": rank, "losses": losses, "global_step": trainer.state.global_step,
-              "engine_steps": getattr(engine, "global_steps", None), "skipped_steps": getattr(engine, "skipped_steps", None),
-              "engine_class": type(engine).__name__, "param_sha256": digest.hexdigest(),
-              "weights_finite": all(bool(torch.isfinite(p).all()) for p in params),
-              "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
-    (out / f"result.rank{rank}.json").write_text(json.dumps(result, indent=1))
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    torch.distributed.destroy_process_group()  # (PLATFORM.md: without it gloo sometimes aborts at exit)
-    return 0
-
+    return finish(out, trainer.model, trainer.model_wrapped, losses=losses, global_step=trainer.state.global_step,
+                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,7 +45,12 @@ def key_in(name: str) -> bytes | None:
 def signature(tag_dir: str | os.PathLike, key: bytes) -> str:
     from trainguard.checkpoint.layout import MANIFEST
 
-    return hmac.new(key, (Path(tag_dir) / MANIFEST).read_bytes(), hashlib.sha256).hexdigest()
+    return signature_of((Path(tag_dir) / MANIFEST).read_bytes(), key)
+
+
+def signature_of(manifest: bytes, key: bytes) -> str:
+    """The HMAC-SHA256 of a manifest's bytes (hex): what ``manifest.hmac`` holds."""
+    return hmac.new(key, manifest, hashlib.sha256).hexdigest()
 
 
 def sign(tag_dir: str | os.PathLike, key: bytes) -> None:

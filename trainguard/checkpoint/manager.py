@@ -220,7 +220,7 @@ class CheckpointManager:
         root = Path(c.dir)
         state = None
         if rank() == 0:
-            existed, marked = self._found or (root.is_dir(), (root / RUN_ID).is_file())
+            existed, marked = self._found  # (as found at construction: rank 0 with a dir always has it)
             restored = restore_interrupted(root) if root.is_dir() else []
             if (root / STAGING).is_dir():
                 shutil.rmtree(root / STAGING, ignore_errors=True)  # never-committed saves

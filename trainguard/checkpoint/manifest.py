@@ -238,10 +238,10 @@ class VerifiedReader:
             raise CheckpointError(f"{self.tag_dir / MANIFEST} changed since it was verified (its sha256 differs "
                                   "from the one rank 0 checked): refused")
         if key is not None:
-            from trainguard.checkpoint.auth import SIGNATURE
+            from trainguard.checkpoint.auth import SIGNATURE, signature_of
 
             stored = _read_regular(self.tag_dir / SIGNATURE).strip()
-            if not hmac.compare_digest(stored, hmac.new(key, raw, hashlib.sha256).hexdigest().encode()):
+            if not hmac.compare_digest(stored, signature_of(raw, key).encode()):
                 raise CheckpointError(f"{self.tag_dir / SIGNATURE}: HMAC mismatch on the manifest this rank read")
         data = json.loads(raw)
         self.files: dict[str, dict] = data["files"]

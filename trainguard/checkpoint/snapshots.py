@@ -183,6 +183,22 @@ class SnapshotStore:
         except OSError:
             pass
 
+    def room(self, shard: int, peer_copy: bool = True) -> str | None:
+        """Whether node memory can hold what the tier keeps on this node -- every rank's ``keep`` shards and the
+        one being written, plus the peers' copies kept here -- for shards of about ``shard`` bytes; None, or
+        why not with the figures. Node memory is shared with the data loaders' workers and NCCL's
+        shared-memory transport, which fail when it is full (Docker's default /dev/shm is 64 MB)."""
+        mine = self.place.ranks_on(self.place.node)
+        held = sum(len(self.place.sources(r)) for r in mine) if peer_copy else 0
+        need = (len(mine) * (self.keep + 1) + held * self.keep) * shard
+        have = shutil.disk_usage(self.base.parent).free + self.bytes_used()
+        if need <= have:
+            return None
+        return (f"node memory {self.base.parent} has {_mb(have)} free and the tier needs about {_mb(need)} on this "
+                f"node ({len(mine)} rank(s) x (keep {self.keep} + 1 being written) + {held} peer copies x keep, of a "
+                f"shard of about {_mb(shard)}): lower snapshot.keep, make the tmpfs larger (docker run --shm-size), or "
+                "set snapshot.every_steps to 0")
+
     def bytes_used(self) -> int:
         """Host memory this rank's snapshots take on its node (its shards and the copies it keeps)."""
         total = 0
@@ -299,6 +315,10 @@ def _parse(payload: bytes) -> tuple[str, list[tuple[str, memoryview]]]:
     if len({rel for rel, _ in files}) != len(files):
         raise ValueError(f"packed shard {tag}: a file is listed twice")
     return tag, files
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _manifest_files(tag_dir: Path) -> list[str]:
