@@ -165,15 +165,16 @@ def test_stable_marks_and_retention(tmp_path, torchrun):
 
 
 # (the suite's time: each trial is a fresh 2-rank launch, ~15 s; the long test below runs 20 + 10)
-KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "2"))
+KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "4"))
 
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_save):
     """SIGKILL a rank at random moments while the run saves every step; after each kill, every
     visible checkpoint verifies and the resume choice is a verified one. Then DeepSpeed loads it.
-    At least half of the kills must land while a save is in flight. (CI's selection: 2 sync + 1 async
-    trials, for the suite's time; the in-flight rate over many trials is the `long` test below.)"""
+    At least half of the kills must land while a save is in flight. (CI's selection: 4 sync + 2 async
+    trials -- fewer made the in-flight assertion flaky: 1 async kill missed a save in a run here; the
+    in-flight rate over many trials is the `long` test below.)"""
     trials = KILL_TRIALS if not async_save else max(KILL_TRIALS // 2, 1)
     sigkill_trials(tmp_path, async_save, trials, min_in_flight=max(1, trials // 2))
 
