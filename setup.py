@@ -38,7 +38,7 @@ setup(
         "numpy>=1.23",
     ],
     extras_require={
-        # floors only, at the versions the tests run (deepspeed 0.19.8; megatron-core 0.16.1 and 0.17.1):
+        # floors only, at the versions the tests run (deepspeed 0.19.8; megatron-core 0.16.1, 0.17.1, 0.19.2):
         # an install into a cluster's environment never downgrades its framework
         "deepspeed": ["deepspeed>=0.19.8"],
         "megatron": ["megatron-core>=0.16.1", "psutil"],

@@ -64,6 +64,8 @@ from trainguard.guard import StepGuard
 from trainguard.isolation import collective_device, gather_coords
 from trainguard.support import check_supported
 
+from megatron_hooks import versions
+
 __all__ = ["install", "extra_args_provider", "MegatronGuard"]
 
 
@@ -477,6 +479,9 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     comparisons and drills). ``start_iteration``: where your loop is (e.g. after loading your own
     checkpoint): the automatic resume loads only a newer snapshot. ``loop``: for a training loop
     that owns its iteration counter (megatron_hooks.lm); None for yours."""
+    import megatron.core
+
+    versions.check(megatron.core.__version__)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = _block(config)
     check_supported(cfg, "megatron_hooks")  # a key set here that megatron cannot honour: refused, by name
@@ -502,6 +507,11 @@ def _existing_file(value: str) -> str:
         raise argparse.ArgumentTypeError(f"--trainguard-config: {value} is not a file")
     try:
         check_supported(_block(str(path)), "megatron_hooks")
+        import megatron.core
+
+        versions.check(megatron.core.__version__, "Megatron-LM")
+    except versions.UnsupportedSetup as e:
+        raise argparse.ArgumentTypeError(f"--trainguard-config: {e}") from None
     except tg_config.ConfigError as e:
         raise argparse.ArgumentTypeError(f"--trainguard-config {value}: {e}") from None
     return str(path)

@@ -93,6 +93,11 @@ def _setup(setup, *args, **kwargs):
     if cfg.detectors.nonfinite.enabled and getattr(margs, "check_for_nan_in_loss_and_grad", False):
         # (before setup: get_model builds the DDP config, whose gradient check reads it)
         margs.check_for_nan_in_loss_and_grad = False
+        container = kwargs.get("cfg_container")  # (core_v0.18+: the DDP config comes from pretrain()'s container)
+        if getattr(container, "ddp", None) is not None and hasattr(container.ddp, "check_for_nan_in_grad"):
+            container.ddp.check_for_nan_in_grad = False
+        if hasattr(getattr(container, "rerun_state_machine", None), "check_for_nan_in_loss"):
+            container.rerun_state_machine.check_for_nan_in_loss = False
         handover = {"framework": "Megatron-LM", "setting": "check_for_nan_in_loss_and_grad", "was": True,
                     "now": False, "why": "Megatron-LM's rerun state machine would rerun the step and exit 16/17 "
                     "before optimizer.step(); trainguard checks the same local loss and gradients, names the "

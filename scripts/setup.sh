@@ -21,14 +21,17 @@ want="$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)-$what"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q "torch==2.13.0"
   if [ "$what" = "test" ]; then
-    # the tests cover both adapters and Megatron-LM's loop: megatron-core 0.17.1 (its cp311 wheel holds
-    # megatron.training; its metadata asks for Python 3.12 but it runs on 3.11: test environments only),
-    # and 0.16.1 (the newest whose metadata allows 3.11) beside it for tests/dist/test_megatron_dist.py's
-    # version runs (PLATFORM.md)
+    # the tests cover both adapters and Megatron-LM's loop on two releases (PLATFORM.md): megatron-core
+    # 0.19.2 installed (the newest; its cp311 wheel holds megatron.training and asks for Python 3.12 but
+    # runs on 3.11 -- test environments only; --no-deps: its resolver builds numpy from source; triton
+    # 3.9.0, which its pipeline schedules import, loads without a GPU), 0.17.1 beside it (with
+    # megatron.training, for Megatron-LM core_v0.17.1) and 0.16.1 (the newest whose metadata allows 3.11),
+    # each put first on the workers' PYTHONPATH by the tests that run them
     python -m pip install -q -e ".[deepspeed,monitor,test,megatron]"
-    python -m pip install -q --ignore-requires-python "megatron-core==0.17.1"
+    python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" "triton==3.9.0"
+    python -m pip install -q --no-deps --upgrade --ignore-requires-python --target "$VENV/megatron-core-0.17.1" "megatron-core==0.17.1"
     python -m pip install -q --no-deps --upgrade --target "$VENV/megatron-core-0.16.1" "megatron-core==0.16.1"
-    python -c "import megatron.core as m, megatron.training; assert m.__version__ == '0.17.1', m.__version__"
+    python -c "import megatron.core as m; assert m.__version__.split('+')[0] == '0.19.2', m.__version__"
   else
     python -m pip install -q -e ".[deepspeed,monitor,test]"
   fi
@@ -41,6 +44,7 @@ fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 [ -d "$VENV/megatron-core-0.16.1/megatron" ] && export TRAINGUARD_MEGATRON_CORE_016="$(cd "$VENV/megatron-core-0.16.1" && pwd)"
+[ -d "$VENV/megatron-core-0.17.1/megatron" ] && export TRAINGUARD_MEGATRON_CORE_017="$(cd "$VENV/megatron-core-0.17.1" && pwd)"
 
 case "$what" in
   demo) exec trainguard demo "$@" ;;

@@ -1,8 +1,8 @@
 """megatron-core under torchrun (issue 6): a tiny GPTModel with megatron's own DDP, optimizer and
 pipeline schedules (tests/support/megatron_worker.py, CPU compatibility layer in tests/support),
 guarded by megatron_hooks.install. 2 processes per layout: TP=2, PP=2, DP=2. The installed
-megatron-core (0.17.1 in CI) runs every test; the tests taking ``megatron_core`` run on 0.16.1 too
-(installed beside it by scripts/setup.sh, put first on the workers' PYTHONPATH)."""
+megatron-core (0.19.2 in CI) runs every test; the tests taking ``megatron_core`` run on 0.17.1 and
+0.16.1 too (installed beside it by scripts/setup.sh, put first on the workers' PYTHONPATH)."""
 import argparse
 import json
 import sys
@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tests.support import releases
 from trainguard.demo.run import run_worker
 from trainguard.metrics.jsonl import read
 
@@ -30,24 +31,22 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["installed", "0.16.1"])
+@pytest.fixture(params=["0.19.2", "0.17.1", "0.16.1"])
 def megatron_core(request, monkeypatch):
-    """The megatron-core version the workers run (asserted from their run_start record)."""
-    if request.param == "installed":
-        import megatron.core
-
-        return megatron.core.__version__
-    path = os.environ.get("TRAINGUARD_MEGATRON_CORE_016")
-    if not path:
-        pytest.skip("megatron-core 0.16.1 beside the installed one: bash scripts/setup.sh test puts it in "
-                    ".venv/megatron-core-0.16.1 and exports TRAINGUARD_MEGATRON_CORE_016")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p))
-    return "0.16.1"
+    """The megatron-core release the workers run (asserted from their run_start record): the installed
+    one (0.19.2 in CI) or one that bash scripts/setup.sh test installs beside it, first on their PYTHONPATH."""
+    try:
+        path = releases.core_path(request.param)
+    except LookupError as e:
+        pytest.skip(str(e))
+    if path:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p))
+    return request.param
 
 
 def ran_on(lines, version):
     (start,) = [x for x in lines if x.get("event") == "run_start"]
-    assert start["detail"]["megatron_core"] == version
+    assert start["detail"]["megatron_core"].split("+")[0] == version  # (0.19's carries a git hash)
 
 
 def run(tmp_path, name, layout, steps, block=None, more=()):
@@ -71,8 +70,8 @@ def run(tmp_path, name, layout, steps, block=None, more=()):
 def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout, megatron_core):
     """One run per layout: a fault on rank 0 at step 3, one on rank 1 at step 5. (megatron-core 0.16.1:
     the TP layout only -- the suite's time; the adapter code is the same for every layout.)"""
-    if megatron_core == "0.16.1" and layout != "tp":
-        pytest.skip("0.16.1 runs the TP layout only (the other layouts run on the installed version)")
+    if megatron_core != releases.installed() and layout != "tp":
+        pytest.skip(f"{megatron_core} runs the TP layout only (the other layouts run on the installed version)")
     steps = {0: 3, 1: 5}
     faults = [{**CASES[(layout, r)][0], "step": steps[r], "rank": r} for r in (0, 1)]
     block = {"checks": {"enabled": False}, "allow_faults": True, "faults": faults}

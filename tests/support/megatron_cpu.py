@@ -1,4 +1,4 @@
-"""Test-only: just enough of CUDA on a CPU for megatron-core 0.16.1 (shared/docs/PLATFORM.md).
+"""Test-only: just enough of CUDA on a CPU for megatron-core 0.16.1 to 0.19.2 (shared/docs/PLATFORM.md).
 
 Never imported by the shipped packages. ``enable()`` (idempotent, per process):
 
@@ -59,6 +59,10 @@ def enable() -> None:
 
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.Stream = _Stream                 # (0.19: DDP's grad sync waits on the current stream)
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.set_stream = lambda *a, **k: None
+    torch.cuda.stream = lambda s=None: _Stream()
     _CudaToCpu().__enter__()  # for the rest of the process
 
 
@@ -69,6 +73,12 @@ class _Stream:
         pass
 
     def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
         pass
 
     def synchronize(self):
@@ -86,7 +96,7 @@ class _Properties:
 
 
 def enable_lm() -> None:
-    """``enable()`` plus what Megatron-LM's training loop (``megatron.training``, megatron-core 0.17.1)
+    """``enable()`` plus what Megatron-LM's training loop (``megatron.training``, megatron-core 0.17.1 and 0.19.2)
     asks of CUDA beyond megatron-core (shared/docs/PLATFORM.md, per megatron function)."""
     import os
 
@@ -98,10 +108,6 @@ def enable_lm() -> None:
     torch.cuda.get_device_properties = lambda *a, **k: _Properties()
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     torch.cuda.get_device_name = lambda *a, **k: _Properties.name
-    torch.cuda.Stream = _Stream
-    torch.cuda.current_stream = lambda *a, **k: _Stream()
-    torch.cuda.set_stream = lambda *a, **k: None
-    torch.cuda.stream = lambda s=None: _Stream()
     torch.cuda.empty_cache = lambda: None
     torch.cuda.memory_allocated = lambda *a, **k: 0
     torch.cuda.max_memory_allocated = lambda *a, **k: 0

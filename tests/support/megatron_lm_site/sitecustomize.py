@@ -5,6 +5,12 @@ so that Megatron-LM's unmodified ``pretrain_gpt.py`` runs on a CPU. trainguard's
 Never shipped: the product carries no CPU layer."""
 import os
 import sys
+import typing
+
+if not hasattr(typing, "override"):  # Megatron-LM core_v0.19's megatron.training uses it (Python 3.12+)
+    import typing_extensions
+
+    typing.override = typing_extensions.override
 
 sys.path.insert(0, os.environ["TRAINGUARD_TEST_ROOT"])  # (tests.support, from the repository)
 from ds_plugins._bootstrap._trainguard_hook import AfterImport  # noqa: E402
