@@ -40,6 +40,7 @@ Without ``--trainguard-config`` nothing changes. What the guard and Megatron-LM 
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 
 from ds_plugins._bootstrap._trainguard_hook import wrap_once
@@ -60,6 +61,19 @@ def install_entry() -> None:
 
     wrap_once(arguments, "add_megatron_arguments",
               lambda add: lambda parser: megatron_hooks.extra_args_provider(add(parser)))
+    def make_parse(parse):
+        def parse_args(*args, **kwargs):
+            parsed = parse(*args, **kwargs)
+            _refuse_conflicts(parsed)
+            return parsed
+        return parse_args
+
+    # (core_v0.19's pretrain_gpt.py parses once for its in-process restart wrapper before anything else;
+    # core_v0.17's initialize binds parse_args at import)
+    wrap_once(arguments, "parse_args", make_parse)
+    initialize = sys.modules.get("megatron.training.initialize")
+    if initialize is not None and hasattr(initialize, "parse_args"):
+        wrap_once(initialize, "parse_args", make_parse)
     wrap_once(training, "setup_model_and_optimizer",
               lambda setup: lambda *args, **kwargs: _setup(setup, *args, **kwargs))
 
@@ -89,22 +103,67 @@ def _setup(setup, *args, **kwargs):
 
     cfg = megatron_hooks._block(path)
     _check_dirs(cfg, margs)
-    handover = None
+    container = kwargs.get("cfg_container")  # (core_v0.18+: pretrain()'s config container, built before the model)
+    handovers = []
     if cfg.detectors.nonfinite.enabled and getattr(margs, "check_for_nan_in_loss_and_grad", False):
         # (before setup: get_model builds the DDP config, whose gradient check reads it)
         margs.check_for_nan_in_loss_and_grad = False
-        container = kwargs.get("cfg_container")  # (core_v0.18+: the DDP config comes from pretrain()'s container)
-        if getattr(container, "ddp", None) is not None and hasattr(container.ddp, "check_for_nan_in_grad"):
-            container.ddp.check_for_nan_in_grad = False
-        if hasattr(getattr(container, "rerun_state_machine", None), "check_for_nan_in_loss"):
-            container.rerun_state_machine.check_for_nan_in_loss = False
-        handover = {"framework": "Megatron-LM", "setting": "check_for_nan_in_loss_and_grad", "was": True,
-                    "now": False, "why": "Megatron-LM's rerun state machine would rerun the step and exit 16/17 "
-                    "before optimizer.step(); trainguard checks the same local loss and gradients, names the "
-                    "rank, its coordinates and the first layer, and skips the step on every rank"}
+        _clear(getattr(container, "ddp", None), "check_for_nan_in_grad")
+        _clear(getattr(container, "rerun_state_machine", None), "check_for_nan_in_loss")
+        handovers.append({"framework": "Megatron-LM", "setting": "check_for_nan_in_loss_and_grad", "was": True,
+                          "now": False, "why": "Megatron-LM's rerun state machine would rerun the step and exit "
+                          "16/17 before optimizer.step(); trainguard checks the same local loss and gradients, names "
+                          "the rank, its coordinates and the first layer, and skips the step on every rank"})
+    if cfg.detectors.loss_spike.enabled and getattr(margs, "check_for_spiky_loss", False):
+        margs.check_for_spiky_loss = False  # (pretrain_gpt.py's loss_func reads it at every call)
+        _clear(getattr(container, "rerun_state_machine", None), "check_for_spiky_loss")
+        handovers.append({"framework": "Megatron-LM", "setting": "check_for_spiky_loss", "was": True, "now": False,
+                          "key": "trainguard.detectors.loss_spike",
+                          "why": "Megatron-LM would rerun a spiky step and, when it repeats, save and exit asking for "
+                          "a rerun on another GPU; trainguard's loss_spike detector classifies the spike (instant "
+                          "burst or slow rise) and runs its ladder (skip, roll back, lower the LR) in the job"})
     model, optimizer, scheduler = setup(*args, **kwargs)
-    _RUN = LMRun(model, optimizer, scheduler, margs, cfg, handover)
+    _RUN = LMRun(model, optimizer, scheduler, margs, cfg, handovers)
     return model, optimizer, scheduler
+
+
+# Megatron-LM's own resilience features that trainguard cannot run beside (docs/megatron.md's table):
+# the flag, when it conflicts (given the parsed arguments and the block), why, and the trainguard key instead
+REFUSED = [
+    ("--inprocess-restart", lambda a, cfg: bool(getattr(a, "inprocess_restart", False)),
+     "NVIDIA resiliency-ext's in-process restart re-enters pretrain() in the same process after a fault, while "
+     "trainguard's watchdog, heartbeats, snapshot writer and module hooks belong to the failed attempt's model",
+     "restart at the process level: trainguard run -- torchrun --max-restarts=N ... (trainguard.watchdog names "
+     "and ends a hung rank; the restart resumes from the newer of --load and trainguard.checkpoint.dir)"),
+    ("--non-persistent-ckpt-type local", lambda a, cfg: getattr(a, "non_persistent_ckpt_type", None) == "local"
+     and bool(cfg.checkpoint.dir),
+     "Megatron-LM's local checkpoints (and their --replication) are a second fast tier beside trainguard's "
+     "snapshots, loaded by Megatron-LM's --load before trainguard chooses, with no manifest trainguard can verify; "
+     "two tiers that can disagree on the newest state are refused",
+     "trainguard.checkpoint.every_steps (verified snapshots, the newer of them and --load resumes), or leave "
+     "trainguard.checkpoint.dir unset to keep Megatron-LM's local checkpoints"),
+]
+
+
+def _refuse_conflicts(args) -> None:
+    """At Megatron-LM's argument parsing, before any process group: a flag of REFUSED that conflicts
+    with the block stops the launch (exit 2, as a bad key does), naming the flag, why and what to use."""
+    path = getattr(args, "trainguard_config", None)
+    if not path:
+        return
+    import megatron_hooks
+
+    cfg = megatron_hooks._block(path)
+    for flag, conflicts, why, instead in REFUSED:
+        if conflicts(args, cfg):
+            print(f"error: --trainguard-config {path} cannot run with Megatron-LM's {flag}: {why}. Instead: "
+                  f"{instead}.", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+
+
+def _clear(section, name: str) -> None:
+    if section is not None and getattr(section, name, False):
+        setattr(section, name, False)
 
 
 def _check_dirs(cfg, margs) -> None:
@@ -125,7 +184,7 @@ class LMRun:
     samples, scheduler) saved with each snapshot and set back on resume; the LR scheduler moved on
     for the steps trainguard does not apply; the loop counter kept on a rollback."""
 
-    def __init__(self, model, optimizer, scheduler, margs, cfg, handover: dict | None):
+    def __init__(self, model, optimizer, scheduler, margs, cfg, handovers: list[dict]):
         import megatron_hooks
 
         self.margs = margs
@@ -138,8 +197,13 @@ class LMRun:
                                             data_state=self.loop_state, loop=self)
         if self.guard.resumed_data_state is not None:
             self.restore(self.guard.resumed_data_state)
-        if handover is not None:
+        for handover in handovers:
             self.guard.guard.emit(self.guard.iteration, Record.HANDOVER, [], None, handover)
+        tracker = getattr(margs, "result_rejected_tracker_filename", None)
+        if tracker and self.guard.guard.rank == 0:
+            from megatron_hooks.rerun_tracker import RerunTracker
+
+            self.guard.guard.events.mirrors.append(RerunTracker(tracker, self.guard.guard.coords))
 
     # ------------------------------------------------------------------ Megatron-LM's loop state
     def warmup_steps(self) -> int | None:

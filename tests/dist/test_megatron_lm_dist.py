@@ -33,12 +33,18 @@ THIRD_PARTY = ROOT.parent / "shared" / "third_party"
 # by scripts/setup.sh (first on the ranks' PYTHONPATH)
 RELEASES = {"core_v0.19.0": ("0.19.2", THIRD_PARTY / "megatron-lm-core_v0.19.0"),
             "core_v0.17.1": ("0.17.1", THIRD_PARTY / "megatron-lm")}
+# Megatron-LM's asynchronous torch_dist save (core_v0.19 defaults to NVIDIA resiliency-ext's strategy, not
+# installed here: its own "mcore" one); core_v0.17.1 turns --async-save off without the persistent worker and
+# runs that worker only with resiliency-ext: its async save is not run here
+ASYNC_SAVE = {"core_v0.19.0": ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"],
+              "core_v0.17.1": []}
 
 
 class Release:
     def __init__(self, name):
         self.name = name
         self.core, self.checkout = RELEASES[name]
+        self.async_save = ASYNC_SAVE[name]
         try:
             self.core_path = releases.core_path(self.core)
         except LookupError as e:
@@ -157,14 +163,26 @@ def test_nonfinite_on_one_rank_is_named_and_skipped_pp(tmp_path, release, plain)
     iteration 5 on every rank; Megatron-LM counts it as skipped and the schedule goes on as in the run
     without the fault."""
     fault = {"type": "inf_activation", "module": "decoder.layers.0.mlp.linear_fc1"}
-    run = launch(release, tmp_path, "nan", "pp", {"allow_faults": True, "faults": [{**fault, "step": 5, "rank": 1}]}).ok()
+    tracker = tmp_path / "rejected.txt"  # Megatron-LM's own resilience flags on beside the block (docs/megatron.md)
+    run = launch(release, tmp_path, "nan", "pp", {"allow_faults": True, "faults": [{**fault, "step": 5, "rank": 1}]},
+                 ["--check-for-spiky-loss", "--rerun-mode", "validate_results",
+                  "--result-rejected-tracker-filename", str(tracker)]).ok()
     (start,) = run.events("run_start")  # the release asked for, not another one on the path
     assert start["detail"]["megatron_core"].split("+")[0] == release.core
     (warmup,) = run.events("short_warmup")  # the start-of-run checks read Megatron-LM's scheduler (2 iterations)
     assert warmup["detail"]["warmup_steps"] == 2
-    (handover,) = run.events("handover")
-    assert handover["detail"]["setting"] == "check_for_nan_in_loss_and_grad" and handover["detail"]["now"] is False
+    # both of Megatron-LM's checks that would rerun the step and exit are handed over, each with its record
+    assert {(h["detail"]["setting"], h["detail"]["now"]) for h in run.events("handover")} == \
+        {("check_for_nan_in_loss_and_grad", False), ("check_for_spiky_loss", False)}
     assert named_and_skipped(run, 5, fault, {"tp": 0, "pp": 1}, 2)["action"] == "skip_step"
+    # the named iteration is in Megatron-LM's tracker file, in the format its own reader parses: rejected twice on
+    # the same rank (this run's line, and the same failure again on a rerun) it goes to --iterations-to-skip
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    lines = tracker.read_text().splitlines()
+    assert len(lines) == 1 and " rank=1 iteration=5 " in lines[0] and "first_nonfinite_module" not in lines[0], lines
+    (tmp_path / "twice.txt").write_text("\n".join(lines * 2) + "\n")
+    assert RerunStateMachine.get_skipped_iterations_from_tracker_file(str(tmp_path / "twice.txt")) == [5]
     assert run.iterations[5]["skipped"] == 1 and all(run.iterations[i]["skipped"] == 0 for i in (4, 6, ITERS))
     same_schedule(run, plain, range(1, ITERS + 1))
     # it learns on as the clean run does (the plain run is TP=2, whose initial weights differ from PP=2's on
@@ -186,7 +204,10 @@ def test_tp_skips_then_rolls_back_keeping_iteration_consumed_samples_and_lr(tmp_
              "faults": [{**fault, "step": 5, "rank": 1}, {**fault, "step": 7, "rank": 1},
                         {"type": "nan_weights", "step": 8, "rank": 1, "param": "decoder.layers.1.mlp.linear_fc1.weight"}],
              "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3, "stable_after": 1}}
-    run = launch(release, tmp_path, "rb", "tp", block).ok()
+    # composed with Megatron-LM's replica weight-hash check (docs/megatron.md): it runs every 3 iterations,
+    # across the rollback, and passes
+    run = launch(release, tmp_path, "rb", "tp", block, ["--check-weight-hash-across-dp-replicas-interval", "3"]).ok()
+    assert "Weight hashes match after 9 iterations" in run.log
     (handover,) = run.events("handover")
     for step in (5, 7):
         assert named_and_skipped(run, step, fault, {"tp": 1, "pp": 0}, 2)["action"] == "skip_step"
@@ -210,9 +231,11 @@ def test_sigkill_and_restart_resume_once_from_the_newest_snapshot(tmp_path, rele
     mck = tmp_path / "megatron-ckpt"
     block = {"allow_faults": True, "faults": [{"type": "kill_rank", "step": 8, "rank": 1}],
              "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3}}
-    run = launch(release, tmp_path, "kill", "tp", block, ["--save", str(mck), "--load", str(mck), "--save-interval", "4"],
+    run = launch(release, tmp_path, "kill", "tp", block, ["--save", str(mck), "--load", str(mck), "--save-interval", "4",
+                                                          *release.async_save],
                  torchrun=["--max-restarts=1", "--monitor-interval=0.5"]).ok()
     assert "successfully loaded checkpoint from" in run.log and "at iteration 4" in run.log  # Megatron-LM's, first
+    assert ("Async Caller Started" in run.log) == bool(release.async_save)  # (its own saves were asynchronous)
     (restart,) = run.events("restart")
     assert restart["detail"]["attempt"] == 1 and restart["detail"]["resumed_at_step"] == 6
     (resume,) = run.events("resume")
@@ -234,6 +257,26 @@ def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path, release):
                           cwd=out, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--trainguard-config" in done.stderr and "ladders.nonfinite" in done.stderr and "teleport" in done.stderr
+
+
+@pytest.mark.parametrize("flags", [["--inprocess-restart"], ["--non-persistent-ckpt-type", "local"]])
+def test_resilience_flags_that_conflict_are_refused_at_argument_parsing(tmp_path, flags):
+    """Megatron-LM's in-process restart, and its local checkpoints beside trainguard's snapshots, stop the
+    launch before any process group (exit 2), naming the flag, why, and the trainguard way instead
+    (docs/megatron.md's table). The newest release only: the check is trainguard's, the same on both."""
+    release = Release("core_v0.19.0")
+    out = tmp_path / "refused"
+    out.mkdir()
+    cfg = out / "tg.json"
+    cfg.write_text(json.dumps({"trainguard": {"checkpoint": {"dir": str(out / "snapshots")}}}))
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", TRAINGUARD_TEST_ROOT=str(ROOT), RANK="0", WORLD_SIZE="1",
+               PYTHONPATH=release.pythonpath())
+    done = subprocess.run([str(BIN / "trainguard"), "run", "--", sys.executable, str(release.checkout / "pretrain_gpt.py"),
+                           *TINY, "--train-iters", "2", *flags, "--trainguard-config", str(cfg)],
+                          cwd=out, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"cannot run with Megatron-LM's {' '.join(flags)}" in done.stderr and "Instead: " in done.stderr
+    assert not (out / "snapshots").exists()
 
 
 def test_readme_shows_the_launch_line_the_tests_run():
