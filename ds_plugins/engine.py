@@ -26,7 +26,7 @@ from trainguard.data import DataPosition
 from trainguard.driver import StepDriver, StepOutcome, scaled_lr, zero_adam_moments
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
-from trainguard.faults import FaultInjector
+from trainguard.faults import FaultInjector, PoisonFirstLeaf
 from trainguard.goodput import GoodputMeter
 from trainguard.watchdog import Heartbeat
 from trainguard.guard import StepGuard
@@ -96,34 +96,6 @@ def _guarded_class(base: type) -> type:
     Guarded.__name__ = Guarded.__qualname__ = f"Trainguard{base.__name__}"
     _GUARDED_CLASSES[base] = Guarded
     return Guarded
-
-
-class _PoisonFirstModule:
-    """nan_batch on an integer-only batch: NaN in the output of the first leaf module that runs (in
-    one row of it, for a fault with ``sample``: trainguard.faults.OutputPoison)."""
-
-    def __init__(self, module: torch.nn.Module, poison):
-        self.module = module
-        self.poison = poison
-        self.handles: list = []
-        self.done = False
-
-    def __enter__(self):
-        def hook(mod, args, output):
-            if self.done or not isinstance(output, torch.Tensor) or not output.is_floating_point():
-                return None
-            self.done = True
-            return self.poison.apply(output)
-
-        for m in self.module.modules():
-            if not list(m.children()):
-                self.handles.append(m.register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        return False
 
 
 class EngineGuard:
@@ -297,7 +269,7 @@ class EngineGuard:
             self.guard.record_micro_batch((inputs, kwargs, poison_output), _rows((inputs, kwargs)))
         probing = self.guard.probing(step) if self.guard is not None else contextlib.nullcontext()
         # the poison hook first, so that the probes see what it did
-        with (_PoisonFirstModule(self.engine.module, poison_output) if poison_output else contextlib.nullcontext()), \
+        with (PoisonFirstLeaf(self.engine.module, poison_output) if poison_output else contextlib.nullcontext()), \
                 probing:
             out = base_forward(*inputs, **kwargs)
         if self.guard is not None and self.engine.module.training:
@@ -322,7 +294,7 @@ class EngineGuard:
     def _replaying(self, poison):
         """Around a replayed forward: the RNG put back afterwards, and the micro-batch's own poison."""
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with preserved_rng(devices), _PoisonFirstModule(self.engine.module, poison) if poison else \
+        with preserved_rng(devices), PoisonFirstLeaf(self.engine.module, poison) if poison else \
                 contextlib.nullcontext():
             yield
 

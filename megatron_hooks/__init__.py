@@ -60,6 +60,7 @@ from trainguard.checks import RunFacts, bf16_supported
 from trainguard.driver import StepDriver, StepOutcome, zero_adam_moments
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
+from trainguard.faults import PoisonFirstLeaf
 from trainguard.guard import StepGuard
 from trainguard.isolation import collective_device, gather_coords
 from trainguard.support import check_supported
@@ -188,7 +189,7 @@ class MegatronGuard:
     data = None  # trainguard.driver.Framework: megatron's data loader is the user's (no skip, no quarantine)
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer, cfg: tg_config.TrainguardConfig,
-                 start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None):
+                 start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None, replayer=None):
         from megatron.core import parallel_state as ps
 
         from megatron_hooks.checkpoint import MegatronCheckpointer
@@ -209,9 +210,15 @@ class MegatronGuard:
         self.last_stage = ps.is_pipeline_last_stage()
         self.heart = Heartbeat(self.rank)
         self.guard: StepGuard | None = None
+        self.replayer = replayer        # megatron_hooks.replay.Replayer: data or weights (trainguard.replay)
+        self._poison = None             # this micro-batch's nan_batch poison (an integer batch: at the first leaf)
+        self._poisoning = None
+        self._first_forward = True      # the step's first training forward (its first micro-batch) is still to come
         if guard_enabled:
+            peers = dist.get_process_group_ranks(ps.get_model_parallel_group()) if replayer is not None else None
             self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=collective_device(),
-                                   localize=self._localize)
+                                   localize=self._localize, replay=self._replay if replayer is not None else None,
+                                   narrow_rows=replayer is not None, replay_peers=peers)
             self.faults = self.guard.faults if cfg.faults else None
         else:  # faults only: plain megatron with the same injected faults, for comparisons
             self.faults = FaultInjector(cfg.faults, self.rank) if cfg.faults else None
@@ -219,6 +226,10 @@ class MegatronGuard:
             self.faults.precision = _dtype(self.chunks[0])
         scaler = _GradScaler(optimizer)
         self.grad_scaler = scaler if scaler.active() and guard_enabled else None
+        if replayer is not None:
+            replayer.poison_module = self._poison_forward
+            if self.faults is not None:
+                replayer.held = self.faults.held
         if self.guard is not None:
             self.guard.attach_model(_unwrap(self.chunks[0]) if len(self.chunks) == 1 else torch.nn.ModuleList(
                 [_unwrap(c) for c in self.chunks]))
@@ -281,8 +292,7 @@ class MegatronGuard:
         for chunk in self.chunks:
             inner = _unwrap(chunk)
             self._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))
-            if self.guard is not None:
-                self._hooks.append(inner.register_forward_hook(self._on_forward_done))
+            self._hooks.append(inner.register_forward_hook(self._on_forward_done))
             if self.last_stage and (self.guard is not None or self.faults is not None):
                 self._hooks.append(inner.register_forward_hook(self._on_output))
             if self.faults is not None:
@@ -301,15 +311,37 @@ class MegatronGuard:
             self._probing.__enter__()
         if self.faults is not None:
             self.faults.process(self.step_number())
-            # spike_batch: megatron's inputs are token ids, so the fault scales this rank's loss
-            # (on the last pipeline stage, where the loss is); the inputs stay as they are
-            self.faults.batch(self.step_number(), args)
+            if self._first_forward:
+                # megatron's inputs are token ids: spike_batch scales this rank's loss (on the last pipeline stage,
+                # where the loss is); nan_batch poisons the first leaf module's output (one row with `sample`), of
+                # the step's first micro-batch only -- one bad sample, which replays with its micro-batch
+                _, self._poison = self.faults.batch(self.step_number(), args)
+                if self._poison is not None:
+                    self._poisoning = PoisonFirstLeaf(module, self._poison).__enter__()
+        self._first_forward = False
         return None
 
     def _on_forward_done(self, module, args, output):
-        if module.training:  # (the step's own time: the straggler detector, trainguard.steptime)
+        if self._poisoning is not None:
+            self._poisoning.__exit__(None, None, None)
+            self._poisoning = None
+        if module.training and self.guard is not None:  # (the step's own time: the straggler detector)
             self.guard.forward_done()
         return None
+
+    def record(self, drawn: list) -> None:
+        """From the loop, after each training micro-batch's forward step: what this rank drew from its data
+        iterator for it (megatron_hooks.replay.Recording), kept with its poison for a replay."""
+        if self.guard is not None and self.guard.replay is not None:
+            self.guard.record_micro_batch((list(drawn), self._poison), self.replayer.micro_batch_size)
+        self._poison = None
+
+    def _replay(self, mb, row):
+        drawn, poison = mb.inputs
+        return self.replayer.replay(drawn, poison, row)
+
+    def _poison_forward(self, poison):
+        return PoisonFirstLeaf(_unwrap(self.chunks[0]), poison)
 
     def _on_output(self, module, args, output):
         """Last stage: ``output`` is the per-token loss (labels were given); its mean is the local loss."""
@@ -338,6 +370,7 @@ class MegatronGuard:
     # ------------------------------------------------------------------ the step
     def step(self, *args, **kwargs):
         """``optimizer.step()`` with the guard's decision first (trainguard.driver); the same return value."""
+        self._first_forward = True
         if self.driver is None:  # faults only
             step = self.step_number()
             self.heart.beat("collective", step)
@@ -469,7 +502,8 @@ class MegatronGuard:
 
 
 def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,
-            start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None) -> MegatronGuard:
+            start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None,
+            replayer=None) -> MegatronGuard:
     """Guard a megatron-core model (a module or a list of model chunks) and its optimizer.
 
     ``config``: the trainguard block as a dict, a JSON file (the block itself, or a ds_config-style
@@ -478,15 +512,25 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     ``guard_enabled=False``: only the configured faults (plain megatron under the same faults, for
     comparisons and drills). ``start_iteration``: where your loop is (e.g. after loading your own
     checkpoint): the automatic resume loads only a newer snapshot. ``loop``: for a training loop
-    that owns its iteration counter (megatron_hooks.lm); None for yours."""
+    that owns its iteration counter (megatron_hooks.lm); None for yours. ``replayer``: a
+    :class:`megatron_hooks.replay.Replayer` over your forward step (and your loop calls ``record`` with
+    what each micro-batch drew): data or weights (``recovery.replay_check``, ``narrow_samples``) --
+    Megatron-LM's loop has one; without it the ladders act as written."""
     import megatron.core
 
     versions.check(megatron.core.__version__)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = _block(config)
     check_supported(cfg, "megatron_hooks")  # a key set here that megatron cannot honour: refused, by name
+    if replayer is None:
+        asked = [k for k in ("replay_check", "narrow_samples") if k in cfg.recovery.model_fields_set
+                 and getattr(cfg.recovery, k)]
+        if asked:
+            raise tg_config.ConfigError([(f"trainguard.recovery.{k}", "true needs a replay of your forward step: pass "
+                                          "megatron_hooks.install(..., replayer=Replayer(...)) and call guard.record(...) "
+                                          "per micro-batch (Megatron-LM's loop does both), or set false") for k in asked])
     return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled,
-                         data_state=data_state, loop=loop)
+                         data_state=data_state, loop=loop, replayer=replayer)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

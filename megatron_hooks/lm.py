@@ -193,8 +193,13 @@ class LMRun:
         self._iteration_seen = None
         self.closed = False
         loaded = int(getattr(margs, "iteration", 0) or 0)  # (Megatron-LM's own --load, if any)
+        from megatron_hooks.replay import Replayer
+
+        # data or weights: a micro-batch replayed through Megatron-LM's own forward step (set at train())
+        self.replayer = Replayer(model, None, margs.seq_length, margs.micro_batch_size, args=margs) \
+            if cfg.recovery.replay_check else None
         self.guard = megatron_hooks.install(model, optimizer, cfg, start_iteration=loaded,
-                                            data_state=self.loop_state, loop=self)
+                                            data_state=self.loop_state, loop=self, replayer=self.replayer)
         if self.guard.resumed_data_state is not None:
             self.restore(self.guard.resumed_data_state)
         for handover in handovers:
@@ -270,10 +275,22 @@ class LMRun:
 
     # ------------------------------------------------------------------ micro-batches
     def wrap_forward_step(self, func):
+        from megatron_hooks.replay import Recording
+
+        if self.replayer is not None:
+            self.replayer.forward_step_func = func  # (replays run the script's own, unwrapped)
+
         @functools.wraps(func)
         def forward_step(data_iterator, model, *args, **kwargs):
             self.on_micro_batch()
-            return func(data_iterator, model, *args, **kwargs)
+            if self.replayer is None or not model.training:
+                return func(data_iterator, model, *args, **kwargs)
+            # what this rank draws for the micro-batch (tensor-parallel rank 0 reads and broadcasts; the first and
+            # last stages read), kept for a replay
+            recording = Recording(data_iterator) if data_iterator is not None else None
+            out = func(recording if recording is not None else data_iterator, model, *args, **kwargs)
+            self.guard.record(recording.drawn if recording is not None else [])
+            return out
 
         return forward_step
 

@@ -300,14 +300,18 @@ class RecoveryConfig(_Section):
     ladder_window: int = Field(100, ge=1, description="Occurrences older than this many steps no longer count.")
     replay_check: bool = Field(
         True, description="On a non-finite or instant_burst step, every rank replays a micro-batch of the last "
-        "healthy step on the current weights (no gradients, RNG untouched; DeepSpeed). Healthy: the data was bad and "
-        "the skipped steps did no damage, so the step is skipped where a rung says roll back (a burst of k bad "
-        "batches costs k steps, no rollback). Non-finite or a spike: the weights are damaged, so it rolls back at "
-        "once, whatever the rung. false (and megatron-core, which has no replay): the ladders as written.")
+        "healthy step on the current weights (no gradients, RNG untouched; DeepSpeed; on megatron forward-only through "
+        "its own schedule, every rank of the model-parallel group together: Megatron-LM's loop, or yours with "
+        "install(replayer=...)). Healthy: the data was bad and the skipped steps did no damage, so the step is skipped "
+        "where a rung says roll back (a burst of k bad batches costs k steps, no rollback). Non-finite or a spike: the "
+        "weights are damaged, so it rolls back at once, whatever the rung. false (and a megatron-core loop without a "
+        "replayer): the ladders as written.")
     narrow_samples: bool = Field(
         True, description="With replay_check, the culprit rank replays its step's samples one at a time and names, "
         "and quarantines, only the fewest whose removal leaves a healthy batch (at most half of it; else the whole "
-        "batch). DeepSpeed ZeRO 0-2 (a ZeRO-3 forward is collective: the whole batch is named there).")
+        "batch). DeepSpeed ZeRO 0-2 (a ZeRO-3 forward is collective: the whole batch is named there); megatron: the "
+        "culprit's model-parallel group replays together (Megatron-LM names the sampler's global sample index; its "
+        "loader is its own, so nothing is quarantined there).")
     rollback_to: Literal["stable", "latest_valid"] = Field(
         "stable", description="Which checkpoint from before the onset: the newest stable one, or the newest valid.")
     skip_batches: int = Field(200, ge=0, description="Batches skipped past the anomaly on a rollback (PaLM skipped "
@@ -470,7 +474,8 @@ class FaultSpec(_Section):
         "default the first.")
     sample: Optional[int] = Field(
         None, ge=0, description="nan_batch: only this row of the micro-batch (0-based) becomes NaN -- one corrupted "
-        "sample in an otherwise healthy batch; default every row.")
+        "sample in an otherwise healthy batch; default every row. On megatron (token ids) it poisons that row of "
+        "the first leaf module's output, in the step's first micro-batch.")
     module: Optional[str] = Field(None, description="inf_activation, attention_collapse: module path.")
     factor: Optional[float] = Field(None, description="spike_batch (default 50), lr_ramp (per-step growth, "
                                     "default 1.15), attention_collapse (default 50), slow_rank (the fraction of a "

@@ -60,6 +60,34 @@ class OutputPoison:
         return _nan_rows(output, self.row)
 
 
+class PoisonFirstLeaf:
+    """Around one forward of ``module``: ``poison`` (an :class:`OutputPoison`) applied to the output of
+    the first leaf module that runs -- nan_batch on an integer-only batch (both adapters)."""
+
+    def __init__(self, module: torch.nn.Module, poison):
+        self.module = module
+        self.poison = poison
+        self.handles: list = []
+        self.done = False
+
+    def __enter__(self):
+        def hook(mod, args, output):
+            if self.done or not isinstance(output, torch.Tensor) or not output.is_floating_point():
+                return None
+            self.done = True
+            return self.poison.apply(output)
+
+        for m in self.module.modules():
+            if not list(m.children()):
+                self.handles.append(m.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
+
+
 def _nan_rows(t: torch.Tensor, row: int | None) -> torch.Tensor:
     """NaN in row ``row`` of ``t`` (None: everywhere), keeping the autograd graph."""
     if row is None:

@@ -64,13 +64,16 @@ class StepGuard:
     :func:`trainguard.probes.first_nonfinite`'s report; every rank calls it on a non-finite step.
     ``replay`` (from an adapter that can): ``replay(micro_batch, row)`` -> the loss of one recorded
     micro-batch (``row`` None) or of one of its rows, replayed on the current weights
-    (trainguard.replay); ``narrow_rows``: whether one rank may replay alone (not under ZeRO-3,
-    whose forwards are collective).
+    (trainguard.replay); ``narrow_rows``: whether the culprit's rows may be replayed one by one (not under
+    ZeRO-3, whose forwards gather every rank's parameters); ``replay_peers``: the ranks that replay together
+    with this one (a model-parallel group, whose forwards are collective: each of them narrows when any of
+    them is a culprit, in lockstep; their replays return the same losses); default this rank alone.
     """
 
     def __init__(self, cfg: TrainguardConfig, rank: int, world: int, group=None,
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
-                 replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False):
+                 replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False,
+                 replay_peers: Sequence[int] | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
@@ -87,6 +90,7 @@ class StepGuard:
         self.localize = localize
         self.replay = replay if cfg.recovery.replay_check else None
         self.narrow_rows = narrow_rows and replay is not None and cfg.recovery.narrow_samples
+        self.replay_peers = set(replay_peers) if replay_peers is not None else {rank}
         self.book = ReplayBook()   # this step's micro-batches and the last healthy one (adapters that replay)
         self._weights: dict | None = None  # the last anomaly step's weights check
         self.range_probe: RangeProbe | None = None
@@ -366,12 +370,12 @@ class StepGuard:
 
     def _replays(self, deciding: list[Verdict]) -> tuple[float | None, dict | None]:
         """Every rank replays its last healthy micro-batch (together: a ZeRO-3 forward is collective);
-        a culprit rank also replays its step's samples one by one, when it may replay alone."""
+        a culprit rank (with its replay peers) also replays its step's samples one by one."""
         if not deciding:
             return None, None
         replayed = self.replay(self.book.healthy, None) if self.book.healthy is not None else None
         narrowed = None
-        if self.narrow_rows and any(self.rank in v.ranks for v in deciding) and self.book.step:
+        if self.narrow_rows and any(self.replay_peers.intersection(v.ranks) for v in deciding) and self.book.step:
             narrowed = narrow(self.book.step, self.replay, self._healthy_loss)
         return replayed, narrowed
 

@@ -68,17 +68,12 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "divided by your number of micro-batches, which the guard does not know; use norm or adaptive",
         inert=("deepspeed", "norm", "adaptive"))},
     "clipping.value": {"megatron_hooks": Refusal("only used by clipping.mode \"value\" (refused on megatron)")},
-    "recovery.replay_check": {"megatron_hooks": Refusal(
-        "megatron's forward is its pipeline schedule, which trainguard does not re-run: no replay of a healthy "
-        "micro-batch (the ladders act as written); set false", inert=(False,))},
-    "recovery.narrow_samples": {"megatron_hooks": Refusal(
-        "no per-sample replay on megatron (the forward is megatron's schedule); set false", inert=(False,))},
     "checks.min_warmup_steps": {"megatron_hooks": Refusal(
         "the LR schedule is yours (Megatron-LM's OptimizerParamScheduler): megatron_hooks cannot read its warmup")},
     "faults[].type": {"megatron_hooks": Refusal(
-        "nan_batch and bad_label need the loader or engine(batch) of ds_plugins; on megatron use nan_loss, "
+        "bad_label needs the loader of ds_plugins; on megatron use nan_batch (with sample: one bad sample), nan_loss, "
         "inf_activation or inf_grad", inert=("nan_loss", "inf_grad", "spike_batch", "lr_ramp", "inf_activation",
-                                              "attention_collapse", "kill_rank", "hang_rank", "corrupt_checkpoint",
+                                              "nan_batch", "attention_collapse", "kill_rank", "hang_rank", "corrupt_checkpoint",
                                               "fp16_overflow", "slow_rank", "nan_weights"))},
 }
 

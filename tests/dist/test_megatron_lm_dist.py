@@ -223,6 +223,36 @@ def test_tp_skips_then_rolls_back_keeping_iteration_consumed_samples_and_lr(tmp_
     assert math.isfinite(last) and last < first - 0.1
 
 
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_one_bad_sample_is_named_alone_and_skipped_and_damaged_weights_roll_back_at_once(tmp_path, release, plain,
+                                                                                       layout):
+    """Data or weights (issue 23 item 2), by Megatron-LM's own forward-only schedule: one NaN sample (row 1 of
+    the first micro-batch of iteration 5, on rank 0) among a global batch of 8. The last healthy micro-batch
+    replays healthy on the current weights, so the data was bad: iteration 5 is skipped, no rollback, and a
+    replay of its rows (the whole model-parallel group together) names that one sample by the global index
+    Megatron-LM's sampler gave it (4 x 8 + 1 = 33). At 9 the weights are damaged in memory: the replay is no
+    longer healthy, so it rolls back at once (the default ladder would only skip the first non-finite
+    iteration), to the snapshot of 6 (the skipped bad sample did not spoil it), naming no sample."""
+    faults = [{"type": "nan_batch", "step": 5, "rank": 0, "sample": 1},
+              {"type": "nan_weights", "step": 9, "rank": 1, "param": "decoder.layers.0.mlp.linear_fc1.weight"}]
+    block = {"allow_faults": True, "faults": faults, "recovery": {"ladder_window": 3},  # (5 is out of 9's window)
+             "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3, "stable_after": 1,
+                            "verify_steps": 2}}  # (6 is stable at 8)
+    run = launch(release, tmp_path, "dw", layout, block).ok()
+    nf = {e["step"]: e for e in run.events("nonfinite")}
+    bad = nf[5]
+    assert bad["action"] == "skip_step" and bad["detail"]["weights"]["verdict"] == "healthy", bad
+    named = [d["sample_ids"] for d in bad["detail"]["per_rank"].values() if d.get("narrowed")]
+    assert named and all(ids == [33] for ids in named), bad["detail"]["per_rank"]
+    hit = nf[9]
+    assert hit["detail"]["weights"]["verdict"] == "damaged", hit
+    (rb,) = run.events("rollback")
+    assert rb["step"] == 9 and "damaged" in rb["detail"]["reason"] and rb["detail"]["to_step"] == 6, rb
+    assert [run.iterations[i]["skipped"] for i in (5, 9)] == [1, 1] and run.iterations[6]["skipped"] == 0
+    same_schedule(run, plain, range(1, ITERS + 1))
+    assert math.isfinite(float(run.iterations[ITERS]["loss"]))
+
+
 def test_sigkill_and_restart_resume_once_from_the_newest_snapshot(tmp_path, release, plain):
     """Rank 1 killed in iteration 8; torchrun restarts the job. Megatron-LM's own --load brings its
     checkpoint of iteration 4, trainguard's snapshot of iteration 6 is newer: that one is loaded (once),

@@ -81,8 +81,8 @@ _ACTIVE = {"sanitize.max_seq_len": 512, "sanitize.vocab_size": 100, "sanitize.pa
            "sanitize.reject_all_zero": False, "sanitize.action": "fail", "data.shuffle": False, "data.seed": 3,
            "data.drop_last": False, "distributed.collective_timeout_s": 60.0,
            "distributed.fresh_store_per_attempt": True, "recovery.skip_batches": 10, "checkpoint.async": True,
-           "clipping.mode": "value", "clipping.value": 0.5, "checks.min_warmup_steps": 10, "faults[].type": "nan_batch",
-           "recovery.replay_check": True, "recovery.narrow_samples": True, "checkpoint.snapshot.every_steps": 5,
+           "clipping.mode": "value", "clipping.value": 0.5, "checks.min_warmup_steps": 10, "faults[].type": "bad_label",
+           "checkpoint.snapshot.every_steps": 5,
            "checkpoint.snapshot.dir": "/tmp/shm", "checkpoint.snapshot.keep": 3, "checkpoint.snapshot.peer_copy": True,
            "checkpoint.snapshot.ranks_per_node": 1, "checkpoint.snapshot.max_overhead": 0.01}
 
