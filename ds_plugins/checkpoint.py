@@ -68,11 +68,9 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self.floor = 0                         # checkpoints older than this step do not fit (precision change)
         self.failed_in_a_row = 0               # background saves that failed, in a row
         self._revision = code_revision() if _rank() == 0 else None
-        self.snapshots = None                  # ds_plugins.snapshots.DeepSpeedSnapshots: the in-memory tier
-        if self.cfg.snapshot.every_steps:
-            from ds_plugins.snapshots import DeepSpeedSnapshots
+        from ds_plugins.snapshots import DeepSpeedShard
 
-            self.snapshots = DeepSpeedSnapshots(self)
+        self.use_memory_tier(DeepSpeedShard(self))  # (the in-memory tier, with checkpoint.snapshot.every_steps)
 
     @property
     def engine(self):
@@ -93,46 +91,9 @@ class DeepSpeedCheckpointer(CheckpointManager):
             self.snapshots.store.drop_before(self.floor)
         super().after_precision_change()
 
-    # ------------------------------------------------------------------ the in-memory tier
-    def snapshot(self) -> str | None:
-        tag = self.snapshots.take()
-        if tag is not None:  # (None: the tier is off on this rank, snapshots_off)
-            self.health.saved(memory_tag(tag), self.engine.global_steps)  # (stable marks: "stable" rollbacks)
-        return tag
-
-    def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
-        """The newest valid tier: a snapshot in memory when one is newer than the disk's choice (in
-        "stable" mode, one this process saw become stable: ``stable_after`` clean steps after it)."""
-        tag, why = super().rollback_target(root, onset, mode, inclusive)
-        if self.snapshots is None:
-            return tag, why
-        only = {disk_tag(t)[0] for t in self.stable_snapshots} if mode == "stable" else None
-        found = self.snapshots.choose(lo=max(self._disk_step(root, tag) + 1, self.floor),
-                                      hi=onset + (1 if inclusive else 0), only=only)
-        if found is None:
-            return tag, why
-        return memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset"
-
-    def abandon_after(self, root: Path, step: int) -> list[str]:
-        moved = super().abandon_after(root, step)
-        if self.snapshots is not None:
-            self.snapshots.wait()
-            self.snapshots.store.drop_after(step)
-        return moved
-
-    @staticmethod
-    def _disk_step(root: Path, tag: str | None) -> int:
-        return Manifest.read(root / tag).step if tag is not None else -1
-
     def poll_pending(self, wait: bool = False) -> None:
-        if self.snapshots is not None:
-            self.snapshots.poll(wait)
+        super().poll_pending(wait)
         self._poll_save(wait)
-
-    def close(self) -> None:
-        super().close()
-        if self.snapshots is not None:
-            self.snapshots.close()
 
     def pending_tag(self) -> str | None:
         return self._pending[1]["tag"] if self._pending is not None else None
@@ -310,7 +271,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
         named = tag
         tag, skipped = self.choose_for_load(root, tag, mode)
         if named is None and self.snapshots is not None and mode != "stable":  # the newest valid tier
-            floor = max(self._disk_step(root, tag) + 1, self._newer_than + 1, self.floor)
+            floor = max(self.disk_step(root, tag) + 1, self._newer_than + 1, self.floor)
             found = self.snapshots.choose(lo=floor)
             if found is not None:
                 return self._load_snapshot(found[0], purpose, kwargs, skipped)

@@ -1,110 +1,52 @@
-"""The in-memory snapshot tier on DeepSpeed (trainguard/checkpoint/snapshots.py holds the framework-free part).
+"""The in-memory snapshot tier's DeepSpeed part (trainguard/checkpoint/memory_tier.py is the tier itself).
 
 A snapshot is what ``save_checkpoint`` would write for *this rank alone*, taken without a collective:
 DeepSpeed's own state dicts (module and engine state, the rank's ZeRO optimizer partition, scheduler,
 loss scaler, steps) are built by its ``_save_checkpoint`` / ``_save_zero_checkpoint`` -- with every rank
 keeping the module states, so that each shard loads on its own -- and copied to host memory (the
-blocking part). A background thread writes them with trainguard's sidecar (RNG, data position) and the
-guard's state into node memory, commits the shard, and exchanges copies with the peer ranks on the
-next node. A shard loads through DeepSpeed's own ``load_checkpoint`` from the rank's own folder.
+blocking part), with trainguard's sidecar (RNG, data position) and the guard's state. A shard loads
+through DeepSpeed's own ``load_checkpoint`` from the rank's own folder (ds_plugins.checkpoint).
 
 ZeRO stages 0-2 (under ZeRO-3 the module states are gathered: a collective), without MoE or pipeline engines.
 """
 from __future__ import annotations
 
-import dataclasses
-import shutil
-import threading
-import time
-import uuid
-from datetime import timedelta
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint.async_writer import snapshot as host_copy
-from trainguard.checkpoint.fsio import atomic_write_json, save_buffered, sha256_file
-from trainguard.checkpoint.layout import SIDECAR, CheckpointLayout, step_tag
+from trainguard.checkpoint.layout import SIDECAR
 from trainguard.checkpoint.manager import rank as _rank
-from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
-from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, run_id
-from trainguard.errors import ConfigError
-from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0, gather_objects
+
+__all__ = ["DeepSpeedShard"]
 
 
-MAX_FAILURES = 3       # snapshots in a row that fail to write before the tier stops writing on that rank
-PEER_TIMEOUT_S = 300.0  # the peer copies' group: a send or receive that takes longer fails (a dead peer)
-
-
-class DeepSpeedSnapshots:
-    """Built on every rank together (initialize): the run's folder, the node map, the peers' group."""
+class DeepSpeedShard:
+    """trainguard.checkpoint.memory_tier.ShardSource over a DeepSpeed engine."""
 
     def __init__(self, cp):
-        self.cp = cp                          # ds_plugins.checkpoint.DeepSpeedCheckpointer
-        self.cfg = cp.cfg.snapshot
-        eng = cp.engine
-        why = None
-        if eng.zero_optimization_stage() > 2:
-            why = "ZeRO-3 gathers the module states to save them (a collective on the step)"
-        elif getattr(eng, "has_moe_layers", False):
-            why = "MoE engines save expert states per expert group"
-        elif hasattr(eng, "is_pipe_parallel") and eng.is_pipe_parallel:
-            why = "pipeline engines save their layers through the pipeline module"
-        if why:
-            raise ConfigError([("trainguard.checkpoint.snapshot.every_steps", f"the in-memory tier is not supported "
-                               f"here: {why}; set it to 0 (disk checkpoints still work)")])
-        rid = broadcast_from_rank0(run_id(cp.cfg.dir) if _rank() == 0 else None)
-        place = Placement.build(_rank(), gather_objects(Placement.host()), self.cfg.ranks_per_node)
-        base = expand(self.cfg.dir)
-        self.store = SnapshotStore(base / rid, place, self.cfg.keep, key=cp.key)
-        problem = None
-        try:  # only folders this user owns and no one else can write: shards are pickles (private.py)
-            private_dir(base, rid, self.store.node_dir().name, self.store.own.name)
-            self.store.clear_staging()  # what a killed writer left half-written
-        except UnsafeFolder as e:
-            problem = f"rank {_rank()}: {e}"
-        except OSError as e:
-            problem = f"rank {_rank()} cannot write to {self.store.own}: {e}"
-        if problem is None:
-            problem = self.store.room(_estimated_shard_bytes(eng), peer_copy=self.cfg.peer_copy)
-        problems = [p for p in gather_objects(problem) if p]  # (every rank stops, not only the one that failed)
-        if problems:
-            raise ConfigError([("trainguard.checkpoint.snapshot.dir", f"{'; '.join(problems)}; expected a node-local "
-                               "directory (a tmpfs such as /dev/shm) every rank can write and no other user can")])
-        spans_nodes = len(set(place.node_of)) > 1
-        self.peer = place.peer(place.rank) if self.cfg.peer_copy else None
-        self.sources = place.sources() if self.cfg.peer_copy else []
-        # the copies travel on a group of their own: the writer thread never meets the loop's collectives
-        # and with a timeout of their own: a dead peer fails the copy (checkpoint_failed) instead of parking the
-        # writer -- and, at the next snapshot, the step -- for the default 30 minutes
-        timeout = timedelta(seconds=min(PEER_TIMEOUT_S, cp.block.distributed.collective_timeout_s or PEER_TIMEOUT_S))
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.cfg.peer_copy and spans_nodes else None
-        self._job: _Job | None = None
-        self._fetch: dict[str, list] = {}
-        self.failures = 0                     # snapshots in a row whose write failed on this rank
-        self.off: str | None = None           # why this rank's tier stopped writing (it keeps the schedule)
+        self.cp = cp  # ds_plugins.checkpoint.DeepSpeedCheckpointer
 
-    # ------------------------------------------------------------------ taking one (every rank, no collective)
-    def take(self) -> str:
-        t0 = time.perf_counter()
-        self.wait()  # (a writer still busy holds the step up: part of this one's blocking time)
-        if self.off is not None:
-            return self._take_nothing(t0)
-        cp, eng = self.cp, self.cp.engine
-        step = eng.global_steps
-        interval = self._pace(step)
-        tag = step_tag(step)
-        nonce = f"{tag}.{uuid.uuid4().hex[:8]}"
-        staging_root = CheckpointLayout(self.store.own).staging_root(nonce)
+    def unsupported(self) -> str | None:
+        eng = self.cp.engine
+        if eng.zero_optimization_stage() > 2:
+            return "ZeRO-3 gathers the module states to save them (a collective on the step)"
+        if getattr(eng, "has_moe_layers", False):
+            return "MoE engines save expert states per expert group"
+        if hasattr(eng, "is_pipe_parallel") and eng.is_pipe_parallel:
+            return "pipeline engines save their layers through the pipeline module"
+        return None
+
+    def estimated_bytes(self) -> int:
+        return _estimated_shard_bytes(self.cp.engine)
+
+    def step(self) -> int:
+        return self.cp.engine.global_steps
+
+    def capture(self, staging_root: Path, tag: str, step: int):
         from ds_plugins.checkpoint import _Capture
 
-        try:
-            staging_root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            return self._no_write(tag, step, t0, interval, failed=e)
+        cp, eng = self.cp, self.cp.engine
         capture = _Capture(eng.checkpoint_engine, host_copy)
         engine_before, eng.checkpoint_engine = eng.checkpoint_engine, capture
         writer_before, eng.save_non_zero_checkpoint = eng.save_non_zero_checkpoint, True  # each shard loads alone
@@ -113,186 +55,13 @@ class DeepSpeedSnapshots:
             eng._save_checkpoint(str(staging_root), tag, client_state=cs)  # (writes zero_to_fp32.py: node memory)
             if eng.save_zero_checkpoint:
                 eng._save_zero_checkpoint(str(staging_root), tag)
-        except OSError as e:  # node memory full already here: a failed snapshot, never a failed step
-            shutil.rmtree(staging_root, ignore_errors=True)
-            return self._no_write(tag, step, t0, interval, failed=e)
         finally:
             eng.checkpoint_engine, eng.save_non_zero_checkpoint = engine_before, writer_before
         staged = staging_root / tag
         writes = [(state, Path(path)) for state, path in capture.writes]
         writes.append((host_copy(cp._sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
         json_writes = [(cp.guard.state_dict(), staged / SIDECAR / "guard.json")] if cp.guard is not None else []
-        manifest = cp._manifest(tag, step, {})
-        blocking = time.perf_counter() - t0
-        cp.state.goodput.overhead(blocking)
-        self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval)
-        return tag
-
-    def _take_nothing(self, t0: float) -> None:
-        """The tier is off on this rank: the schedule is kept (the pace's all-gather, an empty message to the
-        peer, which waits for one), nothing is copied or written."""
-        step = self.cp.engine.global_steps
-        return self._no_write(step_tag(step), step, t0, self._pace(step))
-
-    def _no_write(self, tag: str, step: int, t0: float, interval: int, failed: BaseException | None = None) -> None:
-        """A snapshot step with nothing to write (the tier off here, or its blocking part failed: ``failed``): only
-        the writer's peer exchange runs, and poll() reports the failure."""
-        self._job = _Job(self, tag, step, None, None, None, [], [], None, time.perf_counter() - t0, interval,
-                         off=True, failed=failed)
-        return None
-
-    def _pace(self, step: int) -> int:
-        """With a cost budget (``snapshot.max_overhead``): what the previous snapshot cost training and the
-        mean step, agreed by every rank (the largest cost, the shortest step), set the interval to
-        the next one (trainguard.checkpoint.pacing). Returns the interval."""
-        pacer = self.cp.pacer
-        everyone = gather_objects(pacer.figures()) if pacer.paced else [None]
-        if any(x is None for x in everyone):
-            return pacer.taken(step)
-        return pacer.taken(step, max(c for c, _ in everyone), min(s for _, s in everyone))
-
-    def _exchange(self, payload: bytes) -> None:
-        """The writer thread, on every rank of a job that spans nodes: send this shard to the peer (an
-        empty message when there is none to send: the peer waits for one), keep the sources' copies."""
-        reqs = []
-        if self.peer is not None:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-            reqs.append(dist.isend(torch.tensor([data.numel()], dtype=torch.int64), self.peer, group=self.group))
-            if data.numel():
-                reqs.append(dist.isend(data, self.peer, group=self.group))
-        for q in self.sources:
-            payload_q = _recv(q, self.group)
-            if payload_q:
-                self.store.unpack(payload_q, self.store.held(q))
-        for req in reqs:
-            req.wait()
-
-    # ------------------------------------------------------------------ the writer's outcome
-    def poll(self, wait: bool = False) -> None:
-        job = self._job
-        if job is None or (not wait and job.thread.is_alive()):
-            return
-        self._job = None
-        job.thread.join()
-        self.cp.pacer.writer_done()
-        if job.failed is not None:  # (the blocking part failed already: take())
-            self._failed(job.step, job.tag, job.failed)
-            return
-        if job.off:
-            return
-        if job.error is not None:
-            self._failed(job.step, job.tag, job.error)
-            return
-        self.failures = 0
-        self.cp.emit(job.step, Record.SNAPSHOT_SAVED, {
-            "tag": job.tag, "step": job.step, "dir": str(self.store.own), "bytes": job.bytes,
-            "node_memory_bytes": job.node_bytes, "blocking_s": round(job.blocking, 4),
-            "write_s": round(job.seconds, 3), "write_cpu_s": round(job.cpu, 4), "interval": job.interval,
-            "peer": self.peer})
-
-    def _failed(self, step: int, tag: str, error: BaseException) -> None:
-        """A snapshot that could not be written (node memory full, ...): recorded, and after MAX_FAILURES in a
-        row the tier stops writing on this rank -- never the job taken down, never the memory the data
-        loaders and NCCL need filled again and again."""
-        self.failures += 1
-        self.cp.emit(step, Record.CHECKPOINT_FAILED, {"tag": tag, "dir": str(self.store.own), "tier": "memory",
-                                                      "failures_in_a_row": self.failures,
-                                                      "error": f"{type(error).__name__}: {error}"})
-        if self.failures >= MAX_FAILURES and self.off is None:
-            self.off = f"{self.failures} snapshots in a row failed to write (the last: {type(error).__name__}: {error})"
-            self.cp.emit(step, Record.SNAPSHOTS_OFF, {
-                "dir": str(self.store.own), "why": self.off,
-                "advice": "the in-memory tier stopped writing on this rank (disk checkpoints go on); free node "
-                          "memory (df /dev/shm) and restart to turn it on again"})
-
-    def wait(self) -> None:
-        self.poll(wait=True)
-
-    # ------------------------------------------------------------------ choosing and loading (every rank together)
-    def choose(self, lo: int = 0, hi: float = float("inf"), only: set[str] | None = None) -> tuple[str, int] | None:
-        """The newest snapshot with ``lo <= step < hi`` (and among ``only``) that every rank can load."""
-        self.wait()
-        table = gather_objects(self.store.survey(world=dist.get_world_size() if dist.is_initialized() else 1))
-        found = common_choice(table, self.store.place, lo, hi, only)
-        if found is None:
-            return None
-        tag, step, fetch = found
-        self._fetch[tag] = fetch
-        return tag, step
-
-    def fetch(self, tag: str) -> list[int]:
-        """Before loading ``tag``: the ranks whose node lost their shard get the copy their peer keeps.
-        Returns those ranks."""
-        moved = self._fetch.pop(tag, [])
-        for r, holder in moved:
-            if _rank() == holder:
-                data = torch.frombuffer(bytearray(self.store.pack(tag, self.store.held(r))), dtype=torch.uint8)
-                dist.send(torch.tensor([data.numel()], dtype=torch.int64), r, group=self.group)
-                dist.send(data, r, group=self.group)
-            elif _rank() == r:
-                self.store.unpack(_recv(holder, self.group), self.store.own)
-        return [r for r, _ in moved]
-
-    def close(self) -> None:
-        """The end of the run: the writer finishes, then this rank's node memory is freed."""
-        self.wait()
-        self.store.clear()
-
-
-class _Job:
-    """One snapshot's background work on one rank: write, hash, commit, exchange."""
-
-    def __init__(self, owner: DeepSpeedSnapshots, tag, step, staged, staging_root, nonce, writes, json_writes,
-                 manifest, blocking, interval, off: bool = False, failed: BaseException | None = None):
-        self.owner, self.tag, self.step, self.blocking, self.interval = owner, tag, step, blocking, interval
-        self.off = off  # nothing to write (the tier is off on this rank, or `failed`): only the peer exchange
-        self.failed = failed  # the blocking part's error
-        self.staged, self.staging_root, self.nonce = staged, staging_root, nonce
-        self.writes, self.json_writes, self.manifest = writes, json_writes, manifest
-        self.error: BaseException | None = None
-        self.bytes = self.node_bytes = 0
-        self.seconds = self.cpu = 0.0  # wall and this thread's CPU time
-        self.thread = threading.Thread(target=self._run, name=f"trainguard-snapshot-{_rank()}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        store = self.owner.store
-        payload = b""
-        try:
-            if self.off:
-                raise _Off
-            table = {}
-            for state, path in self.writes:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                table[str(path.relative_to(self.staged))] = save_buffered(state, path)
-            for data, path in self.json_writes:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(path, data)
-                digest, size = sha256_file(path)
-                table[str(path.relative_to(self.staged))] = {"sha256": digest, "size": size}
-            self.bytes = sum(v["size"] for v in table.values())
-            store.commit(store.own, self.staging_root, self.nonce, dataclasses.replace(self.manifest, files=table))
-            if self.owner.peer is not None:
-                payload = store.pack(self.tag)
-        except _Off:
-            pass
-        except BaseException as e:  # noqa: BLE001 - reported by poll(); the snapshot stays invisible
-            self.error = e
-            shutil.rmtree(self.staging_root, ignore_errors=True)  # (a full tmpfs: nothing half-written stays)
-        finally:
-            self.writes = self.json_writes = []  # free the host copies
-        try:
-            if self.owner.group is not None:
-                self.owner._exchange(payload)
-            self.node_bytes = store.bytes_used()
-        except BaseException as e:  # noqa: BLE001
-            self.error = self.error or e
-        self.seconds, self.cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-
-
-class _Off(Exception):
-    """(the writer has nothing to write: the tier is off on this rank)"""
+        return writes, json_writes, cp._manifest(tag, step, {})
 
 
 def _estimated_shard_bytes(eng) -> int:
@@ -305,13 +74,3 @@ def _estimated_shard_bytes(eng) -> int:
     share = n / max(1, eng.dp_world_size) if eng.zero_optimization_stage() >= 1 else n
     per_element = 4 * (3 if eng.bfloat16_enabled() or eng.fp16_enabled() else 2)
     return int(module + share * per_element)
-
-
-def _recv(src: int, group) -> bytes:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    if not int(size.item()):
-        return b""
-    buf = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(buf, src, group=group)
-    return buf.numpy().tobytes()

@@ -27,12 +27,12 @@ from trainguard.checkpoint import auth
 from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
 from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout
-from trainguard.checkpoint.manifest import manifest_digest, verify
+from trainguard.checkpoint.manifest import Manifest, manifest_digest, verify
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
-from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, run_id, snapshot_step
+from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, disk_tag, memory_tag, run_id, snapshot_step
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0
 
@@ -80,6 +80,7 @@ class CheckpointManager:
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
+        self.snapshots = None                  # trainguard.checkpoint.memory_tier.MemoryTier (use_memory_tier)
         self.last_skipped: list[dict] = []     # what the last choice passed over, and why
         self.chosen_digest: str | None = None  # sha256 of the manifest rank 0 verified for the last choice
         # the directory as this process found it (rank 0), before anything here writes to it (the in-memory
@@ -313,21 +314,58 @@ class CheckpointManager:
         return roots[-1] if roots else None
 
     def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
-        """Rank 0 chooses (trainguard.checkpoint.rollback.choose_rollback), every rank learns."""
+        """Rank 0 chooses on disk (trainguard.checkpoint.rollback.choose_rollback), every rank learns; then the
+        newest valid tier: a snapshot in memory when one is newer than the disk's choice (in "stable" mode, one
+        this process saw become stable: ``stable_after`` clean steps after it)."""
         choice = choose_rollback(root, onset, mode, self.not_before(root), inclusive, key=self.key) \
             if rank() == 0 else None
         tag, why, bad = broadcast_from_rank0(choice)
         for b in bad:
             self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)
-        return tag, why
+        if self.snapshots is None:
+            return tag, why
+        only = {disk_tag(t)[0] for t in self.stable_snapshots} if mode == "stable" else None
+        found = self.snapshots.choose(lo=max(self.disk_step(root, tag) + 1, self.not_before(root)),
+                                      hi=onset + (1 if inclusive else 0), only=only)
+        if found is None:
+            return tag, why
+        return memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset"
 
     def abandon_after(self, root: Path, step: int) -> list[str]:
-        """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside."""
+        """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside (and its
+        snapshots in memory dropped)."""
         moved = abandon_after(root, step) if rank() == 0 else None
         self.health.watching = [w for w in self.health.watching if w.step <= step]
         self.stable_snapshots = {t for t in self.stable_snapshots if snapshot_step(t) <= step}
         self.pacer.rewind(step)
+        if self.snapshots is not None:
+            self.snapshots.wait()
+            self.snapshots.store.drop_after(step)
         return broadcast_from_rank0(moved)
+
+    @staticmethod
+    def disk_step(root: Path, tag: str | None) -> int:
+        return Manifest.read(root / tag).step if tag is not None else -1
+
+    # ------------------------------------------------------------------ the in-memory tier (every adapter)
+    def use_memory_tier(self, source) -> None:
+        """With ``checkpoint.snapshot.every_steps``: the tier over the adapter's ShardSource (every rank together)."""
+        if self.cfg.snapshot.every_steps:
+            from trainguard.checkpoint.memory_tier import MemoryTier
+
+            self.snapshots = MemoryTier(self, source)
+
+    def snapshot(self) -> str | None:
+        """This rank's shard to node memory, no collective; None when the tier is off on this rank."""
+        tag = self.snapshots.take()
+        if tag is not None:
+            self.health.saved(memory_tag(tag), self.step_count())  # (stable marks: "stable" rollbacks)
+        return tag
+
+    def overhead(self, seconds: float) -> None:
+        """Time a snapshot held the step up (goodput's overhead)."""
+        if self.guard is not None:
+            self.guard.goodput.overhead(seconds)
 
     # ------------------------------------------------------------------ the adapter's part
     def step_count(self) -> int:
@@ -349,19 +387,19 @@ class CheckpointManager:
         if self.cfg.dir:
             self.save(self.cfg.dir)
 
-    def snapshot(self) -> str:
-        """The in-memory tier (``checkpoint.snapshot``): this rank's shard to node memory, no collective."""
-        raise NotImplementedError
-
     def pending_tag(self) -> str | None:
         """The tag of a save still being written in the background, if any."""
         return None
 
     def poll_pending(self, wait: bool = False) -> None:
-        """Report a finished background save."""
+        """Report a finished background save (and snapshot)."""
+        if self.snapshots is not None:
+            self.snapshots.poll(wait)
 
     def wait_pending(self) -> None:
         self.poll_pending(wait=True)
 
     def close(self) -> None:
         self.wait_pending()
+        if self.snapshots is not None:
+            self.snapshots.close()
