@@ -487,8 +487,12 @@ class MegatronGuard:
             self.faults.precision = "bf16"
         return {"from": "fp16", "to": "bf16", "at_step": self.iteration, **detail}
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """The end of the run. ``clean=False`` (the loop raised: a peer died, ...): the snapshots in node memory
+        stay for the restart, and no writer is waited for (its peer may be gone)."""
         watchdog = self.watchdog.stop() if self.watchdog is not None else None
+        if self.checkpointer is not None and clean:  # (the tier's writer finishes, then node memory is freed)
+            self.checkpointer.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

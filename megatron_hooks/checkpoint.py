@@ -32,8 +32,9 @@ from trainguard.checkpoint.commit import commit_staged
 from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.layout import STAGING, CheckpointError, CheckpointLayout, step_tag
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files
 from trainguard.checkpoint.rollback import fitting_after
+from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0
 
@@ -45,6 +46,10 @@ class MegatronCheckpointer(CheckpointManager):
     def __init__(self, mg):
         super().__init__(mg.cfg, mg.guard, mg.heart)
         self.mg = mg  # megatron_hooks.MegatronGuard
+        from megatron_hooks.snapshots import MegatronShard
+
+        self.shard = MegatronShard(self)
+        self.use_memory_tier(self.shard)  # (the in-memory tier, with checkpoint.snapshot.every_steps)
 
     def step_count(self) -> int:
         return self.mg.iteration
@@ -166,7 +171,14 @@ class MegatronCheckpointer(CheckpointManager):
         mg = self.mg
         mg.heart_beat("checkpoint")
         root = Path(root)
+        if tag is not None and disk_tag(tag)[1]:  # a rollback target in memory
+            return self._load_snapshot(disk_tag(tag)[0], purpose, [])
         chosen, skipped = self.choose_for_load(root, tag, mode)
+        if tag is None and self.snapshots is not None and mode != "stable":  # the newest valid tier
+            found = self.snapshots.choose(lo=max(self.disk_step(root, chosen) + 1, self._newer_than + 1,
+                                                 self.not_before(root)))
+            if found is not None:
+                return self._load_snapshot(found[0], purpose, skipped)
         if chosen is None:
             return None
         tag_dir = CheckpointLayout(root).tag_dir(chosen)
@@ -222,6 +234,30 @@ class MegatronCheckpointer(CheckpointManager):
             return side.get("data_state")
         rank0 = torch.load(tag_dir / SIDECAR / "rank0.pt", weights_only=True)
         return rank0.get("data_state")
+
+
+    def _load_snapshot(self, tag: str, purpose: str, skipped: list) -> dict | None:
+        """This rank's shard of snapshot ``tag`` from node memory (after fetching it from the peer's copy where
+        this node lost it), its bytes checked against its manifest; returns its data state (a resume)."""
+        from megatron.core import tensor_parallel
+
+        mg = self.mg
+        fetched = self.snapshots.fetch(tag)
+        tag_dir = self.snapshots.store.own / tag
+        reader = VerifiedReader(tag_dir, key=self.key)
+        side = self.shard.load(reader, tag_dir)
+        rng.restore(side["rng"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
+        mg.iteration = int(side["iteration"])
+        if purpose == "rollback":
+            return None
+        mg.guard.load_state_dict(json.loads(reader.read(tag_dir / SIDECAR / "guard.json")))
+        self.resumed_tag = memory_tag(tag)
+        self.emit(mg.iteration, Record.RESUME, ranks=list(range(dist.get_world_size())), detail={
+            "tag": memory_tag(tag), "dir": str(self.snapshots.store.own), "step": mg.iteration, "tier": "memory",
+            "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "rng_restored": True,
+            "verified_on_load": len(reader.read_files)})
+        return side.get("data_state")
 
 
 def _distributed(optimizer) -> bool:

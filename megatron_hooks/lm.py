@@ -83,9 +83,12 @@ def install_entry() -> None:
             if run is None:
                 return train(forward_step_func, *args, **kwargs)
             try:
-                return train(run.wrap_forward_step(forward_step_func), *args, **kwargs)
-            finally:
-                run.close()
+                result = train(run.wrap_forward_step(forward_step_func), *args, **kwargs)
+            except BaseException:
+                run.close(clean=False)  # (node memory's snapshots stay for the restart)
+                raise
+            run.close()
+            return result
         return guarded_train
 
     wrap_once(training, "train", make_train)
@@ -312,7 +315,7 @@ class LMRun:
                                 DataPosition(epoch=0, batch_in_epoch=current, consumed_samples=int(m.consumed_train_samples)))
         self._micro += 1
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
         if not self.closed:
             self.closed = True
-            self.guard.close()
+            self.guard.close(clean)

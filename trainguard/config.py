@@ -202,14 +202,15 @@ class SanitizeConfig(_Section):
 class SnapshotConfig(_Section):
     """The in-memory tier: every few steps each rank's own shard of the full state goes to node-local shared
     memory (and a copy to a rank on another node), so that a lost process, or a lost node, comes back from memory
-    rather than from the last disk checkpoint (trainguard/checkpoint/snapshots.py)."""
+    rather than from the last disk checkpoint (trainguard/checkpoint/memory_tier.py, for every adapter)."""
 
     every_steps: int = Field(
         0, ge=0, description="Take a snapshot every N optimizer steps (0: no in-memory tier). Each rank copies its "
         "shard (module, optimizer partition, scheduler, loss scaler, RNG, data position, guard state) to host "
         "memory on the step (the blocking part, reported as blocking_s) and a background thread writes it to `dir` "
         "under the same manifest checks as a disk checkpoint. Resume and rollback take the newest valid tier. Needs "
-        "checkpoint.dir (the snapshots belong to the run whose checkpoints live there); DeepSpeed ZeRO 0-2.")
+        "checkpoint.dir (the snapshots belong to the run whose checkpoints live there); DeepSpeed ZeRO 0-2, megatron-core "
+        "and Megatron-LM (each rank's model slices, optimizer state and main parameters; loads at the same layout).")
     dir: PathStr = Field(
         "/dev/shm/trainguard-{uid}", description="Node-local memory the snapshots are written to: a tmpfs outlives the "
         "process (a restarted rank finds its shard there) but not the node. Each run has a folder of its own in it "

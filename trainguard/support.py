@@ -54,9 +54,6 @@ REFUSED: dict[str, dict[str, Refusal]] = {
     "recovery.skip_batches": {"megatron_hooks": Refusal(
         "your data iterator cannot be moved by a rollback (it continues past the batches already seen); set 0",
         inert=(0,)), "ds_plugins/framework": _SKIP, "ds_plugins/own": _SKIP},
-    "checkpoint.snapshot.": {"megatron_hooks": Refusal(
-        "the in-memory tier is built on DeepSpeed's state dicts; megatron's snapshots are disk checkpoints "
-        "(dist_checkpointing) for now; set every_steps 0", inert=(0,))},
     "checkpoint.snapshot.every_steps": {"ds_plugins/framework": Refusal(
         "Hugging Face's Trainer and Accelerate resume from their own checkpoint-N folders (their trainer state, "
         "scheduler and data position), which a shard in memory cannot stand in for", inert=(0,))},

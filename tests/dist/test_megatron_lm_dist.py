@@ -274,6 +274,72 @@ def test_sigkill_and_restart_resume_once_from_the_newest_snapshot(tmp_path, rele
         assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
 
 
+def newest_only(release):
+    if release.name != "core_v0.19.0":
+        pytest.skip("the in-memory tier is trainguard's, the same on every release: run on the newest only")
+
+
+def tier_block(tmp_path, **snapshot):
+    """Rank 1 killed in iteration 9; disk snapshots every 3 iterations, the in-memory tier every one (S=1)."""
+    return {"allow_faults": True, "faults": [{"type": "kill_rank", "step": 9, "rank": 1}],
+            "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3,
+                           "snapshot": {"every_steps": 1, "dir": str(tmp_path / "shm"), **snapshot}}}
+
+
+def resumed_from_memory(run, peer_copy):
+    """The restarted job loaded a snapshot from node memory newer than the disk's (6): that of 7 or 8 (7's writer
+    and copies are done before 8's snapshot starts; 8's may still have been in flight at the kill), and Megatron-LM's
+    log lines after it are the uninterrupted run's. (Megatron-LM's line of the second iteration after a start
+    averages its loss with the first's, whichever state was loaded: that one is compared by its schedule.)"""
+    (resume,) = [e for e in run.events("resume") if e["detail"].get("tier")]
+    d = resume["detail"]
+    assert d["tier"] == "memory" and d["tag"] in ("memory:step00000007", "memory:step00000008"), d
+    assert d["from_peer_copy"] == peer_copy and d["verified_on_load"] == 3, d  # shard, sidecar, guard state
+    return d["step"]
+
+
+def test_a_killed_rank_comes_back_from_node_memory_losing_at_most_one_iteration(tmp_path, release, plain):
+    """The in-memory tier on Megatron-LM (issue 23 item 3): every iteration each rank's own shard (model
+    slices, optimizer and main parameters, grad scaler, RNG, Megatron-LM's loop state) goes to node memory
+    with no collective; rank 1 is SIGKILLed in iteration 9 and torchrun restarts the job, which resumes from
+    node memory -- newer than the disk's snapshot (6) and Megatron-LM's --load (5) -- and goes on exactly as
+    the uninterrupted run. (The newest release only: the tier is trainguard's, the same on both.)"""
+    newest_only(release)
+    mck = tmp_path / "megatron-ckpt"
+    run = launch(release, tmp_path, "tier", "tp", tier_block(tmp_path),
+                 ["--save", str(mck), "--load", str(mck), "--save-interval", "5"],
+                 torchrun=["--max-restarts=1", "--monitor-interval=0.5"]).ok()
+    assert "successfully loaded checkpoint from" in run.log and "at iteration 5" in run.log  # Megatron-LM's, first
+    saved = run.events("snapshot_saved")
+    assert saved and all(e["detail"]["bytes"] > 0 for e in saved)
+    step = resumed_from_memory(run, [])
+    same_schedule(run, plain, range(step + 1, ITERS + 1))
+    for i in range(step + 3, ITERS + 1):
+        assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
+    assert not list((tmp_path / "shm").rglob("manifest.json"))  # the end of the run freed node memory
+
+
+def test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy(tmp_path, release, plain):
+    """Two simulated nodes of one rank each: rank 1 is killed in iteration 9 and its node's memory is gone
+    (the job is resubmitted on a new node); rank 1's shard comes back from the copy rank 0 keeps on the other
+    node, and the run goes on exactly as the uninterrupted one."""
+    import shutil
+
+    newest_only(release)
+    first = launch(release, tmp_path, "first", "tp", tier_block(tmp_path, ranks_per_node=1))
+    assert first.rc != 0
+    (run_dir,) = (tmp_path / "shm").iterdir()
+    held = sorted(p.name for p in (run_dir / "node0" / "held-rank1").iterdir() if not p.name.startswith("."))
+    assert "step00000007" in held, held  # rank 0's node keeps rank 1's copies
+    shutil.rmtree(run_dir / "node1")
+    again = {**tier_block(tmp_path, ranks_per_node=1), "faults": []}
+    run = launch(release, tmp_path, "again", "tp", again).ok()
+    step = resumed_from_memory(run, [1])
+    same_schedule(run, plain, range(step + 1, ITERS + 1))
+    for i in range(step + 3, ITERS + 1):
+        assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
+
+
 def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path, release):
     """One process, no process group yet: Megatron-LM's argument parser rejects the block, naming the key."""
     out = tmp_path / "bad"

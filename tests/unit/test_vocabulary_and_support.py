@@ -82,9 +82,7 @@ _ACTIVE = {"sanitize.max_seq_len": 512, "sanitize.vocab_size": 100, "sanitize.pa
            "data.drop_last": False, "distributed.collective_timeout_s": 60.0,
            "distributed.fresh_store_per_attempt": True, "recovery.skip_batches": 10, "checkpoint.async": True,
            "clipping.mode": "value", "clipping.value": 0.5, "checks.min_warmup_steps": 10, "faults[].type": "bad_label",
-           "checkpoint.snapshot.every_steps": 5,
-           "checkpoint.snapshot.dir": "/tmp/shm", "checkpoint.snapshot.keep": 3, "checkpoint.snapshot.peer_copy": True,
-           "checkpoint.snapshot.ranks_per_node": 1, "checkpoint.snapshot.max_overhead": 0.01}
+           "checkpoint.snapshot.every_steps": 5}
 
 
 _UNSET = object()

@@ -1,0 +1,99 @@
+"""The in-memory snapshot tier's megatron part (trainguard/checkpoint/memory_tier.py is the tier itself).
+
+A snapshot is this rank's own state, taken without a collective -- dist_checkpointing's save is one (it
+plans the shards across ranks), so the tier does not use it: each model chunk's local ``state_dict()``
+(this rank's tensor- and pipeline-parallel slices), each inner torch optimizer's ``state_dict()`` and the
+values of the parameters it steps (megatron's fp32 main parameters; with the distributed optimizer this
+rank's shard of them), megatron's grad scaler, and trainguard's sidecar (every RNG, megatron's
+tensor-parallel RNG tracker, the iteration, the loop's data state). A shard loads on the rank that wrote
+it (or, after its node was lost, on the rank that takes its place), at the same TP/PP/DP layout.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from trainguard import __version__
+from trainguard.checkpoint.async_writer import snapshot as host_copy
+from trainguard.checkpoint.manager import rank as _rank
+from trainguard.checkpoint.manifest import Manifest
+
+__all__ = ["MegatronShard", "SHARD"]
+
+SHARD = "shard"          # the folder of a tag holding rank<r>.pt, this rank's state
+SIDECAR = "trainguard"   # (as megatron_hooks.checkpoint's)
+
+
+def _inner(optimizer) -> list:
+    from megatron_hooks import _optimizers
+
+    return [getattr(o, "optimizer", o) for o in _optimizers(optimizer)]
+
+
+class MegatronShard:
+    """trainguard.checkpoint.memory_tier.ShardSource over megatron-core model chunks and optimizer."""
+
+    def __init__(self, cp):
+        self.cp = cp  # megatron_hooks.checkpoint.MegatronCheckpointer
+
+    def unsupported(self) -> str | None:
+        return None
+
+    def estimated_bytes(self) -> int:
+        mg = self.cp.mg
+        model = sum(p.numel() * p.element_size() for c in mg.chunks for p in c.parameters())
+        stepped = sum(p.numel() for o in _inner(mg.optimizer) for g in o.param_groups for p in g["params"])
+        return int(model + stepped * 4 * 3)  # (fp32 main values and Adam's two moments)
+
+    def step(self) -> int:
+        return self.cp.mg.iteration
+
+    def state(self) -> dict:
+        """This rank's state (live tensors: the caller copies them)."""
+        from megatron_hooks import _optimizers, _unwrap
+
+        mg = self.cp.mg
+        optimizers = []
+        for outer, inner in zip(_optimizers(mg.optimizer), _inner(mg.optimizer)):
+            scaler = getattr(outer, "grad_scaler", None)
+            optimizers.append({"inner": inner.state_dict(),
+                               "values": [p.detach() for g in inner.param_groups for p in g["params"]],
+                               "grad_scaler": scaler.state_dict() if scaler is not None else None})
+        return {"model": [_unwrap(c).state_dict() for c in mg.chunks], "optimizers": optimizers}
+
+    def capture(self, staging_root: Path, tag: str, step: int):
+        cp, mg = self.cp, self.cp.mg
+        staged = staging_root / tag
+        data_state = mg.data_state() if mg.data_state is not None else None
+        writes = [(host_copy(self.state()), staged / SHARD / f"rank{_rank()}.pt"),
+                  (host_copy(cp._sidecar(data_state)), staged / SIDECAR / f"rank{_rank()}.pt")]
+        json_writes = [(mg.guard.state_dict(), staged / SIDECAR / "guard.json")]
+        last = getattr(mg.guard, "last_metrics", {}) or {}
+        manifest = Manifest(tag=tag, step=step, files={}, layout={**cp._layout(), "tier": "memory"},
+                            lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
+                            health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,
+                                    "recent_anomalies": list(mg.guard.recent_anomalies)[-10:]})
+        return writes, json_writes, manifest
+
+    def load(self, reader, tag_dir: Path) -> dict:
+        """Put this rank's shard of ``tag_dir`` back (bytes checked by ``reader`` against the manifest first);
+        returns its sidecar."""
+        from megatron_hooks import _optimizers, _unwrap
+
+        mg = self.cp.mg
+        state = torch.load(io.BytesIO(reader.read(tag_dir / SHARD / f"rank{_rank()}.pt")), weights_only=True)
+        side = torch.load(io.BytesIO(reader.read(tag_dir / SIDECAR / f"rank{_rank()}.pt")), weights_only=True)
+        for chunk, sd in zip(mg.chunks, state["model"]):
+            _unwrap(chunk).load_state_dict(sd)
+        for outer, inner, saved in zip(_optimizers(mg.optimizer), _inner(mg.optimizer), state["optimizers"]):
+            params = [p for g in inner.param_groups for p in g["params"]]
+            with torch.no_grad():
+                for p, v in zip(params, saved["values"]):
+                    p.copy_(v)
+            inner.load_state_dict(saved["inner"])
+            scaler = getattr(outer, "grad_scaler", None)
+            if scaler is not None and saved["grad_scaler"] is not None:
+                scaler.load_state_dict(saved["grad_scaler"])
+        return side
