@@ -76,7 +76,8 @@ class Replayer:
     """Forward-only replays through megatron's schedule. ``forward_step_func``: the loop's own (the one
     that reads a batch from ``data_iterator`` and returns ``(output, loss_func)``); ``seq_length`` and
     ``micro_batch_size`` as the loop passes them to the forward-backward function; ``args``: a namespace
-    whose ``micro_batch_size`` the forward step reads (Megatron-LM's), set to 1 while one row replays."""
+    whose ``micro_batch_size`` the forward step reads (Megatron-LM's), set to 1 while one row replays. A forward
+    step of yours must take the batch size from the batch it reads (a row replays as a batch of one)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], forward_step_func: Callable, seq_length: int,
                  micro_batch_size: int, args=None, poison_module: Callable[[Any], Any] | None = None):

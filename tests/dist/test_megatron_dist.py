@@ -200,6 +200,28 @@ def test_fp16_grad_scaler_clamp_is_detected_and_the_scale_reset(tmp_path):
     assert guarded["loss_scale"][-1] > 1.0 and all(r["weights_finite"] for r in runs["guarded"])
 
 
+def test_your_loop_with_a_replayer_names_the_bad_sample_and_rolls_back_damaged_weights_at_once(tmp_path):
+    """Data or weights in a megatron-core loop of your own (issue 23 item 2): install(replayer=Replayer(...)) over
+    the loop's forward step, guard.record(...) per micro-batch. TP=2: one NaN sample (row 1 of the first
+    micro-batch of step 4, on rank 1) is named alone by both tensor-parallel ranks, which replay in lockstep,
+    and skipped without a rollback; NaN in rank 0's weights at step 9 rolls back at once (to 6)."""
+    block = {"checks": {"enabled": False}, "allow_faults": True, "recovery": {"ladder_window": 3},
+             "faults": [{"type": "nan_batch", "step": 4, "rank": 1, "sample": 1},
+                        {"type": "nan_weights", "step": 9, "rank": 0, "param": "decoder.layers.1.mlp.linear_fc1.weight"}],
+             "checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 3, "stable_after": 1, "verify_steps": 2}}
+    results, lines = run(tmp_path, "run", "tp", 11, block, ["--replay"])
+    nf = {e["step"]: e for e in lines if e.get("event") == "nonfinite"}
+    bad = nf[4]
+    assert bad["action"] == "skip_step" and bad["detail"]["weights"]["verdict"] == "healthy", bad
+    # step 4's first micro-batch (of 2) holds samples 24-27 of the corpus (4 per micro-batch, 2 per step before)
+    named = {r: d["sample_ids"] for r, d in bad["detail"]["per_rank"].items() if d.get("narrowed")}
+    assert named and all(ids == [25] for ids in named.values()), bad["detail"]["per_rank"]
+    assert nf[9]["detail"]["weights"]["verdict"] == "damaged" and nf[9]["action"] == "rollback"
+    (rb,) = [e for e in lines if e.get("event") == "rollback"]
+    assert rb["step"] == 9 and rb["detail"]["to_step"] == 6 and rb["detail"]["quarantined"] == {}
+    assert all(r["weights_finite"] for r in results)
+
+
 def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
     """DP=2: rank 1's weights are damaged at iteration 10 (a NaN in one element of a layer's weight: memory
     corruption) -> every forward of rank 1 is NaN from then on: skip, skip, then (3 within the ladder window) an

@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="load the newest valid snapshot from --ckpt first")
     ap.add_argument("--stop-after", type=int, help="leave the loop after this iteration (a job cut short)")
     ap.add_argument("--until-step", action="store_true", help="--steps counts the guard's iterations, not the loop's")
+    ap.add_argument("--replay", action="store_true", help="data or weights: install(replayer=...) over this loop's "
+                    "forward step, and guard.record(...) per micro-batch (the megatron-core user's API)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,8 +108,13 @@ def main(argv=None) -> int:
         block = json.loads(Path(args.config).read_text())
         block.setdefault("metrics", {})["jsonl"] = str(out / "trainguard.jsonl")
         # --no-guard with a config: plain megatron, with the config's faults injected
+        replayer = None
+        if args.replay:
+            from megatron_hooks.replay import Replayer
+
+            replayer = Replayer([ddp], lambda it, m: forward_step(it, m), SEQ, MICRO)
         guard = megatron_hooks.install([ddp], opt, block, guard_enabled=not args.no_guard,
-                                       data_state=lambda: dict(loop))
+                                       data_state=lambda: dict(loop), replayer=replayer)
         if guard.guard is None:
             guard, faults_only = None, guard
 
@@ -128,12 +135,23 @@ def main(argv=None) -> int:
             loop["consumed"] += 1
         if guard is not None:
             guard.on_batch(b["sample_ids"])
-        output = model(b["tokens"], position, mask, labels=b["labels"])
+        rows = b["tokens"].shape[0]  # (a replay of one row is a batch of one)
+        output = model(b["tokens"], position[:rows], mask, labels=b["labels"])
 
         def loss_func(per_token):
             loss = per_token.float().mean()
             return loss, {"loss": loss.detach().clone()}
         return output, loss_func
+
+    train_step_func = forward_step
+    if args.replay and guard is not None:
+        from megatron_hooks.replay import Recording
+
+        def train_step_func(data_iterator, model):  # what each micro-batch drew, kept for a replay
+            recording = Recording(data_iterator)
+            out = forward_step(recording, model)
+            guard.record(recording.drawn)
+            return out
 
     fb = get_forward_backward_func()
     result = {"rank": dist.get_rank(), "losses": [], "applied": [], "coords": {
@@ -161,7 +179,7 @@ def main(argv=None) -> int:
     for it in iterations():
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        losses = fb(forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=MICROBATCHES,
+        losses = fb(forward_step_func=train_step_func, data_iterator=data, model=[ddp], num_microbatches=MICROBATCHES,
                     seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
         applied, _, _ = opt.step()
         if not applied and guard is None:  # (megatron alone: a skipped step leaves its gradients)
