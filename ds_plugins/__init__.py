@@ -19,6 +19,7 @@ from typing import Any
 
 from trainguard import config as tg_config
 from trainguard.data import TrackedLoader
+from trainguard.bootstrap import attempt_store
 from trainguard.errors import ConfigError, TrainguardAbort, TrainguardError
 
 __all__ = ["initialize", "attach", "alive", "close", "ConfigError", "TrainguardAbort", "TrainguardError"]
@@ -145,22 +146,6 @@ def _process_group(deepspeed, block, kwargs) -> None:
     extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
     if td is not None:
         deepspeed.init_distributed(timeout=td, **extra)
-
-
-def attempt_store(timeout):
-    """torchrun's store, under a prefix of this restart attempt's own: restarted gloo workers
-    otherwise meet the peer addresses the failed attempt left there ("Gloo connectFullMesh failed").
-    Returns ``(store, rank, world, timeout)`` for ``init_process_group``."""
-    import torch.distributed as dist
-
-    env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
-                          is_master=not agent_store and rank == 0, timeout=timeout,
-                          **({} if agent_store else {"multi_tenant": True}))
-    attempt = env["TORCHELASTIC_RESTART_COUNT"]
-    return dist.PrefixStore(f"trainguard/attempt_{attempt}", store), rank, world, timeout
 
 
 def _backend() -> str:

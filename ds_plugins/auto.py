@@ -38,8 +38,8 @@ import inspect
 import sys
 import threading
 
-from ds_plugins._bootstrap._trainguard_hook import AfterImport
-from ds_plugins._bootstrap._trainguard_hook import wrap_once as _wrap
+from trainguard.bootstrap import AfterImport, init_on_fresh_store
+from trainguard.bootstrap import wrap_once as _wrap
 
 _state = threading.local()
 _WATCHED = ("deepspeed", "accelerate.accelerator", "accelerate.data_loader", "transformers.trainer")
@@ -108,27 +108,6 @@ def _patch_init_process_group() -> None:
 
     _wrap(c10d, "init_process_group", make)
     dist.init_process_group = c10d.init_process_group
-
-
-def init_on_fresh_store(original, args, kwargs):
-    """``init_process_group``: in a restarted torchrun attempt, on a store prefix of the attempt's own
-    (unless the caller chose its store or init method). Also installed by the bootstrap itself in a
-    restarted attempt, whatever the framework (ds_plugins/_bootstrap/sitecustomize.py)."""
-    import os
-
-    import torch.distributed.distributed_c10d as c10d
-
-    bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
-    env = os.environ
-    restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    if (restarted and "MASTER_ADDR" in env and "RANK" in env and bound.get("store") is None
-            and bound.get("init_method") in (None, "env://") and env.get("TRAINGUARD_FRESH_STORE", "1") != "0"):
-        from ds_plugins import attempt_store
-
-        store, rank, world, timeout = attempt_store(bound.get("timeout") or c10d.default_pg_timeout)
-        bound.update(store=store, rank=rank, world_size=world, timeout=timeout)
-        bound.pop("init_method", None)
-    return original(**bound)
 
 
 # ---------------------------------------------------------------------------------- accelerate

@@ -43,7 +43,7 @@ import functools
 import sys
 from pathlib import Path
 
-from ds_plugins._bootstrap._trainguard_hook import wrap_once
+from trainguard.bootstrap import wrap_once
 from trainguard.data import DataPosition
 from trainguard.errors import ConfigError
 from trainguard.events import Record

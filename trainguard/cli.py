@@ -130,11 +130,9 @@ def _ckpt(args) -> int:
 
 
 def _run(args) -> int:
-    """exec the command with ds_plugins' bootstrap first on PYTHONPATH (ds_plugins/_bootstrap)."""
+    """exec the command with trainguard's bootstrap first on PYTHONPATH (trainguard/bootstrap/site)."""
     import os
     from pathlib import Path
-
-    import ds_plugins
 
     command = list(args.command_line)
     if command and command[0] == "--":
@@ -143,7 +141,7 @@ def _run(args) -> int:
         print("trainguard run: give the command to run, e.g. trainguard run -- torchrun --nproc_per_node 8 "
               "train.py --deepspeed ds_config.json", file=sys.stderr)
         return 2
-    bootstrap = str(Path(ds_plugins.__file__).resolve().parent / "_bootstrap")
+    bootstrap = str(Path(__file__).resolve().parent / "bootstrap" / "site")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([bootstrap] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("TRAINGUARD_AUTO", "1")

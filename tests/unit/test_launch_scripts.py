@@ -78,9 +78,9 @@ def test_a_broken_trainguard_under_trainguard_run_stops_the_job_instead_of_train
     import sys
     from pathlib import Path
 
-    import ds_plugins
+    import trainguard
 
-    bootstrap = Path(ds_plugins.__file__).parent / "_bootstrap"
+    bootstrap = Path(trainguard.__file__).parent / "bootstrap" / "site"
     fake = tmp_path / "site"
     (fake / "ds_plugins").mkdir(parents=True)
     (fake / "ds_plugins" / "__init__.py").write_text("raise ImportError('a broken install')\n")

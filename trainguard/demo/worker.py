@@ -90,7 +90,7 @@ def _plain_init_distributed(timeout_s: float) -> None:
 
     td = timedelta(seconds=timeout_s)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and not dist.is_initialized():
-        from ds_plugins import attempt_store
+        from trainguard.bootstrap import attempt_store
 
         store, rank, world, td = attempt_store(td)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)

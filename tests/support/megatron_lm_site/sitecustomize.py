@@ -13,7 +13,7 @@ if not hasattr(typing, "override"):  # Megatron-LM core_v0.19's megatron.trainin
     typing.override = typing_extensions.override
 
 sys.path.insert(0, os.environ["TRAINGUARD_TEST_ROOT"])  # (tests.support, from the repository)
-from ds_plugins._bootstrap._trainguard_hook import AfterImport  # noqa: E402
+from trainguard.bootstrap import AfterImport  # noqa: E402
 
 
 def _cpu(name, module):

@@ -1,5 +1,5 @@
 """After-import hooks, with no dependencies (the bootstrap loads this before anything else, as a
-top-level module; ds_plugins.auto imports it as ds_plugins._bootstrap._trainguard_hook)."""
+top-level module; the adapters import it as trainguard.bootstrap.site._trainguard_hook, through trainguard.bootstrap)."""
 import functools
 import importlib.abc
 import importlib.util

@@ -53,11 +53,11 @@ def _chain():
 
 def _fresh_store(name, c10d):
     """A restarted torchrun attempt, whatever the framework (a megatron-core script of your own too):
-    ``init_process_group`` on a store prefix of the attempt's own (ds_plugins.auto.init_on_fresh_store,
+    ``init_process_group`` on a store prefix of the attempt's own (trainguard.bootstrap.init_on_fresh_store,
     imported when it is called, once torch is whole)."""
     def make(original):
         def init_process_group(*args, **kwargs):
-            from ds_plugins.auto import init_on_fresh_store
+            from trainguard.bootstrap import init_on_fresh_store
 
             return init_on_fresh_store(original, args, kwargs)
         return init_process_group
