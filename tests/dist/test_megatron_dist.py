@@ -432,3 +432,28 @@ def test_a_hung_rank_is_named_and_the_restart_resumes(tmp_path):
     assert restart["time"] > hang["time"] and resume["detail"]["tag"] == "step00000006"
     assert all(r["guard_iteration"] == 12 and r["first_iteration"] == 6 and r["weights_finite"] for r in res)
     assert res[0]["param_sha256"] == res[1]["param_sha256"]
+
+
+def test_the_distributed_optimizer_comes_back_from_node_memory_exactly(tmp_path):
+    """The in-memory tier with megatron's distributed optimizer (issue 23 item 3), DP=2: each rank's snapshot
+    holds its own shard of the fp32 main parameters and Adam's state (no gather). Rank 1 SIGKILLed at 9,
+    torchrun restarts the job, it resumes from node memory (7 or 8; the disk has 6) and ends with the
+    parameters of the run that was never interrupted, on both replicas."""
+    def block(name, faults):
+        return {"checks": {"enabled": False}, "allow_faults": bool(faults), "faults": faults,
+                "checkpoint": {"dir": str(tmp_path / name / "ck"), "every_steps": 3,
+                               "snapshot": {"every_steps": 1, "dir": str(tmp_path / name / "shm")}}}
+
+    clean, _ = run(tmp_path, "clean", "dp", 12, block("clean", []), ["--dist-opt"])
+    cfg = tmp_path / "killed.json"
+    cfg.write_text(json.dumps(block("killed", [{"type": "kill_rank", "step": 9, "rank": 1}])))
+    out = tmp_path / "killed"
+    rc, res = run_worker(cfg, out, 12, extra=["--dist-opt"], module="tests.support.megatron_worker", timeout=300,
+                         launcher=["--max-restarts=1", "--monitor-interval=0.5"],
+                         prefix=[sys.executable, "-m", "trainguard.cli", "run", "--"])
+    assert rc == 0 and all(res), (out / "torchrun.log").read_text()[-3000:]
+    lines = read(out / "trainguard.jsonl")
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    d = resume["detail"]
+    assert d["tier"] == "memory" and d["step"] in (7, 8) and d["verified_on_load"] == 3, d
+    assert res[0]["param_sha256"] == res[1]["param_sha256"] == clean[0]["param_sha256"]
