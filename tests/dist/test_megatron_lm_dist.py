@@ -97,9 +97,10 @@ class LMRun:
         return self
 
 
-def launch(release, tmp_path, name, layout, block=None, more=(), torchrun=(), timeout=300) -> LMRun:
+def launch(release, tmp_path, name, layout, block=None, more=(), torchrun=(), timeout=300, term_after=None) -> LMRun:
     """Megatron-LM's pretrain_gpt.py for ITERS iterations on 2 ranks, from ``tmp_path/name``;
-    ``block``: the trainguard block (its JSONL goes to ``name/trainguard.jsonl``); None: no argument."""
+    ``block``: the trainguard block (its JSONL goes to ``name/trainguard.jsonl``); None: no argument.
+    ``term_after``: once Megatron-LM logged that iteration, every rank gets a SIGTERM (a preemption notice)."""
     out = tmp_path / name
     out.mkdir()
     args = [*TINY, *LAYOUT[layout], "--train-iters", str(ITERS), *more]
@@ -113,9 +114,35 @@ def launch(release, tmp_path, name, layout, block=None, more=(), torchrun=(), ti
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TRAINGUARD_TEST_ROOT=str(ROOT),
                PYTHONPATH=release.pythonpath(), TRAINGUARD_TEST_RUN=marker)
     with open(out / "megatron.log", "w") as log:
+        if term_after is not None:
+            import threading
+
+            threading.Thread(target=term_ranks, args=(out / "megatron.log", term_after, marker), daemon=True).start()
         rc, _, _ = run_bounded(command, timeout, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
     kill_marked(marker)
     return LMRun(rc, out)
+
+
+def term_ranks(log: Path, iteration: int, marker: str, within: float = 180.0) -> None:
+    """SIGTERM to every rank of the launch (not torchrun) once ``log`` shows ``iteration``."""
+    import signal
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if re.search(rf"iteration\s+{iteration}/", log.read_text(errors="replace")):
+            break
+        time.sleep(0.1)
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TRAINGUARD_TEST_RUN") == marker and "pretrain_gpt.py" in " ".join(p.cmdline()) \
+                    and "torchrun" not in " ".join(p.cmdline()) and p.parent() is not None \
+                    and "torchrun" in " ".join(p.parent().cmdline()):
+                p.send_signal(signal.SIGTERM)
+        except (psutil.Error, OSError):
+            pass
 
 
 def kill_marked(marker: str) -> None:
@@ -338,6 +365,27 @@ def test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy(
     same_schedule(run, plain, range(step + 1, ITERS + 1))
     for i in range(step + 3, ITERS + 1):
         assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
+
+
+def test_megatron_lms_exit_signal_handler_saves_and_ends_the_run_cleanly(tmp_path, release):
+    """Megatron-LM's --exit-signal-handler beside the block (docs/megatron.md): a SIGTERM to every rank
+    (a scheduler's preemption notice) after iteration 4 makes Megatron-LM save its checkpoint at the end of
+    the iteration and leave train(); trainguard, which installs no signal handler, closes the run cleanly
+    (run_end) and its snapshots stay committed. (The newest release only: the handler is Megatron-LM's.)"""
+    newest_only(release)
+    mck = tmp_path / "megatron-ckpt"
+    block = {"allow_faults": True, "faults": [{"type": "slow_rank", "step": 3, "steps": 10, "rank": 0, "factor": 4}],
+             "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 2}}
+    run = launch(release, tmp_path, "term", "tp", block,
+                 ["--exit-signal-handler", "--save", str(mck), "--save-interval", "100"], term_after=4)
+    assert run.rc == 0, run.log[-3000:]
+    assert "exiting program after receiving SIGTERM" in run.log
+    last = max(run.iterations)
+    assert 4 <= last < ITERS and (mck / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
+    (end,) = run.events("run_end")
+    assert end["detail"]["iterations"] == last
+    assert all((tmp_path / "snapshots" / e["detail"]["tag"] / "manifest.json").is_file()
+               for e in run.events("checkpoint_saved"))
 
 
 def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path, release):
