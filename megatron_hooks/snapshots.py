@@ -50,6 +50,12 @@ class MegatronShard:
     def step(self) -> int:
         return self.cp.mg.iteration
 
+    def fits(self) -> dict:
+        """A shard is one rank's TP/PP slices and its data-parallel shard: it loads at the same layout only (a
+        restart at another one takes the disk snapshots, which dist_checkpointing reshards)."""
+        now = self.cp._layout()
+        return {k: now[k] for k in ("tp", "pp", "dp", "distributed_optimizer")}
+
     def state(self) -> dict:
         """This rank's state (live tensors: the caller copies them)."""
         from megatron_hooks import _optimizers, _unwrap

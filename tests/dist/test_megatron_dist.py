@@ -457,3 +457,22 @@ def test_the_distributed_optimizer_comes_back_from_node_memory_exactly(tmp_path)
     d = resume["detail"]
     assert d["tier"] == "memory" and d["step"] in (7, 8) and d["verified_on_load"] == 3, d
     assert res[0]["param_sha256"] == res[1]["param_sha256"] == clean[0]["param_sha256"]
+
+
+def test_node_memory_of_another_layout_is_passed_over_for_the_disk_snapshots(tmp_path):
+    """A shard in node memory is one rank's slices: the job killed at TP=2 (its node memory surviving) and
+    relaunched at DP=2 on the same world size resumes from the disk snapshot, which dist_checkpointing
+    reshards -- not from a TP=2 shard that does not fit a DP=2 rank."""
+    block = {"checks": {"enabled": False}, "allow_faults": True,
+             "faults": [{"type": "kill_rank", "step": 9, "rank": 1}],  # (7 is in memory for sure: 8 waited for it)
+             "checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 3,
+                            "snapshot": {"every_steps": 1, "dir": str(tmp_path / "shm")}}}
+    cfg = tmp_path / "tp.json"
+    cfg.write_text(json.dumps(block))
+    rc, _ = run_worker(cfg, tmp_path / "tp", 10, extra=LAYOUTS["tp"], module="tests.support.megatron_worker",
+                       timeout=300)
+    assert rc != 0 and list((tmp_path / "shm").rglob("manifest.json"))  # killed; its snapshots stayed in memory
+    results, lines = run(tmp_path, "dp", "dp", 10, {**block, "faults": []})
+    (resume,) = [x for x in lines if x.get("event") == "resume"]
+    assert resume["detail"]["tag"] == "step00000006" and resume["detail"]["resharded"] is not None, resume
+    assert all(r["guard_iteration"] == 10 and r["weights_finite"] for r in results)

@@ -46,6 +46,9 @@ class ShardSource(Protocol):
     def step(self) -> int:
         """The step a snapshot taken now stands for."""
 
+    def fits(self) -> dict:
+        """(Optional) the manifest layout values a shard must have to load here, beyond the world size."""
+
     def capture(self, staging_root: Path, tag: str, step: int) -> tuple[list, list, Any]:
         """This rank's state as host copies: ``(writes, json_writes, manifest)`` -- ``writes`` [(state, path)]
         and ``json_writes`` [(dict, path)] under ``staging_root / tag``, ``manifest`` without its files table.
@@ -206,7 +209,9 @@ class MemoryTier:
     def choose(self, lo: int = 0, hi: float = float("inf"), only: set[str] | None = None) -> tuple[str, int] | None:
         """The newest snapshot with ``lo <= step < hi`` (and among ``only``) that every rank can load."""
         self.wait()
-        table = gather_objects(self.store.survey(world=dist.get_world_size() if dist.is_initialized() else 1))
+        fits = self.source.fits() if hasattr(self.source, "fits") else None  # (the layout a shard must have)
+        table = gather_objects(self.store.survey(world=dist.get_world_size() if dist.is_initialized() else 1,
+                                                 fits=fits))
         found = common_choice(table, self.store.place, lo, hi, only)
         if found is None:
             return None

@@ -256,11 +256,12 @@ class SnapshotStore:
         return tag
 
     # ------------------------------------------------------------------ choosing
-    def survey(self, world: int) -> dict:
+    def survey(self, world: int, fits: dict | None = None) -> dict:
         """What verifies in this node's memory for this rank: its own shards and the copies it keeps
-        (those of a job of ``world`` ranks: a shard is one rank's partition of that layout)."""
-        return {"own": _valid(self.own, self.key, world),
-                "held": {q: _valid(self.held(q), self.key, world) for q in self.place.sources()}}
+        (those of a job of ``world`` ranks, and whose manifest layout has every value of ``fits``: a shard
+        is one rank's partition of that layout)."""
+        return {"own": _valid(self.own, self.key, world, fits),
+                "held": {q: _valid(self.held(q), self.key, world, fits) for q in self.place.sources()}}
 
 
 def common_choice(table: list[dict], place: Placement, lo: int = 0, hi: float = float("inf"),
@@ -326,13 +327,16 @@ def _manifest_files(tag_dir: Path) -> list[str]:
     return [name for name in NOT_LISTED if (tag_dir / name).is_file()]
 
 
-def _valid(root: Path, key: bytes | None, world: int) -> list[tuple[str, int]]:
+def _valid(root: Path, key: bytes | None, world: int, fits: dict | None = None) -> list[tuple[str, int]]:
     layout = CheckpointLayout(root)
     out = []
+    want = {"world": world, **(fits or {})}
     for tag, step in layout.steps():
         tag_dir = layout.tag_dir(tag)
-        if verify(tag_dir, key=key).ok and Manifest.read(tag_dir).layout.get("world") == world:
-            out.append((tag, step))
+        if verify(tag_dir, key=key).ok:
+            saved = Manifest.read(tag_dir).layout
+            if all(saved.get(k) == v for k, v in want.items()):
+                out.append((tag, step))
     return out
 
 
