@@ -83,6 +83,15 @@ class MegatronCheckpointer(CheckpointManager):
                 "framework": "megatron-core", "precision": _dtype(self.mg.chunks[0]),
                 "distributed_optimizer": _distributed(self.mg.optimizer)}
 
+    def _manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:
+        """The manifest of a snapshot (disk, or with ``tier="memory"`` a shard in node memory)."""
+        g = self.mg.guard
+        last = getattr(g, "last_metrics", {}) or {}
+        return Manifest(tag=tag, step=step, files=files, layout={**self._layout(), **layout},
+                        lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
+                        health={"loss": last.get("loss"), "skipped_steps": g.skipped_steps,
+                                "recent_anomalies": list(g.recent_anomalies)[-10:]})
+
     def _match_precision(self, saved: str | None, now: str, tag: str) -> None:
         """A bf16 snapshot (written after the ladder's bf16 fallback) loaded by a run launched in
         fp16: the run is turned into bf16 first, as it was when the snapshot was written -- a restart
@@ -134,12 +143,8 @@ class MegatronCheckpointer(CheckpointManager):
             atomic_write_json(staged / SIDECAR / "guard.json", mg.guard.state_dict())
         dist.barrier()
         if dist.get_rank() == 0:
-            last = getattr(mg.guard, "last_metrics", {}) or {}
-            commit_staged(root, staging_root, nonce, key=self.key, manifest=Manifest(
-                tag=tag, step=mg.iteration, files=hash_files(staged, list_files(staged)), layout=self._layout(),
-                lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
-                health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,
-                        "recent_anomalies": list(mg.guard.recent_anomalies)[-10:]}))
+            commit_staged(root, staging_root, nonce, key=self.key,
+                          manifest=self._manifest(tag, mg.iteration, hash_files(staged, list_files(staged))))
             self.retention(root)
         dist.barrier()
         self.roots[tag] = root

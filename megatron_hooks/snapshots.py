@@ -15,15 +15,13 @@ from pathlib import Path
 
 import torch
 
-from trainguard import __version__
+from megatron_hooks.checkpoint import SIDECAR
 from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.manager import rank as _rank
-from trainguard.checkpoint.manifest import Manifest
 
 __all__ = ["MegatronShard", "SHARD"]
 
 SHARD = "shard"          # the folder of a tag holding rank<r>.pt, this rank's state
-SIDECAR = "trainguard"   # (as megatron_hooks.checkpoint's)
 
 
 def _inner(optimizer) -> list:
@@ -76,12 +74,7 @@ class MegatronShard:
         writes = [(host_copy(self.state()), staged / SHARD / f"rank{_rank()}.pt"),
                   (host_copy(cp._sidecar(data_state)), staged / SIDECAR / f"rank{_rank()}.pt")]
         json_writes = [(mg.guard.state_dict(), staged / SIDECAR / "guard.json")]
-        last = getattr(mg.guard, "last_metrics", {}) or {}
-        manifest = Manifest(tag=tag, step=step, files={}, layout={**cp._layout(), "tier": "memory"},
-                            lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
-                            health={"loss": last.get("loss"), "skipped_steps": mg.guard.skipped_steps,
-                                    "recent_anomalies": list(mg.guard.recent_anomalies)[-10:]})
-        return writes, json_writes, manifest
+        return writes, json_writes, cp._manifest(tag, step, {}, tier="memory")
 
     def load(self, reader, tag_dir: Path) -> dict:
         """Put this rank's shard of ``tag_dir`` back (bytes checked by ``reader`` against the manifest first);
