@@ -1,20 +1,29 @@
 """What a worker of the HF / Accelerate tests reports, once per rank: its losses and engine counters, a digest
 of its parameters (replicas and runs compared bit for bit) -- then the exit every script should make
-(shared/docs/PLATFORM.md: destroy the engine and the process group, or gloo sometimes aborts at exit)."""
+(shared/docs/PLATFORM.md: destroy the engine and the process group, or gloo sometimes aborts at exit).
+
+Even so, one CI run (stop 29) saw a Trainer run with trainguard *off* finish, write its results and then die
+in interpreter finalisation ("terminate called without an active exception", SIGABRT, rc 1 from torchrun):
+a C++ thread still joinable when the process tears down. So ``finish`` ends the process itself: the atexit
+handlers run (trainguard's run_end record and log flush among them), the streams are flushed, and the
+process leaves with ``os._exit`` before finalisation can abort it."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 
-def finish(out: Path, model, engine, **fields) -> int:
+def finish(out: Path, model, engine, **fields) -> NoReturn:
     """Write ``out/result.rank<RANK>.json`` (named by RANK: Accelerate on CPU may report process_index 0
     everywhere) with ``fields``, the parameters' sha256 and finiteness, the engine's class and counters; then
-    destroy the engine and the process group. ``model``: the unwrapped module."""
+    destroy the engine and the process group, and exit 0 (above). ``model``: the unwrapped module."""
     rank = int(os.environ.get("RANK", "0"))
     params = [p.detach().float().cpu() for p in model.parameters()]
     digest = hashlib.sha256()
@@ -27,4 +36,7 @@ def finish(out: Path, model, engine, **fields) -> int:
     if hasattr(engine, "destroy"):
         engine.destroy()
     torch.distributed.destroy_process_group()
-    return 0
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
