@@ -35,7 +35,7 @@ import torch
 from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.commit import commit_staged
-from trainguard.checkpoint.fsio import atomic_write_json, save_hashed
+from trainguard.checkpoint.fsio import save_hashed
 from trainguard.checkpoint.layout import SIDECAR, CheckpointError, CheckpointLayout, step_tag, validate_tag
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manager import barrier as _barrier
@@ -46,7 +46,6 @@ from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.events import Record
 from trainguard.guard import config_hash
 from trainguard.isolation import broadcast_from_rank0 as _broadcast
-from trainguard.isolation import gather_objects
 
 
 def code_revision() -> str | None:
@@ -101,51 +100,28 @@ class DeepSpeedCheckpointer(CheckpointManager):
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, client_state: dict | None = None) -> str:
         root = Path(root)
-        self.heart.beat("checkpoint")  # (the watchdog: progress, in a phase of its own)
         self.wait_pending()  # a new save waits for the previous one
-        t0 = time.perf_counter()
-        tag, nonce, staging_root, cs = self._begin_save(root, tag, client_state)
         if self.cfg.async_:
+            self.heart.beat("checkpoint")
+            t0 = time.perf_counter()
+            tag, nonce, staging_root, cs = self._begin_save(root, tag, client_state)
             return self._save_async(root, tag, nonce, staging_root, cs, t0)
         eng = self.engine
-        # each rank hashes (and fsyncs) the files it writes while it writes them
-        hashing = _Hashing(eng.checkpoint_engine)
-        if hashing.active:
-            eng.checkpoint_engine = hashing
-        try:
-            self._base_save(eng, str(staging_root), tag=tag, client_state=cs, save_latest=False)
-        finally:
-            eng.checkpoint_engine = hashing.real
-        staged = staging_root / tag
-        side = staged / SIDECAR
-        side.mkdir(parents=True, exist_ok=True)
-        own = {os.path.relpath(p, staged): h for p, h in hashing.hashes.items()}
-        own[f"{SIDECAR}/rank{_rank()}.pt"] = save_hashed(self._sidecar(), side / f"rank{_rank()}.pt")
-        if _rank() == 0 and self.guard is not None:
-            atomic_write_json(side / "guard.json", self.guard.state_dict())
-            own.update(hash_files(staged, [f"{SIDECAR}/guard.json"]))
-        _barrier()
+        tag = validate_tag(tag if tag is not None else step_tag(eng.global_steps))
+        cs = self._client_state(tag, client_state)
 
-        hashed = {}
-        for part in gather_objects(own):
-            hashed.update(part)
-        if _rank() == 0:
-            files = list_files(staged)  # anything written outside the checkpoint engine: hash it now
-            hashed.update(hash_files(staged, [f for f in files if f not in hashed]))
-            if set(hashed) != set(files):
-                raise CheckpointError(f"checkpoint {tag}: {sorted(set(hashed) ^ set(files))[:5]} differ between "
-                                      f"what the ranks wrote and what is in {staged}")
-            self._commit(root, tag, staging_root, nonce, eng.global_steps, hashed)
-        _barrier()
-        self.roots[tag] = root
-        self.health.saved(tag, eng.global_steps)
-        seconds = time.perf_counter() - t0
-        self.state.goodput.overhead(seconds)
-        self.emit(eng.global_steps, Record.CHECKPOINT_SAVED, {
-            "tag": tag, "dir": str(root), "files": len(hashed),
-            "bytes": sum(f["size"] for f in hashed.values()), "blocking_s": round(seconds, 3),
-            "total_s": round(seconds, 3)})
-        return tag
+        def write(staged: Path) -> dict:
+            # each rank hashes (and fsyncs) the files it writes while it writes them
+            hashing = _Hashing(eng.checkpoint_engine)
+            if hashing.active:
+                eng.checkpoint_engine = hashing
+            try:
+                self._base_save(eng, str(staged.parent), tag=tag, client_state=cs, save_latest=False)
+            finally:
+                eng.checkpoint_engine = hashing.real
+            return {os.path.relpath(p, staged): h for p, h in hashing.hashes.items()}
+
+        return self.save_staged(root, write, tag=tag, sidecar=self._sidecar)
 
     def _commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
         """Rank 0, once every file is written and hashed: the commit, then retention."""
@@ -163,9 +139,13 @@ class DeepSpeedCheckpointer(CheckpointManager):
         if _rank() == 0:
             staging_root.mkdir(parents=True, exist_ok=True)
         _barrier()
+        return tag, nonce, staging_root, self._client_state(tag, client_state)
+
+    def _client_state(self, tag: str, client_state: dict | None) -> dict:
+        """What DeepSpeed stores as client_state: the user's, plus trainguard's own entry."""
         cs = dict(client_state or {})
-        cs["trainguard"] = {"tag": tag, "step": eng.global_steps, "version": __version__}
-        return tag, nonce, staging_root, cs
+        cs["trainguard"] = {"tag": tag, "step": self.engine.global_steps, "version": __version__}
+        return cs
 
     def _save_async(self, root: Path, tag: str, nonce: str, staging_root: Path, cs: dict, t0: float) -> str:
         from trainguard.checkpoint.async_writer import BackgroundCommit, snapshot
@@ -189,7 +169,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
             def finish(table, root=root, tag=tag, staging_root=staging_root, nonce=nonce, step=step):
                 self._commit(root, tag, staging_root, nonce, step, table)
         blocking = time.perf_counter() - t0
-        self.state.goodput.overhead(blocking)
+        self.state.guard.goodput.overhead(blocking)
         faults = self.state.faults
         fail = faults.write_error(step) if faults is not None else None
         self._pending = (BackgroundCommit(staged, _rank(), _world(), writes, json_writes, finish, fail=fail),
@@ -298,13 +278,10 @@ class DeepSpeedCheckpointer(CheckpointManager):
         self.roots[tag] = root
         if purpose == "rollback":
             return path, client_state
-        self.resumed_tag = tag
-        self.start_resume_check(tag, root / tag)
-        self.emit(self.engine.global_steps, Record.RESUME, {
-            "tag": tag, "dir": str(root), "step": man.step, "tier": "disk", "fell_back_past": skipped,
+        self.resumed(root, tag, man.step, {
+            "fell_back_past": skipped,
             "resharded": {"from_dp": saved_dp, "to_dp": self.engine.dp_world_size} if universal else None,
-            "verified_on_load": len(reader.read_files) if reader is not None else None,
-            "lineage": man.lineage, "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
+            "verified_on_load": len(reader.read_files) if reader is not None else None, "lineage": man.lineage})
         return path, client_state
 
     def _load_snapshot(self, tag: str, purpose: str, kwargs: dict, skipped: list):

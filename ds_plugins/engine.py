@@ -23,13 +23,12 @@ from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
 from trainguard.data import DataPosition
-from trainguard.driver import StepDriver, StepOutcome, scaled_lr, zero_adam_moments
+from trainguard.driver import zero_adam_moments
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
-from trainguard.faults import FaultInjector, PoisonFirstLeaf
-from trainguard.goodput import GoodputMeter
-from trainguard.watchdog import Heartbeat
-from trainguard.guard import StepGuard
+from trainguard.faults import PoisonFirstLeaf
+from trainguard.protocols import StepOutcome
+from trainguard.session import GuardSession
 from trainguard.isolation import collective_device, gather_coords
 from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
 
@@ -106,42 +105,35 @@ class EngineGuard:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.guard: StepGuard | None = None
-        self.faults: FaultInjector | None = None
-        self._hooks: list = []
-        self._closed = False
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
         self.checkpointer = None
-        self.driver = None            # trainguard.driver.StepDriver: the step sequence
         self.applied_grad = None      # trainguard.appliedgrad.AppliedGradMeter on DeepSpeed's inner optimizer
         self.scaler_view = ScalerView(engine)
-        self.goodput = GoodputMeter()
-        self.heart = Heartbeat(self.rank)
-        self.watchdog = None          # trainguard.watchdog.Watchdog, started by start_watchdog()
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._framework_batches = 0   # micro-batches of a framework's tagged loader (no epochs known)
         self._watch_trusted = True    # module outputs all finite on the last healthy replay (see _replay)
         self.entry = "initialize"     # "auto": built by a framework through the zero-code entry (ds_plugins/auto.py)
-        if guard_enabled:
-            if cfg.detectors.nonfinite.enabled:
-                find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
-            self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=_collective_device(),
-                                   localize=self._localize, replay=self._replay,
-                                   narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None)
+        if guard_enabled and cfg.detectors.nonfinite.enabled:
+            find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
+        self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
+                                    device=_collective_device(), localize=self._localize, replay=self._replay,
+                                    narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None)
+        s = self.session
+        self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
+        if self.guard is not None:
             self.guard.attach_model(engine.module)
-            self.goodput = self.guard.goodput  # one meter: the guard checkpoints it with its state
             self.guard.clipper.framework_max_norm = float(engine.gradient_clipping() or 0.0)
-            self.faults = self.guard.faults if cfg.faults else None  # one injector, owned by the guard
-        elif cfg.faults:
-            self.faults = FaultInjector(cfg.faults, self.rank)
         self._hook_engine()
         if self.guard is not None:
             from ds_plugins.checkpoint import DeepSpeedCheckpointer
 
             base = _plain_class(type(engine))
             self.checkpointer = DeepSpeedCheckpointer(self, base.save_checkpoint, base.load_checkpoint)
-            self.driver = StepDriver(self, self.guard, cfg, self.heart)
-            self.guard.on_begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
+            s.begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
+
+    @property
+    def watchdog(self):
+        return self.session.watchdog
 
     def after_load(self) -> None:
         """After initialize and after every checkpoint load: the guard owns the fp16 scaler's floor."""
@@ -229,7 +221,7 @@ class EngineGuard:
                                          [self._clamp_grad] if clamp else [])  # (clipping by value: last)
 
     def _on_grad(self, grad):
-        self.guard.on_backward(grad)
+        self.session.backward(grad)
         return None
 
     def _clamp_grad(self, grad):
@@ -254,26 +246,17 @@ class EngineGuard:
             self.on_batch(ids, DataPosition(epoch=-1, batch_in_epoch=self._framework_batches,
                                             consumed_samples=int(getattr(self.engine, "global_samples", 0))),
                           [tuple(r) for r in rejected])
-        self.goodput.begin_step()
-        self.heart.beat("forward", step)
-        if self.faults is not None:
-            self.faults.process(step)
-        poison_output = None
-        if self.guard is not None:
-            (inputs, kwargs), poison_output = self.guard.on_forward(step, (inputs, kwargs))
-        elif self.faults is not None:
-            (inputs, kwargs), poison_output = self.faults.batch(step, (inputs, kwargs))
+        (inputs, kwargs), poison_output = self.session.forward(step, (inputs, kwargs))
         if self.guard is not None and self.engine.module.training and (
                 self.cfg.detectors.localize.enabled or self.guard.replay is not None):
             # (references, not copies: what a replay of this micro-batch needs, trainguard.replay)
             self.guard.record_micro_batch((inputs, kwargs, poison_output), _rows((inputs, kwargs)))
-        probing = self.guard.probing(step) if self.guard is not None else contextlib.nullcontext()
         # the poison hook first, so that the probes see what it did
         with (PoisonFirstLeaf(self.engine.module, poison_output) if poison_output else contextlib.nullcontext()), \
-                probing:
+                self.session.probing(step):
             out = base_forward(*inputs, **kwargs)
-        if self.guard is not None and self.engine.module.training:
-            self.guard.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
+        if self.engine.module.training:
+            self.session.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
         return out
 
     def _localize(self) -> dict:
@@ -332,23 +315,10 @@ class EngineGuard:
         return self.faults.samples(self.step_number(), samples, s.label_key, out_of_range)
 
     def on_loss(self, step: int, loss):
-        self.heart.beat("backward", step)
-        if self.guard is not None:
-            return self.guard.on_loss(step, loss)
-        if self.faults is not None:
-            return self.faults.loss(step, loss)
-        return loss
+        return self.session.loss(step, loss)
 
     def guarded_step(self, ds_step):
-        if self.driver is not None:
-            return self.driver.step(ds_step)
-        step = self.step_number()  # faults only (the demo's plain-DeepSpeed comparison)
-        self.heart.beat("collective", step)
-        mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
-        if mult == 1.0:
-            return ds_step()
-        with scaled_lr(self.engine.optimizer.param_groups, mult):
-            return ds_step()
+        return self.session.step(ds_step)
 
     # ------------------------------------------------------------------ trainguard.driver.Framework
     @property
@@ -411,9 +381,7 @@ class EngineGuard:
     def _rebuilt(self, rebuild) -> dict:
         """Run ``rebuild`` (which replaces the engine's state in place), then guard the new state:
         the user's engine object keeps its identity, its class and this adapter."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self.session.remove_hooks()
         engine = self.engine
         cls = type(engine)
         detail = rebuild()
@@ -427,32 +395,13 @@ class EngineGuard:
         eng = self.engine
         return not (eng.zero_optimization() or eng.bfloat16_enabled() or eng.fp16_enabled())
 
-    # ------------------------------------------------------------------ liveness
+    # ------------------------------------------------------------------ liveness and the end
     def start_watchdog(self) -> None:
-        """Heartbeats and hang detection (distributed.watchdog), and the ``restart`` record of a
-        restarted attempt (trainguard.watchdog.Watchdog)."""
-        from trainguard.watchdog import Watchdog
-
-        if self.guard is None or self.watchdog is not None or not dist.is_initialized():
-            return
-        self.watchdog = Watchdog(self.cfg, self.guard, self.heart, self.rank, self.world,
-                                 lambda: self.engine.global_steps)
-        self.watchdog.start()
+        self.session.start_watchdog()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        watchdog = self.watchdog.stop() if self.watchdog is not None else None
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        if self.checkpointer is not None:
-            self.checkpointer.close()  # the last async save commits before the logs close
-        if self.guard is not None:
-            self.guard.on_close({"deepspeed_skipped_steps": self.engine.skipped_steps,
-                                 "global_steps": self.engine.global_steps, "goodput": self.goodput.summary(),
-                                 **({"watchdog": watchdog} if watchdog else {})})
+        self.session.close({"deepspeed_skipped_steps": self.engine.skipped_steps,
+                            "global_steps": self.engine.global_steps})
 
 
 def _rows(batch) -> int | None:

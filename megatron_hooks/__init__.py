@@ -57,30 +57,19 @@ import torch.distributed as dist
 
 from trainguard import config as tg_config
 from trainguard.checks import RunFacts, bf16_supported
-from trainguard.driver import StepDriver, StepOutcome, zero_adam_moments
+from trainguard.driver import zero_adam_moments
 from trainguard.errors import FallbackUnavailable
-from trainguard.events import Action
+from trainguard.events import Action, Anomaly
 from trainguard.faults import PoisonFirstLeaf
-from trainguard.guard import StepGuard
+from trainguard.localize import OutputFlags
 from trainguard.isolation import collective_device, gather_coords
+from trainguard.protocols import StepOutcome
+from trainguard.session import GuardSession
 from trainguard.support import check_supported
 
 from megatron_hooks import versions
 
 __all__ = ["install", "extra_args_provider", "MegatronGuard"]
-
-
-def _block(config) -> tg_config.TrainguardConfig:
-    if isinstance(config, tg_config.TrainguardConfig):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        raw = tg_config.read_json(str(config))
-        raw = raw.get("trainguard", raw)  # a ds_config-style file with a block, or the block itself
-        return tg_config.parse_block(raw)
-    if isinstance(config, dict):
-        return tg_config.parse_block(config.get("trainguard", config))
-    raise TypeError(f"megatron_hooks.install: config must be a path, a dict or a TrainguardConfig, not "
-                    f"{type(config).__name__}")
 
 
 def _optimizers(optimizer) -> list:
@@ -94,55 +83,21 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-class _Finite:
-    """Per-module 'was the output finite' flags, in forward order (device tensors, no sync)."""
-
-    def __init__(self, chunks: Sequence[torch.nn.Module], stage: int):
-        self.stage = stage
-        self.names: list[str] = []
-        self.layer_of: dict[str, int | None] = {}
-        self.flags: list[tuple[int, torch.Tensor]] = []
-        self.handles = []
-        for ci, chunk in enumerate(chunks):
-            layer = None
-            for name, m in _unwrap(chunk).named_modules():
-                if not name:
-                    continue
-                path = f"{ci}.{name}" if len(chunks) > 1 else name
-                layer_number = getattr(m, "layer_number", None)
-                if isinstance(layer_number, int) and type(m).__name__ == "TransformerLayer":
-                    layer = layer_number
-                self.layer_of[path] = layer if name.startswith("decoder.layers.") else None
-                idx = len(self.names)
-                self.names.append(path)
-                self.handles.append(m.register_forward_hook(self._hook(idx)))
-
-    def _hook(self, idx: int):
-        def hook(module, args, output):
-            if not module.training:
-                return None
-            t = output[0] if isinstance(output, (tuple, list)) and output else output
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.flags.append((idx, torch.isfinite(t.detach()).all()))
-            return None
-        return hook
-
-    def first_nonfinite(self) -> dict:
-        """The first module, in the order outputs were produced (a module's output comes after its
-        children's), whose output was non-finite. Anomaly steps only: reading the flags syncs."""
-        for pos, (idx, ok) in enumerate(self.flags):
-            if not bool(ok):
-                name = self.names[idx]
-                return {"module": name, "global_layer": self.layer_of.get(name), "pipeline_stage": self.stage,
-                        "origin_order": [self.stage, pos], "modules_checked": len(self.names)}
-        return {"module": None, "note": "every module output was finite (the loss or a gradient was not)"}
-
-    def reset(self) -> None:
-        self.flags.clear()
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+def _modules(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Module, int | None]]:
+    """Every module of the model chunks with its path and, inside the decoder's layers, its global layer number
+    across pipeline stages (``TransformerLayer.layer_number``): what the localisation flags name."""
+    out = []
+    for ci, chunk in enumerate(chunks):
+        layer = None
+        for name, m in _unwrap(chunk).named_modules():
+            if not name:
+                continue
+            layer_number = getattr(m, "layer_number", None)
+            if isinstance(layer_number, int) and type(m).__name__ == "TransformerLayer":
+                layer = layer_number
+            out.append((f"{ci}.{name}" if len(chunks) > 1 else name, m,
+                        layer if name.startswith("decoder.layers.") else None))
+    return out
 
 
 class _GradScaler:
@@ -186,15 +141,13 @@ class _GradScaler:
 class MegatronGuard:
     """The adapter's state on one rank (``install`` returns it)."""
 
-    data = None  # trainguard.driver.Framework: megatron's data loader is the user's (no skip, no quarantine)
+    data = None  # trainguard.protocols.Framework: megatron's data loader is the user's (no skip, no quarantine)
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer, cfg: tg_config.TrainguardConfig,
                  start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None, replayer=None):
         from megatron.core import parallel_state as ps
 
         from megatron_hooks.checkpoint import MegatronCheckpointer
-        from trainguard.faults import FaultInjector
-        from trainguard.watchdog import Heartbeat
 
         self.chunks = list(chunks)
         self.optimizer = optimizer
@@ -208,20 +161,19 @@ class MegatronGuard:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
-        self.heart = Heartbeat(self.rank)
-        self.guard: StepGuard | None = None
         self.replayer = replayer        # megatron_hooks.replay.Replayer: data or weights (trainguard.replay)
         self._poison = None             # this micro-batch's nan_batch poison (an integer batch: at the first leaf)
         self._poisoning = None
         self._first_forward = True      # the step's first training forward (its first micro-batch) is still to come
-        if guard_enabled:
-            peers = dist.get_process_group_ranks(ps.get_model_parallel_group()) if replayer is not None else None
-            self.guard = StepGuard(cfg, self.rank, self.world, group=None, device=collective_device(),
-                                   localize=self._localize, replay=self._replay if replayer is not None else None,
-                                   narrow_rows=replayer is not None, replay_peers=peers)
-            self.faults = self.guard.faults if cfg.faults else None
-        else:  # faults only: plain megatron with the same injected faults, for comparisons
-            self.faults = FaultInjector(cfg.faults, self.rank) if cfg.faults else None
+        self.checkpointer = None
+        self.applied_grad = None  # trainguard.appliedgrad.AppliedGradMeter on the inner torch optimizer(s)
+        peers = dist.get_process_group_ranks(ps.get_model_parallel_group()) if replayer is not None else None
+        self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
+                                    device=collective_device(), localize=self._localize,
+                                    replay=self._replay if replayer is not None else None,
+                                    narrow_rows=replayer is not None, replay_peers=peers)
+        s = self.session
+        self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.faults is not None:
             self.faults.precision = _dtype(self.chunks[0])
         scaler = _GradScaler(optimizer)
@@ -233,19 +185,17 @@ class MegatronGuard:
         if self.guard is not None:
             self.guard.attach_model(_unwrap(self.chunks[0]) if len(self.chunks) == 1 else torch.nn.ModuleList(
                 [_unwrap(c) for c in self.chunks]))
-        self._hooks: list = []
         self._probing = None
         self._install_hooks()  # (fault hooks first, so that the finiteness flags see what they did)
-        self._finite = _Finite(self.chunks, self.stage) if cfg.detectors.localize.enabled and guard_enabled \
-            else None
+        self._finite = OutputFlags(_modules(self.chunks), self.stage) if cfg.detectors.localize.enabled and \
+            guard_enabled else None
+        if self._finite is not None:
+            self._hooks.append(self._finite)
         self._base_step = optimizer.step
         optimizer.step = self.step  # the instance's step: the guard decides first
-        self.checkpointer = MegatronCheckpointer(self) if self.guard is not None else None
-        self.driver = StepDriver(self, self.guard, cfg, self.heart) if self.guard is not None else None
-        self.watchdog = None
-        self.applied_grad = None  # trainguard.appliedgrad.AppliedGradMeter on the inner torch optimizer(s)
         if self.guard is None:
             return
+        self.checkpointer = MegatronCheckpointer(self)
         self.guard.clipper.framework_max_norm = self._clip_grad()
         self.applied_grad = self._applied_grad_meter()
         if cfg.clipping.mode == "norm":
@@ -255,7 +205,7 @@ class MegatronGuard:
                                cp=ps.get_context_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
         import megatron.core
 
-        self.guard.on_begin(coords, {
+        s.begin(coords, {
             "framework": "megatron-core", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
             "parallel": {"tp": ps.get_tensor_model_parallel_world_size(),
                          "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -270,16 +220,17 @@ class MegatronGuard:
         if cfg.checkpoint.dir:  # the newest snapshot that verifies (or the newest stable one)
             # (only a snapshot newer than the iteration the run is at: your own checkpoint may be newer)
             self.resumed_data_state = self.checkpointer.resume_on_start(newer_than=start_iteration)
-        from trainguard.watchdog import Watchdog
+        s.start_watchdog()
 
-        self.watchdog = Watchdog(cfg, self.guard, self.heart, self.rank, self.world, lambda: self.iteration)
-        self.watchdog.start()
+    @property
+    def watchdog(self):
+        return self.session.watchdog
 
     def step_number(self) -> int:
         return self.iteration + 1
 
     def heart_beat(self, phase: str) -> None:
-        self.heart.beat(phase, self.iteration)
+        self.session.beat(phase, self.iteration)
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
@@ -299,25 +250,24 @@ class MegatronGuard:
                 self._hooks += self.faults.install_module_faults(inner, self.step_number)
 
     def _on_grad(self, grad):
-        self.guard.on_backward(grad)
+        self.session.backward(grad)
         return None
 
     def _on_forward_pre(self, module, args):
         if not module.training:  # evaluation passes (model.eval()) are not training steps
             return None
-        self.heart.beat("forward", self.step_number())
+        step = self.step_number()
         if self._probing is None and self.guard is not None:  # the first micro-batch of the step opens the sampled probes
-            self._probing = self.guard.probing(self.step_number())
+            self._probing = self.session.probing(step)
             self._probing.__enter__()
-        if self.faults is not None:
-            self.faults.process(self.step_number())
-            if self._first_forward:
-                # megatron's inputs are token ids: spike_batch scales this rank's loss (on the last pipeline stage,
-                # where the loss is); nan_batch poisons the first leaf module's output (one row with `sample`), of
-                # the step's first micro-batch only -- one bad sample, which replays with its micro-batch
-                _, self._poison = self.faults.batch(self.step_number(), args)
-                if self._poison is not None:
-                    self._poisoning = PoisonFirstLeaf(module, self._poison).__enter__()
+        # megatron's inputs are token ids: spike_batch scales this rank's loss (on the last pipeline stage, where the
+        # loss is); nan_batch poisons the first leaf module's output (one row with `sample`), of the step's first
+        # micro-batch only -- one bad sample, which replays with its micro-batch
+        _, poison = self.session.forward(step, args, batch_faults=self._first_forward)
+        if self._first_forward:
+            self._poison = poison
+            if poison is not None:
+                self._poisoning = PoisonFirstLeaf(module, poison).__enter__()
         self._first_forward = False
         return None
 
@@ -325,8 +275,8 @@ class MegatronGuard:
         if self._poisoning is not None:
             self._poisoning.__exit__(None, None, None)
             self._poisoning = None
-        if module.training and self.guard is not None:  # (the step's own time: the straggler detector)
-            self.guard.forward_done()
+        if module.training:  # (the step's own time: the straggler detector)
+            self.session.forward_done()
         return None
 
     def record(self, drawn: list) -> None:
@@ -348,8 +298,7 @@ class MegatronGuard:
         if not module.training or not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return None
         scalar = output.detach().float().mean()
-        seen = self.guard.on_loss(self.step_number(), scalar) if self.guard is not None else \
-            self.faults.loss(self.step_number(), scalar)
+        seen = self.session.loss(self.step_number(), scalar)
         if seen is not scalar:  # a loss fault (nan_loss, spike) changed it: carry that into the real loss
             return output * (seen / scalar).to(output.dtype)
         return None
@@ -371,23 +320,16 @@ class MegatronGuard:
     def step(self, *args, **kwargs):
         """``optimizer.step()`` with the guard's decision first (trainguard.driver); the same return value."""
         self._first_forward = True
-        if self.driver is None:  # faults only
-            step = self.step_number()
-            self.heart.beat("collective", step)
-            result = self._base_step(*args, **kwargs)
-            self.faults.step_done(step)
-            self.iteration += 1
-            return result
         if self._probing is not None:
             self._probing.__exit__(None, None, None)
             self._probing = None
         try:
-            return self.driver.step(lambda: self._base_step(*args, **kwargs))
+            return self.session.step(lambda: self._base_step(*args, **kwargs))
         finally:
             if self._finite is not None:
                 self._finite.reset()
 
-    # ------------------------------------------------------------------ trainguard.driver.Framework
+    # ------------------------------------------------------------------ trainguard.protocols.Framework
     def completed_steps(self) -> int:
         return self.iteration
 
@@ -428,7 +370,7 @@ class MegatronGuard:
                 o.config.clip_grad = float(max_norm)
 
     def apply(self, decision, base_step) -> StepOutcome:
-        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK) and decision.anomaly != "overflow":
+        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK) and decision.anomaly is not Anomaly.OVERFLOW:
             self.optimizer.zero_grad()
             for chunk in self.chunks:
                 if hasattr(chunk, "zero_grad_buffer"):
@@ -490,19 +432,9 @@ class MegatronGuard:
     def close(self, clean: bool = True) -> None:
         """The end of the run. ``clean=False`` (the loop raised: a peer died, ...): the snapshots in node memory
         stay for the restart, and no writer is waited for (its peer may be gone)."""
-        watchdog = self.watchdog.stop() if self.watchdog is not None else None
-        if self.checkpointer is not None and clean:  # (the tier's writer finishes, then node memory is freed)
-            self.checkpointer.close()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        if self._finite is not None:
-            self._finite.remove()
         if getattr(self.optimizer, "step", None) == self.step:
             self.optimizer.step = self._base_step
-        if self.guard is not None:
-            self.guard.on_close({"iterations": self.iteration, "goodput": self.guard.goodput.summary(),
-                                 **({"watchdog": watchdog} if watchdog else {})})
+        self.session.close({"iterations": self.iteration}, clean=clean)
 
 
 def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,
@@ -524,7 +456,7 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
 
     versions.check(megatron.core.__version__)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    cfg = _block(config)
+    cfg = tg_config.block_of(config, "megatron_hooks.install")
     check_supported(cfg, "megatron_hooks")  # a key set here that megatron cannot honour: refused, by name
     if replayer is None:
         asked = [k for k in ("replay_check", "narrow_samples") if k in cfg.recovery.model_fields_set
@@ -554,7 +486,7 @@ def _existing_file(value: str) -> str:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"--trainguard-config: {value} is not a file")
     try:
-        check_supported(_block(str(path)), "megatron_hooks")
+        check_supported(tg_config.block_of(str(path)), "megatron_hooks")
         import megatron.core
 
         versions.check(megatron.core.__version__, "Megatron-LM")

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -28,17 +26,13 @@ import torch.distributed as dist
 
 from trainguard import __version__
 from trainguard.checkpoint import rng
-from trainguard.checkpoint.commit import commit_staged
-from trainguard.checkpoint.fsio import atomic_write_json
-from trainguard.checkpoint.layout import STAGING, CheckpointError, CheckpointLayout, step_tag
+from trainguard.checkpoint.layout import SIDECAR, STAGING, CheckpointError, CheckpointLayout
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files
+from trainguard.checkpoint.manifest import Manifest, VerifiedReader
 from trainguard.checkpoint.rollback import fitting_after
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0
 
-SIDECAR = "trainguard"
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
 
 
@@ -118,42 +112,23 @@ class MegatronCheckpointer(CheckpointManager):
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, data_state: dict | None = None) -> str:
-        """Every rank. Commits ``<root>/<tag>`` (tag = the iteration) or raises; never half-writes.
+        """Every rank. Commits ``<root>/<tag>`` (tag = the iteration) or raises; never half-writes
+        (the commit protocol: trainguard.checkpoint.manager.CheckpointManager.save_staged).
         ``data_state``: your data position (default: what ``install(data_state=...)`` returns)."""
         from megatron.core import dist_checkpointing
 
         mg = self.mg
         if data_state is None and mg.data_state is not None:
             data_state = mg.data_state()
-        mg.heart_beat("checkpoint")
-        root = Path(root)
-        t0 = time.perf_counter()
-        tag = step_tag(mg.iteration)
-        nonce = broadcast_from_rank0(f"{tag}.{uuid.uuid4().hex[:10]}")
-        layout = CheckpointLayout(root)
-        staging_root = layout.staging_root(nonce)
-        staged = staging_root / tag
-        if dist.get_rank() == 0:
-            (staged / SIDECAR).mkdir(parents=True, exist_ok=True)
-            (staged / "dist").mkdir()
-        dist.barrier()
-        dist_checkpointing.save(self._sharded(), str(staged / "dist"))
-        torch.save(self._sidecar(data_state), staged / SIDECAR / f"rank{dist.get_rank()}.pt")
-        if dist.get_rank() == 0:
-            atomic_write_json(staged / SIDECAR / "guard.json", mg.guard.state_dict())
-        dist.barrier()
-        if dist.get_rank() == 0:
-            commit_staged(root, staging_root, nonce, key=self.key,
-                          manifest=self._manifest(tag, mg.iteration, hash_files(staged, list_files(staged))))
-            self.retention(root)
-        dist.barrier()
-        self.roots[tag] = root
-        self.health.saved(tag, mg.iteration)
-        seconds = time.perf_counter() - t0
-        mg.guard.goodput.overhead(seconds)
-        self.emit(mg.iteration, Record.CHECKPOINT_SAVED, {
-            "tag": tag, "dir": str(root), "format": "megatron dist_checkpointing", "blocking_s": round(seconds, 3)})
-        return tag
+
+        def write(staged: Path) -> dict:
+            if dist.get_rank() == 0:
+                (staged / "dist").mkdir()
+            dist.barrier()
+            dist_checkpointing.save(self._sharded(), str(staged / "dist"))
+            return {}  # (dist_checkpointing's files: hashed by rank 0 at the commit)
+
+        return self.save_staged(root, write, fmt="megatron dist_checkpointing", sidecar=lambda: self._sidecar(data_state))
 
     # ------------------------------------------------------------------ rollback
     def not_before(self, root: Path) -> int:
@@ -229,12 +204,8 @@ class MegatronCheckpointer(CheckpointManager):
         if purpose == "rollback":  # the run moves on: the guard's statistics, budgets and data stay as they are
             return None
         mg.guard.load_state_dict(json.loads((tag_dir / SIDECAR / "guard.json").read_text()))
-        self.resumed_tag = chosen
-        self.start_resume_check(chosen, tag_dir)
-        self.emit(mg.iteration, Record.RESUME, ranks=list(range(dist.get_world_size())), detail={
-            "tag": chosen, "dir": str(root), "step": man.step, "fell_back_past": skipped,
-            "resharded": None if same_layout else {"from": man.layout, "to": now},
-            "rng_restored": side is not None})
+        self.resumed(root, chosen, man.step, {"fell_back_past": skipped, "rng_restored": side is not None,
+                                              "resharded": None if same_layout else {"from": man.layout, "to": now}})
         if side is not None:
             return side.get("data_state")
         rank0 = torch.load(tag_dir / SIDECAR / "rank0.pt", weights_only=True)

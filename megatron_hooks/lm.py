@@ -43,6 +43,7 @@ import functools
 import sys
 from pathlib import Path
 
+from trainguard import config as tg_config
 from trainguard.bootstrap import wrap_once
 from trainguard.data import DataPosition
 from trainguard.errors import ConfigError
@@ -102,9 +103,7 @@ def _setup(setup, *args, **kwargs):
     path = getattr(margs, "trainguard_config", None)
     if not path:
         return setup(*args, **kwargs)
-    import megatron_hooks
-
-    cfg = megatron_hooks._block(path)
+    cfg = tg_config.block_of(path, "--trainguard-config")
     _check_dirs(cfg, margs)
     container = kwargs.get("cfg_container")  # (core_v0.18+: pretrain()'s config container, built before the model)
     handovers = []
@@ -154,9 +153,7 @@ def _refuse_conflicts(args) -> None:
     path = getattr(args, "trainguard_config", None)
     if not path:
         return
-    import megatron_hooks
-
-    cfg = megatron_hooks._block(path)
+    cfg = tg_config.block_of(path, "--trainguard-config")
     for flag, conflicts, why, instead in REFUSED:
         if conflicts(args, cfg):
             print(f"error: --trainguard-config {path} cannot run with Megatron-LM's {flag}: {why}. Instead: "

@@ -687,6 +687,19 @@ def load(config: str | os.PathLike | dict | None) -> tuple[dict | None, Traingua
     return config, parse_block(config[BLOCK], source)
 
 
+def block_of(config: Any, caller: str = "trainguard") -> TrainguardConfig:
+    """The block, for an API that takes it alone (megatron_hooks.install): a parsed config, a dict, or a JSON
+    file -- the block itself, or a ds_config-style one holding a "trainguard" key."""
+    if isinstance(config, TrainguardConfig):
+        return config
+    source = None
+    if isinstance(config, (str, os.PathLike)):
+        source, config = str(config), read_json(config)
+    if not isinstance(config, dict):
+        raise TypeError(f"{caller}: config must be a path, a dict or a TrainguardConfig, not {type(config).__name__}")
+    return parse_block(config.get(BLOCK, config), source)
+
+
 # --------------------------------------------------------------------------- generated docs
 
 

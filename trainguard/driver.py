@@ -5,7 +5,7 @@
 
 An adapter (``ds_plugins``, ``megatron_hooks``) calls :meth:`StepDriver.step` from the place its
 framework takes an optimizer step (DeepSpeed's ``engine.step()`` at the accumulation boundary,
-megatron's ``optimizer.step()``) and implements :class:`Framework`: how to apply or skip a step
+megatron's ``optimizer.step()``) and implements :class:`trainguard.protocols.Framework`: how to apply or skip a step
 there, its loss-scaler view, its LR groups, its optimizer moments, its precision fallback, its
 checkpointer (a :class:`trainguard.checkpoint.manager.CheckpointManager`) and, where the adapter
 owns the data loader, the data position. Everything else -- the order of the loop points, when to
@@ -17,84 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator
 
 from trainguard.config import TrainguardConfig
-from trainguard.detectors.loss_scale import ScalerState
 from trainguard.errors import FallbackUnavailable
-from trainguard.events import Action, Record
+from trainguard.events import Action, Anomaly, Record, Remedy
 from trainguard.guard import StepGuard
 from trainguard.policy import Decision
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What the framework's step did. ``grad_norm`` may be a device tensor (read one step late)."""
-
-    result: Any                      # what the user's call returns (DeepSpeed's step, megatron's tuple)
-    applied: bool
-    grad_norm: Any = None
-    clip_limit: Optional[float] = None
-
-
-class ScalerControl(Protocol):
-    """An fp16 dynamic loss scaler, read from host values and adjusted in place."""
-
-    def state(self) -> ScalerState | None: ...
-    def reset(self) -> dict: ...
-    def raise_floor(self, factor: float) -> dict: ...
-
-
-class DataControl(Protocol):
-    """A loader that knows its position (trainguard.data.TrackedLoader)."""
-
-    def set_aside(self, sample_ids) -> None: ...
-    def skip(self, batches: int) -> None: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-@runtime_checkable
-class Framework(Protocol):
-    """What the driver needs of a framework; each adapter implements it for its own."""
-
-    rank: int
-    checkpointer: Any          # trainguard.checkpoint.manager.CheckpointManager, or None
-    data: DataControl | None   # None: the data loader is the user's (megatron)
-    applied_grad: Any          # trainguard.appliedgrad.AppliedGradMeter on the inner optimizer, or None
-
-    def completed_steps(self) -> int:
-        """Optimizer steps done (DeepSpeed's global_steps, megatron's iteration); a load sets it back."""
-
-    def scaler(self) -> ScalerControl | None:
-        """The fp16 dynamic loss scaler when one is on and watched, else None."""
-
-    def agree_scale(self) -> tuple[float, float]:
-        """(loss scale, gradient divisor) the local gradient norms are divided by at AGREE."""
-
-    def set_clip(self, max_norm: float) -> None:
-        """The max-norm the framework's own clipping uses from this step on."""
-
-    def apply(self, decision: Decision, base_step: Callable[[], Any]) -> StepOutcome:
-        """Apply the optimizer step (``base_step``), or take the framework's skip path."""
-
-    def lr_groups(self) -> list[dict]:
-        """The optimizer's param groups (their ``lr`` is scaled around a step)."""
-
-    def after_rollback(self, step: int) -> dict:
-        """Right after a rollback's load (``completed_steps()`` = the checkpoint's step). A framework
-        whose loop rewinds with it returns {}; one whose loop owns its step counter and goes on
-        (Megatron-LM) sets ``completed_steps()`` back to ``step`` and says what the loop kept."""
-
-    def skipped_steps(self) -> int:
-        """The framework's own count of steps not applied (for the metric line)."""
-
-    def reset_moments(self) -> int:
-        """Zero Adam's moment estimates, wherever the framework keeps them; the elements zeroed."""
-
-    def fallback_to_bf16(self, step: int) -> dict:
-        """Turn the fp16 run into a bf16 one in place; raise FallbackUnavailable with advice."""
+from trainguard.protocols import Framework
 
 
 class StepDriver:
@@ -158,7 +88,7 @@ class StepDriver:
         # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy; nor is bad data
         # whose steps were skipped (the replay found the weights healthy: trainguard.replay)
         blamed_data = decision.action is Action.SKIP_STEP and self.guard.weights == "healthy"
-        cp.on_step_end(step, health_loss(obs), anomaly=not blamed_data and any(v.anomaly != "overflow"
+        cp.on_step_end(step, health_loss(obs), anomaly=not blamed_data and any(v.anomaly != Anomaly.OVERFLOW
                                                                                for v in decision.verdicts))
         cp.after_step(step)
 
@@ -193,7 +123,7 @@ class StepDriver:
         to blame -- and then applies its remedy: reset the scale, raise its floor, or continue in
         bf16 (in place when no checkpoint predates the descent). Returns whether one was loaded."""
         fw, guard, rc = self.fw, self.guard, self.cfg.recovery
-        scale_case = decision.anomaly == "loss_scale"
+        scale_case = decision.anomaly is Anomaly.LOSS_SCALE
         skip = 0 if scale_case else rc.skip_batches
         quarantined = guard.culprit_samples   # (set aside in the loader when the step was decided)
         data = fw.data
@@ -246,7 +176,7 @@ class StepDriver:
         """The loss_scale rung's remedy: reset the scale, also raise its floor, or continue in bf16."""
         fw, guard = self.fw, self.guard
         guard.loss_scale.reset()
-        if decision.remedy == "bf16":
+        if decision.remedy is Remedy.BF16_FALLBACK:
             if fw.checkpointer is not None:
                 fw.checkpointer.wait_pending()
             try:
@@ -256,19 +186,19 @@ class StepDriver:
                                                  decision.verdicts)) from None
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}
-            guard.policy.tried_also(step, "bf16_fallback", detail)
-            guard.emit(step, Record.PRECISION_FALLBACK, [], "bf16_fallback", detail)
+            guard.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
+            guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
             if fw.checkpointer is not None:
                 fw.checkpointer.after_precision_change()
             return detail
         scaler = fw.scaler()
         detail = {}
         if scaler is not None:
-            if decision.remedy == "raise_floor":
+            if decision.remedy is Remedy.RAISE_FLOOR:
                 detail.update(scaler.raise_floor(self.cfg.recovery.floor_factor))
             detail.update(scaler.reset())
-        guard.policy.tried_also(step, decision.remedy, {**detail, "after_rollback": rolled_back})
-        guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy, detail)
+        guard.policy.tried_also(step, decision.remedy.value, {**detail, "after_rollback": rolled_back})
+        guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy.value, detail)
         return detail
 
 

@@ -55,6 +55,51 @@ class Event(str, enum.Enum):
     CLOSE = "close"
 
 
+class _Word(str, enum.Enum):
+    """A closed vocabulary whose members read (and format, in f-strings and JSON) as their values, and hash
+    as them: a member finds what is keyed by its value (``recovery.ladders["nonfinite"]``), and back."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+class Anomaly(_Word):
+    """The classes the recovery ladders act on (``recovery.ladders``), as detectors name them in verdicts.
+    Other verdicts (attention entropy, activation range, stragglers, your detectors) alert."""
+
+    NONFINITE = "nonfinite"          # a rank's local loss or gradients were NaN/Inf
+    OVERFLOW = "overflow"            # fp16: gradients overflowed, losses finite (the scaler's routine: no ladder)
+    INSTANT_BURST = "instant_burst"  # loss spike with the gradient norm jumping in one step: a bad batch
+    SLOW_RISE = "slow_rise"          # loss spike after the gradient norm crept up: the LR is too high
+    LOSS_SCALE = "loss_scale"        # the fp16 scaler collapsed
+
+
+class Remedy(_Word):
+    """What the loss_scale ladder's rollback does to the scaler afterwards (trainguard.driver.scale_remedy):
+    its rung's name, so that a ladder step, a decision and the record that carries it out say the same."""
+
+    RESET_SCALE = "reset_scale"      # rung "rollback"
+    RAISE_FLOOR = "raise_floor"
+    BF16_FALLBACK = "bf16_fallback"
+
+
+class Phase(_Word):
+    """Where a rank is in its step, as its heartbeat says (trainguard.watchdog): a phase change is progress,
+    and a hang report names the phase each rank stalled in."""
+
+    START = "start"
+    DATA = "data"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    COLLECTIVE = "collective"
+    CHECKPOINT = "checkpoint"
+    EVAL = "eval"
+    DONE = "done"
+
+
 class Record(str, enum.Enum):
     """Values of the ``event`` field of an event line in the JSONL log (docs/events.md lists exactly
     these). The vocabulary is closed: :meth:`trainguard.eventlog.EventLog.emit` writes members only."""

@@ -30,12 +30,12 @@ from typing import Sequence
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.detectors.base import Verdict
-from trainguard.events import Action
+from trainguard.events import Action, Anomaly, Remedy
 
 SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "raise_floor": 3,
             "bf16_fallback": 3, "abort": 4}
-DATA_OR_WEIGHTS = ("nonfinite", "instant_burst")  # the classes a replay of a healthy micro-batch decides
-REMEDY = {"rollback": "reset_scale", "raise_floor": "raise_floor", "bf16_fallback": "bf16"}
+DATA_OR_WEIGHTS = (Anomaly.NONFINITE, Anomaly.INSTANT_BURST)  # the classes a replay of a healthy micro-batch decides
+REMEDY = {"rollback": Remedy.RESET_SCALE, "raise_floor": Remedy.RAISE_FLOOR, "bf16_fallback": Remedy.BF16_FALLBACK}
 
 
 @dataclass(frozen=True)
@@ -45,18 +45,18 @@ class Decision:
     verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
     lower_lr: bool = False          # ROLLBACK: also scale the LR by lr_factor
     onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
-    anomaly: str | None = None      # the class that drove the decision
-    remedy: str | None = None       # loss_scale ROLLBACK: "reset_scale" | "raise_floor" | "bf16"
+    anomaly: Anomaly | None = None  # the class that drove the decision
+    remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it
     onset_skipped: bool = False     # ROLLBACK: the onset step itself was skipped, so a checkpoint saved
                                     # at it holds the state from before the anomaly and may be chosen
 
 
-def anomaly_class(v: Verdict) -> str | None:
-    if v.anomaly == "nonfinite":
-        return "nonfinite"
-    if v.anomaly in ("instant_burst", "slow_rise", "overflow", "loss_scale"):
-        return v.anomaly
-    return None
+def anomaly_class(v: Verdict) -> Anomaly | None:
+    """The ladder class of a verdict (None: it alerts only)."""
+    try:
+        return Anomaly(v.anomaly)
+    except ValueError:
+        return None
 
 
 class Policy:
@@ -91,7 +91,7 @@ class Policy:
         if classes == {"overflow"}:
             ranks = sorted({r for v in verdicts for r in v.ranks})
             return Decision(Action.SKIP_STEP, f"fp16 overflow on rank(s) {ranks}: the loss scaler lowers its scale",
-                            verdicts, anomaly="overflow")
+                            verdicts, anomaly=Anomaly.OVERFLOW)
         classes.discard("overflow")
         ranks = sorted({r for v in verdicts if anomaly_class(v) for r in v.ranks})
         if "nonfinite" in classes:
@@ -155,7 +155,7 @@ class Policy:
             return self._abort(f"{reason}; recovery is disabled", (verdict,), step)
         rung = self._climb("loss_scale", step)
         if rung in ("alert", "skip_step"):
-            return Decision(Action.CONTINUE, reason + f" ({rung})", (verdict,), anomaly="loss_scale")
+            return Decision(Action.CONTINUE, reason + f" ({rung})", (verdict,), anomaly=Anomaly.LOSS_SCALE)
         if rung == "abort":
             return self._abort(f"{reason}: the ladder says abort", (verdict,), step)
         if rung == "bf16_fallback" and self.recovery.fp16_fallback == "none":
@@ -164,9 +164,9 @@ class Policy:
         exhausted = self._budget_exhausted(reason, (verdict,), step)
         if exhausted is not None:
             return exhausted
-        remedy = REMEDY.get(rung, "reset_scale")  # rollback_lower_lr here means a plain rollback too
+        remedy = REMEDY.get(rung, Remedy.RESET_SCALE)  # rollback_lower_lr here means a plain rollback too
         return Decision(Action.ROLLBACK, f"{reason} -> {remedy}", (verdict,), lower_lr=rung == "rollback_lower_lr",
-                        onset_step=verdict.detail.get("onset_step") or step, anomaly="loss_scale", remedy=remedy,
+                        onset_step=verdict.detail.get("onset_step") or step, anomaly=Anomaly.LOSS_SCALE, remedy=remedy,
                         onset_skipped=True)  # the descent began with an overflow, which was skipped
 
     def _climb(self, cls: str, step: int) -> str:

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from trainguard.events import Record
+from trainguard.events import Phase, Record
 
-PHASES = ("start", "data", "forward", "backward", "collective", "checkpoint", "eval", "done")
+PHASES = tuple(p.value for p in Phase)
 
 
 @dataclass
@@ -74,8 +74,8 @@ class Heartbeat:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self.started = process_start(self.pid)
 
-    def beat(self, phase: str, step: int | None = None) -> None:
-        self.phase = phase
+    def beat(self, phase: Phase | str, step: int | None = None) -> None:
+        self.phase = Phase(phase).value  # (a phase outside trainguard.events.Phase: ValueError, by name)
         if step is not None:
             self.step = step
         self.progress = time.time()

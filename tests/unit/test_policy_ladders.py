@@ -91,7 +91,7 @@ def test_fp16_overflow_is_routine_and_the_loss_scale_ladder_climbs():
         [True, True, False]
 
     # the default ladder: straight to bf16 (values beyond fp16's range: no scale reset helps)
-    assert Policy(NonfiniteConfig(), RecoveryConfig()).decide_loss_scale(collapse, 30).remedy == "bf16"
+    assert Policy(NonfiniteConfig(), RecoveryConfig()).decide_loss_scale(collapse, 30).remedy == "bf16_fallback"
     # the three-rung ladder: reset the scale, then raise the floor, then bf16; "none" as fallback aborts instead
     p = Policy(NonfiniteConfig(), RecoveryConfig(max_rollbacks=10,
                                                  ladders={"loss_scale": ["rollback", "raise_floor", "bf16_fallback"]}))
@@ -101,7 +101,7 @@ def test_fp16_overflow_is_routine_and_the_loss_scale_ladder_climbs():
         assert d.action is Action.ROLLBACK and d.onset_step == 2
         p.rolled_back(step, False, {})
         remedies.append(d.remedy)
-    assert remedies == ["reset_scale", "raise_floor", "bf16"]
+    assert remedies == ["reset_scale", "raise_floor", "bf16_fallback"]  # (the rungs' names)
     q = Policy(NonfiniteConfig(), RecoveryConfig(fp16_fallback="none", ladders={"loss_scale": ["bf16_fallback"]}))
     d = q.decide_loss_scale(collapse, 30)
     assert d.action is Action.ABORT and "fp16_fallback is 'none'" in d.reason

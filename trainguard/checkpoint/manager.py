@@ -7,9 +7,14 @@ stable one) and the resume at start, rollback targets and what a rollback abando
 self-test, and every record about checkpoints. Who calls what: every rank calls every public
 method together; rank 0 alone reads and changes the directory listing and broadcasts its answer.
 
+The commit protocol is here too (:meth:`save_staged`): a staging folder agreed from rank 0, the
+framework's files and every rank's sidecar written and hashed, the guard's state, one file table,
+the manifest last, the rename, retention -- so that a crash leaves the old checkpoint or the new one,
+never half of one, on every framework.
+
 What an adapter supplies (the hooks at the bottom): writing and reading its framework's state
-(``save`` / ``_load_tag``), its step count, which older checkpoints no longer fit the run
-(``not_before``), and what follows a precision change.
+(``save`` through :meth:`save_staged`, ``load``), its per-rank sidecar and manifest, its step count,
+which older checkpoints no longer fit the run (``not_before``), and what follows a precision change.
 """
 from __future__ import annotations
 
@@ -19,22 +24,24 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from trainguard.checkpoint import auth
-from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.checkpoint.commit import commit_staged
+from trainguard.checkpoint.fsio import atomic_write_json, save_hashed
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout
-from trainguard.checkpoint.manifest import Manifest, manifest_digest, verify
+from trainguard.checkpoint.layout import (SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
+                                          step_tag, validate_tag)
+from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, manifest_digest, verify
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, disk_tag, memory_tag, run_id, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0
+from trainguard.isolation import broadcast_from_rank0, gather_objects
 
 
 def rank() -> int:
@@ -367,9 +374,70 @@ class CheckpointManager:
         if self.guard is not None:
             self.guard.goodput.overhead(seconds)
 
+    # ------------------------------------------------------------------ the commit protocol (every adapter)
+    def save_staged(self, root: str | os.PathLike, write: Callable[[Path], dict], tag: str | None = None,
+                    fmt: str | None = None, sidecar: Callable[[], dict] | None = None) -> str:
+        """Every rank: commit one checkpoint of the framework's state as ``<root>/<tag>`` (tag: the step's) or
+        raise; never a half-written one. ``write(staged)``: the adapter writes its framework's files under the
+        staging folder and returns the table of those it hashed while writing them (``{}``: rank 0 hashes what
+        is left); ``sidecar()``: this rank's own state (RNG, data position), taken after ``write`` and written
+        beside the framework's files."""
+        root = Path(root)
+        self.heart.beat("checkpoint")  # (the watchdog: progress, in a phase of its own)
+        t0 = time.perf_counter()
+        step = self.step_count()
+        tag = validate_tag(tag if tag is not None else step_tag(step))
+        nonce = broadcast_from_rank0(f"{tag}.{uuid.uuid4().hex[:10]}")
+        staging_root = CheckpointLayout(root).staging_root(nonce)
+        staged = staging_root / tag
+        if rank() == 0:
+            (staged / SIDECAR).mkdir(parents=True, exist_ok=True)
+        barrier()
+        own = dict(write(staged))
+        if sidecar is not None:
+            (staged / SIDECAR).mkdir(parents=True, exist_ok=True)
+            own[f"{SIDECAR}/rank{rank()}.pt"] = save_hashed(sidecar(), staged / SIDECAR / f"rank{rank()}.pt")
+        if rank() == 0 and self.guard is not None:
+            atomic_write_json(staged / SIDECAR / "guard.json", self.guard.state_dict())
+            own.update(hash_files(staged, [f"{SIDECAR}/guard.json"]))
+        barrier()
+        hashed: dict = {}
+        for part in gather_objects(own):
+            hashed.update(part)
+        if rank() == 0:
+            files = list_files(staged)  # anything the ranks did not hash while writing: hashed now
+            hashed.update(hash_files(staged, [f for f in files if f not in hashed]))
+            if set(hashed) != set(files):
+                raise CheckpointError(f"checkpoint {tag}: {sorted(set(hashed) ^ set(files))[:5]} differ between "
+                                      f"what the ranks wrote and what is in {staged}")
+            commit_staged(root, staging_root, nonce, self._manifest(tag, step, hashed), key=self.key)
+            self.retention(root)
+        barrier()
+        self.roots[tag] = root
+        self.health.saved(tag, step)
+        seconds = time.perf_counter() - t0
+        self.overhead(seconds)
+        self.emit(step, Record.CHECKPOINT_SAVED, {
+            "tag": tag, "dir": str(root), "files": len(hashed), "bytes": sum(f["size"] for f in hashed.values()),
+            **({"format": fmt} if fmt else {}), "blocking_s": round(seconds, 3), "total_s": round(seconds, 3)})
+        return tag
+
+    def resumed(self, root: Path, tag: str, step: int, detail: dict) -> None:
+        """After a resume's load (not a rollback's): the resume self-test armed and the ``resume`` record."""
+        self.roots[tag] = root
+        self.resumed_tag = tag
+        self.start_resume_check(tag, root / tag)
+        self.emit(self.step_count(), Record.RESUME, ranks=list(range(world())), detail={
+            "tag": tag, "dir": str(root), "step": step, "tier": "disk", **detail,
+            "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
+
     # ------------------------------------------------------------------ the adapter's part
     def step_count(self) -> int:
         raise NotImplementedError
+
+    def _manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:
+        """The manifest of a checkpoint: its files, layout, lineage and health (the adapter's facts)."""
+        return Manifest(tag=tag, step=step, files=files, layout=layout)
 
     def save(self, root, **kwargs) -> str:
         raise NotImplementedError

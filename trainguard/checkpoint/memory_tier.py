@@ -2,7 +2,7 @@
 memory every few steps with no collective on the step, a background writer that hashes and commits it, and
 a copy to a rank on the next node (trainguard/checkpoint/snapshots.py holds the store and the placement).
 
-What a shard *is* belongs to the framework: the adapter hands a :class:`ShardSource`, whose ``capture``
+What a shard *is* belongs to the framework: the adapter hands a :class:`trainguard.protocols.ShardSource`, whose ``capture``
 builds this rank's state as host copies (the blocking part); everything else -- the private folder and
 its space check, pacing, the writer thread, the peer exchange on a group of its own with a timeout,
 failures escalating to ``snapshots_off``, choosing the newest snapshot every rank can load, fetching a
@@ -16,8 +16,6 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,29 +28,9 @@ from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_cho
 from trainguard.errors import ConfigError
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, gather_objects
+from trainguard.protocols import ShardSource
 
-__all__ = ["MemoryTier", "ShardSource", "MAX_FAILURES", "PEER_TIMEOUT_S"]
-
-
-class ShardSource(Protocol):
-    """One framework's shard of one rank (the adapter's part of the tier)."""
-
-    def unsupported(self) -> str | None:
-        """Why this setup cannot snapshot a rank alone (a collective would be needed), or None."""
-
-    def estimated_bytes(self) -> int:
-        """About what one shard takes, before the first is written (the start-of-run space check)."""
-
-    def step(self) -> int:
-        """The step a snapshot taken now stands for."""
-
-    def fits(self) -> dict:
-        """(Optional) the manifest layout values a shard must have to load here, beyond the world size."""
-
-    def capture(self, staging_root: Path, tag: str, step: int) -> tuple[list, list, Any]:
-        """This rank's state as host copies: ``(writes, json_writes, manifest)`` -- ``writes`` [(state, path)]
-        and ``json_writes`` [(dict, path)] under ``staging_root / tag``, ``manifest`` without its files table.
-        Raises OSError when node memory cannot take it (a failed snapshot, never a failed step)."""
+__all__ = ["MemoryTier", "ShardSource", "MAX_FAILURES", "PEER_TIMEOUT_S"]  # (ShardSource: trainguard.protocols)
 
 
 MAX_FAILURES = 3       # snapshots in a row that fail to write before the tier stops writing on that rank

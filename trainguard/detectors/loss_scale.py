@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from trainguard.config import LossScaleConfig
 from trainguard.detectors.base import Verdict
+from trainguard.events import Anomaly
 
 ONSET_GAP = 10  # overflows at most this many steps apart belong to one descent
 
@@ -47,7 +48,7 @@ class LossScaleWatch:
             return None
         why = (f"fp16 loss scale overflowed at its minimum {before.min_scale:g}" if at_floor else
                f"{self.streak} overflowing steps in a row (max_overflow_streak={self.cfg.max_overflow_streak})")
-        return Verdict(detector="loss_scale", anomaly="loss_scale", ranks=(), detail={
+        return Verdict(detector="loss_scale", anomaly=Anomaly.LOSS_SCALE, ranks=(), detail={
             "why": why, "scale": before.scale, "min_scale": before.min_scale, "streak": self.streak,
             "onset_step": self.onset(), "at_floor": at_floor})
 

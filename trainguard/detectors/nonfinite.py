@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from trainguard.detectors.base import RankObservation, Verdict
+from trainguard.events import Anomaly
 
 
 def detect_nonfinite(observations: Sequence[RankObservation], scaled: bool = False) -> Verdict | None:
@@ -35,5 +36,5 @@ def detect_nonfinite(observations: Sequence[RankObservation], scaled: bool = Fal
     if not culprits:
         return None
     overflow = scaled and all(c["origin"] == "gradients" for c in culprits.values())
-    return Verdict(detector="nonfinite", anomaly="overflow" if overflow else "nonfinite", ranks=tuple(sorted(culprits)),
+    return Verdict(detector="nonfinite", anomaly=Anomaly.OVERFLOW if overflow else Anomaly.NONFINITE, ranks=tuple(sorted(culprits)),
                    detail={"per_rank": culprits})

@@ -1,0 +1,284 @@
+"""GuardSession over a framework made of plain torch calls (issue 24): every ladder in one process, the loop
+points called in :class:`trainguard.events.Event`'s order, and the checkpoints committed and loaded through the
+core's commit protocol (CheckpointManager.save_staged) -- what an adapter for a new framework would write,
+and all it would write."""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from trainguard import gradhooks
+from trainguard.checkpoint import rng
+from trainguard.checkpoint.layout import SIDECAR
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.config import parse_block
+from trainguard.detectors.loss_scale import ScalerState
+from trainguard.driver import zero_adam_moments
+from trainguard.errors import TrainguardAbort
+from trainguard.events import Action, Event
+from trainguard.isolation import RankCoords
+from trainguard.protocols import Framework, StepOutcome
+from trainguard.session import GuardSession
+
+BASE = {"checks": {"enabled": False}, "allow_faults": True,
+        "detectors": {"grad_norm": {"enabled": False}, "attention_entropy": {"enabled": False},
+                      "activation_range": {"enabled": False}, "straggler": {"enabled": False},
+                      "loss_spike": {"min_history": 5, "window": 16}},
+        "recovery": {"skip_batches": 0},
+        "checkpoint": {"every_steps": 5, "stable_after": 2, "verify_steps": 0, "keep_last": 20}}
+
+
+class FakeScaler:
+    """An fp16 dynamic loss scaler: halves on an overflow, down to its floor."""
+
+    def __init__(self):
+        self.scale, self.min_scale = 4.0, 1.0
+
+    def state(self):
+        return ScalerState(self.scale, self.min_scale)
+
+    def reset(self):
+        self.scale = max(4.0, self.min_scale)
+        return {"scale": self.scale}
+
+    def raise_floor(self, factor):
+        self.min_scale *= factor
+        return {"min_scale": self.min_scale}
+
+
+class TorchCheckpointer(CheckpointManager):
+    """The framework's state as one file per rank, committed by the core's protocol."""
+
+    def __init__(self, fw, session):
+        super().__init__(fw.cfg, session.guard, session.heart)
+        self.fw = fw
+
+    def step_count(self):
+        return self.fw.steps
+
+    def save(self, root, **kw):
+        def write(staged):
+            torch.save({"model": self.fw.model.state_dict(), "optimizer": self.fw.opt.state_dict(),
+                        "steps": self.fw.steps}, staged / "state.pt")
+            return {}
+        return self.save_staged(root, write, fmt="torch", sidecar=lambda: {"rng": rng.capture()})
+
+    def load(self, root, tag=None, mode="latest_valid", purpose="resume", **kw):
+        chosen, skipped = self.choose_for_load(root, tag, mode)
+        if chosen is None:
+            return None
+        state = torch.load(root / chosen / "state.pt", weights_only=True)
+        self.fw.model.load_state_dict(state["model"])
+        self.fw.opt.load_state_dict(state["optimizer"])
+        self.fw.steps = state["steps"]
+        rng.restore(torch.load(root / chosen / SIDECAR / "rank0.pt", weights_only=True)["rng"])
+        if purpose != "rollback":
+            self.resumed(root, chosen, self.fw.steps, {"fell_back_past": skipped})
+        return chosen
+
+
+class TorchFramework:
+    """trainguard.protocols.Framework over a torch model and optimizer: framework calls only."""
+
+    rank = 0
+    data = None
+    applied_grad = None
+
+    def __init__(self, cfg, fp16=False):
+        torch.manual_seed(0)
+        self.cfg = cfg
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.steps = self.not_applied = 0
+        self.precision = "fp16" if fp16 else "fp32"
+        self._scaler = FakeScaler() if fp16 else None
+        self.clip = None
+        self.checkpointer = None
+        self.faults = None  # the session's FaultInjector (fp16_overflow fires while the run is fp16)
+
+    def completed_steps(self):
+        return self.steps
+
+    def scaler(self):
+        return self._scaler
+
+    def agree_scale(self):
+        return (self._scaler.scale if self._scaler else 1.0), 1.0
+
+    def set_clip(self, max_norm):
+        self.clip = max_norm
+
+    def apply(self, decision, base_step):
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        overflow = self._scaler is not None and norm is not None and not math.isfinite(float(norm))
+        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK) or overflow:
+            if overflow:  # (the scaler's own skip: the scale halves, down to its floor)
+                self._scaler.scale = max(self._scaler.scale / 2, self._scaler.min_scale)
+            self.opt.zero_grad()
+            applied, result = False, None
+        else:
+            result, applied = base_step(), True
+        self.not_applied += not applied
+        self.steps += 1
+        return StepOutcome(result, applied, norm if applied else None, self.clip)
+
+    def lr_groups(self):
+        return self.opt.param_groups
+
+    def after_rollback(self, step):
+        return {}
+
+    def skipped_steps(self):
+        return self.not_applied
+
+    def reset_moments(self):
+        return zero_adam_moments(self.opt)
+
+    def fallback_to_bf16(self, step):
+        self.precision, self._scaler = "bf16", None
+        if self.faults is not None:
+            self.faults.precision = "bf16"
+        return {"rebuilt": "in place"}
+
+
+def _recorded(guard, seen):
+    """Every loop point the guard is called at, in order: one letter per Event."""
+    for ev in Event:
+        name = f"on_{ev.value}"
+        real = getattr(guard, name)
+
+        def wrapper(*a, _real=real, _ev=ev, **k):
+            seen.append(_ev)
+            return _real(*a, **k)
+        setattr(guard, name, wrapper)
+
+
+def run(tmp_path, block, steps, fp16=False):
+    """A user's loop over the fake framework, through the session's loop points. Returns (framework, session,
+    the Events seen, the records written, the exception that ended the run or None)."""
+    block = {**BASE, **block, "metrics": {"jsonl": str(tmp_path / "tg.jsonl")},
+             "checkpoint": {**BASE["checkpoint"], **block.get("checkpoint", {}), "dir": str(tmp_path / "ck")}}
+    cfg = parse_block(block)
+    fw = TorchFramework(cfg, fp16=fp16)
+    assert isinstance(fw, Framework)
+    session = GuardSession(fw, cfg, 0, 1)
+    seen: list[Event] = []
+    _recorded(session.guard, seen)
+    fw.checkpointer = TorchCheckpointer(fw, session)
+    fw.faults = session.faults
+    if session.faults is not None:
+        session.faults.precision = fw.precision
+    session.hooks += gradhooks.install(list(fw.model.named_parameters()), session.faults, lambda: fw.steps + 1,
+                                       session.backward)
+    session.begin([RankCoords(rank=0, dp=0, tp=0, pp=0, host="local", local_rank=0)], {"framework": "torch"})
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(steps)]
+    ended = None
+    try:
+        while fw.steps < steps:
+            step = fw.steps + 1
+            x, y = data[step - 1]
+            session.batch(list(range(8 * (step - 1), 8 * step)), None)
+            (x, y), _ = session.forward(step, (x, y))
+            with session.probing(step):
+                loss = ((fw.model(x) - y) ** 2).mean()
+            session.forward_done()
+            session.loss(step, loss).backward()
+            session.step(fw.opt.step)
+            fw.opt.zero_grad()
+    except TrainguardAbort as e:
+        ended = e
+    session.close({"steps": fw.steps})
+    from trainguard.metrics.jsonl import read
+
+    records = [x for x in read(tmp_path / "tg.jsonl") if x.get("type") == "event"]
+    return fw, session, seen, records, ended
+
+
+LETTER = {Event.BEGIN: "B", Event.BATCH: "b", Event.FORWARD: "f", Event.LOSS: "l", Event.BACKWARD: "g",
+          Event.AGREE: "A", Event.DECIDE: "D", Event.STEP: "S", Event.END: "E", Event.CLOSE: "C"}
+ORDER = re.compile(r"B(bflg+ADSE)+C")  # Event's docstring: BEGIN, per step (BATCH FORWARD LOSS BACKWARD+) AGREE
+#                                        DECIDE STEP END, then CLOSE
+
+
+def _events(records):
+    return [(r["event"], r["step"], r["action"]) for r in records
+            if r["event"] not in ("run_start", "run_end", "checkpoint_saved", "checkpoint_stable")]
+
+
+def test_every_loop_point_in_events_order_and_the_nonfinite_ladder(tmp_path):
+    """NaN losses at 8, 9, 10: skip, skip, then a rollback to the newest stable checkpoint from before 8 (5)."""
+    fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "nan_loss", "step": k} for k in (8, 9, 10)]}, 16)
+    assert ended is None and fw.steps == 16
+    assert ORDER.fullmatch("".join(LETTER[e] for e in seen)), "".join(LETTER[e] for e in seen)
+    assert set(seen) == set(Event)  # (and the guard has one on_<event> per member: test_vocabulary_and_support)
+    ev = _events(records)
+    assert [e for e in ev if e[0] == "nonfinite"] == [("nonfinite", 8, "skip_step"), ("nonfinite", 9, "skip_step"),
+                                                      ("nonfinite", 10, "rollback")]
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["to_step"] == 5 and rb["detail"]["to_tag"] == "step00000005"
+    assert all(torch.isfinite(p).all() for p in fw.model.parameters())
+
+
+def test_a_burst_rolls_back_and_a_ramp_rolls_back_with_the_lr_lowered(tmp_path):
+    """instant_burst: a batch x50 at step 14 rolls back at once; rollback_lower_lr (the slow_rise rung,
+    here on the burst ladder) also scales the LR by lr_factor for lr_cooldown_steps."""
+    fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "spike_batch", "step": 14, "factor": 50}]}, 18)
+    assert ended is None and ("instant_burst", 14, "rollback") in _events(records)
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["to_step"] == 10 and rb["detail"]["lr_factor"] is None
+    fw, s, seen, records, ended = run(tmp_path / "lower", {
+        "faults": [{"type": "spike_batch", "step": 14, "factor": 50}],
+        "recovery": {"skip_batches": 0, "ladders": {"instant_burst": ["rollback_lower_lr"]}, "lr_cooldown_steps": 100}}, 18)
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["lr_factor"] == 0.5
+    assert math.isclose(fw.opt.param_groups[0]["lr"], 1e-2)  # (the scheduled LR is put back after each step)
+    assert s.driver.lr_until == 14 + 100 - (14 - 10)  # (the loop goes on from the checkpoint's step, 10)
+
+
+def test_the_loss_scale_ladder_resets_raises_the_floor_and_falls_back_to_bf16(tmp_path):
+    """fp16 overflows at the floor from step 12: the ladder as configured -- reset the scale, raise its floor,
+    then continue in bf16 -- each after a rollback that skips no batches."""
+    fw, s, seen, records, ended = run(tmp_path, {
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30}],
+        "recovery": {"skip_batches": 0, "ladders": {"loss_scale": ["rollback", "raise_floor", "bf16_fallback"]}}},
+        40, fp16=True)
+    assert ended is None and fw.precision == "bf16" and fw.steps == 40
+    ev = _events(records)
+    scale = [e for e in ev if e[0] in ("loss_scale", "loss_scale_reset", "precision_fallback")]
+    assert [e[0] for e in scale] == ["loss_scale", "loss_scale_reset", "loss_scale", "loss_scale_reset",
+                                     "loss_scale", "precision_fallback"], scale
+    assert [e[2] for e in scale if e[0] == "loss_scale_reset"] == ["reset_scale", "raise_floor"]
+    assert all(r["detail"]["skip_batches"] == 0 for r in records if r["event"] == "rollback")
+    assert all(torch.isfinite(p).all() for p in fw.model.parameters())
+
+
+def test_an_exhausted_budget_aborts_with_the_report(tmp_path):
+    """One rollback allowed: the second non-finite rollback aborts, on every rank, with the report."""
+    fw, s, seen, records, ended = run(tmp_path, {
+        "faults": [{"type": "nan_loss", "step": k} for k in (8, 12)],
+        "recovery": {"skip_batches": 0, "ladders": {"nonfinite": ["rollback"]}, "max_rollbacks": 1}}, 20)
+    assert isinstance(ended, TrainguardAbort)
+    ev = _events(records)
+    assert ("nonfinite", 8, "rollback") in ev and ("abort", 12, "abort") in [(e[0], e[1], e[2]) for e in ev]
+    assert fw.steps < 20
+
+
+def test_without_the_guard_the_session_runs_the_faults_alone():
+    """guard_enabled=False (the plain framework under the same faults, for drills): the lr_ramp fault scales the
+    LR of its steps on this path too, and the steps count on (no records, no decisions)."""
+    cfg = parse_block({**BASE, "faults": [{"type": "lr_ramp", "step": 3, "factor": 2.0, "steps": 2}]})
+    fw = TorchFramework(cfg)
+    s = GuardSession(fw, cfg, 0, 1, guard_enabled=False)
+    assert s.guard is None and s.driver is None
+    used = []
+    for step in range(1, 6):
+        loss = ((fw.model(torch.ones(2, 4)) - 1) ** 2).mean()
+        s.loss(step, loss).backward()
+        s.step(lambda: used.append(fw.opt.param_groups[0]["lr"]))
+        fw.opt.zero_grad()
+    assert fw.steps == 5 and used[0] == used[1] == used[4] == 1e-2 and used[2] > 1e-2 and used[3] > used[2]
+    s.close({})

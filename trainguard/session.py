@@ -1,0 +1,165 @@
+"""One rank's trainguard, built once for every framework: the only caller of the loop points.
+
+An adapter (``ds_plugins``, ``megatron_hooks``) implements :class:`trainguard.protocols.Framework` --
+framework calls only -- and makes one :class:`GuardSession` from it. The session builds the
+heartbeat, the guard (detectors, policy, event log), the fault injector, the step driver and the
+watchdog, and it is what the adapter's hooks call, in :class:`trainguard.events.Event`'s order::
+
+    session = GuardSession(fw, cfg, rank, world, device=..., localize=..., replay=...)
+    session.begin(coords, framework_facts, run_facts)      # BEGIN (after fw.checkpointer is set)
+    session.start_watchdog()
+    ...  per micro-batch:  session.batch(...); session.forward(step, inputs); session.loss(step, loss);
+         per gradient:     session.backward(grad)             (a tensor hook)
+    ...  per step:         session.step(base_step)            AGREE .. END, recovery (trainguard.driver)
+    session.close(totals)                                     # CLOSE
+
+With ``guard_enabled=False`` the same calls run the configured faults only (plain framework under the
+same faults, for drills and comparisons) -- the same faults, fired at the same loop points, on every
+framework. What is framework-specific (how a forward is wrapped, where the loss is, how a step is
+skipped) stays in the adapter; the order, the heartbeats and the faults do not.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from trainguard.config import TrainguardConfig
+from trainguard.driver import StepDriver, scaled_lr
+from trainguard.events import Action, Phase
+from trainguard.faults import FaultInjector
+from trainguard.guard import StepGuard
+from trainguard.policy import Decision
+from trainguard.protocols import Framework
+from trainguard.watchdog import Heartbeat
+
+_CONTINUE = Decision(Action.CONTINUE, "faults only: no guard")
+
+
+class GuardSession:
+    """Everything trainguard runs on one rank, around one framework (``fw``)."""
+
+    def __init__(self, fw: Framework, cfg: TrainguardConfig, rank: int, world: int, *, guard_enabled: bool = True,
+                 device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
+                 replay: Callable | None = None, narrow_rows: bool = False,
+                 replay_peers: Sequence[int] | None = None):
+        self.fw, self.cfg, self.rank, self.world = fw, cfg, rank, world
+        self.heart = Heartbeat(rank)
+        self.guard: StepGuard | None = None
+        if guard_enabled:
+            self.guard = StepGuard(cfg, rank, world, group=None, device=device, localize=localize, replay=replay,
+                                   narrow_rows=narrow_rows, replay_peers=replay_peers)
+            self.faults = self.guard.faults if cfg.faults else None   # one injector, owned by the guard
+        else:
+            self.faults = FaultInjector(cfg.faults, rank) if cfg.faults else None
+        self.driver = StepDriver(fw, self.guard, cfg, self.heart) if self.guard is not None else None
+        self.watchdog = None   # trainguard.watchdog.Watchdog, from start_watchdog()
+        self.hooks: list = []  # what the adapter registered (anything with .remove()): removed at close
+        self.closed = False
+
+    # ------------------------------------------------------------------ BEGIN
+    def begin(self, coords, framework: dict[str, Any], facts=None) -> None:
+        """BEGIN: every rank's coordinates, the run_start record, the start-of-run checks."""
+        if self.guard is not None:
+            self.guard.on_begin(coords, framework, facts)
+
+    def start_watchdog(self) -> None:
+        """Heartbeats and hang detection (distributed.watchdog), and the ``restart`` record of a
+        restarted attempt (trainguard.watchdog.Watchdog)."""
+        import torch.distributed as dist
+
+        from trainguard.watchdog import Watchdog
+
+        if self.guard is None or self.watchdog is not None or not dist.is_initialized():
+            return
+        self.watchdog = Watchdog(self.cfg, self.guard, self.heart, self.rank, self.world, self.fw.completed_steps)
+        self.watchdog.start()
+
+    def beat(self, phase: Phase, step: int | None = None) -> None:
+        self.heart.beat(Phase(phase).value, step)
+
+    # ------------------------------------------------------------------ micro-batch loop points
+    def batch(self, sample_ids, position, rejected=()) -> None:
+        """BATCH: this micro-batch's dataset indices (named in verdicts) and data position."""
+        if self.guard is not None:
+            self.guard.on_batch(list(sample_ids), position, rejected)
+
+    def forward(self, step: int, inputs: Any, batch_faults: bool = True) -> tuple[Any, Any]:
+        """FORWARD, before the model runs: the heartbeat, the process faults (kill, hang, slow), and -- with
+        ``batch_faults`` -- the batch faults. Returns ``(inputs, poison)``: ``poison`` (or None) is what
+        :class:`trainguard.faults.PoisonFirstLeaf` puts into the first module's output."""
+        if self.guard is not None:
+            self.guard.goodput.begin_step()
+        self.beat(Phase.FORWARD, step)
+        if self.faults is not None:
+            self.faults.process(step)
+        if not batch_faults:
+            return inputs, None
+        if self.guard is not None:
+            return self.guard.on_forward(step, inputs)
+        if self.faults is not None:
+            return self.faults.batch(step, inputs)
+        return inputs, None
+
+    def probing(self, step: int):
+        """Around the model's forward: the sampled probes on their steps."""
+        return self.guard.probing(step) if self.guard is not None else contextlib.nullcontext()
+
+    def forward_done(self) -> None:
+        """After a training forward: the step's own compute time (the straggler detector)."""
+        if self.guard is not None:
+            self.guard.forward_done()
+
+    def loss(self, step: int, loss):
+        """LOSS: the loss backward will see (faults may change it); its finiteness flag, on device."""
+        self.beat(Phase.BACKWARD, step)
+        if self.guard is not None:
+            return self.guard.on_loss(step, loss)
+        if self.faults is not None:
+            return self.faults.loss(step, loss)
+        return loss
+
+    def backward(self, grad) -> None:
+        """BACKWARD: a parameter's local gradient (from a tensor hook)."""
+        self.guard.on_backward(grad)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, base_step: Callable[[], Any]) -> Any:
+        """AGREE .. END and what follows (trainguard.driver), around the framework's ``base_step``.
+        Faults only: the step applied as the framework would, under the lr_ramp fault, and the
+        step's faults spent."""
+        if self.driver is not None:
+            return self.driver.step(base_step)
+        fw = self.fw
+        step = fw.completed_steps() + 1
+        self.beat(Phase.COLLECTIVE, step)
+        mult = self.faults.lr_multiplier(step) if self.faults is not None else 1.0
+        with scaled_lr(fw.lr_groups(), mult) if mult != 1.0 else contextlib.nullcontext():
+            out = fw.apply(_CONTINUE, base_step)
+        if self.faults is not None:
+            self.faults.step_done(step)
+        self.beat(Phase.DATA, fw.completed_steps())
+        return out.result
+
+    # ------------------------------------------------------------------ CLOSE
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+    def close(self, totals: dict[str, Any], clean: bool = True) -> None:
+        """CLOSE: the watchdog stopped, the hooks removed, the last save committed (``clean``; a loop that
+        raised leaves node memory for the restart and waits for no writer, whose peer may be gone),
+        the run_end record written and the logs closed. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        watchdog = self.watchdog.stop() if self.watchdog is not None else None
+        self.remove_hooks()
+        cp = getattr(self.fw, "checkpointer", None)
+        if cp is not None and clean:
+            cp.close()
+        if self.guard is not None:
+            self.guard.on_close({**totals, "goodput": self.guard.goodput.summary(),
+                                 **({"watchdog": watchdog} if watchdog else {})})
