@@ -106,6 +106,18 @@ class StragglerConfig(_Section):
     min_step_s: float = Field(0.0, ge=0, description="Ignore steps whose median compute time is below this.")
 
 
+class ReplicaCheckConfig(_Section):
+    """Silent data corruption in the weights: the replicas of a data-parallel group must hold the same bits."""
+
+    enabled: bool = Field(False, description="Every `every_steps` steps each rank adds a digest of its replicated "
+                          "parameters to the per-step AGREE table (no extra collective); a rank whose digest differs "
+                          "from its replicas' (same tensor/pipeline coordinates) is named (replica_mismatch) and the "
+                          "replica_mismatch ladder acts, from before the last step they agreed. Replicated: every "
+                          "parameter at ZeRO 0-2 and in megatron's DDP (the distributed optimizer's model parameters "
+                          "too); ZeRO-3's partitions are not checked.")
+    every_steps: int = Field(100, ge=1, description="Steps between two digests (each reads every parameter once).")
+
+
 class AttentionEntropyConfig(_Section):
     """Entropy of attention probabilities per layer and head, sampled."""
 
@@ -159,6 +171,7 @@ class DetectorsConfig(_Section):
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
     grad_norm: GradNormConfig = Field(default_factory=GradNormConfig)
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+    replica_check: ReplicaCheckConfig = Field(default_factory=ReplicaCheckConfig)
     attention_entropy: AttentionEntropyConfig = Field(default_factory=AttentionEntropyConfig)
     activation_range: ActivationRangeConfig = Field(default_factory=ActivationRangeConfig)
     localize: LocalizeConfig = Field(default_factory=LocalizeConfig)
@@ -280,7 +293,7 @@ SCALE_ONLY_STEPS = ("raise_floor", "bf16_fallback")
 
 def _default_ladders() -> dict:
     return {"nonfinite": ["skip_step", "skip_step", "rollback"], "instant_burst": ["rollback"],
-            "slow_rise": ["rollback_lower_lr"], "loss_scale": ["bf16_fallback"]}
+            "slow_rise": ["rollback_lower_lr"], "loss_scale": ["bf16_fallback"], "replica_mismatch": ["rollback"]}
 
 
 class RecoveryConfig(_Section):
@@ -288,7 +301,8 @@ class RecoveryConfig(_Section):
 
     enabled: bool = Field(True, description="Act on spikes and repeated non-finite steps (false: alerts and "
                           "skipped steps only).")
-    ladders: dict[Literal["nonfinite", "instant_burst", "slow_rise", "loss_scale"], list[LadderStep]] = Field(
+    ladders: dict[Literal["nonfinite", "instant_burst", "slow_rise", "loss_scale", "replica_mismatch"],
+                  list[LadderStep]] = Field(
         default_factory=_default_ladders,
         description="Per anomaly class, the action for its 1st, 2nd, ... occurrence within ladder_window steps "
         "(the last entry repeats). rollback: to the newest stable checkpoint from before the anomaly's onset, "
@@ -297,7 +311,9 @@ class RecoveryConfig(_Section):
         "the scale, min scale x floor_factor) and bf16_fallback (roll back, then continue in bf16, see "
         "fp16_fallback); its rollbacks reset the scale and skip no batches. Its default goes to bf16 at once: overflows that "
         "persist at the minimum scale are values beyond fp16's range, which no scale reset fixes (rollback, raise_floor "
-        "are there for a collapse you know to be transient). A class left out keeps its default.")
+        "are there for a collapse you know to be transient). replica_mismatch (detectors.replica_check): its "
+        "rollback goes to a checkpoint from before the last step the replicas agreed. A class left out keeps its "
+        "default.")
     ladder_window: int = Field(100, ge=1, description="Occurrences older than this many steps no longer count.")
     replay_check: bool = Field(
         True, description="On a non-finite or instant_burst step, every rank replays a micro-batch of the last "
@@ -446,7 +462,7 @@ class FaultSpec(_Section):
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
                   "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint", "kill_rank",
-                  "hang_rank", "checkpoint_write_error", "slow_rank", "nan_weights"] = Field(
+                  "hang_rank", "checkpoint_write_error", "slow_rank", "nan_weights", "bitflip"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -466,13 +482,16 @@ class FaultSpec(_Section):
         "slow_rank: on every step of [step, step+steps) the rank sleeps `factor` (default 0.5) x its previous step's "
         "time before its first forward (a throttled GPU: alive, slower by 1 + factor). nan_weights: at the start of "
         "`step`, NaN is written into `param` on `rank` (silent corruption of the weights in memory: every later step "
-        "is non-finite until a rollback reloads them).")
+        "is non-finite until a rollback reloads them). bitflip: at the start of `step`, bit `bit` of the first element of "
+        "`param` flips on `rank` (silent data corruption: finite, and nothing else notices).")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
     param: Optional[str] = Field(
-        None, description="inf_grad, fp16_overflow, nan_weights: parameter name (as in model.named_parameters()); "
-        "default the first.")
+        None, description="inf_grad, fp16_overflow, nan_weights, bitflip: parameter name (as in "
+        "model.named_parameters()); default the first.")
+    bit: int = Field(4, ge=0, le=63, description="bitflip: the bit of the element's binary representation that flips "
+                     "(0: the lowest mantissa bit; the default 4 is a relative change of ~1e-6 in fp32, ~0.1 in bf16).")
     sample: Optional[int] = Field(
         None, ge=0, description="nan_batch: only this row of the micro-batch (0-based) becomes NaN -- one corrupted "
         "sample in an otherwise healthy batch; default every row. On megatron (token ids) it poisons that row of "
@@ -486,8 +505,8 @@ class FaultSpec(_Section):
 
     @model_validator(mode="after")
     def _fields_fit_the_type(self):
-        if self.param is not None and self.type not in ("inf_grad", "fp16_overflow", "nan_weights"):
-            raise ValueError(f"'param' applies only to types 'inf_grad', 'fp16_overflow' and 'nan_weights', "
+        if self.param is not None and self.type not in ("inf_grad", "fp16_overflow", "nan_weights", "bitflip"):
+            raise ValueError(f"'param' applies only to types 'inf_grad', 'fp16_overflow', 'nan_weights' and 'bitflip', "
                              f"not '{self.type}'")
         if self.sample is not None and self.type != "nan_batch":
             raise ValueError(f"'sample' applies only to type 'nan_batch', not '{self.type}'")

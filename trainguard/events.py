@@ -75,6 +75,7 @@ class Anomaly(_Word):
     INSTANT_BURST = "instant_burst"  # loss spike with the gradient norm jumping in one step: a bad batch
     SLOW_RISE = "slow_rise"          # loss spike after the gradient norm crept up: the LR is too high
     LOSS_SCALE = "loss_scale"        # the fp16 scaler collapsed
+    REPLICA_MISMATCH = "replica_mismatch"  # data-parallel replicas hold different weights (detectors.replica_check)
 
 
 class Remedy(_Word):
@@ -112,6 +113,7 @@ class Record(str, enum.Enum):
     ENTROPY_COLLAPSE = "entropy_collapse"      # an attention head attends to a single token
     ENTROPY_SATURATION = "entropy_saturation"  # an attention head attends uniformly
     ACTIVATION_RANGE = "activation_range"      # a module's output max-abs above the limit
+    REPLICA_MISMATCH = "replica_mismatch"      # a rank's replicated weights differ from its replicas' (silent corruption)
     CUSTOM_ALERT = "custom_alert"              # a verdict of one of your detectors (detectors.custom)
     STRAGGLER = "straggler"                    # a rank alive but slower than the median rank (alert only)
     SAMPLES_REJECTED = "samples_rejected"      # the sanitiser dropped samples or quarantined a batch

@@ -12,6 +12,7 @@ nan_batch, spike_batch FORWARD      floating inputs -> NaN / x factor (integer-o
                                     first leaf module's output -> NaN / the loss x factor);
                                     nan_batch ``sample``: that row only (one bad sample)
 nan_weights            FORWARD      NaN into one parameter on the rank (memory corruption)
+bitflip                FORWARD      one bit of one parameter's first element flips on the rank (silent)
 inf_activation         FORWARD      +Inf in the output of ``module`` (a forward hook)
 attention_collapse     FORWARD      one head's logits into the softmax ``module``,
                                     standardised per query, x factor
@@ -249,10 +250,10 @@ class FaultInjector:
         return inputs, poison_output
 
     def install_module_faults(self, model: torch.nn.Module, step_fn) -> list:
-        """Forward hooks for inf_activation, attention_collapse and nan_weights; returns their handles."""
+        """Forward hooks for inf_activation, attention_collapse, nan_weights and bitflip; returns their handles."""
         modules = dict(model.named_modules())
         handles = []
-        corrupt = [f for f in self.faults if f.type == "nan_weights"]
+        corrupt = [f for f in self.faults if f.type in ("nan_weights", "bitflip")]
         if corrupt:
             params = dict(model.named_parameters())
             target = {id(f): params[_param_of(f, list(params))] for f in corrupt}
@@ -261,12 +262,18 @@ class FaultInjector:
                 if self.quiet:
                     return None
                 step = step_fn()
-                for f in self._due("nan_weights", step):
-                    self._fire(step, "nan_weights")
-                    p = target[id(f)]
-                    if p.numel():
-                        with torch.no_grad():
-                            p.data.view(-1)[0] = float("nan")
+                for kind in ("nan_weights", "bitflip"):
+                    if kind == "bitflip" and (step, kind) in self._now:
+                        continue  # (once per step: a second micro-batch's forward would flip it back)
+                    for f in self._due(kind, step):
+                        self._fire(step, kind)
+                        p = target[id(f)]
+                        if p.numel():
+                            with torch.no_grad():
+                                if kind == "nan_weights":
+                                    p.data.view(-1)[0] = float("nan")
+                                else:
+                                    flip_bit(p.data, f.bit)
                 return None
             handles.append(model.register_forward_pre_hook(corrupt_hook))
         for f in self.faults:
@@ -385,3 +392,12 @@ def corrupt_newest_checkpoint(root) -> str | None:
         f.seek(-len(chunk), 1)
         f.write(bytes(b ^ 0xFF for b in chunk))
     return str(target)
+
+
+def flip_bit(t: torch.Tensor, bit: int) -> None:
+    """Flip bit ``bit`` of ``t``'s first element in place (its bits read as an integer of the same width)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    view = t.view(-1)[:1].view(ints)
+    bit = bit % (8 * t.element_size())
+    mask = torch.tensor(1 << bit if bit < 8 * t.element_size() - 1 else -(1 << bit), dtype=ints)
+    view.bitwise_xor_(mask.to(view.device))

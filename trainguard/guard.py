@@ -33,6 +33,7 @@ from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
 from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.detectors.registry import COLUMNS, registrations
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import argmax, culprit_samples, merge_nonfinite, narrow_to_origin
 from trainguard.eventlog import EventLog
@@ -87,6 +88,9 @@ class StepGuard:
         self.clipper = Clipper(cfg.clipping)
         self.custom = [build(spec, DETECTORS, Detector, f"trainguard.detectors.custom[{i}]")
                        for i, spec in enumerate(cfg.detectors.custom)]
+        # the registered ladder detectors (trainguard.detectors.registry): one shape, one table column each
+        self.registered = [(reg, reg.build(getattr(cfg.detectors, reg.key), self.device)) for reg in registrations()
+                           if getattr(cfg.detectors, reg.key).enabled]
         self.localize = localize
         self.replay = replay if cfg.recovery.replay_check else None
         self.narrow_rows = narrow_rows and replay is not None and cfg.recovery.narrow_samples
@@ -134,7 +138,10 @@ class StepGuard:
         return self.cfg.detectors.nonfinite.enabled
 
     def attach_model(self, model: torch.nn.Module) -> None:
-        """Choose the modules the sampled probes watch (hooks are added only on sampled steps)."""
+        """Choose the modules the sampled probes watch (hooks are added only on sampled steps); hand the model
+        to the registered detectors."""
+        for _, det in self.registered:
+            det.attach_model(model)
         d = self.cfg.detectors
         if d.activation_range.enabled:
             self.range_probe = RangeProbe(select_modules(model, d.activation_range.modules))
@@ -231,7 +238,7 @@ class StepGuard:
                  dynamic_scale: bool = False) -> list[RankObservation]:
         """AGREE: the one collective. Every rank calls it at every optimizer step. ``dynamic_scale``:
         an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
-        host = [0.0] * len(FIELDS)  # the host-known fields, in one small copy
+        host = [0.0] * len(FIELDS) + [float("nan")] * len(COLUMNS)  # the host-known fields, in one small copy
         host[F["micro_batches"]] = self._micro
         host[F["grad_checked"]] = self._grad_hooks
         host[F["faults_fired"]] = self.faults.fired_in(step)
@@ -256,8 +263,13 @@ class StepGuard:
         applied = self.deferred.applied_sq
         row[F["prev_applied_sq"]] = float("nan") if applied is None else applied.detach().reshape(()).to(
             self.device, torch.float64)  # (likewise)
+        for reg, det in self.registered:
+            value = det.local(step) if reg.column else None
+            if value is not None:  # (a device value: copied, never read here)
+                row[len(FIELDS) + COLUMNS.index(reg.column)] = value.to(self.device, torch.float64) \
+                    if isinstance(value, torch.Tensor) else float(value)
         table = agree(row, self.group)
-        obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor)
+        obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor, extra=COLUMNS)
         self._scaled = dynamic_scale
         self.deferred.flush(obs[0].prev_grad_norm, sum(o.prev_applied_sq for o in obs))
         return obs
@@ -320,6 +332,8 @@ class StepGuard:
         if nonfinite is not None:
             verdicts.append(nonfinite)
         verdicts += spikes
+        for _, det in self.registered:
+            verdicts += det.observe(step, obs, self.coords)
         custom = [v for det in self.custom for v in det.observe(step, obs)]
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
         decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights)
@@ -509,7 +523,8 @@ class StepGuard:
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
                 "loss_spike": self.loss_spike.state_dict(), "grad_norm": self.grad_norm.state_dict(),
-                "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict()}
+                "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict(),
+                "detectors": {reg.key: det.state_dict() for reg, det in self.registered}}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = int(state["skipped_steps"])
@@ -519,6 +534,9 @@ class StepGuard:
         self.clipper.load_state_dict(state["clipper"])
         if "goodput" in state:
             self.goodput.load_state_dict(state["goodput"])
+        for reg, det in self.registered:
+            if reg.key in state.get("detectors", {}):
+                det.load_state_dict(state["detectors"][reg.key])
 
 
 def _local_norm(grad: torch.Tensor) -> torch.Tensor:

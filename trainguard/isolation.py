@@ -68,12 +68,13 @@ def agree(row: torch.Tensor, group=None) -> list[list[float]]:
 
 
 def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
-                 grad_divisor: float = 1.0) -> list[RankObservation]:
+                 grad_divisor: float = 1.0, extra: Sequence[str] = ()) -> list[RankObservation]:
     """Turn the gathered table into per-rank observations.
 
     ``grad_sq`` holds squared norms of the gradients as autograd produced them: scaled by the fp16
     loss scale and divided by the gradient-accumulation steps. ``loss_scale`` and ``grad_divisor``
-    undo that so the reported local norm is comparable to DeepSpeed's global one.
+    undo that so the reported local norm is comparable to DeepSpeed's global one. ``extra``: the names of
+    the columns after FIELDS (the registered detectors', trainguard.detectors.registry), in order.
     """
     out = []
     for rank, row in enumerate(table):
@@ -88,7 +89,8 @@ def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
                                    faults_fired=int(row[F["faults_fired"]]),
                                    samples_rejected=int(row[F["samples_rejected"]]),
                                    prev_grad_norm=row[F["prev_grad_norm"]], clock=row[F["clock"]],
-                                   prev_applied_sq=row[F["prev_applied_sq"]], compute_s=row[F["compute_s"]]))
+                                   prev_applied_sq=row[F["prev_applied_sq"]], compute_s=row[F["compute_s"]],
+                                   extra={name: row[len(FIELDS) + i] for i, name in enumerate(extra)}))
     return out
 
 

@@ -24,7 +24,7 @@ factor never below ``lr_floor``; exhausting either -- like ``nonfinite.action: "
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -51,6 +51,12 @@ class Decision:
                                     # at it holds the state from before the anomaly and may be chosen
 
 
+def _onset(verdicts: Sequence[Verdict], cls: Anomaly, step: int) -> int:
+    """Where a rollback for ``cls`` must go back to before: the earliest onset its verdicts give, else ``step``."""
+    given = [v.detail["onset_step"] for v in verdicts if anomaly_class(v) == cls and v.detail.get("onset_step")]
+    return min(given) if given else step
+
+
 def anomaly_class(v: Verdict) -> Anomaly | None:
     """The ladder class of a verdict (None: it alerts only)."""
     try:
@@ -65,8 +71,7 @@ class Policy:
         self.recovery = recovery or RecoveryConfig(enabled=False)
         self.consecutive_nonfinite = 0
         self.total_nonfinite = 0
-        self.history: dict[str, deque] = {k: deque() for k in ("nonfinite", "instant_burst", "slow_rise",
-                                                                 "loss_scale")}
+        self.history: dict[str, deque] = defaultdict(deque)  # per ladder class: its recent occurrences
         self.rollback_steps: deque = deque()
         self.lr_factor = 1.0
         self.tried: list[dict] = []
@@ -109,7 +114,8 @@ class Policy:
                 rung = "skip_step" if c == "nonfinite" else "alert"
             if SEVERITY[rung] > SEVERITY[chosen]:
                 chosen, driver = rung, c
-                onset = self.history[c][0] if c == "nonfinite" else (rise_onset if c == "slow_rise" and rise_onset else step)
+                onset = self.history[c][0] if c == "nonfinite" else (rise_onset if c == "slow_rise" and rise_onset else
+                                                                     _onset(verdicts, c, step))
         reason = f"{driver or sorted(classes)[0]} on rank(s) {ranks}"
         if weights is not None and self.recovery.enabled and driver in DATA_OR_WEIGHTS:
             if weights == "healthy" and chosen in ("rollback", "rollback_lower_lr"):

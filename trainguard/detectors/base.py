@@ -25,6 +25,7 @@ class RankObservation:
     clock: float = float("nan")            # this rank's wall clock at AGREE (its heartbeat, for the metrics)
     prev_applied_sq: float = float("nan")  # its squared norm of the gradients the previous step applied
     compute_s: float = float("nan")        # its own data + forward time of this step (trainguard.steptime)
+    extra: dict = field(default_factory=dict, compare=False, hash=False)  # registered detectors' columns
 
     @property
     def has_loss(self) -> bool:

@@ -1,0 +1,62 @@
+"""Built-in detectors that drive a ladder, in one shape -- found, not listed.
+
+A module in ``trainguard/detectors/`` that defines ``REGISTRATION`` is one. The guard builds it when its
+config section (``detectors.<key>``) is enabled, lets it add one column to the per-step AGREE table (a value
+each rank computes on its device: no extra collective, no host sync), and hands it every rank's row at
+DECIDE; its verdicts go to the policy with the others. A verdict whose ``anomaly`` is a member of
+:class:`trainguard.events.Anomaly` climbs ``recovery.ladders[anomaly]`` (its ``detail["onset_step"]``,
+when given, is where a rollback must go back to before); its record is ``Record(anomaly)``.
+
+So a new detector touches three files: its module here (the detector and its ``REGISTRATION``), its
+config section and ladder default (``trainguard/config.py``), and its ``Anomaly`` and ``Record``
+members (``trainguard/events.py``, with its row in docs/events.md). ``replica.py`` is one.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from trainguard.detectors.base import RankObservation, Verdict
+
+
+class LadderDetector(Protocol):
+    """What the guard calls; every rank calls it the same way, so every rank gets the same verdicts."""
+
+    def attach_model(self, model) -> None:
+        """The model the adapter guards (its parameters are this rank's own)."""
+
+    def local(self, step: int) -> Any:
+        """This rank's value for the column at AGREE of ``step``: a 0-dim tensor on the collective's device, a
+        float, or None (nothing this step: NaN in the table). Called only when the registration has a column."""
+
+    def observe(self, step: int, obs: Sequence[RankObservation], coords: Sequence) -> list[Verdict]:
+        """Every rank's row (``obs[r].extra[column]``) and coordinates in, verdicts out. Pure."""
+
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class Registration:
+    key: str                                    # its section: cfg.detectors.<key> (with an ``enabled`` field)
+    build: Callable[[Any, Any], LadderDetector]  # (its config section, the guard's device) -> the detector
+    column: str | None = None                   # the AGREE table column it fills, if any
+
+
+def registrations() -> list[Registration]:
+    """Every registered detector, in module-name order (the same on every rank: the table's columns)."""
+    import trainguard.detectors as pkg
+
+    found = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name in ("base", "registry"):
+            continue
+        reg = getattr(importlib.import_module(f"{pkg.__name__}.{info.name}"), "REGISTRATION", None)
+        if isinstance(reg, Registration):
+            found.append(reg)
+    return found
+
+
+COLUMNS = tuple(r.column for r in registrations() if r.column)  # after isolation.FIELDS, in this order

@@ -1,0 +1,88 @@
+"""Replica agreement: silent data corruption of the weights, named by rank.
+
+The ranks of a data-parallel group hold the same parameters, bit for bit (every parameter at ZeRO 0-2 and in
+megatron's DDP, the distributed optimizer's model parameters included; not ZeRO-3's partitions). Every
+``every_steps`` steps each rank adds a digest of its own parameters to the AGREE table: the sum of their
+bits read as integers, modulo 2**52 (exact in the table's float64; a single flipped bit changes it by
++-2**k, never a multiple of 2**52 for k < 52). A rank whose digest differs from its group's is named --
+against a strict majority of the group, or, with no majority (2 replicas), every rank of the disagreeing
+group -- and the ``replica_mismatch`` ladder acts from before the last check where every group agreed: the
+weights read then were the ones after the step before it, so the checkpoints up to that step are clean.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Sequence
+
+import torch
+
+from trainguard.detectors.base import RankObservation, Verdict
+from trainguard.detectors.registry import Registration
+from trainguard.events import Anomaly
+
+MOD = 2 ** 52
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parameters' bits as integers, summed modulo 2**52, as a 0-dim float64 tensor on their device (no
+    host sync). Tensors whose storage is not plain (ZeRO-3's empty placeholders) add nothing."""
+    total = None
+    for p in params:
+        t = p.detach()
+        if not t.numel() or t.element_size() not in _INT:
+            continue
+        s = t.contiguous().view(_INT[t.element_size()]).sum(dtype=torch.int64).remainder(MOD)
+        total = s if total is None else (total + s).remainder(MOD)
+    if total is None:
+        return torch.zeros((), dtype=torch.float64)
+    return total.to(torch.float64)
+
+
+class ReplicaCheck:
+    name = "replica_check"
+
+    def __init__(self, cfg, device=None):
+        self.cfg = cfg
+        self.params: list[torch.Tensor] = []
+        self.agreed_at = 0  # the last check step at which every replica group agreed (0: none yet)
+
+    def attach_model(self, model: torch.nn.Module) -> None:
+        # (ZeRO-3 partitions its parameters: what a rank holds is its own slice, not a replica)
+        self.params = [p for p in model.parameters() if not hasattr(p, "ds_id")]
+
+    def local(self, step: int):
+        return digest(self.params) if step % self.cfg.every_steps == 0 and self.params else None
+
+    def observe(self, step: int, obs: Sequence[RankObservation], coords: Sequence) -> list[Verdict]:
+        values = {o.rank: o.extra.get("replica_digest", float("nan")) for o in obs}
+        if step % self.cfg.every_steps or any(v != v for v in values.values()):  # (NaN: not a check step)
+            return []
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for r in values:
+            c = coords[r] if r < len(coords) else None
+            groups[(c.tp, c.pp, c.cp, c.ep) if c is not None else ()].append(r)
+        verdicts = []
+        for ranks in groups.values():
+            counts = Counter(values[r] for r in ranks)
+            if len(counts) < 2:
+                continue
+            value, n = counts.most_common(1)[0]
+            majority = n * 2 > len(ranks)
+            named = [r for r in ranks if values[r] != value] if majority else list(ranks)
+            verdicts.append(Verdict(detector=self.name, anomaly=Anomaly.REPLICA_MISMATCH, ranks=tuple(named), detail={
+                "digests": {str(r): int(values[r]) for r in ranks}, "majority": majority, "group": list(ranks),
+                "agreed_at": self.agreed_at, "onset_step": max(self.agreed_at, 1),
+                "every_steps": self.cfg.every_steps}))
+        if not verdicts:
+            self.agreed_at = step
+        return verdicts
+
+    def state_dict(self) -> dict:
+        return {"agreed_at": self.agreed_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.agreed_at = int(state.get("agreed_at", 0))
+
+
+REGISTRATION = Registration(key="replica_check", build=ReplicaCheck, column="replica_digest")
