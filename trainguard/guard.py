@@ -42,12 +42,13 @@ from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
-from trainguard.metricline import DeferredLine
+from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import DATA_OR_WEIGHTS, Decision, Policy, anomaly_class
 from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import EntropyProbe, RangeProbe, select_modules
 from trainguard.replay import MicroBatch, ReplayBook, judge_loss, loggable, narrow, weights_verdict
 from trainguard.steptime import StepTimer
+from trainguard.tally import StepTally
 from trainguard.suspects import SuspectWatch
 
 ALERT = records.ALERT
@@ -117,21 +118,7 @@ class StepGuard:
 
     # ------------------------------------------------------------------ helpers
     def _reset_step(self) -> None:
-        self._acc: torch.Tensor | None = None       # [loss_sum, loss_nonfinite] on device
-        self._grad_norms: list[torch.Tensor] = []  # 0-dim norms of the local gradients, this step
-        self._micro = 0
-        self._grad_hooks = 0
-        self._sample_ids: list[int] = []
-        self._ids_taken = 0                         # of _sample_ids, those a recorded micro-batch holds
-        self._rejected: list = []
-        self._position: DataPosition | None = None
-
-    def _ensure_acc(self) -> torch.Tensor:
-        # On the device the collective backend reduces (the adapter says which): gloo -> CPU,
-        # NCCL -> the rank's GPU, where the loss and gradients already are.
-        if self._acc is None:
-            self._acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-        return self._acc
+        self.tally = StepTally(self.device)  # this step's micro-batch accumulators (trainguard.tally)
 
     @property
     def checking(self) -> bool:
@@ -205,9 +192,7 @@ class StepGuard:
 
     def on_batch(self, sample_ids: list[int], position: DataPosition, rejected: Sequence = ()) -> None:
         """BATCH: the loader handed out a micro-batch with these dataset indices (and set these aside)."""
-        self._sample_ids.extend(sample_ids)
-        self._rejected.extend(rejected)
-        self._position = position
+        self.tally.batch(sample_ids, position, rejected)
 
     def on_forward(self, step: int, inputs: Any) -> tuple[Any, bool]:
         """FORWARD: faults may poison the inputs. Returns ``(inputs, poison_first_module_output)``.
@@ -217,12 +202,7 @@ class StepGuard:
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """LOSS: the loss handed to backward. Device-side flags only: no host sync here."""
         loss = self.faults.loss(step, loss)
-        self._micro += 1
-        if self.checking and isinstance(loss, torch.Tensor):
-            acc = self._ensure_acc()
-            value = loss.detach().to(self.device, torch.float64).sum()
-            acc[0].add_(value)
-            acc[1].add_((~torch.isfinite(value)).to(torch.float64))
+        self.tally.loss(loss, self.checking)
         return loss
 
     def on_backward(self, grad: torch.Tensor) -> None:
@@ -230,34 +210,30 @@ class StepGuard:
         data-parallel reduction. Adds its squared norm into one device scalar (NaN/Inf propagate)."""
         if grad is None:
             return
-        # one reduction kernel per gradient; the norms are combined once, at AGREE
-        self._grad_norms.append(_local_norm(grad.detach()))
-        self._grad_hooks += 1
+        self.tally.grad(grad)  # (one reduction kernel per gradient; combined once, at AGREE)
 
     def on_agree(self, step: int, loss_scale: float = 1.0, grad_divisor: float = 1.0,
                  dynamic_scale: bool = False) -> list[RankObservation]:
         """AGREE: the one collective. Every rank calls it at every optimizer step. ``dynamic_scale``:
         an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
         host = [0.0] * len(FIELDS) + [float("nan")] * len(COLUMNS)  # the host-known fields, in one small copy
-        host[F["micro_batches"]] = self._micro
-        host[F["grad_checked"]] = self._grad_hooks
+        tally = self.tally
+        host[F["micro_batches"]] = tally.micro
+        host[F["grad_checked"]] = tally.grad_hooks
         host[F["faults_fired"]] = self.faults.fired_in(step)
-        host[F["samples_rejected"]] = len(self._rejected)
+        host[F["samples_rejected"]] = len(tally.rejected)
         host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
         host[F["compute_s"]] = self.timer.take()
         pending = self.deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
         row = torch.tensor(host, dtype=torch.float64, device=self.device)
-        if self._acc is not None:  # device-side values: copied, never read on the host here
-            row[F["loss_sum"]] = self._acc[0]
-            row[F["loss_nonfinite"]] = self._acc[1]
-        if self._grad_norms:
-            by_dtype: dict = {}
-            for n in self._grad_norms:
-                by_dtype.setdefault(n.dtype, []).append(n)
-            sq = [torch.stack(ns).to(self.device, torch.float64).square().sum() for ns in by_dtype.values()]
-            row[F["grad_sq"]] = sq[0] if len(sq) == 1 else torch.stack(sq).sum()
+        if tally.acc is not None:  # device-side values: copied, never read on the host here
+            row[F["loss_sum"]] = tally.acc[0]
+            row[F["loss_nonfinite"]] = tally.acc[1]
+        grad_sq = tally.grad_sq()
+        if grad_sq is not None:
+            row[F["grad_sq"]] = grad_sq
         if isinstance(pending, torch.Tensor):
             row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
         applied = self.deferred.applied_sq
@@ -307,8 +283,8 @@ class StepGuard:
         everyone = None
         if nonfinite or spikes or sampled or any(o.samples_rejected for o in obs):
             # one object gather, taken by every rank: all of these conditions are the same everywhere
-            everyone = gather_objects({"sample_ids": self._sample_ids, "rejected": self._rejected,
-                                       "position": self._position.as_dict() if self._position else None,
+            everyone = gather_objects({"sample_ids": self.tally.sample_ids, "rejected": self.tally.rejected,
+                                       "position": self.tally.where(),
                                        "localized": localized, "activation": activation, "entropy": entropy,
                                        "replayed": replayed, "narrowed": narrowed}, self.group)
         if nonfinite is not None and everyone:
@@ -333,7 +309,11 @@ class StepGuard:
             verdicts.append(nonfinite)
         verdicts += spikes
         for _, det in self.registered:
-            verdicts += det.observe(step, obs, self.coords)
+            found = det.observe(step, obs, self.coords)
+            for v in found:  # (a detector that names a rank for sure: its host goes to suspect_hosts.json)
+                for r in v.ranks if v.detail.get("suspect") else ():
+                    self.suspects.suspect(step, r, f"{v.anomaly}: {v.detail['suspect']}", self.emit)
+            verdicts += found
         custom = [v for det in self.custom for v in det.observe(step, obs)]
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
         decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights)
@@ -362,8 +342,7 @@ class StepGuard:
     # ------------------------------------------------------------------ replays (trainguard.replay)
     def record_micro_batch(self, inputs: Any, rows: int | None) -> None:
         """The adapter hands each training micro-batch it can replay (after BATCH named its samples)."""
-        self.book.record(MicroBatch(inputs, list(self._sample_ids[self._ids_taken:]), rows))
-        self._ids_taken = len(self._sample_ids)
+        self.book.record(MicroBatch(inputs, self.tally.take_ids(), rows))
 
     @property
     def weights(self) -> str | None:
@@ -429,34 +408,13 @@ class StepGuard:
         limit = metrics.pop("clip_limit", None)
         applied_sq = metrics.pop("applied_grad_sq", None)
         due = self.line_due(step)
-        with_loss = [o for o in obs if o.has_loss]
-        finite = [o.loss for o in with_loss if math.isfinite(o.loss)]
-        loss = (sum(finite) / len(finite)) if len(finite) == len(with_loss) and finite else float("nan")
-        line = {"loss": loss, "loss_median": self.loss_spike.window.median() if len(self.loss_spike.window) else None,
-                **metrics, "guard_skipped_steps": self.skipped_steps,
-                "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs]}
-        line["clocks"] = [o.clock for o in obs]
-        line["compute_s"] = [o.compute_s for o in obs]
-        if self.straggler.last:
-            line["straggler_ratio"] = [self.straggler.last.get(o.rank) for o in obs]
-        probes = self._probe_values
-        if probes.get("entropy"):  # {rank: {layer: {"ratio": [per head], "entropy": [...]}}}
-            ent = probes["entropy"]
-            line["attention_entropy_ratio"] = merged(ent, lambda v: v["ratio"], min)
-            line["attention_entropy"] = merged(ent, lambda v: v["entropy"], min)
-            line["attention_entropy_ratio_by_rank"] = {str(r): {k: v["ratio"] for k, v in layers.items()}
-                                                       for r, layers in ent.items()}
-        if probes.get("activation"):  # {rank: {module: (max_abs, rms)}}
-            act = probes["activation"]
-            line["activation_max_abs"] = merged(act, lambda v: v[0], max)
-            line["activation_rms"] = merged(act, lambda v: v[1], max)
-            line["activation_max_abs_by_rank"] = {str(r): {k: v[0] for k, v in mods.items()} for r, mods in act.items()}
+        line = step_line(obs, metrics, self.loss_spike.window.median() if len(self.loss_spike.window) else None,
+                         self.skipped_steps, self.straggler.last, self._probe_values)
         me = obs[self.rank] if self.rank < len(obs) else None
         rank_line = None
         if me is not None and self.events.rank_log is not None:
             rank_line = {"rank": self.rank, "local_loss": me.loss, "local_grad_norm": me.grad_norm,
-                         "sample_ids": self._sample_ids,
-                         "position": self._position.as_dict() if self._position else None}
+                         "sample_ids": self.tally.sample_ids, "position": self.tally.where()}
         self.faults.step_done(step)
         d = self.last_decision
         self.book.step_ended(bool(metrics.get("applied", True)) and d is not None and d.action is Action.CONTINUE
@@ -539,15 +497,6 @@ class StepGuard:
                 det.load_state_dict(state["detectors"][reg.key])
 
 
-def _local_norm(grad: torch.Tensor) -> torch.Tensor:
-    """2-norm of one gradient, NaN/Inf-propagating. fp16 is reduced into fp32 (a large scaled
-    gradient's norm can exceed fp16's 65504 and would read as a false Inf); other dtypes use the
-    multi-tensor kernel clip_grad_norm_ uses, several times faster than vector_norm(dtype=...)."""
-    if grad.dtype == torch.float16 or not hasattr(torch, "_foreach_norm"):
-        return torch.linalg.vector_norm(grad, dtype=torch.float32)
-    return torch._foreach_norm([grad])[0]
-
-
 def _check_events_match() -> None:  # used by tests: one on_<event> method per Event member
     missing = [e.value for e in Event if not callable(getattr(StepGuard, f"on_{e.value}", None))]
     extra = [n for n in dir(StepGuard) if n.startswith("on_") and n[3:] not in {e.value for e in Event}]
@@ -558,20 +507,3 @@ def _check_events_match() -> None:  # used by tests: one on_<event> method per E
 def by_rank(everyone: list[dict] | None, key: str) -> dict[int, dict]:
     """``{rank: its sampled values}`` from the gathered objects (ranks that sampled nothing left out)."""
     return {r: e[key] for r, e in enumerate(everyone or []) if e.get(key)}
-
-
-def merged(per_rank: dict[int, dict], pick, fold) -> dict:
-    """One value per key (per head, for lists) over the ranks that have it: the extreme one (``fold``:
-    min for entropy, max for activations), so that what any rank saw shows in the line."""
-    out: dict = {}
-    for values in per_rank.values():
-        for key, v in values.items():
-            v = pick(v)
-            if key not in out:
-                out[key] = list(v) if isinstance(v, (list, tuple)) else v
-            elif isinstance(v, (list, tuple)):
-                out[key] = [b if a is None else a if b is None else fold(a, b) for a, b in zip(out[key], v)]
-            elif v is not None:
-                out[key] = v if out[key] is None else fold(out[key], v)
-    return out
-

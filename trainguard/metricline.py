@@ -15,6 +15,49 @@ import math
 from typing import Any
 
 
+def step_line(obs, metrics: dict, loss_median: float | None, guard_skipped: int, straggler_ratio: dict | None,
+              probes: dict) -> dict:
+    """Rank 0's metric line of a step (before its framework norm arrives): the mean loss over the ranks that
+    have one (NaN when any is not finite), every rank's local loss, norm, clock and compute time, the
+    straggler ratios, and the sampled probes' values merged over ranks (their extremes) and by rank."""
+    with_loss = [o for o in obs if o.has_loss]
+    finite = [o.loss for o in with_loss if math.isfinite(o.loss)]
+    loss = (sum(finite) / len(finite)) if len(finite) == len(with_loss) and finite else float("nan")
+    line = {"loss": loss, "loss_median": loss_median, **metrics, "guard_skipped_steps": guard_skipped,
+            "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs],
+            "clocks": [o.clock for o in obs], "compute_s": [o.compute_s for o in obs]}
+    if straggler_ratio:
+        line["straggler_ratio"] = [straggler_ratio.get(o.rank) for o in obs]
+    if probes.get("entropy"):  # {rank: {layer: {"ratio": [per head], "entropy": [...]}}}
+        ent = probes["entropy"]
+        line["attention_entropy_ratio"] = merged(ent, lambda v: v["ratio"], min)
+        line["attention_entropy"] = merged(ent, lambda v: v["entropy"], min)
+        line["attention_entropy_ratio_by_rank"] = {str(r): {k: v["ratio"] for k, v in layers.items()}
+                                                   for r, layers in ent.items()}
+    if probes.get("activation"):  # {rank: {module: (max_abs, rms)}}
+        act = probes["activation"]
+        line["activation_max_abs"] = merged(act, lambda v: v[0], max)
+        line["activation_rms"] = merged(act, lambda v: v[1], max)
+        line["activation_max_abs_by_rank"] = {str(r): {k: v[0] for k, v in mods.items()} for r, mods in act.items()}
+    return line
+
+
+def merged(per_rank: dict[int, dict], pick, fold) -> dict:
+    """One value per key (per head, for lists) over the ranks that have it: the extreme one (``fold``:
+    min for entropy, max for activations), so that what any rank saw shows in the line."""
+    out: dict = {}
+    for values in per_rank.values():
+        for key, v in values.items():
+            v = pick(v)
+            if key not in out:
+                out[key] = list(v) if isinstance(v, (list, tuple)) else v
+            elif isinstance(v, (list, tuple)):
+                out[key] = [b if a is None else a if b is None else fold(a, b) for a, b in zip(out[key], v)]
+            elif v is not None:
+                out[key] = v if out[key] is None else fold(out[key], v)
+    return out
+
+
 class DeferredLine:
     def __init__(self, events, clipper):
         self.events = events      # trainguard.eventlog.EventLog

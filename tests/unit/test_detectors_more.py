@@ -242,7 +242,7 @@ def test_every_ranks_sampled_values_and_clock_reach_the_metrics():
     """Issue 15 item 2: attention entropy and activations came from rank 0's probe only, and every
     rank's heartbeat gauge was rank 0's clock. The line now merges every rank's values (lowest entropy,
     highest activation) and keeps them per rank; Prometheus labels them by rank."""
-    from trainguard.guard import merged
+    from trainguard.metricline import merged
     from trainguard.metrics.prometheus import PrometheusSink
 
     ent = {0: {"b0": {"ratio": [0.9, 0.8]}, "b1": {"ratio": [0.7, 0.9]}},

@@ -38,10 +38,10 @@ def test_the_minority_of_a_replica_group_is_named_and_without_a_majority_the_who
     assert det.observe(5, _obs([7.0, 7.0, 7.0]), _coords([0, 0, 0])) == [] and det.agreed_at == 5
     assert det.observe(7, _obs([7.0, 8.0, 7.0]), _coords([0, 0, 0])) == []  # (not a check step)
     (v,) = det.observe(10, _obs([7.0, 9.0, 7.0]), _coords([0, 0, 0]))
-    assert v.anomaly is Anomaly.REPLICA_MISMATCH and v.ranks == (1,) and v.detail["majority"]
+    assert v.anomaly is Anomaly.REPLICA_MISMATCH and v.ranks == (1,) and v.detail["majority"] and v.detail["suspect"]
     assert v.detail["onset_step"] == 5 and det.agreed_at == 5  # (no agreement at 10: it stays)
     (v,) = det.observe(15, _obs([7.0, 9.0]), _coords([0, 0]))
-    assert v.ranks == (0, 1) and not v.detail["majority"]
+    assert v.ranks == (0, 1) and not v.detail["majority"] and v.detail["suspect"] is None
     # tensor parallel: ranks of different TP coordinates hold different shards -- compared within a group only
     tp = _coords([0, 1, 0, 1])
     assert det.observe(20, _obs([1.0, 2.0, 1.0, 2.0]), tp) == []
@@ -60,3 +60,33 @@ def test_a_registered_detectors_verdict_climbs_its_ladder_from_its_onset():
     assert d.action is Action.ROLLBACK and d.anomaly is Anomaly.REPLICA_MISMATCH and d.onset_step == 5
     cfg = parse_block({"detectors": {"replica_check": {"enabled": True}}})
     assert cfg.recovery.ladders["replica_mismatch"] == ["rollback"]
+
+
+def test_a_rank_a_registered_detector_is_sure_of_has_its_host_written_for_the_next_allocation(tmp_path):
+    """detail["suspect"]: the guard names the rank suspect and writes its host to suspect_hosts.json (what
+    scripts/launch excludes on a restart) -- the replica check does so when a majority outvotes the rank."""
+    import json
+
+    from trainguard.detectors.base import Verdict
+    from trainguard.guard import StepGuard
+
+    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl")}, "checks": {"enabled": False}})
+    guard = StepGuard(cfg, 0, 1)
+
+    class Outvoted:
+        def local(self, step):
+            return None
+
+        def observe(self, step, obs, coords):
+            return [Verdict("replica_check", Anomaly.REPLICA_MISMATCH, (0,),
+                            {"suspect": "weights differ from the majority of its replicas", "onset_step": 5})]
+
+    guard.registered = [(next(r for r in registrations() if r.key == "replica_check"), Outvoted())]
+    guard.on_begin([RankCoords(rank=0, dp=0, tp=0, pp=0, host="node-7", local_rank=0)], {})
+    decision = guard.on_decide(10, guard.on_agree(10))
+    assert decision.action is Action.ROLLBACK and decision.onset_step == 5
+    assert json.loads((tmp_path / "suspect_hosts.json").read_text())["hosts"] == ["node-7"]
+    guard.on_close()
+    lines = [json.loads(x) for x in (tmp_path / "tg.jsonl").read_text().splitlines()]
+    (rec,) = [x for x in lines if x.get("event") == "suspect_rank"]
+    assert rec["detail"]["host"] == "node-7" and "majority" in rec["detail"]["why"]

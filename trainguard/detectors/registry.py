@@ -5,7 +5,9 @@ config section (``detectors.<key>``) is enabled, lets it add one column to the p
 each rank computes on its device: no extra collective, no host sync), and hands it every rank's row at
 DECIDE; its verdicts go to the policy with the others. A verdict whose ``anomaly`` is a member of
 :class:`trainguard.events.Anomaly` climbs ``recovery.ladders[anomaly]`` (its ``detail["onset_step"]``,
-when given, is where a rollback must go back to before); its record is ``Record(anomaly)``.
+when given, is where a rollback must go back to before; ``detail["suspect"]``, a reason, puts the named ranks'
+hosts into ``suspect_hosts.json``, which the launch scripts exclude on a restart); its record is
+``Record(anomaly)``.
 
 So a new detector touches three files: its module here (the detector and its ``REGISTRATION``), its
 config section and ladder default (``trainguard/config.py``), and its ``Anomaly`` and ``Record``

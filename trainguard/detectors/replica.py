@@ -73,7 +73,9 @@ class ReplicaCheck:
             verdicts.append(Verdict(detector=self.name, anomaly=Anomaly.REPLICA_MISMATCH, ranks=tuple(named), detail={
                 "digests": {str(r): int(values[r]) for r in ranks}, "majority": majority, "group": list(ranks),
                 "agreed_at": self.agreed_at, "onset_step": max(self.agreed_at, 1),
-                "every_steps": self.cfg.every_steps}))
+                "every_steps": self.cfg.every_steps,
+                # (outvoted by its replicas: this rank's memory or device holds bits the others do not)
+                "suspect": "weights differ from the majority of its replicas" if majority else None}))
         if not verdicts:
             self.agreed_at = step
         return verdicts
