@@ -48,6 +48,6 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 case "$what" in
   demo) exec trainguard demo "$@" ;;
-  test) bash scripts/get_promtool.sh; exec python -m pytest -q tests "$@" ;;
+  test) bash scripts/get_promtool.sh; bash scripts/get_slurm.sh; exec python -m pytest -q tests "$@" ;;
   *) echo "usage: bash scripts/setup.sh demo|test [args...]" >&2; exit 2 ;;
 esac

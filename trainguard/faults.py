@@ -209,7 +209,9 @@ class FaultInjector:
         import signal
 
         self._slow(step)
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        from trainguard.attempt import restart_attempt
+
+        attempt = restart_attempt()
         for kind, sig in (("kill_rank", signal.SIGKILL), ("hang_rank", signal.SIGSTOP)):
             if any(f.attempt == attempt for f in self._due(kind, step)):
                 self._fire(step, kind)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from trainguard.attempt import restart_attempt
 from trainguard.events import Phase, Record
 
 PHASES = tuple(p.value for p in Phase)
@@ -46,7 +47,7 @@ class Beat:
     phase: str
     progress: float      # wall time of the last phase change
     published: float     # wall time this record was written (the publisher's own liveness)
-    attempt: int = 0     # torchrun's restart attempt that wrote it (TORCHELASTIC_RESTART_COUNT)
+    attempt: int = 0     # the job's attempt that wrote it (trainguard.attempt: torchrun's restarts + requeues)
     started: int | None = None  # the process's start time (clock ticks since boot, /proc): who `pid` is
 
     @classmethod
@@ -71,7 +72,7 @@ class Heartbeat:
     def __init__(self, rank: int):
         self.rank, self.host, self.pid = rank, socket.gethostname(), os.getpid()
         self.step, self.phase, self.progress = 0, "start", time.time()
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.attempt = restart_attempt()
         self.started = process_start(self.pid)
 
     def beat(self, phase: Phase | str, step: int | None = None) -> None:
@@ -342,7 +343,7 @@ class Watchdog:
         return Path(self.cfg.metrics.jsonl).parent if self.cfg.metrics.jsonl else Path.cwd()
 
     def start(self) -> None:
-        """Start the monitor; on a restarted attempt (TORCHELASTIC_RESTART_COUNT > 0) first write
+        """Start the monitor; on a restarted attempt (trainguard.attempt: a torchrun restart or a requeue) first write
         ``restart`` with the downtime since the previous attempt's last heartbeat."""
         w = self.cfg.distributed.watchdog
         if not w.enabled or self.monitor is not None:
@@ -352,7 +353,7 @@ class Watchdog:
             return
         self.stacks_dir().mkdir(parents=True, exist_ok=True)
         self._stacks = install_stack_dump_signal(self.stacks_dir() / f"stacks.rank{self.rank}.txt")
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        attempt = restart_attempt()
         # the last heartbeats of the attempt before, if any; every rank reads them before any rank of this
         # attempt publishes over its own (one barrier, at start only: a fast rank 1 used to replace its
         # previous beat before rank 0 had read it, and the restart record lacked it)

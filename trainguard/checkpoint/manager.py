@@ -40,6 +40,7 @@ from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, disk_tag, memory_tag, run_id, snapshot_step
+from trainguard.attempt import restart_attempt
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, gather_objects
 
@@ -50,18 +51,6 @@ def rank() -> int:
 
 def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def restart_attempt() -> int:
-    """Which attempt of the job this is (0: the first): torchrun's restarts, Slurm's requeues."""
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        try:
-            n = int(os.environ.get(name, "0") or 0)
-        except ValueError:
-            continue
-        if n > 0:
-            return n
-    return 0
 
 
 def barrier() -> None:
