@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Sequence
 
@@ -65,7 +66,9 @@ def run_bounded(cmd: Sequence[str], timeout: float, **popen) -> tuple[int, objec
     """Run ``cmd`` in a session of its own; after ``timeout`` seconds kill its whole process tree
     (torchrun's workers included) and return exit code 124. Returns ``(exit code, stdout, stderr)``
     as ``communicate`` gives them (None where they were not piped)."""
-    proc = subprocess.Popen(list(cmd), start_new_session=True, **popen)
+    token = uuid.uuid4().hex
+    env = dict(popen.pop("env", None) or os.environ, TRAINGUARD_RUN_TOKEN=token)
+    proc = subprocess.Popen(list(cmd), start_new_session=True, env=env, **popen)
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -73,6 +76,32 @@ def run_bounded(cmd: Sequence[str], timeout: float, **popen) -> tuple[int, objec
         kill_tree(proc.pid)
         out, err = proc.communicate()
         return 124, out, err
+    finally:
+        reap(token)
+
+
+def reap(token: str) -> int:
+    """SIGKILL what a run left behind: the processes whose environment carries its ``TRAINGUARD_RUN_TOKEN``.
+    A rank SIGKILLed by a fault orphans its own children (dist_checkpointing's writer processes, a data loader's
+    workers) to init, outside the run's process tree, where they would idle for good. Returns how many."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with DeepSpeed
+        return 0
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("TRAINGUARD_RUN_TOKEN") == token:
+                left.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=10)
+    return len(left)
 
 
 def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, nproc: int = 2,

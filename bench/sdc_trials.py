@@ -1,0 +1,90 @@
+"""Silent data corruption trials (issue 26's goals for the replica check), on real DeepSpeed engines.
+
+    python bench/sdc_trials.py [--flips 20] [--every 5] [--healthy 1000] [--out DIR]
+
+1. Detection: ``--flips`` bitflips, one at a time, each on a rank drawn at random of 3 data-parallel replicas
+   (ZeRO-0: every rank keeps its own full parameters), a random low mantissa bit of the first parameter, one
+   flip every 4 x ``--every`` steps; ``detectors.replica_check`` every ``--every`` steps. A flip counts as found
+   when a ``replica_mismatch`` names exactly the flipped rank (3 replicas: a majority to tell which) within
+   ``--every`` steps of it; each is followed by a rollback, so the next flip starts from agreeing replicas.
+2. False verdicts: ``--healthy`` steps with no fault at ZeRO 0, 1 and 2 (2 ranks), the check on every step:
+   any ``replica_mismatch`` is a false verdict.
+
+Prints one line per part and exits 0 when every flip was found and named and there was no false verdict.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from trainguard.demo.run import run_worker
+from trainguard.metrics.jsonl import read
+
+
+def _config(path: Path, block: dict, stage: int) -> Path:
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                                "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
+                                "zero_optimization": {"stage": stage}, "trainguard": block}))
+    return path
+
+
+def detection(out: Path, flips: int, every: int, seed: int) -> tuple[int, int, list]:
+    rng = random.Random(seed)
+    gap = 4 * every
+    plan = [{"type": "bitflip", "step": gap * (i + 1) + rng.randrange(1, every), "rank": rng.randrange(3),
+             "bit": rng.randrange(8, 20)} for i in range(flips)]
+    steps = gap * (flips + 1)
+    block = {"allow_faults": True, "faults": plan, "checks": {"enabled": False},
+             "detectors": {"replica_check": {"enabled": True, "every_steps": every}},
+             "checkpoint": {"dir": str(out / "ck"), "every_steps": every, "stable_after": 1, "verify_steps": 0,
+                            "keep_last": 4},
+             "recovery": {"replay_check": False, "max_rollbacks": 10 * flips, "rollback_window": 10}}
+    out.mkdir(parents=True, exist_ok=True)
+    rc, _ = run_worker(_config(out / "ds_config.json", block, 0), out / "run", steps, nproc=3, timeout=60 * flips)
+    found = [e for e in read(out / "run" / "trainguard.jsonl") if e.get("event") == "replica_mismatch"]
+    hits, rows = 0, []
+    for f in plan:
+        near = [e for e in found if f["step"] <= e["step"] < f["step"] + every + 1]
+        ok = bool(near) and near[0]["ranks"] == [f["rank"]]
+        hits += ok
+        rows.append({"flip_step": f["step"], "rank": f["rank"], "bit": f["bit"],
+                     "found_at": near[0]["step"] if near else None, "named": near[0]["ranks"] if near else None})
+    return rc, hits, rows
+
+
+def false_verdicts(out: Path, healthy: int) -> dict:
+    counts = {}
+    for stage in (0, 1, 2):
+        d = out / f"zero{stage}"
+        d.mkdir(parents=True, exist_ok=True)
+        block = {"checks": {"enabled": False}, "detectors": {"replica_check": {"enabled": True, "every_steps": 1}}}
+        rc, _ = run_worker(_config(d / "ds_config.json", block, stage), d / "run", healthy, nproc=2, timeout=3600)
+        events = read(d / "run" / "trainguard.jsonl")
+        counts[stage] = {"rc": rc, "false_verdicts": sum(1 for e in events if e.get("event") == "replica_mismatch"),
+                         "checks": healthy}
+    return counts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flips", type=int, default=20)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--healthy", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=26)
+    ap.add_argument("--out", default="trainguard-sdc")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    rc, hits, rows = detection(out / "flips", args.flips, args.every, args.seed)
+    print(json.dumps({"part": "detection", "rc": rc, "flips": args.flips, "found_and_named": hits,
+                      "every_steps": args.every, "trials": rows}))
+    healthy = false_verdicts(out / "healthy", args.healthy) if args.healthy else {}
+    print(json.dumps({"part": "false_verdicts", "by_zero_stage": healthy}))
+    ok = rc == 0 and hits == args.flips and all(v["rc"] == 0 and v["false_verdicts"] == 0 for v in healthy.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
