@@ -37,6 +37,13 @@ def kill_tree(pid: int) -> None:
         procs = root.children(recursive=True) + [root]
     except psutil.NoSuchProcess:
         return
+    _kill_all(procs)
+
+
+def _kill_all(procs) -> None:
+    """SIGKILL each of ``procs`` (psutil processes; gone ones skipped) and wait for them."""
+    import psutil
+
     for p in procs:
         try:
             p.kill()
@@ -95,12 +102,7 @@ def reap(token: str) -> int:
                 left.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
-    for p in left:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(left, timeout=10)
+    _kill_all(left)
     return len(left)
 
 
