@@ -43,6 +43,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from trainguard.attempt import restart_attempt
 from trainguard.config import FaultSpec
 
 
@@ -209,8 +210,6 @@ class FaultInjector:
         import signal
 
         self._slow(step)
-        from trainguard.attempt import restart_attempt
-
         attempt = restart_attempt()
         for kind, sig in (("kill_rank", signal.SIGKILL), ("hang_rank", signal.SIGSTOP)):
             if any(f.attempt == attempt for f in self._due(kind, step)):
@@ -398,8 +397,9 @@ def corrupt_newest_checkpoint(root) -> str | None:
 
 def flip_bit(t: torch.Tensor, bit: int) -> None:
     """Flip bit ``bit`` of ``t``'s first element in place (its bits read as an integer of the same width)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    view = t.view(-1)[:1].view(ints)
+    from trainguard.detectors.replica import as_ints  # (the same reading of the bits the replica check sums)
+
+    view = as_ints(t.view(-1)[:1])
     bit = bit % (8 * t.element_size())
-    mask = torch.tensor(1 << bit if bit < 8 * t.element_size() - 1 else -(1 << bit), dtype=ints)
+    mask = torch.tensor(1 << bit if bit < 8 * t.element_size() - 1 else -(1 << bit), dtype=view.dtype)
     view.bitwise_xor_(mask.to(view.device))

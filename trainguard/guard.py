@@ -33,7 +33,7 @@ from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
 from trainguard.detectors.loss_spike import LossSpikeDetector
-from trainguard.detectors.registry import COLUMNS, registrations
+from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import argmax, culprit_samples, merge_nonfinite, narrow_to_origin
 from trainguard.eventlog import EventLog
@@ -52,6 +52,7 @@ from trainguard.tally import StepTally
 from trainguard.suspects import SuspectWatch
 
 ALERT = records.ALERT
+COLUMN_AT = {name: len(FIELDS) + i for i, name in enumerate(COLUMNS)}  # the registered detectors' AGREE columns
 
 
 def config_hash(cfg: TrainguardConfig) -> str:
@@ -90,7 +91,7 @@ class StepGuard:
         self.custom = [build(spec, DETECTORS, Detector, f"trainguard.detectors.custom[{i}]")
                        for i, spec in enumerate(cfg.detectors.custom)]
         # the registered ladder detectors (trainguard.detectors.registry): one shape, one table column each
-        self.registered = [(reg, reg.build(getattr(cfg.detectors, reg.key), self.device)) for reg in registrations()
+        self.registered = [(reg, reg.build(getattr(cfg.detectors, reg.key), self.device)) for reg in REGISTERED
                            if getattr(cfg.detectors, reg.key).enabled]
         self.localize = localize
         self.replay = replay if cfg.recovery.replay_check else None
@@ -242,8 +243,8 @@ class StepGuard:
         for reg, det in self.registered:
             value = det.local(step) if reg.column else None
             if value is not None:  # (a device value: copied, never read here)
-                row[len(FIELDS) + COLUMNS.index(reg.column)] = value.to(self.device, torch.float64) \
-                    if isinstance(value, torch.Tensor) else float(value)
+                row[COLUMN_AT[reg.column]] = value.to(self.device, torch.float64) if isinstance(value, torch.Tensor) \
+                    else float(value)
         table = agree(row, self.group)
         obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor, extra=COLUMNS)
         self._scaled = dynamic_scale

@@ -61,4 +61,5 @@ def registrations() -> list[Registration]:
     return found
 
 
-COLUMNS = tuple(r.column for r in registrations() if r.column)  # after isolation.FIELDS, in this order
+REGISTERED = tuple(registrations())  # (found once, at import)
+COLUMNS = tuple(r.column for r in REGISTERED if r.column)  # after isolation.FIELDS, in this order

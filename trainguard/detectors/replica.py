@@ -24,6 +24,11 @@ MOD = 2 ** 52
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def as_ints(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits read as integers of the same width (a view: writing it writes ``t``)."""
+    return t.view(_INT[t.element_size()])
+
+
 def digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The parameters' bits as integers, summed modulo 2**52, as a 0-dim float64 tensor on their device (no
     host sync). Tensors whose storage is not plain (ZeRO-3's empty placeholders) add nothing."""
@@ -32,7 +37,7 @@ def digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
         t = p.detach()
         if not t.numel() or t.element_size() not in _INT:
             continue
-        s = t.contiguous().view(_INT[t.element_size()]).sum(dtype=torch.int64).remainder(MOD)
+        s = as_ints(t.contiguous()).sum(dtype=torch.int64).remainder(MOD)
         total = s if total is None else (total + s).remainder(MOD)
     if total is None:
         return torch.zeros((), dtype=torch.float64)
