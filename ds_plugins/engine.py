@@ -117,6 +117,7 @@ class EngineGuard:
             find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
         self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
                                     device=_collective_device(), localize=self._localize, replay=self._replay,
+                                    peer_replay=self._peer_replay,
                                     narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None)
         s = self.session
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
@@ -248,7 +249,7 @@ class EngineGuard:
                           [tuple(r) for r in rejected])
         (inputs, kwargs), poison_output = self.session.forward(step, (inputs, kwargs))
         if self.guard is not None and self.engine.module.training and (
-                self.cfg.detectors.localize.enabled or self.guard.replay is not None):
+                self.cfg.detectors.localize.enabled or self.guard.wants_batches):
             # (references, not copies: what a replay of this micro-batch needs, trainguard.replay)
             self.guard.record_micro_batch((inputs, kwargs, poison_output), _rows((inputs, kwargs)))
         # the poison hook first, so that the probes see what it did
@@ -303,6 +304,21 @@ class EngineGuard:
             return loss
         # a non-finite activation inside the forward makes the gradients non-finite, whatever the loss says
         return loss if loss is None or watch.finite() or not self._watch_trusted else float("nan")
+
+    def _peer_replay(self, inputs, seed: int):
+        """detectors.peer_replay: a micro-batch (this rank's or a peer's) forward-only on the current weights, the
+        random numbers seeded alike on every replica (dropout draws the same masks) and put back afterwards. Returns
+        (its loss or None, the digest of the output's floating tensors)."""
+        from trainguard.detectors.replica import digest
+
+        inputs, kwargs, poison = inputs
+        held = self.faults.held() if self.faults is not None else contextlib.nullcontext()
+        with held, self._replaying(poison), torch.no_grad():
+            torch.manual_seed(seed)
+            out = self.engine.module(*inputs, **kwargs)
+        floats = []
+        _walk(out, lambda t: floats.append(t) if t.is_floating_point() else None)
+        return _scalar_loss(out), float(digest(floats)) if floats else None
 
     def on_batch(self, sample_ids, position, rejected=()) -> None:
         if self.guard is not None:
@@ -445,6 +461,18 @@ def _scalar_loss(out) -> float | None:
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         return float(out.detach().float())
     return None
+
+
+def _walk(x, fn) -> None:
+    """``fn`` on every tensor of a model's output (tensors, dicts, lists, tuples, output objects' fields)."""
+    if isinstance(x, torch.Tensor):
+        fn(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _walk(v, fn)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _walk(v, fn)
 
 
 def _finite_proxy(out) -> float | None:

@@ -171,7 +171,8 @@ class MegatronGuard:
         self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
                                     device=collective_device(), localize=self._localize,
                                     replay=self._replay if replayer is not None else None,
-                                    narrow_rows=replayer is not None, replay_peers=peers)
+                                    narrow_rows=replayer is not None, replay_peers=peers,
+                                    peer_replay=self._peer_replay if replayer is not None else None)
         s = self.session
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.faults is not None:
@@ -282,13 +283,20 @@ class MegatronGuard:
     def record(self, drawn: list) -> None:
         """From the loop, after each training micro-batch's forward step: what this rank drew from its data
         iterator for it (megatron_hooks.replay.Recording), kept with its poison for a replay."""
-        if self.guard is not None and self.guard.replay is not None:
+        if self.guard is not None and self.guard.wants_batches:
             self.guard.record_micro_batch((list(drawn), self._poison), self.replayer.micro_batch_size)
         self._poison = None
 
     def _replay(self, mb, row):
         drawn, poison = mb.inputs
         return self.replayer.replay(drawn, poison, row)
+
+    def _peer_replay(self, inputs, seed: int):
+        """detectors.peer_replay: what a rank drew for a micro-batch (its own or its replica's), forward-only through
+        megatron's schedule in eval mode (no random numbers drawn), the whole model-parallel group together.
+        Returns (its loss, None): the schedule gives back the loss only."""
+        drawn, poison = inputs
+        return self.replayer.replay(list(drawn), poison, None), None
 
     def _poison_forward(self, poison):
         return PoisonFirstLeaf(_unwrap(self.chunks[0]), poison)

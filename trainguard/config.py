@@ -118,6 +118,30 @@ class ReplicaCheckConfig(_Section):
     every_steps: int = Field(100, ge=1, description="Steps between two digests (each reads every parameter once).")
 
 
+class PeerReplayConfig(_Section):
+    """Silent data corruption in the compute: a data-parallel peer replays a rank's micro-batch on its identical
+    weights, and the rank that computes differently is named."""
+
+    enabled: bool = Field(False, description="Every `every_steps` steps (and on a spike that neither the data nor "
+                          "the weights explain) each rank sends its last micro-batch (its token ids: the inputs, never "
+                          "activations) to the next replica of its data-parallel group; both replay it forward-only on "
+                          "the same weights with the same random numbers and compare the loss and a digest of the "
+                          "model's floating outputs (the logits, where the model returns them). A disagreement is "
+                          "arbitrated by every replica of the group replaying that micro-batch: the rank outvoted by "
+                          "a majority is named (compute_mismatch, its host suspect); with 2 replicas both are named. "
+                          "Needs an adapter that replays (DeepSpeed; megatron with a replayer: Megatron-LM's loop, or "
+                          "install(replayer=...)).")
+    every_steps: int = Field(100, ge=1, description="Steps between two sampled replays (each costs two forward-only "
+                             "passes of one micro-batch per rank and one small all-gather; nothing on other steps).")
+    rtol: float = Field(0.0, ge=0, description="0: the replays must agree bit for bit (loss and output digest: "
+                        "deterministic kernels, the same on every replica). >0: the losses must agree within this "
+                        "relative tolerance and the digests are not compared (non-deterministic kernels).")
+    on_spike: bool = Field(True, description="Also replay on a non-finite or burst step whose weights replay healthy "
+                           "and whose samples replay healthy (recovery.replay_check: neither the data nor the weights "
+                           "explain it): when the culprit's micro-batch replays healthy on the culprit and its peer "
+                           "alike, the culprit's training forward computed what neither reproduces, and it is named.")
+
+
 class AttentionEntropyConfig(_Section):
     """Entropy of attention probabilities per layer and head, sampled."""
 
@@ -172,6 +196,7 @@ class DetectorsConfig(_Section):
     grad_norm: GradNormConfig = Field(default_factory=GradNormConfig)
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
     replica_check: ReplicaCheckConfig = Field(default_factory=ReplicaCheckConfig)
+    peer_replay: PeerReplayConfig = Field(default_factory=PeerReplayConfig)
     attention_entropy: AttentionEntropyConfig = Field(default_factory=AttentionEntropyConfig)
     activation_range: ActivationRangeConfig = Field(default_factory=ActivationRangeConfig)
     localize: LocalizeConfig = Field(default_factory=LocalizeConfig)
@@ -293,7 +318,8 @@ SCALE_ONLY_STEPS = ("raise_floor", "bf16_fallback")
 
 def _default_ladders() -> dict:
     return {"nonfinite": ["skip_step", "skip_step", "rollback"], "instant_burst": ["rollback"],
-            "slow_rise": ["rollback_lower_lr"], "loss_scale": ["bf16_fallback"], "replica_mismatch": ["rollback"]}
+            "slow_rise": ["rollback_lower_lr"], "loss_scale": ["bf16_fallback"], "replica_mismatch": ["rollback"],
+            "compute_mismatch": ["skip_step"]}
 
 
 class RecoveryConfig(_Section):
@@ -301,7 +327,8 @@ class RecoveryConfig(_Section):
 
     enabled: bool = Field(True, description="Act on spikes and repeated non-finite steps (false: alerts and "
                           "skipped steps only).")
-    ladders: dict[Literal["nonfinite", "instant_burst", "slow_rise", "loss_scale", "replica_mismatch"],
+    ladders: dict[Literal["nonfinite", "instant_burst", "slow_rise", "loss_scale", "replica_mismatch",
+                          "compute_mismatch"],
                   list[LadderStep]] = Field(
         default_factory=_default_ladders,
         description="Per anomaly class, the action for its 1st, 2nd, ... occurrence within ladder_window steps "
@@ -312,8 +339,11 @@ class RecoveryConfig(_Section):
         "fp16_fallback); its rollbacks reset the scale and skip no batches. Its default goes to bf16 at once: overflows that "
         "persist at the minimum scale are values beyond fp16's range, which no scale reset fixes (rollback, raise_floor "
         "are there for a collapse you know to be transient). replica_mismatch (detectors.replica_check): its "
-        "rollback goes to a checkpoint from before the last step the replicas agreed. A class left out keeps its "
-        "default.")
+        "rollback goes to a checkpoint from before the last step the replicas agreed. compute_mismatch "
+        "(detectors.peer_replay): a rank computed differently from its replicas on the same micro-batch and weights; "
+        "skip_step leaves the step's gradients out (the weights are not damaged: the replicas still agree), and the "
+        "named rank's host goes to suspect_hosts.json for the launcher (abort stops the job so that a restart leaves "
+        "the host out). A class left out keeps its default.")
     ladder_window: int = Field(100, ge=1, description="Occurrences older than this many steps no longer count.")
     replay_check: bool = Field(
         True, description="On a non-finite or instant_burst step, every rank replays a micro-batch of the last "
@@ -462,7 +492,7 @@ class FaultSpec(_Section):
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
                   "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint", "kill_rank",
-                  "hang_rank", "checkpoint_write_error", "slow_rank", "nan_weights", "bitflip"] = Field(
+                  "hang_rank", "checkpoint_write_error", "slow_rank", "nan_weights", "bitflip", "sdc_compute"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -484,7 +514,9 @@ class FaultSpec(_Section):
         "time before its first forward (a throttled GPU: alive, slower by 1 + factor). nan_weights: at the start of "
         "`step`, NaN is written into `param` on `rank` (silent corruption of the weights in memory: every later step "
         "is non-finite until a rollback reloads them). bitflip: at the start of `step`, bit `bit` of the first element of "
-        "`param` flips on `rank` (silent data corruption: finite, and nothing else notices).")
+        "`param` flips on `rank` (silent data corruption: finite, and nothing else notices). sdc_compute: on every "
+        "step of [step, step+steps) the output of `module` on `rank` is multiplied by 1 + `eps` in every forward of "
+        "that rank -- training and replays alike: it stands for a device that computes wrong (finite, silent).")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
@@ -497,7 +529,9 @@ class FaultSpec(_Section):
         None, ge=0, description="nan_batch: only this row of the micro-batch (0-based) becomes NaN -- one corrupted "
         "sample in an otherwise healthy batch; default every row. On megatron (token ids) it poisons that row of "
         "the first leaf module's output, in the step's first micro-batch.")
-    module: Optional[str] = Field(None, description="inf_activation, attention_collapse: module path.")
+    module: Optional[str] = Field(None, description="inf_activation, attention_collapse, sdc_compute: module path.")
+    eps: Optional[float] = Field(None, gt=0, description="sdc_compute: the relative error of the module's output "
+                                 "(default 1e-3).")
     factor: Optional[float] = Field(None, description="spike_batch (default 50), lr_ramp (per-step growth, "
                                     "default 1.15), attention_collapse (default 50), slow_rank (the fraction of a "
                                     "step slept, default 0.5).")
@@ -511,11 +545,14 @@ class FaultSpec(_Section):
                              f"not '{self.type}'")
         if self.sample is not None and self.type != "nan_batch":
             raise ValueError(f"'sample' applies only to type 'nan_batch', not '{self.type}'")
-        needs_module = self.type in ("inf_activation", "attention_collapse")
+        needs_module = self.type in ("inf_activation", "attention_collapse", "sdc_compute")
         if needs_module and not self.module:
             raise ValueError(f"type '{self.type}' needs 'module' (a module path, as in model.named_modules())")
         if self.module is not None and not needs_module:
-            raise ValueError(f"'module' applies only to inf_activation and attention_collapse, not '{self.type}'")
+            raise ValueError(f"'module' applies only to inf_activation, attention_collapse and sdc_compute, not "
+                             f"'{self.type}'")
+        if self.eps is not None and self.type != "sdc_compute":
+            raise ValueError(f"'eps' applies only to type 'sdc_compute', not '{self.type}'")
         if self.factor is not None and self.type not in ("spike_batch", "lr_ramp", "attention_collapse", "slow_rank"):
             raise ValueError(f"'factor' does not apply to type '{self.type}'")
         return self

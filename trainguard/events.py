@@ -76,6 +76,7 @@ class Anomaly(_Word):
     SLOW_RISE = "slow_rise"          # loss spike after the gradient norm crept up: the LR is too high
     LOSS_SCALE = "loss_scale"        # the fp16 scaler collapsed
     REPLICA_MISMATCH = "replica_mismatch"  # data-parallel replicas hold different weights (detectors.replica_check)
+    COMPUTE_MISMATCH = "compute_mismatch"  # a rank computes differently from its replicas (detectors.peer_replay)
 
 
 class Remedy(_Word):
@@ -114,6 +115,7 @@ class Record(str, enum.Enum):
     ENTROPY_SATURATION = "entropy_saturation"  # an attention head attends uniformly
     ACTIVATION_RANGE = "activation_range"      # a module's output max-abs above the limit
     REPLICA_MISMATCH = "replica_mismatch"      # a rank's replicated weights differ from its replicas' (silent corruption)
+    COMPUTE_MISMATCH = "compute_mismatch"      # a rank's replay of a micro-batch differs from its replicas' (silent)
     CUSTOM_ALERT = "custom_alert"              # a verdict of one of your detectors (detectors.custom)
     STRAGGLER = "straggler"                    # a rank alive but slower than the median rank (alert only)
     SAMPLES_REJECTED = "samples_rejected"      # the sanitiser dropped samples or quarantined a batch

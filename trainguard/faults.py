@@ -13,6 +13,8 @@ nan_batch, spike_batch FORWARD      floating inputs -> NaN / x factor (integer-o
                                     nan_batch ``sample``: that row only (one bad sample)
 nan_weights            FORWARD      NaN into one parameter on the rank (memory corruption)
 bitflip                FORWARD      one bit of one parameter's first element flips on the rank (silent)
+sdc_compute            FORWARD      the output of ``module`` x (1 + eps) in every forward of the rank in
+                                    the window, replays included (a device computing wrong: silent)
 inf_activation         FORWARD      +Inf in the output of ``module`` (a forward hook)
 attention_collapse     FORWARD      one head's logits into the softmax ``module``,
                                     standardised per query, x factor
@@ -251,7 +253,8 @@ class FaultInjector:
         return inputs, poison_output
 
     def install_module_faults(self, model: torch.nn.Module, step_fn) -> list:
-        """Forward hooks for inf_activation, attention_collapse, nan_weights and bitflip; returns their handles."""
+        """Forward hooks for inf_activation, attention_collapse, sdc_compute, nan_weights and bitflip; returns their
+        handles."""
         modules = dict(model.named_modules())
         handles = []
         corrupt = [f for f in self.faults if f.type in ("nan_weights", "bitflip")]
@@ -278,14 +281,16 @@ class FaultInjector:
                 return None
             handles.append(model.register_forward_pre_hook(corrupt_hook))
         for f in self.faults:
-            if f.type not in ("inf_activation", "attention_collapse"):
+            if f.type not in ("inf_activation", "attention_collapse", "sdc_compute"):
                 continue
             if f.module not in modules:
                 near = [n for n in modules if n and n.split(".")[-1] == f.module.split(".")[-1]][:5]
                 raise ValueError(f"trainguard.faults: module '{f.module}' is not in the model"
                                  + (f" (similar: {', '.join(near)})" if near else ""))
             mod = modules[f.module]
-            if f.type == "inf_activation":
+            if f.type == "sdc_compute":
+                handles.append(mod.register_forward_hook(self._sdc_hook(f, step_fn)))
+            elif f.type == "inf_activation":
                 def hook(m, args, output, f=f):
                     if self.quiet:
                         return None
@@ -313,6 +318,24 @@ class FaultInjector:
                     return (logits, *args[1:])
                 handles.append(mod.register_forward_pre_hook(pre_hook))
         return handles
+
+    def _sdc_hook(self, f: FaultSpec, step_fn):
+        """sdc_compute: the module's output x (1 + eps) while the step is in the window. It ignores ``held()``:
+        it stands for the device, which computes the replays of its steps as wrongly as their training forward;
+        not spent by a step either (a re-run step on the same device is wrong again)."""
+        factor = 1.0 + (f.eps if f.eps is not None else 1e-3)
+
+        def hook(m, args, output):
+            step = step_fn()
+            if not f.active(step):
+                return None
+            self._fire(step, "sdc_compute")
+            if isinstance(output, torch.Tensor) and output.is_floating_point():
+                return output * factor
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                return (output[0] * factor, *output[1:])
+            return None
+        return hook
 
     # LOSS ------------------------------------------------------------------------------------
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.data import DataPosition
 from trainguard.detectors import RankObservation, Verdict, detect_nonfinite
+from trainguard.detectors.base import PeerContext
 from trainguard.detectors.activation import detect_activation
 from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
@@ -37,7 +38,7 @@ from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import argmax, culprit_samples, merge_nonfinite, narrow_to_origin
 from trainguard.eventlog import EventLog
-from trainguard.errors import TrainguardAbort
+from trainguard.errors import ConfigError, TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
@@ -76,7 +77,7 @@ class StepGuard:
     def __init__(self, cfg: TrainguardConfig, rank: int, world: int, group=None,
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
                  replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False,
-                 replay_peers: Sequence[int] | None = None):
+                 replay_peers: Sequence[int] | None = None, peer_replay: Callable[[Any, int], tuple] | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
@@ -95,6 +96,12 @@ class StepGuard:
                            if getattr(cfg.detectors, reg.key).enabled]
         self.localize = localize
         self.replay = replay if cfg.recovery.replay_check else None
+        # (inputs, seed) -> (loss, output digest): a micro-batch replayed for a peer (detectors.peer_replay)
+        self.peer_replay = peer_replay if any(hasattr(det, "exchange") for _, det in self.registered) else None
+        if self.peer_replay is None and any(hasattr(det, "exchange") for _, det in self.registered):
+            raise ConfigError([("trainguard.detectors.peer_replay.enabled",
+                                "true needs an adapter that replays a micro-batch (DeepSpeed; megatron-core: "
+                                "install(..., replayer=Replayer(...)), as Megatron-LM's loop does); set false")])
         self.narrow_rows = narrow_rows and replay is not None and cfg.recovery.narrow_samples
         self.replay_peers = set(replay_peers) if replay_peers is not None else {rank}
         self.book = ReplayBook()   # this step's micro-batches and the last healthy one (adapters that replay)
@@ -309,6 +316,7 @@ class StepGuard:
         if nonfinite is not None:
             verdicts.append(nonfinite)
         verdicts += spikes
+        self._exchange(step, obs, deciding, everyone)
         for _, det in self.registered:
             found = det.observe(step, obs, self.coords)
             for v in found:  # (a detector that names a rank for sure: its host goes to suspect_hosts.json)
@@ -341,6 +349,27 @@ class StepGuard:
         return decision
 
     # ------------------------------------------------------------------ replays (trainguard.replay)
+    @property
+    def wants_batches(self) -> bool:
+        """Whether the adapter should hand its training micro-batches to :meth:`record_micro_batch`."""
+        return self.replay is not None or self.peer_replay is not None
+
+    def _exchange(self, step: int, obs: list[RankObservation], deciding: list[Verdict], everyone) -> None:
+        """The registered detectors that replay for a peer (detectors.peer_replay), on every rank at DECIDE."""
+        if self.peer_replay is None:
+            return
+        # a spike neither the data nor the weights explain: the weights replay healthy and no sample is to blame
+        # (one micro-batch on the culprit: the one replayed is then the one that spiked)
+        unexplained = ()
+        if deciding and self.weights == "healthy" and not any((e or {}).get("narrowed") for e in everyone or []):
+            unexplained = sorted({r for v in deciding for r in v.ranks if r < len(obs) and obs[r].micro_batches == 1})
+        ctx = PeerContext(rank=self.rank, coords=self.coords, device=self.device, group=self.group,
+                          inputs=self.book.step[-1].inputs if self.book.step else None, replay=self.peer_replay,
+                          healthy=self._healthy_loss, unexplained=unexplained, step_loss=[o.loss for o in obs])
+        for _, det in self.registered:
+            if hasattr(det, "exchange"):
+                det.exchange(step, ctx)
+
     def record_micro_batch(self, inputs: Any, rows: int | None) -> None:
         """The adapter hands each training micro-batch it can replay (after BATCH named its samples)."""
         self.book.record(MicroBatch(inputs, self.tally.take_ids(), rows))

@@ -43,13 +43,13 @@ class GuardSession:
     def __init__(self, fw: Framework, cfg: TrainguardConfig, rank: int, world: int, *, guard_enabled: bool = True,
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
                  replay: Callable | None = None, narrow_rows: bool = False,
-                 replay_peers: Sequence[int] | None = None):
+                 replay_peers: Sequence[int] | None = None, peer_replay: Callable | None = None):
         self.fw, self.cfg, self.rank, self.world = fw, cfg, rank, world
         self.heart = Heartbeat(rank)
         self.guard: StepGuard | None = None
         if guard_enabled:
             self.guard = StepGuard(cfg, rank, world, group=None, device=device, localize=localize, replay=replay,
-                                   narrow_rows=narrow_rows, replay_peers=replay_peers)
+                                   narrow_rows=narrow_rows, replay_peers=replay_peers, peer_replay=peer_replay)
             self.faults = self.guard.faults if cfg.faults else None   # one injector, owned by the guard
         else:
             self.faults = FaultInjector(cfg.faults, rank) if cfg.faults else None

@@ -71,7 +71,8 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "bad_label needs the loader of ds_plugins; on megatron use nan_batch (with sample: one bad sample), nan_loss, "
         "inf_activation or inf_grad", inert=("nan_loss", "inf_grad", "spike_batch", "lr_ramp", "inf_activation",
                                               "nan_batch", "attention_collapse", "kill_rank", "hang_rank", "corrupt_checkpoint",
-                                              "fp16_overflow", "slow_rank", "nan_weights", "bitflip"))},
+                                              "fp16_overflow", "slow_rank", "nan_weights", "bitflip",
+                                              "sdc_compute"))},
 }
 
 

@@ -43,21 +43,64 @@ def test_a_flipped_bit_in_one_replica_is_named_and_rolled_back(tmp_path, torchru
 
 
 def test_megatron_replicas_that_disagree_are_named_and_rolled_back(tmp_path):
-    """The same check on megatron-core (DDP, DP=2): a bit of rank 1's first MLP weight flips at iteration 7; the
-    check at 10 (every 5) finds the replicas apart, names both, and the run rolls back to the snapshot from before
-    the last agreeing check (5): iteration 4. The replicas end bit-identical."""
+    """Both checks on megatron-core (DDP, DP=2, the replayer of data-or-weights: forward-only through megatron's
+    schedule), every 5 iterations. Rank 0's first MLP layer computes 1e-3 too much on iteration 5 (sdc_compute):
+    its replays and its peer's disagree, and with 2 replicas both are named (compute_mismatch, no majority, not
+    suspect), the iteration skipped. A bit of rank 1's first MLP weight flips at 7: the weight check at 10 finds
+    the replicas apart, names both, and the run rolls back to the snapshot from before the last agreeing check
+    (5): iteration 4 -- the peer replay of 10, whose outputs differ because the weights do, is left to the weight
+    check. The re-run iteration 5 meets the wrong device again (named, skipped); the replicas end bit-identical."""
     pytest.importorskip("megatron.core")
     from tests.dist.test_megatron_dist import run
 
     ck = tmp_path / "ck"
     block = {"checks": {"enabled": False}, "allow_faults": True,
              "checkpoint": {"dir": str(ck), "stable_after": 1, "verify_steps": 0},
-             "detectors": {"replica_check": {"enabled": True, "every_steps": 5}},
+             "detectors": {"replica_check": {"enabled": True, "every_steps": 5},
+                           "peer_replay": {"enabled": True, "every_steps": 5}},
              "faults": [{"type": "bitflip", "step": 7, "rank": 1, "bit": 20,
-                         "param": "decoder.layers.0.mlp.linear_fc1.weight"}]}
-    res, lines = run(tmp_path, "sdc", "dp", 14, block, ["--ckpt", str(ck), "--save-at", "4", "--save-at", "8"])
+                         "param": "decoder.layers.0.mlp.linear_fc1.weight"},
+                        {"type": "sdc_compute", "step": 5, "rank": 0, "module": "decoder.layers.0.mlp.linear_fc1"}]}
+    res, lines = run(tmp_path, "sdc", "dp", 14, block, ["--ckpt", str(ck), "--save-at", "4", "--save-at", "8",
+                                                        "--replay"])
+    computed = [x for x in lines if x.get("event") == "compute_mismatch"]
+    assert [x["step"] for x in computed] == [5, 5], computed
+    assert all(x["ranks"] == [0, 1] and x["action"] == "skip_step" and x["detail"]["suspect"] is None
+               for x in computed)
     (mismatch,) = [x for x in lines if x.get("event") == "replica_mismatch"]
     assert mismatch["step"] == 10 and mismatch["detail"]["agreed_at"] == 5 and mismatch["detail"]["majority"] is False
     (rb,) = [x for x in lines if x.get("event") == "rollback"]
     assert rb["detail"]["anomaly"] == "replica_mismatch" and rb["detail"]["to_step"] == 4
     assert res[0]["param_sha256"] == res[1]["param_sha256"] and all(r["weights_finite"] for r in res)
+
+
+def test_a_device_that_computes_wrong_is_named_by_its_peers_replays(tmp_path):
+    """Peer replay and the replica check together, on 3 DeepSpeed ZeRO-0 replicas (K = M = 5): rank 1's first MLP
+    layer computes 1e-3 too much on step 10 (``sdc_compute``: finite, silent). At DECIDE of 10 each rank replays its
+    micro-batch and its predecessor's; two pairs disagree, every replica replays both, and rank 1 is outvoted in
+    each: named alone (compute_mismatch), its host suspect, the step skipped -- so the replicas never drift apart
+    (no replica_mismatch) and end bit-identical."""
+    import json
+
+    from trainguard.demo.run import run_worker
+    from trainguard.metrics.jsonl import read
+
+    cfg = make_config(tmp_path, faults=[{"type": "sdc_compute", "step": 10, "rank": 1, "module": "blocks.0.mlp.0",
+                                         "eps": 1e-3}],
+                      block={"checks": {"enabled": False},
+                             "detectors": {"peer_replay": {"enabled": True, "every_steps": 5},
+                                           "replica_check": {"enabled": True, "every_steps": 5}}},
+                      zero_optimization={"stage": 0})
+    out = tmp_path / "run"
+    rc, results = run_worker(cfg, out, 16, nproc=3, timeout=240)
+    assert rc == 0 and all(results), (out / "torchrun.log").read_text()[-3000:]
+    events = [e for e in read(out / "trainguard.jsonl") if e["type"] == "event"]
+    (v,) = [e for e in events if e["event"] == "compute_mismatch"]
+    assert v["step"] == 10 and v["ranks"] == [1] and v["action"] == "skip_step" and v["detail"]["suspect"]
+    for e in v["detail"]["evidence"]["1"]:
+        assert e["majority"] and e["replays"]["0"] == e["replays"]["2"] != e["replays"]["1"]
+    assert not [e for e in events if e["event"] in ("replica_mismatch", "rollback")]
+    (s,) = [e for e in events if e["event"] == "suspect_rank"]
+    assert s["ranks"] == [1] and "compute_mismatch" in s["detail"]["why"]
+    assert json.loads((out / "suspect_hosts.json").read_text())["hosts"] == [s["detail"]["host"]]
+    assert len({r["param_sha256"] for r in results}) == 1 and all(r["global_steps"] == 16 for r in results)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,18 @@ class Verdict:
     anomaly: str
     ranks: tuple[int, ...]
     detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class PeerContext:
+    """What the guard hands the detector at DECIDE (the same shape on every rank)."""
+
+    rank: int
+    coords: Sequence                 # trainguard.isolation.RankCoords of every rank
+    device: Any                      # the collective's (a torch.device)
+    group: Any                       # the AGREE group (None: world)
+    inputs: Any                      # this rank's last training micro-batch of the step (the adapter's own), or None
+    replay: Callable[[Any, int], tuple]  # (inputs, seed) -> (loss or None, digest or None), forward-only
+    healthy: Callable[[float], bool]     # the loss-spike detector's judgement of a loss
+    unexplained: Sequence[int] = field(default_factory=tuple)  # culprits of a spike neither data nor weights explain
+    step_loss: Sequence[float] = field(default_factory=tuple)  # every rank's training loss of the step
