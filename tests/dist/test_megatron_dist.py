@@ -228,7 +228,12 @@ def test_nonfinite_ladder_rolls_back_to_a_snapshot(tmp_path, megatron_core):
     in-process rollback to the newest stable snapshot from before the first one. Only the reload can heal the
     weights -- skipping cannot -- so a rollback that reloaded nothing would leave rank 1 NaN and fail this
     test (issue 25 item 13: it used NaN losses, which a rollback that reloads nothing survives). Both replicas
-    end identical and finite, and the snapshots of the abandoned trajectory are set aside."""
+    end identical and finite, and the snapshots of the abandoned trajectory are set aside. (The installed release
+    only, for the suite's time: the rollback is trainguard's, the same on every release; the older releases run the
+    attribution test.)"""
+    if megatron_core != releases.installed():
+        pytest.skip(f"{megatron_core}: the rollback is trainguard's, the same on every release (the older releases "
+                    "run the attribution test): the installed release runs it")
     ck = tmp_path / "ck"
     block = {"checks": {"enabled": False}, "allow_faults": True,
              "checkpoint": {"dir": str(ck), "stable_after": 1, "verify_steps": 1},

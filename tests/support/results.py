@@ -9,15 +9,15 @@ handlers run (trainguard's run_end record and log flush among them), the streams
 process leaves with ``os._exit`` before finalisation can abort it."""
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import NoReturn
 
 import torch
+
+from trainguard.demo.run import leave
 
 
 def finish(out: Path, model, engine, **fields) -> NoReturn:
@@ -36,7 +36,4 @@ def finish(out: Path, model, engine, **fields) -> NoReturn:
     if hasattr(engine, "destroy"):
         engine.destroy()
     torch.distributed.destroy_process_group()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
+    leave(0)

@@ -247,4 +247,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainguard.demo.run import leave
+
+    leave(main())
