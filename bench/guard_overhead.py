@@ -80,7 +80,7 @@ class SyncCounter:
             setattr(torch.Tensor, name, orig)
 
 
-def build(args, guarded: bool, device):
+def build(args, guarded: bool, device, sdc_every: int = 0, name: str = "bench"):
     import deepspeed
 
     import ds_plugins
@@ -94,7 +94,10 @@ def build(args, guarded: bool, device):
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if guarded:
-        cfg["trainguard"] = {"metrics": {"jsonl": str(Path(args.out) / "bench.jsonl")}}
+        cfg["trainguard"] = {"metrics": {"jsonl": str(Path(args.out) / f"{name}.jsonl")}}
+        if sdc_every:  # (issue 26: both silent-data-corruption checks every N steps)
+            cfg["trainguard"]["detectors"] = {"replica_check": {"enabled": True, "every_steps": sdc_every},
+                                              "peer_replay": {"enabled": True, "every_steps": sdc_every}}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     init = ds_plugins.initialize if guarded else deepspeed.initialize
     engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
@@ -117,13 +120,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--sync-debug", action="store_true", help="GPU: torch.cuda.set_sync_debug_mode('warn')")
+    ap.add_argument("--sdc-every", type=int, default=0, help="compare the default guard (baseline, 'plain' below) "
+                    "with the guard plus detectors.replica_check and detectors.peer_replay every N steps (issue 26: "
+                    "N = 100, target mean ratio <= 1.005, no extra sync on unchecked steps)")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    plain = build(args, False, device)
-    guarded = build(args, True, device)
+    if args.sdc_every:  # the baseline is the guard at its defaults; the candidate adds both SDC checks
+        plain = build(args, True, device, name="baseline")
+        guarded = build(args, True, device, sdc_every=args.sdc_every, name="sdc")
+    else:
+        plain = build(args, False, device)
+        guarded = build(args, True, device)
     n_params = sum(p.numel() for p in plain.module.parameters())
 
     g = torch.Generator().manual_seed(1)
@@ -163,6 +173,15 @@ def main(argv=None) -> int:
             one(eng, batch, name, measure)
     counter.uninstall()
 
+    if args.sdc_every:  # the checks' own steps, and the syncs of the steps between them
+        first = args.warmup + 1
+        checked = [i for i in range(args.steps) if (first + i) % args.sdc_every == 0]
+        unchecked = [i for i in range(args.steps) if (first + i) % args.sdc_every]
+        sdc_figures = {
+            "sdc_every": args.sdc_every, "checked_steps": len(checked),
+            "checked_step_ms_sdc_mean": round(statistics.mean(times["guarded"][i] for i in checked) * 1e3, 3)
+            if checked else None,
+            "extra_syncs_unchecked_max": max(syncs["guarded"][i] - syncs["plain"][i] for i in unchecked)}
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: statistics.mean(v) for k, v in times.items()}
     ratio = med["guarded"] / med["plain"]
@@ -190,6 +209,12 @@ def main(argv=None) -> int:
         print(f"  host syncs / step  plain {figures['syncs_per_step_plain_median']:9.1f}      "
               f"guarded {figures['syncs_per_step_guarded_median']:9.1f}      extra {extra_median:+.1f} median, "
               f"{extra_mean:+.2f} mean with sampled steps  (target <= 1)")
+    if args.sdc_every:
+        figures.update(sdc_figures)
+        if torch.distributed.get_rank() == 0:
+            print(f"  (baseline: the default guard; candidate: + replica_check and peer_replay every {args.sdc_every} "
+                  f"steps, {len(checked)} checked steps in the mean: {figures['checked_step_ms_sdc_mean']} ms each; "
+                  f"extra host syncs on an unchecked step, at most: {figures['extra_syncs_unchecked_max']})")
     if args.json and torch.distributed.get_rank() == 0:
         Path(args.json).write_text(json.dumps(figures, indent=1))
     for eng in (plain, guarded):

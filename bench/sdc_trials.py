@@ -10,7 +10,17 @@
 2. False verdicts: ``--healthy`` steps with no fault at ZeRO 0, 1 and 2 (2 ranks), the check on every step:
    any ``replica_mismatch`` is a false verdict.
 
-Prints one line per part and exits 0 when every flip was found and named and there was no false verdict.
+3. Compute trials (the peer replay): ``--computes`` ``sdc_compute`` faults, one at a time, each on a rank drawn
+   at random of 3 replicas, on a sampled step (every ``--every``), the output of a random layer's first MLP
+   projection x (1 + ``--eps``); ``detectors.peer_replay`` every ``--every`` steps. A trial counts when a
+   ``compute_mismatch`` names exactly that rank on that step.
+4. False verdicts on megatron-core (DDP, DP=2, the replayer): ``--healthy`` iterations with both checks on every
+   iteration (``--megatron 0`` leaves it out; it needs megatron-core).
+
+    python bench/sdc_trials.py [--flips 20] [--computes 20] [--eps 1e-3] [--every 5] [--healthy 1000] [--out DIR]
+
+Prints one line per part and exits 0 when every fault was found and its rank named and there was no false
+verdict.
 """
 from __future__ import annotations
 
@@ -68,11 +78,49 @@ def false_verdicts(out: Path, healthy: int) -> dict:
     return counts
 
 
+def computes(out: Path, trials: int, every: int, eps: float, seed: int) -> tuple[int, int, list]:
+    rng = random.Random(seed + 1)
+    gap = 4 * every
+    plan = [{"type": "sdc_compute", "step": gap * (i + 1) + every, "rank": rng.randrange(3), "eps": eps,
+             "module": f"blocks.{rng.randrange(3)}.mlp.0"} for i in range(trials)]
+    block = {"allow_faults": True, "faults": plan, "checks": {"enabled": False},
+             "detectors": {"peer_replay": {"enabled": True, "every_steps": every}},
+             "recovery": {"max_rollbacks": 10 * trials}}
+    out.mkdir(parents=True, exist_ok=True)
+    rc, _ = run_worker(_config(out / "ds_config.json", block, 0), out / "run", gap * (trials + 1), nproc=3,
+                       timeout=60 * trials)
+    found = [e for e in read(out / "run" / "trainguard.jsonl") if e.get("event") == "compute_mismatch"]
+    hits, rows = 0, []
+    for f in plan:
+        at = [e for e in found if e["step"] == f["step"]]
+        hits += bool(at) and at[0]["ranks"] == [f["rank"]]
+        rows.append({"step": f["step"], "rank": f["rank"], "module": f["module"],
+                     "named": at[0]["ranks"] if at else None})
+    false = [e["step"] for e in found if e["step"] not in {f["step"] for f in plan}]
+    return rc, hits, rows + ([{"false_verdicts_at": false}] if false else [])
+
+
+def megatron_false_verdicts(out: Path, healthy: int) -> dict:
+    block = {"checks": {"enabled": False},
+             "detectors": {"replica_check": {"enabled": True, "every_steps": 1},
+                           "peer_replay": {"enabled": True, "every_steps": 1}}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "block.json").write_text(json.dumps(block))
+    rc, _ = run_worker(out / "block.json", out / "run", healthy, nproc=2, extra=["--replay"],
+                       module="tests.support.megatron_worker", timeout=3600)
+    events = read(out / "run" / "trainguard.jsonl")
+    return {"rc": rc, "iterations": healthy,
+            "false_verdicts": sum(1 for e in events if e.get("event") in ("replica_mismatch", "compute_mismatch"))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flips", type=int, default=20)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--healthy", type=int, default=1000)
+    ap.add_argument("--computes", type=int, default=20)
+    ap.add_argument("--eps", type=float, default=1e-3)
+    ap.add_argument("--megatron", type=int, default=1, help="1: the megatron-core false-verdict part too")
     ap.add_argument("--seed", type=int, default=26)
     ap.add_argument("--out", default="trainguard-sdc")
     args = ap.parse_args(argv)
@@ -82,7 +130,15 @@ def main(argv=None) -> int:
                       "every_steps": args.every, "trials": rows}))
     healthy = false_verdicts(out / "healthy", args.healthy) if args.healthy else {}
     print(json.dumps({"part": "false_verdicts", "by_zero_stage": healthy}))
+    crc, chits, crows = computes(out / "computes", args.computes, args.every, args.eps, args.seed) \
+        if args.computes else (0, 0, [])
+    print(json.dumps({"part": "computes", "rc": crc, "trials": args.computes, "named": chits, "eps": args.eps,
+                      "every_steps": args.every, "rows": crows}))
+    mega = megatron_false_verdicts(out / "megatron", args.healthy) if args.megatron and args.healthy else {}
+    print(json.dumps({"part": "megatron_false_verdicts", **mega}))
     ok = rc == 0 and hits == args.flips and all(v["rc"] == 0 and v["false_verdicts"] == 0 for v in healthy.values())
+    ok = ok and crc == 0 and chits == args.computes and not any("false_verdicts_at" in r for r in crows)
+    ok = ok and (not mega or (mega["rc"] == 0 and mega["false_verdicts"] == 0))
     return 0 if ok else 1
 
 

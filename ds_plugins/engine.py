@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ds_plugins.loaders import UNTAGGED as _UNTAGGED
 from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import ScalerView
+from ds_plugins.replay import Replays, rows_of
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
@@ -30,7 +31,6 @@ from trainguard.faults import PoisonFirstLeaf
 from trainguard.protocols import StepOutcome
 from trainguard.session import GuardSession
 from trainguard.isolation import collective_device, gather_coords
-from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
 
 _GUARDED_CLASSES: dict[type, type] = {}
 
@@ -111,13 +111,13 @@ class EngineGuard:
         self.scaler_view = ScalerView(engine)
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._framework_batches = 0   # micro-batches of a framework's tagged loader (no epochs known)
-        self._watch_trusted = True    # module outputs all finite on the last healthy replay (see _replay)
         self.entry = "initialize"     # "auto": built by a framework through the zero-code entry (ds_plugins/auto.py)
         if guard_enabled and cfg.detectors.nonfinite.enabled:
             find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
+        self.replays = Replays(self)  # (the forwards again: localisation, data or weights, peer replay)
         self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
-                                    device=_collective_device(), localize=self._localize, replay=self._replay,
-                                    peer_replay=self._peer_replay,
+                                    device=_collective_device(), localize=self.replays.localize,
+                                    replay=self.replays.replay, peer_replay=self.replays.peer_replay,
                                     narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None)
         s = self.session
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
@@ -251,7 +251,7 @@ class EngineGuard:
         if self.guard is not None and self.engine.module.training and (
                 self.cfg.detectors.localize.enabled or self.guard.wants_batches):
             # (references, not copies: what a replay of this micro-batch needs, trainguard.replay)
-            self.guard.record_micro_batch((inputs, kwargs, poison_output), _rows((inputs, kwargs)))
+            self.guard.record_micro_batch((inputs, kwargs, poison_output), rows_of((inputs, kwargs)))
         # the poison hook first, so that the probes see what it did
         with (PoisonFirstLeaf(self.engine.module, poison_output) if poison_output else contextlib.nullcontext()), \
                 self.session.probing(step):
@@ -259,66 +259,6 @@ class EngineGuard:
         if self.engine.module.training:
             self.session.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
         return out
-
-    def _localize(self) -> dict:
-        """Replay this rank's last micro-batch with a hook on every module (no gradients, RNG
-        untouched); every rank does it together, since a ZeRO-3 forward gathers parameters."""
-        if not self.guard.book.step:
-            return {"module": None, "note": "no micro-batch to replay"}
-        inputs, kwargs, poison_output = self.guard.book.step[-1].inputs
-        model = self.engine.module
-        # the poison hook (nan_batch on an integer-only batch) must be registered before the
-        # localisation hooks, so that they see the output it replaced
-        with self._replaying(poison_output):
-            report = first_nonfinite(model, lambda: model(*inputs, **kwargs))
-        report["rank"] = self.rank
-        return report
-
-    @contextlib.contextmanager
-    def _replaying(self, poison):
-        """Around a replayed forward: the RNG put back afterwards, and the micro-batch's own poison."""
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with preserved_rng(devices), PoisonFirstLeaf(self.engine.module, poison) if poison else \
-                contextlib.nullcontext():
-            yield
-
-    def _replay(self, mb, row):
-        """trainguard.replay: the loss of a recorded micro-batch (``row`` None) or of one of its rows,
-        on the current weights: no gradients, RNG untouched, injected module faults held still (they
-        stood for the original forward). None when the model's output holds no scalar loss."""
-        inputs, kwargs, poison = mb.inputs
-        if row is not None:
-            (inputs, kwargs) = _row_of((inputs, kwargs), row, mb.rows)
-            poison = poison.for_row(row) if poison else None
-        held = self.faults.held() if self.faults is not None else contextlib.nullcontext()
-        watch = FiniteWatch(self.engine.module)
-        with held, self._replaying(poison), torch.no_grad(), watch.watching():
-            out = self.engine.module(*inputs, **kwargs)
-        loss = _scalar_loss(out)
-        if loss is None:
-            loss = _finite_proxy(out)
-        if row is None and mb is self.guard.book.healthy:
-            # the weights' probe: its loss alone decides; whether this model's intermediates are all finite on
-            # healthy data (a module may output a -inf mask) says whether the rows' replays may use the watch
-            self._watch_trusted = watch.finite()
-            return loss
-        # a non-finite activation inside the forward makes the gradients non-finite, whatever the loss says
-        return loss if loss is None or watch.finite() or not self._watch_trusted else float("nan")
-
-    def _peer_replay(self, inputs, seed: int):
-        """detectors.peer_replay: a micro-batch (this rank's or a peer's) forward-only on the current weights, the
-        random numbers seeded alike on every replica (dropout draws the same masks) and put back afterwards. Returns
-        (its loss or None, the digest of the output's floating tensors)."""
-        from trainguard.detectors.replica import digest
-
-        inputs, kwargs, poison = inputs
-        held = self.faults.held() if self.faults is not None else contextlib.nullcontext()
-        with held, self._replaying(poison), torch.no_grad():
-            torch.manual_seed(seed)
-            out = self.engine.module(*inputs, **kwargs)
-        floats = []
-        _walk(out, lambda t: floats.append(t) if t.is_floating_point() else None)
-        return _scalar_loss(out), float(digest(floats)) if floats else None
 
     def on_batch(self, sample_ids, position, rejected=()) -> None:
         if self.guard is not None:
@@ -418,85 +358,6 @@ class EngineGuard:
     def close(self) -> None:
         self.session.close({"deepspeed_skipped_steps": self.engine.skipped_steps,
                             "global_steps": self.engine.global_steps})
-
-
-def _rows(batch) -> int | None:
-    """The batch size: the leading dimension of the first tensor in the inputs."""
-    def first(x):
-        if isinstance(x, torch.Tensor):
-            return x if x.dim() else None
-        items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
-        for v in items:
-            t = first(v)
-            if t is not None:
-                return t
-        return None
-
-    t = first(batch)
-    return int(t.shape[0]) if t is not None else None
-
-
-def _row_of(batch, row: int, rows: int | None):
-    """One row of every tensor whose leading dimension is the batch size (a batch of one)."""
-    def go(x):
-        if isinstance(x, torch.Tensor):
-            return x[row:row + 1] if x.dim() and x.shape[0] == rows else x
-        if isinstance(x, dict):
-            return type(x)((k, go(v)) for k, v in x.items())
-        if isinstance(x, (list, tuple)):
-            return type(x)(go(v) for v in x)
-        return x
-
-    return go(batch)
-
-
-def _scalar_loss(out) -> float | None:
-    """The loss in a model's output: a one-element tensor, an output object's or dict's ``loss``, or
-    the first element of a tuple (Hugging Face models return ``(loss, logits, ...)`` or an output
-    object)."""
-    if isinstance(out, dict) or hasattr(out, "loss"):
-        out = out.get("loss") if isinstance(out, dict) else getattr(out, "loss")
-    elif isinstance(out, (list, tuple)) and out:
-        out = out[0]
-    if isinstance(out, torch.Tensor) and out.numel() == 1:
-        return float(out.detach().float())
-    return None
-
-
-def _walk(x, fn) -> None:
-    """``fn`` on every tensor of a model's output (tensors, dicts, lists, tuples, output objects' fields)."""
-    if isinstance(x, torch.Tensor):
-        fn(x)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _walk(v, fn)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _walk(v, fn)
-
-
-def _finite_proxy(out) -> float | None:
-    """For a model whose output holds no loss (logits; the loop computes the loss outside): 0.0 when every
-    floating value of the output is finite, NaN when one is not -- enough to tell a row that turns the
-    output non-finite from the others, and weights that do from weights that do not (not a spike: that
-    needs a loss). None when the output holds no floating tensor."""
-    seen, finite = False, True
-
-    def walk(x):
-        nonlocal seen, finite
-        if isinstance(x, torch.Tensor):
-            if x.is_floating_point():
-                seen = True
-                finite = finite and bool(torch.isfinite(x).all())
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(out)
-    return (0.0 if finite else float("nan")) if seen else None
 
 
 def _plain_class(cls: type) -> type:

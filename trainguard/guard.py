@@ -319,6 +319,8 @@ class StepGuard:
         self._exchange(step, obs, deciding, everyone)
         for _, det in self.registered:
             found = det.observe(step, obs, self.coords)
+            if found and hasattr(det, "explain"):  # (every rank alike: the verdicts come from the gathered table)
+                det.explain(step, found, self.group)
             for v in found:  # (a detector that names a rank for sure: its host goes to suspect_hosts.json)
                 for r in v.ranks if v.detail.get("suspect") else ():
                     self.suspects.suspect(step, r, f"{v.anomaly}: {v.detail['suspect']}", self.emit)

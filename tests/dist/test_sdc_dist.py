@@ -36,6 +36,7 @@ def test_a_flipped_bit_in_one_replica_is_named_and_rolled_back(tmp_path, torchru
     d = mismatch["detail"]
     assert d["majority"] is False and sorted(d["group"]) == [0, 1] and d["agreed_at"] == 10
     assert len(set(d["digests"].values())) == 2 and set(d["per_rank"]) == {"0", "1"}
+    assert d["tensors"] == {"0": ["pos"], "1": ["pos"]}  # (the flipped one: the first parameter)
     (rb,) = [e for e in on.events if e["event"] == "rollback"]
     assert rb["detail"]["anomaly"] == "replica_mismatch" and rb["detail"]["to_step"] == 8
     assert on.results[0]["param_sha256"] == on.results[1]["param_sha256"]
@@ -69,6 +70,7 @@ def test_megatron_replicas_that_disagree_are_named_and_rolled_back(tmp_path):
                for x in computed)
     (mismatch,) = [x for x in lines if x.get("event") == "replica_mismatch"]
     assert mismatch["step"] == 10 and mismatch["detail"]["agreed_at"] == 5 and mismatch["detail"]["majority"] is False
+    assert mismatch["detail"]["tensors"]["1"] == ["decoder.layers.0.mlp.linear_fc1.weight"], mismatch["detail"]
     (rb,) = [x for x in lines if x.get("event") == "rollback"]
     assert rb["detail"]["anomaly"] == "replica_mismatch" and rb["detail"]["to_step"] == 4
     assert res[0]["param_sha256"] == res[1]["param_sha256"] and all(r["weights_finite"] for r in res)

@@ -9,6 +9,11 @@ when given, is where a rollback must go back to before; ``detail["suspect"]``, a
 hosts into ``suspect_hosts.json``, which the launch scripts exclude on a restart); its record is
 ``Record(anomaly)``.
 
+Two optional methods, called on every rank alike (collectives allowed): ``exchange(step, ctx)`` at DECIDE before
+``observe`` (``ctx``: :class:`trainguard.detectors.base.PeerContext`; ``peer_replay.py`` replays micro-batches for
+its peers there), and ``explain(step, verdicts, group)`` after ``observe`` found something (``replica.py`` names the
+tensors that differ there, with one object gather on a mismatch step only).
+
 So a new detector touches three files: its module here (the detector and its ``REGISTRATION``), its
 config section and ladder default (``trainguard/config.py``), and its ``Anomaly`` and ``Record``
 members (``trainguard/events.py``, with its row in docs/events.md). ``replica.py`` is one.

@@ -50,11 +50,14 @@ class ReplicaCheck:
     def __init__(self, cfg, device=None):
         self.cfg = cfg
         self.params: list[torch.Tensor] = []
+        self.names: list[str] = []
         self.agreed_at = 0  # the last check step at which every replica group agreed (0: none yet)
 
     def attach_model(self, model: torch.nn.Module) -> None:
         # (ZeRO-3 partitions its parameters: what a rank holds is its own slice, not a replica)
-        self.params = [p for p in model.parameters() if not hasattr(p, "ds_id")]
+        named = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "ds_id")]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
 
     def local(self, step: int):
         return digest(self.params) if step % self.cfg.every_steps == 0 and self.params else None
@@ -84,6 +87,25 @@ class ReplicaCheck:
         if not verdicts:
             self.agreed_at = step
         return verdicts
+
+    def explain(self, step: int, found: list[Verdict], group=None) -> None:
+        """On a mismatch step only (every rank, after observe): which tensors differ. One object gather of every
+        rank's per-tensor digests; each named rank's verdict gets the tensors whose digest differs from the
+        majority of its group (or, with no majority, from the other replica's), at most 16 of them."""
+        from trainguard.isolation import gather_objects
+
+        mine = [int(digest([p])) for p in self.params]
+        everyone = gather_objects(mine, group)
+        for v in found:
+            ranks = v.detail["group"]
+            tensors = {}
+            for r in v.ranks:
+                others = [q for q in ranks if q != r and q not in v.ranks] or [q for q in ranks if q != r]
+                differ = [self.names[i] for i in range(len(self.names))
+                          if i < len(everyone[r]) and all(i < len(everyone[q]) and everyone[q][i] != everyone[r][i]
+                                                          for q in others)]
+                tensors[str(r)] = differ[:16] + ([f"... {len(differ) - 16} more"] if len(differ) > 16 else [])
+            v.detail["tensors"] = tensors
 
     def state_dict(self) -> dict:
         return {"agreed_at": self.agreed_at}
