@@ -7,8 +7,8 @@
    flip every 4 x ``--every`` steps; ``detectors.replica_check`` every ``--every`` steps. A flip counts as found
    when a ``replica_mismatch`` names exactly the flipped rank (3 replicas: a majority to tell which) within
    ``--every`` steps of it; each is followed by a rollback, so the next flip starts from agreeing replicas.
-2. False verdicts: ``--healthy`` steps with no fault at ZeRO 0, 1 and 2 (2 ranks), the check on every step:
-   any ``replica_mismatch`` is a false verdict.
+2. False verdicts: ``--healthy`` steps with no fault at ZeRO 0, 1 and 2 (2 ranks, dropout 0.1), both checks on
+   every step: any ``replica_mismatch`` or ``compute_mismatch`` is a false verdict.
 
 3. Compute trials (the peer replay): ``--computes`` ``sdc_compute`` faults, one at a time, each on a rank drawn
    at random of 3 replicas, on a sampled step (every ``--every``), the output of a random layer's first MLP
@@ -70,10 +70,13 @@ def false_verdicts(out: Path, healthy: int) -> dict:
     for stage in (0, 1, 2):
         d = out / f"zero{stage}"
         d.mkdir(parents=True, exist_ok=True)
-        block = {"checks": {"enabled": False}, "detectors": {"replica_check": {"enabled": True, "every_steps": 1}}}
-        rc, _ = run_worker(_config(d / "ds_config.json", block, stage), d / "run", healthy, nproc=2, timeout=3600)
+        block = {"checks": {"enabled": False}, "detectors": {"replica_check": {"enabled": True, "every_steps": 1},
+                                                             "peer_replay": {"enabled": True, "every_steps": 1}}}
+        rc, _ = run_worker(_config(d / "ds_config.json", block, stage), d / "run", healthy, nproc=2, timeout=3600,
+                           extra=["--dropout", "0.1"])
         events = read(d / "run" / "trainguard.jsonl")
-        counts[stage] = {"rc": rc, "false_verdicts": sum(1 for e in events if e.get("event") == "replica_mismatch"),
+        counts[stage] = {"rc": rc, "false_verdicts": sum(1 for e in events
+                                                      if e.get("event") in ("replica_mismatch", "compute_mismatch")),
                          "checks": healthy}
     return counts
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ds_plugins.loaders import UNTAGGED as _UNTAGGED
 from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import ScalerView
-from ds_plugins.replay import Replays, rows_of
+from ds_plugins.replay import Replays, output_value, rng_state, rows_of
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.checks import RunFacts
 from trainguard.config import TrainguardConfig
@@ -252,10 +252,17 @@ class EngineGuard:
                 self.cfg.detectors.localize.enabled or self.guard.wants_batches):
             # (references, not copies: what a replay of this micro-batch needs, trainguard.replay)
             self.guard.record_micro_batch((inputs, kwargs, poison_output), rows_of((inputs, kwargs)))
+        # a peer replays the step's last micro-batch (detectors.peer_replay): from the RNG state this forward starts
+        # from, to compare with what this forward computes
+        measure = self.guard is not None and self.engine.module.training and self.guard.peer_sampled(step) and \
+            self.engine.is_gradient_accumulation_boundary()
+        rng = rng_state() if measure else None
         # the poison hook first, so that the probes see what it did
         with (PoisonFirstLeaf(self.engine.module, poison_output) if poison_output else contextlib.nullcontext()), \
                 self.session.probing(step):
             out = base_forward(*inputs, **kwargs)
+        if measure:
+            self.guard.measured(rng, output_value(out))  # (device values: read at DECIDE)
         if self.engine.module.training:
             self.session.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
         return out

@@ -65,20 +65,20 @@ class Replays:
         # a non-finite activation inside the forward makes the gradients non-finite, whatever the loss says
         return loss if loss is None or watch.finite() or not self._watch_trusted else float("nan")
 
-    def peer_replay(self, inputs, seed: int):
-        """detectors.peer_replay: a micro-batch (this rank's or a peer's) forward-only on the current weights, the
-        random numbers seeded alike on every replica (dropout draws the same masks) and put back afterwards. Returns
-        (its loss or None, the digest of the output's floating tensors)."""
-        from trainguard.detectors.replica import digest
-
-        inputs, kwargs, poison = inputs
+    def peer_replay(self, payload, seed: int):
+        """detectors.peer_replay: a micro-batch (a peer's, or this rank's own) forward-only on the current weights
+        in train mode, from the random-number state its owner's training forward started from (dropout draws the
+        same masks; without one, seeded alike on every replica), the run's own put back afterwards. Returns (its loss
+        or None, the digest of the output's floating tensors or None)."""
+        (inputs, kwargs, poison), rng = payload
         held = self.ag.faults.held() if self.ag.faults is not None else contextlib.nullcontext()
         with held, self.replaying(poison), torch.no_grad():
-            torch.manual_seed(seed)
+            if rng is not None:
+                set_rng_state(rng)
+            else:
+                torch.manual_seed(seed)
             out = self.ag.engine.module(*inputs, **kwargs)
-        floats = []
-        _walk(out, lambda t: floats.append(t) if t.is_floating_point() else None)
-        return _scalar_loss(out), float(digest(floats)) if floats else None
+        return tuple(None if v is None else float(v) for v in output_value(out))
 
 
 def rows_of(batch) -> int | None:
@@ -115,13 +115,42 @@ def _scalar_loss(out) -> float | None:
     """The loss in a model's output: a one-element tensor, an output object's or dict's ``loss``, or
     the first element of a tuple (Hugging Face models return ``(loss, logits, ...)`` or an output
     object)."""
+    t = _loss_tensor(out)
+    return None if t is None else float(t)
+
+
+def rng_state() -> dict:
+    """The random-number state a forward starts from: the host's, and the current accelerator's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def output_value(out) -> tuple:
+    """(the loss, the digest of every floating tensor) of a model's output, as device values (no host sync), or
+    None where the output holds none (trainguard.detectors.replica.digest: its bits summed as integers)."""
+    from trainguard.detectors.replica import digest
+
+    loss = _loss_tensor(out)
+    floats = []
+    _walk(out, lambda t: floats.append(t) if t.is_floating_point() else None)
+    return (loss, digest(floats) if floats else None)
+
+
+def _loss_tensor(out):
+    """The loss of :func:`_scalar_loss`, a 0-dim float tensor on its device, or None."""
     if isinstance(out, dict) or hasattr(out, "loss"):
         out = out.get("loss") if isinstance(out, dict) else getattr(out, "loss")
     elif isinstance(out, (list, tuple)) and out:
         out = out[0]
-    if isinstance(out, torch.Tensor) and out.numel() == 1:
-        return float(out.detach().float())
-    return None
+    return out.detach().float().reshape(()) if isinstance(out, torch.Tensor) and out.numel() == 1 else None
 
 
 def _walk(x, fn) -> None:

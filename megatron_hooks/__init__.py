@@ -295,7 +295,7 @@ class MegatronGuard:
         """detectors.peer_replay: what a rank drew for a micro-batch (its own or its replica's), forward-only through
         megatron's schedule in eval mode (no random numbers drawn), the whole model-parallel group together.
         Returns (its loss, None): the schedule gives back the loss only."""
-        drawn, poison = inputs
+        (drawn, poison), _ = inputs  # (no RNG state: eval mode draws none)
         return self.replayer.replay(list(drawn), poison, None), None
 
     def _poison_forward(self, poison):

@@ -366,11 +366,23 @@ class StepGuard:
         if deciding and self.weights == "healthy" and not any((e or {}).get("narrowed") for e in everyone or []):
             unexplained = sorted({r for v in deciding for r in v.ranks if r < len(obs) and obs[r].micro_batches == 1})
         ctx = PeerContext(rank=self.rank, coords=self.coords, device=self.device, group=self.group,
-                          inputs=self.book.step[-1].inputs if self.book.step else None, replay=self.peer_replay,
+                          batch=self.book.step[-1] if self.book.step else None, replay=self.peer_replay,
                           healthy=self._healthy_loss, unexplained=unexplained, step_loss=[o.loss for o in obs])
         for _, det in self.registered:
             if hasattr(det, "exchange"):
                 det.exchange(step, ctx)
+
+    def peer_sampled(self, step: int) -> bool:
+        """Whether a peer replays this step's last micro-batch (detectors.peer_replay): the adapter may then keep
+        the random-number state its training forward starts from and that forward's values (:meth:`measured`)."""
+        return self.peer_replay is not None and any(getattr(det, "sampled", lambda s: False)(step)
+                                                    for _, det in self.registered)
+
+    def measured(self, rng: Any, value: Any) -> None:
+        """The last recorded micro-batch's RNG state before its training forward, and that forward's (loss, output
+        digest) as device values (read at DECIDE of a sampled step only)."""
+        if self.book.step:
+            self.book.step[-1].rng, self.book.step[-1].value = rng, value
 
     def record_micro_batch(self, inputs: Any, rows: int | None) -> None:
         """The adapter hands each training micro-batch it can replay (after BATCH named its samples)."""

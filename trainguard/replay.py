@@ -32,6 +32,8 @@ class MicroBatch:
     inputs: Any
     ids: list[int] = field(default_factory=list)
     rows: int | None = None  # the batch size (the leading dimension), when the adapter knows it
+    rng: Any = None          # the random-number state its training forward started from (detectors.peer_replay)
+    value: Any = None        # that forward's (loss, output digest), device values, where the adapter measured them
 
 
 class ReplayBook:

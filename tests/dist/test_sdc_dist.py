@@ -81,7 +81,8 @@ def test_a_device_that_computes_wrong_is_named_by_its_peers_replays(tmp_path):
     layer computes 1e-3 too much on step 10 (``sdc_compute``: finite, silent). At DECIDE of 10 each rank replays its
     micro-batch and its predecessor's; two pairs disagree, every replica replays both, and rank 1 is outvoted in
     each: named alone (compute_mismatch), its host suspect, the step skipped -- so the replicas never drift apart
-    (no replica_mismatch) and end bit-identical."""
+    (no replica_mismatch) and end bit-identical. With dropout: each peer replays from the RNG state its owner's
+    training forward started from, so the healthy pairs (and the checks of 5 and 15) agree bit for bit."""
     import json
 
     from trainguard.demo.run import run_worker
@@ -94,7 +95,7 @@ def test_a_device_that_computes_wrong_is_named_by_its_peers_replays(tmp_path):
                                            "replica_check": {"enabled": True, "every_steps": 5}}},
                       zero_optimization={"stage": 0})
     out = tmp_path / "run"
-    rc, results = run_worker(cfg, out, 16, nproc=3, timeout=240)
+    rc, results = run_worker(cfg, out, 16, nproc=3, timeout=240, extra=["--dropout", "0.1"])
     assert rc == 0 and all(results), (out / "torchrun.log").read_text()[-3000:]
     events = [e for e in read(out / "trainguard.jsonl") if e["type"] == "event"]
     (v,) = [e for e in events if e["event"] == "compute_mismatch"]

@@ -12,6 +12,7 @@ from trainguard.detectors.base import PeerContext
 from trainguard.detectors.peer_replay import PeerReplay, arbitrate, pairs, replica_groups, same
 from trainguard.faults import OutputPoison
 from trainguard.isolation import RankCoords
+from trainguard.replay import MicroBatch
 
 
 class World:
@@ -59,7 +60,8 @@ def replayer(wrong: bool):
     """(inputs, seed) -> (loss, digest) on the shared weights; ``wrong``: this rank's device scales a layer's output."""
     from trainguard.detectors.replica import digest
 
-    def run(inputs, seed):
+    def run(payload, seed):
+        inputs, rng = payload
         x = inputs["x"]
         with torch.no_grad():
             h = MODEL[0](x) * (1.001 if wrong else 1.0)
@@ -68,7 +70,8 @@ def replayer(wrong: bool):
     return run
 
 
-def run_world(n, wrong=(), step=10, every=5, unexplained=(), step_loss=None, rtol=0.0, tp=1, batches=None):
+def run_world(n, wrong=(), step=10, every=5, unexplained=(), step_loss=None, rtol=0.0, tp=1, batches=None,
+              measured=None):
     world = World(n)
     cs = coords(n, tp)
     found = {}
@@ -77,7 +80,10 @@ def run_world(n, wrong=(), step=10, every=5, unexplained=(), step_loss=None, rto
         det = PeerReplay(PeerReplayConfig(enabled=True, every_steps=every, rtol=rtol))
         det.transport = world.transport(r)
         inputs = batches[r] if batches else {"x": torch.randn(3, 8, generator=torch.Generator().manual_seed(r))}
-        ctx = PeerContext(rank=r, coords=cs, device=torch.device("cpu"), group=None, inputs=inputs,
+        mb = MicroBatch(inputs)
+        if measured is not None:  # (the adapter's own measure of its training forward: (loss, digest))
+            mb.value = measured(r, inputs)
+        ctx = PeerContext(rank=r, coords=cs, device=torch.device("cpu"), group=None, batch=mb,
                           replay=replayer(r in wrong), healthy=lambda loss: loss < 5.0, unexplained=unexplained,
                           step_loss=step_loss or [1.0] * n)
         det.exchange(step, ctx)
@@ -131,6 +137,18 @@ def test_a_spike_no_replay_reproduces_names_the_culprit():
     assert v.ranks == (2,)
     (e,) = v.detail["evidence"]["2"]
     assert e["step_loss"] == 40.0 and e["replayer"] == 0
+
+
+def test_a_training_forward_that_computed_wrong_once_is_named_by_its_measured_value():
+    """Where the adapter measures its training forward (DeepSpeed), the owner's value is that measure, not a
+    replay: rank 2's training forward was wrong once (its replays are right), and it is the one named."""
+    def measured(r, inputs):
+        loss, digest = replayer(False)((inputs, None), 0)
+        return (torch.tensor(loss * (1.01 if r == 2 else 1.0), dtype=torch.float64), torch.tensor(digest, dtype=torch.float64))
+    (v,) = run_world(3, measured=measured)
+    assert v.ranks == (2,) and v.detail["suspect"]
+    assert run_world(3, measured=lambda r, inputs: tuple(torch.tensor(x, dtype=torch.float64)
+                                                            for x in replayer(False)((inputs, None), 0))) == []
 
 
 def test_a_tolerance_accepts_tiny_differences_and_still_names_a_real_one():

@@ -60,8 +60,8 @@ class PeerContext:
     coords: Sequence                 # trainguard.isolation.RankCoords of every rank
     device: Any                      # the collective's (a torch.device)
     group: Any                       # the AGREE group (None: world)
-    inputs: Any                      # this rank's last training micro-batch of the step (the adapter's own), or None
-    replay: Callable[[Any, int], tuple]  # (inputs, seed) -> (loss or None, digest or None), forward-only
+    batch: Any                       # this rank's last training micro-batch of the step (trainguard.replay.MicroBatch)
+    replay: Callable[[Any, int], tuple]  # ((inputs, rng), seed) -> (loss or None, digest or None), forward-only
     healthy: Callable[[float], bool]     # the loss-spike detector's judgement of a loss
     unexplained: Sequence[int] = field(default_factory=tuple)  # culprits of a spike neither data nor weights explain
     step_loss: Sequence[float] = field(default_factory=tuple)  # every rank's training loss of the step

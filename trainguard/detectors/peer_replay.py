@@ -2,10 +2,13 @@
 
 The replicas of a data-parallel group hold the same weights (the replica check makes sure), so the same
 micro-batch must give the same loss and the same outputs on any of them. Every ``every_steps`` steps each rank
-sends its last micro-batch of the step -- its inputs (token ids), never activations -- to the next replica of its
-group (:mod:`trainguard.p2p`), and both replay it forward-only on the current weights with the same random
-numbers: the owner its own, the peer the owner's. One small all-gather of the four numbers (own loss and output
-digest, peer's loss and digest) lets every rank compare every pair alike.
+sends its last micro-batch of the step -- its inputs (token ids), never activations, and the random-number state
+its training forward started from -- to the next replica of its group (:mod:`trainguard.p2p`), which replays it
+forward-only on the current weights from that state. The owner's own value is what its training forward computed
+(DeepSpeed measures it on the device as it happens), or, where the adapter cannot reproduce a training forward
+(megatron's forward-only schedule runs in eval mode), its own replay made the same way as the peer's. One small
+all-gather of four numbers per rank (own loss and output digest, its replay of its predecessor's) lets every rank
+compare every pair alike.
 
 A pair that differs is arbitrated: every replica of the group replays that micro-batch, and the rank outvoted by
 a strict majority is named (``compute_mismatch``, its host suspect); with 2 replicas there is no third to tell,
@@ -20,8 +23,8 @@ it is named. Every decision is made from gathered values, so every rank reaches 
 the same order on every rank of a model-parallel group (their forwards are collective).
 
 Compared: bit for bit (``rtol`` 0: deterministic kernels, the same on every replica) or the losses within
-``rtol``. Not seen: an error in the training forward alone, gone by the replay a moment later, unless it made a
-spike; which member of a model-parallel group computes wrong (the group's loss is one value: every member of the
+``rtol``. Not seen: on megatron (the owner's value is its own replay), an error in the training forward alone, gone
+by the replay a moment later, unless it made a spike; which member of a model-parallel group computes wrong (the group's loss is one value: every member of the
 replica's group is named).
 """
 from __future__ import annotations
@@ -114,6 +117,9 @@ class PeerReplay:
     def attach_model(self, model) -> None:
         pass
 
+    def sampled(self, step: int) -> bool:
+        return step % self.cfg.every_steps == 0
+
     def local(self, step: int):
         return None
 
@@ -130,14 +136,19 @@ class PeerReplay:
         self.checks += 1
         self.last_checked = step
         mine = next((g for g in groups if ctx.rank in g), None)
-        payload = p2p.encode(ctx.inputs) if ctx.inputs is not None else b""
+        batch = ctx.batch
+        mine_in = (batch.inputs, batch.rng) if batch is not None else None
+        payload = p2p.encode(mine_in) if mine_in is not None else b""
         sends, receives, pred = {}, [], None
         if mine is not None:
             i = mine.index(ctx.rank)
             pred, succ = mine[i - 1], mine[(i + 1) % len(mine)]
             sends, receives = {succ: payload}, [pred]
         got = self.transport.exchange(sends, receives, ctx.device, ctx.group)
-        own = self._replay(ctx, ctx.inputs if payload else None, step)
+        # the owner's own: what its training forward computed (with the RNG state its peer replays from), where the
+        # adapter measured it; else its own replay, made the same way as its peer's (megatron: eval mode)
+        own = _measured(batch.value) if payload and batch.value is not None else \
+            self._replay(ctx, mine_in if payload else None, step)
         theirs = self._replay(ctx, p2p.decode(got[pred], ctx.device) if got.get(pred) else None, step)
         table = self.transport.all_gather([*own, *theirs], ctx.device, ctx.group)
         own_of = {r: (row[0], row[1]) for r, row in enumerate(table)}
@@ -177,9 +188,10 @@ class PeerReplay:
         receives = [by_dp[d] for d in dps if d in by_dp and by_dp[d] != ctx.rank]
         got = self.transport.exchange(sends, receives, ctx.device, ctx.group)
         row: list[float] = []
+        mine_in = (ctx.batch.inputs, ctx.batch.rng) if payload else None
         for d in dps:
             owner = by_dp.get(d)
-            inputs = (ctx.inputs if payload else None) if owner == ctx.rank else (
+            inputs = mine_in if owner == ctx.rank else (
                 p2p.decode(got[owner], ctx.device) if owner is not None and got.get(owner) else None)
             row += self._replay(ctx, inputs, step)
         table = self.transport.all_gather(row, ctx.device, ctx.group)
@@ -222,6 +234,12 @@ class PeerReplay:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def _measured(value) -> list[float]:
+    """An adapter's (loss, digest) of a training forward, device values or None, as host floats (a sampled step's
+    one read)."""
+    return [NAN if v is None else float(v) for v in value]
 
 
 def _num(x):
