@@ -44,7 +44,7 @@ class DeepSpeedShard:
         return self.cp.engine.global_steps
 
     def capture(self, staging_root: Path, tag: str, step: int):
-        from ds_plugins.checkpoint import _Capture
+        from ds_plugins.engines import _Capture
 
         cp, eng = self.cp, self.cp.engine
         capture = _Capture(eng.checkpoint_engine, host_copy)

@@ -47,9 +47,7 @@ named, stacks, exit 75 for a restart.
 """
 from __future__ import annotations
 
-import argparse
 import os
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -68,74 +66,10 @@ from trainguard.session import GuardSession
 from trainguard.support import check_supported
 
 from megatron_hooks import versions
+from megatron_hooks.args import extra_args_provider
+from megatron_hooks.parts import _GradScaler, _dtype, _modules, _optimizers, _unwrap  # noqa: F401 (the package's)
 
 __all__ = ["install", "extra_args_provider", "MegatronGuard"]
-
-
-def _optimizers(optimizer) -> list:
-    """The optimizers a megatron optimizer is made of: a ChainedOptimizer's, else itself."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
-
-
-def _modules(chunks: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Module, int | None]]:
-    """Every module of the model chunks with its path and, inside the decoder's layers, its global layer number
-    across pipeline stages (``TransformerLayer.layer_number``): what the localisation flags name."""
-    out = []
-    for ci, chunk in enumerate(chunks):
-        layer = None
-        for name, m in _unwrap(chunk).named_modules():
-            if not name:
-                continue
-            layer_number = getattr(m, "layer_number", None)
-            if isinstance(layer_number, int) and type(m).__name__ == "TransformerLayer":
-                layer = layer_number
-            out.append((f"{ci}.{name}" if len(chunks) > 1 else name, m,
-                        layer if name.startswith("decoder.layers.") else None))
-    return out
-
-
-class _GradScaler:
-    """megatron's ``DynamicGradScaler`` (of a MixedPrecisionOptimizer, or the first of a chained
-    one), read and adjusted in one place. It clamps at its minimum scale silently and skips every
-    step from then on: the guard's loss-scale watch is what notices."""
-
-    def __init__(self, optimizer):
-        opts = _optimizers(optimizer)
-        self.scalers = [o.grad_scaler for o in opts if getattr(o, "grad_scaler", None) is not None
-                        and hasattr(o.grad_scaler, "min_scale")]
-        cfg = getattr(opts[0], "config", None)
-        self.initial = float(getattr(cfg, "initial_loss_scale", None) or 2.0 ** 32)
-        self.last_scale = 1.0
-
-    def active(self) -> bool:
-        return bool(self.scalers)
-
-    def state(self):
-        from trainguard.detectors.loss_scale import ScalerState
-
-        g = self.scalers[0]
-        self.last_scale = float(g.scale)  # (one host read)
-        return ScalerState(self.last_scale, float(g.min_scale), int(g._hysteresis_tracker))
-
-    def reset(self) -> dict:
-        before = float(self.scalers[0].scale)
-        for g in self.scalers:
-            start = max(self.initial, float(g.min_scale))
-            g._scale = torch.full_like(g._scale, start)
-            g._hysteresis_tracker, g._growth_tracker = g.hysteresis, 0
-        return {"scale_before": before, "scale_after": float(self.scalers[0].scale)}
-
-    def raise_floor(self, factor: float) -> dict:
-        old = float(self.scalers[0].min_scale)
-        for g in self.scalers:
-            g.min_scale = g.min_scale * factor
-        return {"min_scale_before": old, "min_scale_after": old * factor}
 
 
 class MegatronGuard:
@@ -475,38 +409,3 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
                                           "per micro-batch (Megatron-LM's loop does both), or set false") for k in asked])
     return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled,
                          data_state=data_state, loop=loop, replayer=replayer)
-
-
-def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """For Megatron-LM's ``pretrain(..., extra_args_provider=...)``: adds ``--trainguard-config``
-    (once: ``trainguard run`` adds it to every Megatron-LM parser already, megatron_hooks.lm)."""
-    if "--trainguard-config" in getattr(parser, "_option_string_actions", {}):
-        return parser
-    group = parser.add_argument_group(title="trainguard")
-    group.add_argument("--trainguard-config", type=_existing_file, default=None, metavar="FILE",
-                       help="JSON file with the trainguard block (or a ds_config-style file holding one); the "
-                            "block is validated here, so a bad key stops the launch at once")
-    return parser
-
-
-def _existing_file(value: str) -> str:
-    path = Path(value)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"--trainguard-config: {value} is not a file")
-    try:
-        check_supported(tg_config.block_of(str(path)), "megatron_hooks")
-        import megatron.core
-
-        versions.check(megatron.core.__version__, "Megatron-LM")
-    except versions.UnsupportedSetup as e:
-        raise argparse.ArgumentTypeError(f"--trainguard-config: {e}") from None
-    except tg_config.ConfigError as e:
-        raise argparse.ArgumentTypeError(f"--trainguard-config {value}: {e}") from None
-    return str(path)
-
-
-def _dtype(chunk: torch.nn.Module) -> str:
-    p = next(_unwrap(chunk).parameters(), None)
-    if p is None:
-        return "fp32"
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(p.dtype, "fp32")

@@ -595,7 +595,7 @@ def test_a_malformed_or_crafted_checkpoint_is_invalid_with_a_reason_never_an_exc
 def test_each_rank_loads_only_bytes_that_match_the_manifest_rank_0_verified(tmp_path):
     """Issue 25 item 7: rank 0 hashed the files when it chose the checkpoint and every rank reopened them by
     path later: a file swapped in between was loaded unseen. VerifiedReader (DeepSpeed's loads go through it,
-    ds_plugins.checkpoint._Verifying) pins the manifest rank 0 verified by its digest, then hands over only
+    ds_plugins.engines._Verifying) pins the manifest rank 0 verified by its digest, then hands over only
     bytes it read once and matched against it."""
     from trainguard.checkpoint.auth import sign
     from trainguard.checkpoint.manifest import VerifiedReader, manifest_digest
