@@ -370,6 +370,7 @@ def test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy(
         assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
 
 
+@pytest.mark.long  # (~34 s: a row of docs/megatron.md's flag table; Megatron-LM's own signal handler)
 def test_megatron_lms_exit_signal_handler_saves_and_ends_the_run_cleanly(tmp_path, release):
     """Megatron-LM's --exit-signal-handler beside the block (docs/megatron.md): a SIGTERM to every rank
     (a scheduler's preemption notice) after iteration 4 makes Megatron-LM save its checkpoint at the end of

@@ -63,8 +63,9 @@ def test_nan_on_each_rank_is_named_and_skipped_everywhere(tmp_path, torchrun, st
     assert all(m["loss"] is not None for m in applied)
 
 
-# (ZeRO-1 is long: its fp16 optimizer is ZeRO-2's class)
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.long), 2, 3])
+# (ZeRO-1 and ZeRO-2 are long: ZeRO-1's fp16 optimizer is ZeRO-2's class, and the recovery tests' fp16 ladders run
+# ZeRO-2 fp16)
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.long), pytest.param(2, marks=pytest.mark.long), 3])
 def test_fp16_nan_skipped_with_cpu_switch(tmp_path, torchrun, stage):
     """fp16 with DeepSpeed's dynamic loss scaler (enabled on CPU by the test switch of PLATFORM.md)."""
     cfg = make_config(tmp_path, faults=FAULTS)
@@ -154,7 +155,8 @@ def test_guard_costs_nothing_when_all_is_well(tmp_path, torchrun):
     assert disabled.results[0]["param_sha256"] == plain.results[0]["param_sha256"]
 
 
-@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (2, "bf16")])
+# (ZeRO-0 fp32 is long: the guard's micro-batch count is the same at every stage)
+@pytest.mark.parametrize("stage, dtype", [pytest.param(0, "fp32", marks=pytest.mark.long), (2, "bf16")])
 def test_gradient_accumulation_counts_micro_batches(tmp_path, torchrun, stage, dtype):
     """With 2 micro-batches per step the fault poisons both of rank 1's; the step is still skipped
     once, on both ranks, and the event lists the samples of both micro-batches."""

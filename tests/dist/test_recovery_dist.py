@@ -150,6 +150,7 @@ FP16_COLLAPSE = [{"type": "fp16_overflow", "step": 25, "rank": 1, "steps": 40}]
 THREE_RUNGS = ["rollback", "raise_floor", "bf16_fallback"]  # (the default goes to bf16 at once)
 
 
+@pytest.mark.long  # (~11 s: the failure trainguard exists for, in plain DeepSpeed; the ladder tests show the guard's side)
 def test_fp16_scale_collapse_kills_plain_deepspeed(tmp_path, torchrun):
     """The baseline the next test improves on: DeepSpeed alone stops at the minimum loss scale."""
     cfg = make_config(tmp_path, faults=FP16_COLLAPSE)
