@@ -40,8 +40,8 @@ def _validate(args) -> int:
         return 0
     nf = block.detectors.nonfinite
     d = block.detectors
-    on = [name for name in ("loss_spike", "grad_norm", "attention_entropy", "activation_range", "localize")
-          if getattr(d, name).enabled]
+    on = [name for name in ("loss_spike", "grad_norm", "attention_entropy", "activation_range", "localize",
+                            "straggler", "replica_check", "peer_replay") if getattr(d, name).enabled]
     parts = [
         "enabled" if block.enabled else "DISABLED",
         f"nonfinite={'on' if nf.enabled else 'off'}({nf.action}, grads {'checked' if nf.check_grads else 'not checked'})",
