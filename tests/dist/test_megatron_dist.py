@@ -403,6 +403,7 @@ def test_keys_megatron_cannot_honour_are_refused_by_name(tmp_path):
         parser.parse_args(["--trainguard-config", str(cfg)])
 
 
+@pytest.mark.long  # (~25 s: the watchdog is the core's -- DeepSpeed, HF and Slurm hang tests; megatron restarts: Megatron-LM's)
 def test_a_hung_rank_is_named_and_the_restart_resumes(tmp_path):
     """The watchdog on megatron-core (issue 15 item 8): rank 1 SIGSTOPs itself at iteration 8 (a hung node).
     Rank 0 blocks in the next collective; its watchdog names rank 1 with its coordinates from the
