@@ -94,8 +94,11 @@ def snapshot_block(tmp_path, name, **snapshot):
 
 def test_a_killed_rank_comes_back_from_its_nodes_memory(tmp_path, torchrun, uninterrupted):
     """The in-memory tier (issue 16): the restarted ranks load the snapshot of step 18 from node memory rather
-    than the disk checkpoint of step 15, and end exactly where the uninterrupted run ends."""
-    fault = [{"type": "kill_rank", "step": 18, "rank": 1}]
+    than the disk checkpoint of step 15, and end exactly where the uninterrupted run ends. The kill comes at the
+    start of step 19: the snapshot of step 16 was committed on every rank by then (the snapshot of step 18 waited
+    for its writer), whatever the machine's load -- killed at the start of step 18, a busy machine's writer of
+    step 16 can still be in flight, and the newest snapshot every rank holds (14) is older than the disk's 15."""
+    fault = [{"type": "kill_rank", "step": 19, "rank": 1}]
     (tmp_path / "k").mkdir()
     cfg = make_config(tmp_path / "k", block=snapshot_block(tmp_path, "killed"), faults=fault, bf16={"enabled": True})
     run = torchrun(cfg, STEPS, launcher=RESTART, out_name="killed").ok()
@@ -113,10 +116,11 @@ def test_a_killed_rank_comes_back_from_its_nodes_memory(tmp_path, torchrun, unin
 
 def test_a_node_lost_with_its_memory_comes_back_from_its_peers_copy(tmp_path, torchrun, uninterrupted):
     """Two simulated nodes of one rank each: rank 1 is killed and its node's memory is gone (the job is
-    resubmitted on a new node); rank 1's shard comes back from the copy rank 0 keeps on the other node."""
+    resubmitted on a new node); rank 1's shard comes back from the copy rank 0 keeps on the other node. (Killed
+    at the start of step 19: step 16's copy was received by then, the snapshot of step 18 waited for it.)"""
     import shutil
 
-    fault = [{"type": "kill_rank", "step": 18, "rank": 1}]
+    fault = [{"type": "kill_rank", "step": 19, "rank": 1}]
     (tmp_path / "p").mkdir()
     snap = snapshot_block(tmp_path, "peer", ranks_per_node=1)
     cfg = make_config(tmp_path / "p", block=snap, faults=fault, bf16={"enabled": True})
