@@ -5,23 +5,16 @@ scheduler, loss scaler, global/skipped steps, ``client_state``) plus, in ``<tag>
 every rank's RNG states and data position (``rank<r>.pt``, loaded with ``weights_only=True``) and
 the guard's state (``guard.json``); lineage and health go into ``manifest.json``.
 
-Commit protocol (every rank takes part; rank 0 does the renames):
-
-1. rank 0 picks a staging name; DeepSpeed writes into ``<dir>/.staging/<name>/<tag>``, each rank
-   hashing and fsyncing the files it writes while it writes them;
-2. each rank writes its sidecar the same way; barrier;
-3. one gather of every rank's file table (rank 0 hashes anything written outside them);
-4. rank 0 writes ``manifest.json`` (last), fsyncs the tree, renames the tag directory into
-   ``<dir>/<tag>``, fsyncs ``<dir>``, then replaces ``latest`` atomically; barrier;
-5. retention (rank 0) renames doomed checkpoints into staging before deleting them, so a crash
-   never leaves a half-deleted checkpoint that still looks committed.
-
-Resume: rank 0 verifies candidates newest first (sizes and sha256 against the manifest), falls back
-past any that fail (an event names the bad file), and broadcasts the choice.
+The commit protocol and the load's skeleton (verify, choose the newest valid tier, the resume record) are
+the core's (trainguard.checkpoint.manager.CheckpointManager: save_staged, load); this module is DeepSpeed's
+part: its save and load calls, its files hashed while written (ds_plugins.engines), the async save, the
+universal conversion for another data-parallel size, and the sidecars. Every file DeepSpeed loads is read
+once on the loading rank and checked against the manifest rank 0 verified (trainguard.checkpoint.verified_io).
 """
 from __future__ import annotations
 
-import json
+import fnmatch
+import io
 import os
 import shutil
 import subprocess
@@ -33,15 +26,15 @@ import torch
 
 from trainguard import __version__
 from trainguard.checkpoint import rng
-from ds_plugins.engines import _Capture, _Hashing, _verified_loads
+from ds_plugins.engines import _Capture, _Hashing
 from trainguard.checkpoint.commit import commit_staged
-from trainguard.checkpoint.layout import SIDECAR, CheckpointError, CheckpointLayout, step_tag, validate_tag
+from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, CheckpointError, CheckpointLayout, step_tag, validate_tag
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manager import barrier as _barrier
 from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.manager import world as _world
 from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
-from trainguard.checkpoint.snapshots import disk_tag, memory_tag
+from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.events import Record
 from trainguard.guard import config_hash
 from trainguard.isolation import broadcast_from_rank0 as _broadcast
@@ -161,7 +154,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
         writes.append((snapshot(self._sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
         json_writes = []
         if _rank() == 0 and self.guard is not None:
-            json_writes.append((self.guard.state_dict(), staged / SIDECAR / "guard.json"))
+            json_writes.append((self.guard.state_dict(), staged / SIDECAR / GUARD_STATE))
         step = eng.global_steps
         finish = None
         if _rank() == 0:
@@ -234,75 +227,41 @@ class DeepSpeedCheckpointer(CheckpointManager):
                     "skipped_steps": eng.skipped_steps, "loss_scale": last.get("loss_scale"),
                     "recent_anomalies": list(getattr(g, "recent_anomalies", []))[-10:] if g else []})
 
-    # ------------------------------------------------------------------ load
-    def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid",
-             purpose: str = "resume", **kwargs):
-        """Verified load. Returns DeepSpeed's ``(path, client_state)`` or ``(None, None)``.
+    # ------------------------------------------------------------------ load (the skeleton: CheckpointManager.load)
+    NOTHING = (None, None)  # DeepSpeed's load_checkpoint when there is nothing to load
 
-        ``purpose="rollback"`` (in-process): RNG comes back, but the data position, the guard's
-        statistics and budgets stay as they are now -- the run moves on, it does not relive."""
-        root = Path(root)
-        self.heart.beat("checkpoint")
-        kwargs.setdefault("load_optimizer_states", True)
-        kwargs.setdefault("load_lr_scheduler_states", True)
-        if tag is not None and disk_tag(tag)[1]:  # a rollback target in memory
-            return self._load_snapshot(disk_tag(tag)[0], purpose, kwargs, [])
-        named = tag
-        tag, skipped = self.choose_for_load(root, tag, mode)
-        if named is None and self.snapshots is not None and mode != "stable":  # the newest valid tier
-            floor = max(self.disk_step(root, tag) + 1, self._newer_than + 1, self.floor)
-            found = self.snapshots.choose(lo=floor)
-            if found is not None:
-                return self._load_snapshot(found[0], purpose, kwargs, skipped)
-        if tag is None:
-            return None, None
-        man = Manifest.read(root / tag)
-        saved_dp = int(man.layout.get("dp", self.engine.dp_world_size))
-        load_root, universal = root, saved_dp != self.engine.dp_world_size
-        if universal:
-            load_root = self._universal(root, tag, man)
+    def load_disk(self, root: Path, tag: str, man: Manifest, reader, purpose: str, **kwargs):
+        """DeepSpeed's own load_checkpoint of ``root/tag`` -- at another data-parallel size, of its universal
+        conversion -- every file DeepSpeed opens read through a verified reader. Returns ``(path, client_state)``."""
         eng = self.engine
+        saved_dp = int(man.layout.get("dp", eng.dp_world_size))
+        universal = saved_dp != eng.dp_world_size
+        load_root, files = (self._universal(root, tag, man) if universal else (root, reader))
         previous = eng._config.load_universal_checkpoint
         eng._config.load_universal_checkpoint = universal or previous
         try:
-            reader = None if universal else VerifiedReader(root / tag, self.chosen_digest, self.key)
-            with _verified_loads(eng, reader):
-                path, client_state = self._base_load(eng, str(load_root), tag=tag, **kwargs)
+            loaded = self._framework_load(load_root, tag, files, kwargs)
         finally:
             eng._config.load_universal_checkpoint = previous
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {load_root}")
-        self.state.after_load()  # e.g. the fp16 scaler object came back from the checkpoint
-        self._restore_sidecars(root / tag, resharded=universal, rng_only=purpose == "rollback")
-        self.roots[tag] = root
-        if purpose == "rollback":
-            return path, client_state
-        self.resumed(root, tag, man.step, {
-            "fell_back_past": skipped,
-            "resharded": {"from_dp": saved_dp, "to_dp": self.engine.dp_world_size} if universal else None,
-            "verified_on_load": len(reader.read_files) if reader is not None else None, "lineage": man.lineage})
-        return path, client_state
+        self._restore_sidecars(reader, root / tag, resharded=universal, rng_only=purpose == "rollback")
+        resharded = {"from_dp": saved_dp, "to_dp": eng.dp_world_size, "conversion_files_verified":
+                     len(files.read_files)} if universal else None
+        return loaded, {"resharded": resharded}
 
-    def _load_snapshot(self, tag: str, purpose: str, kwargs: dict, skipped: list):
-        """Load this rank's shard of snapshot ``tag`` from node memory (after fetching it from the
-        peer's copy where this node lost it), through DeepSpeed's own load_checkpoint."""
-        snaps = self.snapshots
-        fetched = snaps.fetch(tag)
-        own = snaps.store.own
-        reader = VerifiedReader(own / tag, key=self.key)  # (this rank's own shard, or the peer copy just fetched)
-        with _verified_loads(self.engine, reader):
-            path, client_state = self._base_load(self.engine, str(own), tag=tag, **kwargs)
+    def load_shard(self, own: Path, tag: str, reader, purpose: str, **kwargs):
+        """This rank's shard of a snapshot in node memory, through DeepSpeed's own load_checkpoint."""
+        loaded = self._framework_load(own, tag, reader, kwargs)
+        self._restore_sidecars(reader, own / tag, rng_only=purpose == "rollback")
+        return loaded, {"rng_restored": True}
+
+    def _framework_load(self, root: Path, tag: str, reader, kwargs: dict):
+        kwargs.setdefault("load_optimizer_states", True)
+        kwargs.setdefault("load_lr_scheduler_states", True)
+        with verified_reads(reader):
+            path, client_state = self._base_load(self.engine, str(root), tag=tag, **kwargs)
         if path is None:
-            raise CheckpointError(f"DeepSpeed could not load snapshot {tag} from {own}")
-        self.state.after_load()
-        self._restore_sidecars(own / tag, rng_only=purpose == "rollback")
-        if purpose == "rollback":
-            return path, client_state
-        self.resumed_tag = memory_tag(tag)
-        self.emit(self.engine.global_steps, Record.RESUME, {
-            "tag": memory_tag(tag), "dir": str(own), "step": self.engine.global_steps, "tier": "memory",
-            "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0,
-            "verified_on_load": len(reader.read_files)})
+            raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {root}")
+        self.state.after_load()  # e.g. the fp16 scaler object came back from the checkpoint
         return path, client_state
 
     def _universal(self, root: Path, tag: str, man: Manifest) -> Path:
@@ -318,7 +277,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
             raise CheckpointError(f"checkpoint {tag} was saved at ZeRO-0 with dp={man.layout.get('dp')}; DeepSpeed "
                                   "can only reshard ZeRO 1-3 checkpoints (universal checkpoints); resume at the "
                                   "same data-parallel size")
-        error = None
+        error = pinned = None
         if _rank() == 0 and not verify(target, key=self.key).ok:
             import sys
 
@@ -341,31 +300,32 @@ class DeepSpeedCheckpointer(CheckpointManager):
             res = verify(target, key=self.key)  # (what is about to be loaded, checked now)
             if not res.ok:
                 error = f"the universal conversion {target} does not verify: {res.bad_file}: {res.reason}"
-        error = _broadcast(error)
+            pinned = manifest_digest(target)
+        error, pinned = _broadcast((error, pinned))
         if error:
             raise CheckpointError(error)
-        return out_root
+        return out_root, VerifiedReader(target, pinned, self.key)  # (each rank loads only what it checked)
 
-    def _restore_sidecars(self, tag_dir: Path, resharded: bool = False, rng_only: bool = False) -> None:
-        side = tag_dir / SIDECAR
-        mine = side / f"rank{_rank()}.pt"
+    def _restore_sidecars(self, reader, tag_dir: Path, resharded: bool = False, rng_only: bool = False) -> None:
+        """RNG (this rank's) and the data position from the sidecars, read through ``reader``."""
         loader = self.state.loader
-        if not resharded and mine.exists():
-            st = torch.load(mine, weights_only=True)
+
+        def state(rel: str) -> dict:
+            return torch.load(io.BytesIO(reader.read(tag_dir / rel)), weights_only=True)
+
+        mine = f"{SIDECAR}/rank{_rank()}.pt"
+        if not resharded and mine in reader.files:
+            st = state(mine)
             if st.get("world") == _world():
                 rng.restore(st["rng"])
                 if not rng_only and st.get("data") is not None and loader is not None:
                     loader.load_state_dict(st["data"])
-        if rng_only:
+        if rng_only or not resharded:
             return
-        if resharded:
-            # the ranks are new: RNG streams start afresh (documented); the data position is the
-            # old ranks' common prefix of the epoch, split the new way; quarantines are merged
-            states = [torch.load(p, weights_only=True) for p in sorted(side.glob("rank*.pt"))]
-            if states and states[0].get("data") is not None and loader is not None:
-                data = dict(states[0]["data"])
-                data["quarantine"] = sorted({i for st in states for i in (st["data"] or {}).get("quarantine", [])})
-                loader.load_state_dict(data)
-        guard_file = side / "guard.json"
-        if guard_file.exists() and self.guard is not None:
-            self.guard.load_state_dict(json.loads(guard_file.read_text()))
+        # the ranks are new: RNG streams start afresh (documented); the data position is the old ranks'
+        # common prefix of the epoch, split the new way; quarantines are merged
+        states = [state(f) for f in sorted(reader.files) if fnmatch.fnmatch(f, f"{SIDECAR}/rank*.pt")]
+        if states and states[0].get("data") is not None and loader is not None:
+            data = dict(states[0]["data"])
+            data["quarantine"] = sorted({i for st in states for i in (st["data"] or {}).get("quarantine", [])})
+            loader.load_state_dict(data)

@@ -1,11 +1,7 @@
 """Stand-ins for DeepSpeed's checkpoint engine while trainguard saves and loads: each file hashed as it is written
-(a synchronous save), captured to host memory (an async save, the in-memory tier), or read once and checked
-against the verified manifest before it is deserialised (a load)."""
+(a synchronous save) or captured to host memory (an async save, the in-memory tier). (A load reads through
+trainguard.checkpoint.verified_io: each file read once and checked against the verified manifest first.)"""
 from __future__ import annotations
-
-import contextlib
-
-import torch
 
 from trainguard.checkpoint.fsio import save_hashed
 
@@ -24,39 +20,6 @@ class _Hashing:
 
     def __getattr__(self, name):
         return getattr(self.real, name)
-
-
-class _Verifying:
-    """Stands in for DeepSpeed's torch checkpoint engine during a load: each file DeepSpeed loads is read
-    once on this rank, checked against the manifest (trainguard.checkpoint.manifest.VerifiedReader) and
-    deserialised from those bytes -- never reopened by path after the check."""
-
-    def __init__(self, real, reader):
-        self.real, self.reader = real, reader
-
-    def load(self, path, map_location=None):
-        import io
-
-        data = self.reader.read(path)
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
-@contextlib.contextmanager
-def _verified_loads(eng, reader):
-    """DeepSpeed's loads of this checkpoint go through ``_Verifying`` (its torch engine only; a universal
-    checkpoint's converted files are not in the manifest and load as DeepSpeed reads them)."""
-    real = eng.checkpoint_engine
-    if reader is None or type(real).__name__ != "TorchCheckpointEngine":
-        yield
-        return
-    eng.checkpoint_engine = _Verifying(real, reader)
-    try:
-        yield
-    finally:
-        eng.checkpoint_engine = real
 
 
 class _Capture:

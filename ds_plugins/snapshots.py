@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainguard import __version__
 from trainguard.checkpoint.async_writer import snapshot as host_copy
-from trainguard.checkpoint.layout import SIDECAR
+from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR
 from trainguard.checkpoint.manager import rank as _rank
 
 __all__ = ["DeepSpeedShard"]
@@ -60,7 +60,7 @@ class DeepSpeedShard:
         staged = staging_root / tag
         writes = [(state, Path(path)) for state, path in capture.writes]
         writes.append((host_copy(cp._sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
-        json_writes = [(cp.guard.state_dict(), staged / SIDECAR / "guard.json")] if cp.guard is not None else []
+        json_writes = [(cp.guard.state_dict(), staged / SIDECAR / GUARD_STATE)] if cp.guard is not None else []
         return writes, json_writes, cp._manifest(tag, step, {})
 
 

@@ -11,13 +11,16 @@ with every RNG (python, numpy, torch, CUDA) *and megatron's tensor-parallel RNG 
 the iteration and your ``data_state``; rank 0 adds the guard's state. The commit: staging
 directory, files hashed, manifest last, rename, ``latest`` -- so a crash leaves either the old
 snapshot or the new one, never half of one. A load verifies the sha256 of every file first and
-falls back past a bad snapshot (``checkpoint_invalid``). dist_checkpointing reshards on load: a
+falls back past a bad snapshot (``checkpoint_invalid``); then every rank reads each file it loads once
+and checks it against that manifest before dist_checkpointing deserialises it (its pickled
+``.metadata`` and ``.distcp`` files through torch.distributed.checkpoint's file streams:
+trainguard.checkpoint.verified_io). dist_checkpointing reshards on load: a
 TP=2 snapshot loads into TP=1; the RNG sidecars then do not map rank to rank, and are skipped
 (the resume event says so).
 """
 from __future__ import annotations
 
-import json
+import io
 import os
 from pathlib import Path
 
@@ -28,12 +31,14 @@ from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.layout import SIDECAR, STAGING, CheckpointError, CheckpointLayout
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.manifest import Manifest, VerifiedReader
+from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.rollback import fitting_after
-from trainguard.checkpoint.snapshots import disk_tag, memory_tag
+from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.events import Record
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
+DIST = "dist"                        # dist_checkpointing's folder inside a tag
+CONFIG = "metadata.json"             # dist_checkpointing's config file in it (its backend and format)
 
 
 class MegatronCheckpointer(CheckpointManager):
@@ -123,9 +128,9 @@ class MegatronCheckpointer(CheckpointManager):
 
         def write(staged: Path) -> dict:
             if dist.get_rank() == 0:
-                (staged / "dist").mkdir()
+                (staged / DIST).mkdir()
             dist.barrier()
-            dist_checkpointing.save(self._sharded(), str(staged / "dist"))
+            dist_checkpointing.save(self._sharded(), str(staged / DIST))
             return {}  # (dist_checkpointing's files: hashed by rank 0 at the commit)
 
         return self.save_staged(root, write, fmt="megatron dist_checkpointing", sidecar=lambda: self._sidecar(data_state))
@@ -139,44 +144,28 @@ class MegatronCheckpointer(CheckpointManager):
 
         return fitting_after(root, "precision", _dtype(self.mg.chunks[0])) if _distributed(self.mg.optimizer) else 0
 
-    # ------------------------------------------------------------------ load
-    def load(self, root: str | os.PathLike, tag: str | None = None, mode: str = "latest_valid",
-             purpose: str = "resume") -> dict | None:
-        """Every rank: load the newest snapshot that verifies (and is stable, with ``mode="stable"``),
-        or ``tag``. Returns the ``data_state`` saved with it (None when there is nothing to load).
-        The first ``verify_steps`` losses after it are checked against those the original run
-        recorded after the save (``resume_verified`` / ``resume_discontinuity``)."""
-        from megatron.core import dist_checkpointing, tensor_parallel
+    # ------------------------------------------------------------------ load (the skeleton: CheckpointManager.load)
+    def load_disk(self, root: Path, tag: str, man: Manifest, reader, purpose: str, **kwargs):
+        """dist_checkpointing's load of ``root/tag`` (it reshards across TP/PP/DP where the optimizer allows),
+        every file it opens read through ``reader``. Returns the ``data_state`` saved with it (a resume)."""
+        from megatron.core import dist_checkpointing
 
         mg = self.mg
-        mg.heart_beat("checkpoint")
-        root = Path(root)
-        if tag is not None and disk_tag(tag)[1]:  # a rollback target in memory
-            return self._load_snapshot(disk_tag(tag)[0], purpose, [])
-        chosen, skipped = self.choose_for_load(root, tag, mode)
-        if tag is None and self.snapshots is not None and mode != "stable":  # the newest valid tier
-            found = self.snapshots.choose(lo=max(self.disk_step(root, chosen) + 1, self._newer_than + 1,
-                                                 self.not_before(root)))
-            if found is not None:
-                return self._load_snapshot(found[0], purpose, skipped)
-        if chosen is None:
-            return None
-        tag_dir = CheckpointLayout(root).tag_dir(chosen)
-        man = Manifest.read(tag_dir)
+        tag_dir = CheckpointLayout(root).tag_dir(tag)
         now = self._layout()
         if (man.layout.get("distributed_optimizer") or now["distributed_optimizer"]) and \
                 any(man.layout.get(k) != now[k] for k in ("tp", "pp")):
             raise CheckpointError(
-                f"snapshot {chosen} in {root} was written at TP={man.layout.get('tp')}, PP={man.layout.get('pp')} "
+                f"snapshot {tag} in {root} was written at TP={man.layout.get('tp')}, PP={man.layout.get('pp')} "
                 f"and this run is TP={now['tp']}, PP={now['pp']}: with the distributed optimizer (state written "
                 f"{OPTIMIZER_FORMAT}) only the data-parallel size may change between save and load")
         if man.layout.get("distributed_optimizer") and now["distributed_optimizer"] and \
                 man.layout.get("precision") == "fp16" and now["precision"] == "bf16":
             raise CheckpointError(
-                f"snapshot {chosen} in {root} was written in fp16 with the distributed optimizer, and this run is "
+                f"snapshot {tag} in {root} was written in fp16 with the distributed optimizer, and this run is "
                 f"bf16: its on-disk layout ({OPTIMIZER_FORMAT}) names the buffers by dtype, so it loads into an fp16 "
                 "run only -- relaunch in fp16 (the loss_scale ladder can turn it into bf16 again)")
-        self._match_precision(man.layout.get("precision"), now["precision"], chosen)
+        self._match_precision(man.layout.get("precision"), now["precision"], tag)
         from megatron_hooks import _optimizers, _unwrap
 
         for o in _optimizers(mg.optimizer):
@@ -184,7 +173,10 @@ class MegatronCheckpointer(CheckpointManager):
                 # a distributed optimizer before its first step has no state to load into, and without
                 # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
                 o._init_optimizer_states_with_dummy_values()
-        loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(tag_dir / "dist"))
+        if f"{DIST}/{CONFIG}" in reader.files:  # (dist_checkpointing opens its JSON config by path: checked first)
+            reader.read(tag_dir / DIST / CONFIG)
+        with verified_reads(reader):  # (its pickled .metadata, the .distcp tensors, an older release's common.pt)
+            loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(tag_dir / DIST))
         for i, chunk in enumerate(mg.chunks):
             key = f"model{i}" if len(mg.chunks) > 1 else "model"
             _unwrap(chunk).load_state_dict(loaded[key])
@@ -194,46 +186,32 @@ class MegatronCheckpointer(CheckpointManager):
             self._main_params_to_model()
         now = self._layout()  # (its precision may have changed above)
         same_layout = all(man.layout.get(k) == now[k] for k in ("world", "tp", "pp", "dp"))
-        side = torch.load(tag_dir / SIDECAR / f"rank{dist.get_rank()}.pt", weights_only=True) \
-            if same_layout else None
+        side = _sidecar_of(reader, tag_dir, dist.get_rank()) if same_layout else None
         if side is not None:
-            rng.restore(side["rng"])
-            tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
+            _restore_rng(side)
         mg.iteration = man.step
-        self.roots[chosen] = root
+        detail = {"rng_restored": side is not None, "resharded": None if same_layout else {"from": man.layout, "to": now}}
         if purpose == "rollback":  # the run moves on: the guard's statistics, budgets and data stay as they are
-            return None
-        mg.guard.load_state_dict(json.loads((tag_dir / SIDECAR / "guard.json").read_text()))
-        self.resumed(root, chosen, man.step, {"fell_back_past": skipped, "rng_restored": side is not None,
-                                              "resharded": None if same_layout else {"from": man.layout, "to": now}})
-        if side is not None:
-            return side.get("data_state")
-        rank0 = torch.load(tag_dir / SIDECAR / "rank0.pt", weights_only=True)
-        return rank0.get("data_state")
+            return None, detail
+        return (side if side is not None else _sidecar_of(reader, tag_dir, 0)).get("data_state"), detail
+
+    def load_shard(self, own: Path, tag: str, reader, purpose: str, **kwargs):
+        """This rank's shard of a snapshot in node memory (megatron_hooks.snapshots); returns its data state."""
+        side = self.shard.load(reader, own / tag)
+        _restore_rng(side)
+        self.mg.iteration = int(side["iteration"])
+        return (None if purpose == "rollback" else side.get("data_state")), {"rng_restored": True}
 
 
-    def _load_snapshot(self, tag: str, purpose: str, skipped: list) -> dict | None:
-        """This rank's shard of snapshot ``tag`` from node memory (after fetching it from the peer's copy where
-        this node lost it), its bytes checked against its manifest; returns its data state (a resume)."""
-        from megatron.core import tensor_parallel
+def _sidecar_of(reader, tag_dir: Path, rank: int) -> dict:
+    return torch.load(io.BytesIO(reader.read(tag_dir / SIDECAR / f"rank{rank}.pt")), weights_only=True)
 
-        mg = self.mg
-        fetched = self.snapshots.fetch(tag)
-        tag_dir = self.snapshots.store.own / tag
-        reader = VerifiedReader(tag_dir, key=self.key)
-        side = self.shard.load(reader, tag_dir)
-        rng.restore(side["rng"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
-        mg.iteration = int(side["iteration"])
-        if purpose == "rollback":
-            return None
-        mg.guard.load_state_dict(json.loads(reader.read(tag_dir / SIDECAR / "guard.json")))
-        self.resumed_tag = memory_tag(tag)
-        self.emit(mg.iteration, Record.RESUME, ranks=list(range(dist.get_world_size())), detail={
-            "tag": memory_tag(tag), "dir": str(self.snapshots.store.own), "step": mg.iteration, "tier": "memory",
-            "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "rng_restored": True,
-            "verified_on_load": len(reader.read_files)})
-        return side.get("data_state")
+
+def _restore_rng(side: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    rng.restore(side["rng"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
 
 
 def _distributed(optimizer) -> bool:

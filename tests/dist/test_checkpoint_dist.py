@@ -271,7 +271,11 @@ def test_resume_at_another_data_parallel_size(tmp_path, before, after):
     assert all(r["state_at_start"] == saved for r in second), (saved, [r["state_at_start"] for r in second])
     assert all(r["first_step"] == N and r["global_steps"] == N + 4 and r["weights_finite"] for r in second)
     (res,) = [e for e in read(tmp_path / "second" / "trainguard.jsonl") if e.get("event") == "resume"]
-    assert res["detail"]["resharded"] == {"from_dp": before, "to_dp": after}
+    resharded = res["detail"]["resharded"]
+    assert (resharded["from_dp"], resharded["to_dp"]) == (before, after)
+    # every file of the conversion DeepSpeed opened (the per-parameter fp32 and moment files among them) was read
+    # once on the loading rank and matched against the conversion's verified manifest before torch.load saw it
+    assert resharded["conversion_files_verified"] >= 3
 
     def ids(run_dir, world):
         out = []

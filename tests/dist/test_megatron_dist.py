@@ -155,6 +155,9 @@ def test_snapshots_resume_exactly_and_reshard_tp2_to_tp1(tmp_path):
     resumed, lines = go("resumed", "tp", ["--resume"])
     (resume,) = [x for x in lines if x.get("event") == "resume"]
     assert resume["detail"]["tag"] == "step00000006" and resume["detail"]["rng_restored"]
+    # every file dist_checkpointing opened (its pickled .metadata, the .distcp tensors), the sidecar and the guard
+    # state were read once on the loading rank and matched against the manifest rank 0 verified
+    assert resume["detail"]["verified_on_load"] >= 5, resume["detail"]
     for f, r in zip(full, resumed):
         assert r["first_iteration"] == 6 and r["losses"] == f["losses"][6:]
         assert r["param_sha256"] == f["param_sha256"]

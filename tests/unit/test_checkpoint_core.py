@@ -594,8 +594,8 @@ def test_a_malformed_or_crafted_checkpoint_is_invalid_with_a_reason_never_an_exc
 
 def test_each_rank_loads_only_bytes_that_match_the_manifest_rank_0_verified(tmp_path):
     """Issue 25 item 7: rank 0 hashed the files when it chose the checkpoint and every rank reopened them by
-    path later: a file swapped in between was loaded unseen. VerifiedReader (DeepSpeed's loads go through it,
-    ds_plugins.engines._Verifying) pins the manifest rank 0 verified by its digest, then hands over only
+    path later: a file swapped in between was loaded unseen. VerifiedReader (every adapter's loads go through it,
+    trainguard.checkpoint.verified_io) pins the manifest rank 0 verified by its digest, then hands over only
     bytes it read once and matched against it."""
     from trainguard.checkpoint.auth import sign
     from trainguard.checkpoint.manifest import VerifiedReader, manifest_digest
@@ -624,6 +624,51 @@ def test_each_rank_loads_only_bytes_that_match_the_manifest_rank_0_verified(tmp_
         VerifiedReader(d, digest, key=b"k")
     with pytest.raises(CheckpointError, match="HMAC mismatch"):
         VerifiedReader(d, None, key=b"k")
+
+
+def test_a_frameworks_own_loads_deserialise_only_verified_bytes(tmp_path):
+    """Issue 25 item 7 on the loaders that open files themselves: megatron's dist_checkpointing (through
+    torch.distributed.checkpoint's file streams: a pickled .metadata, the .distcp tensors) and DeepSpeed's
+    torch.load of each file (a universal conversion's per-parameter files too). Under verified_reads a file
+    swapped after rank 0's check is refused, never deserialised; an unlisted one is never read. Without it
+    (before the fix, for megatron and the universal conversion) the swapped tensor loads unseen."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest
+    from trainguard.checkpoint.verified_io import verified_reads
+
+    d = tmp_path / "ck" / "step00000010"
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(d / "dist"), no_dist=True)
+    torch.save({"rng": 7}, d / "side.pt")
+    Manifest(tag=d.name, step=10, files=hash_files(d, list_files(d))).write(d)
+    digest = manifest_digest(d)
+    reader = VerifiedReader(d, digest)
+    out = {"w": torch.zeros(6)}
+    with verified_reads(reader):
+        dcp.load(out, checkpoint_id=str(d / "dist"), no_dist=True)
+        assert torch.load(d / "side.pt", weights_only=True) == {"rng": 7}
+    assert torch.equal(out["w"], torch.arange(6.0))
+    assert {"dist/.metadata", "side.pt"} <= set(reader.read_files)
+    assert any(f.endswith(".distcp") for f in reader.read_files)
+    assert torch.load.__module__.startswith("torch")  # (the patch is gone after the context)
+
+    other = tmp_path / "other"  # the same tensor's file with other values swapped in after the check
+    dcp.save({"w": torch.full((6,), 66.0)}, checkpoint_id=str(other), no_dist=True)
+    (distcp,) = [f for f in (d / "dist").iterdir() if f.suffix == ".distcp"]
+    shutil.copyfile(other / distcp.name, distcp)
+    with pytest.raises(CheckpointError, match="differ from the manifest"), verified_reads(VerifiedReader(d, digest)):
+        dcp.load({"w": torch.zeros(6)}, checkpoint_id=str(d / "dist"), no_dist=True)
+    unchecked = {"w": torch.zeros(6)}
+    dcp.load(unchecked, checkpoint_id=str(d / "dist"), no_dist=True)
+    assert unchecked["w"][0] == 66.0  # (what a load without the check takes in)
+    torch.save({"evil": 1}, d / "extra.pt")
+    with pytest.raises(CheckpointError, match="not listed"), verified_reads(VerifiedReader(d, digest)):
+        torch.load(d / "extra.pt", weights_only=True)
+    torch.save({"fine": 1}, tmp_path / "elsewhere.pt")
+    with verified_reads(VerifiedReader(d, digest)):  # files outside the checkpoint's folder pass through
+        assert torch.load(tmp_path / "elsewhere.pt", weights_only=True) == {"fine": 1}
 
 
 def test_validate_never_imports_the_plugins_a_block_names_and_ckpt_diff_refuses_an_old_torch(tmp_path, monkeypatch):

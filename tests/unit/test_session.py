@@ -13,6 +13,7 @@ from trainguard import gradhooks
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.layout import SIDECAR
 from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.config import parse_block
 from trainguard.detectors.loss_scale import ScalerState
 from trainguard.driver import zero_adam_moments
@@ -65,18 +66,16 @@ class TorchCheckpointer(CheckpointManager):
             return {}
         return self.save_staged(root, write, fmt="torch", sidecar=lambda: {"rng": rng.capture()})
 
-    def load(self, root, tag=None, mode="latest_valid", purpose="resume", **kw):
-        chosen, skipped = self.choose_for_load(root, tag, mode)
-        if chosen is None:
-            return None
-        state = torch.load(root / chosen / "state.pt", weights_only=True)
+    def load_disk(self, root, tag, man, reader, purpose, **kw):
+        """The framework's part of the core's load: its files, read through the verified reader."""
+        with verified_reads(reader):
+            state = torch.load(root / tag / "state.pt", weights_only=True)
+            side = torch.load(root / tag / SIDECAR / "rank0.pt", weights_only=True)
         self.fw.model.load_state_dict(state["model"])
         self.fw.opt.load_state_dict(state["optimizer"])
         self.fw.steps = state["steps"]
-        rng.restore(torch.load(root / chosen / SIDECAR / "rank0.pt", weights_only=True)["rng"])
-        if purpose != "rollback":
-            self.resumed(root, chosen, self.fw.steps, {"fell_back_past": skipped})
-        return chosen
+        rng.restore(side["rng"])
+        return tag, {}
 
 
 class TorchFramework:

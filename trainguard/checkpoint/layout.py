@@ -13,6 +13,7 @@ TRAJECTORY = "trajectory.json"
 LATEST = "latest"           # also DeepSpeed's pointer file: load_checkpoint(dir) reads it
 STAGING = ".staging"
 SIDECAR = "trainguard"      # per-rank RNG and data position, inside the tag directory
+GUARD_STATE = "guard.json"  # the guard's state (statistics, budgets, quarantine), in SIDECAR
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 

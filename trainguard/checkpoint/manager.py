@@ -32,9 +32,9 @@ from trainguard.checkpoint import auth
 from trainguard.checkpoint.commit import commit_staged
 from trainguard.checkpoint.fsio import atomic_write_json, save_hashed
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import (SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
+from trainguard.checkpoint.layout import (GUARD_STATE, SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
                                           step_tag, validate_tag)
-from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, manifest_digest, verify
+from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.commit import restore_interrupted
@@ -387,8 +387,8 @@ class CheckpointManager:
             (staged / SIDECAR).mkdir(parents=True, exist_ok=True)
             own[f"{SIDECAR}/rank{rank()}.pt"] = save_hashed(sidecar(), staged / SIDECAR / f"rank{rank()}.pt")
         if rank() == 0 and self.guard is not None:
-            atomic_write_json(staged / SIDECAR / "guard.json", self.guard.state_dict())
-            own.update(hash_files(staged, [f"{SIDECAR}/guard.json"]))
+            atomic_write_json(staged / SIDECAR / GUARD_STATE, self.guard.state_dict())
+            own.update(hash_files(staged, [f"{SIDECAR}/{GUARD_STATE}"]))
         barrier()
         hashed: dict = {}
         for part in gather_objects(own):
@@ -420,8 +420,76 @@ class CheckpointManager:
             "tag": tag, "dir": str(root), "step": step, "tier": "disk", **detail,
             "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
 
+    # ------------------------------------------------------------------ the load (every adapter)
+    NOTHING: Any = None  # what load returns when there was nothing to load (the framework's own convention)
+
+    def load(self, root, tag: str | None = None, mode: str = "latest_valid", purpose: str = "resume", **kwargs):
+        """Every rank: load ``tag`` (a disk tag, or ``memory:<tag>`` from :meth:`rollback_target`), or the newest
+        valid tier -- the newest checkpoint that verifies (and is stable, with ``mode="stable"``), unless a snapshot
+        in node memory is newer. Each rank reads only bytes it checked against the manifest rank 0 verified
+        (:class:`VerifiedReader`; the adapter routes its framework's reads through it). ``purpose="rollback"``
+        (in-process): the framework's state and RNG come back, the guard's statistics and budgets stay as they are
+        now -- the run moves on, it does not relive. Returns what the adapter's load returns, or ``NOTHING``."""
+        root = Path(root)
+        self.heart.beat("checkpoint")
+        if tag is not None and disk_tag(tag)[1]:  # a rollback target in memory
+            return self._load_memory(disk_tag(tag)[0], purpose, [], kwargs)
+        chosen, skipped = self.choose_for_load(root, tag, mode)
+        if tag is None and self.snapshots is not None and mode != "stable":  # the newest valid tier
+            found = self.snapshots.choose(lo=max(self.disk_step(root, chosen) + 1, self._newer_than + 1,
+                                                 self.not_before(root)))
+            if found is not None:
+                return self._load_memory(found[0], purpose, skipped, kwargs)
+        if chosen is None:
+            return self.NOTHING
+        tag_dir = CheckpointLayout(root).tag_dir(chosen)
+        reader = VerifiedReader(tag_dir, self.chosen_digest, self.key)
+        man = Manifest.read(tag_dir)
+        result, detail = self.load_disk(root, chosen, man, reader, purpose, **kwargs)
+        self.roots[chosen] = root
+        if purpose == "rollback":
+            return result
+        self._load_guard_state(reader, tag_dir)
+        self.resumed(root, chosen, man.step, {"fell_back_past": skipped, **detail,
+                                              "verified_on_load": len(reader.read_files), "lineage": man.lineage})
+        return result
+
+    def _load_memory(self, tag: str, purpose: str, skipped: list, kwargs: dict):
+        """This rank's shard of snapshot ``tag`` from node memory (fetched first from the peer's copy where this
+        node lost it), its bytes checked against its manifest (and signature) on this rank."""
+        fetched = self.snapshots.fetch(tag)
+        own = self.snapshots.store.own
+        reader = VerifiedReader(own / tag, key=self.key)
+        result, detail = self.load_shard(own, tag, reader, purpose, **kwargs)
+        if purpose == "rollback":
+            return result
+        self._load_guard_state(reader, own / tag)
+        self.resumed_tag = memory_tag(tag)
+        self.emit(self.step_count(), Record.RESUME, ranks=list(range(world())), detail={
+            "tag": memory_tag(tag), "dir": str(own), "step": self.step_count(), "tier": "memory",
+            "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0, **detail,
+            "verified_on_load": len(reader.read_files)})
+        return result
+
+    def _load_guard_state(self, reader: VerifiedReader, tag_dir: Path) -> None:
+        """The guard's statistics, budgets and quarantine as saved (a resume, not a rollback)."""
+        if self.guard is not None and f"{SIDECAR}/{GUARD_STATE}" in reader.files:
+            self.guard.load_state_dict(json.loads(reader.read(tag_dir / SIDECAR / GUARD_STATE)))
+
     # ------------------------------------------------------------------ the adapter's part
     def step_count(self) -> int:
+        raise NotImplementedError
+
+    def load_disk(self, root: Path, tag: str, man: Manifest, reader: VerifiedReader, purpose: str,
+                  **kwargs) -> tuple[Any, dict]:
+        """Every rank: the framework's state and this rank's sidecar (RNG; the data position unless ``purpose`` is
+        "rollback") from checkpoint ``root/tag``, every byte read through ``reader`` (or, for files of another
+        folder -- a conversion -- through a reader of that folder's own verified manifest). Returns (what
+        ``load`` returns, facts for the ``resume`` record)."""
+        raise NotImplementedError
+
+    def load_shard(self, own: Path, tag: str, reader: VerifiedReader, purpose: str, **kwargs) -> tuple[Any, dict]:
+        """Every rank: this rank's shard ``own/tag`` of the in-memory tier, through ``reader``; as :meth:`load_disk`."""
         raise NotImplementedError
 
     def _manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:
@@ -429,9 +497,6 @@ class CheckpointManager:
         return Manifest(tag=tag, step=step, files=files, layout=layout)
 
     def save(self, root, **kwargs) -> str:
-        raise NotImplementedError
-
-    def load(self, root, tag: str | None = None, mode: str = "latest_valid", purpose: str = "resume", **kwargs):
         raise NotImplementedError
 
     def not_before(self, root: Path) -> int:
