@@ -133,6 +133,7 @@ class CheckpointManager:
         if faults is not None and c.dir and faults.checkpoint_due(step):
             from trainguard.faults import corrupt_newest_checkpoint
 
+            self.wait_pending()  # (the newest committed one: a save of this very step is committed first)
             path = corrupt_newest_checkpoint(c.dir)
             self.guard.emit(step, Record.FAULT_INJECTED, [rank()], None, {
                 "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": rank()}], "file": path},

@@ -9,7 +9,8 @@ trainguard with the faults, plain DeepSpeed with the same faults.
 
 The schedule (``drill.json``, written for 1,000 steps; a shorter drill scales the fault steps): one
 NaN sample in one rank's batch, a burst of three poisoned batches, a corrupted newest checkpoint just
-before a killed rank (the restart must pass over it), an LR ramp (slow rise), a hung rank, and an
+before a killed rank (the restart must pass over it; written just after a disk save, when no snapshot in
+memory is newer than it, so that the corruption costs what the tier's interval bounds), an LR ramp (slow rise), a hung rank, and an
 fp16 loss-scale collapse (a model whose values leave fp16's range). Every run is launched with
 ``torchrun --max-restarts=2``: trainguard resumes by itself from its checkpoints; plain DeepSpeed is
 run as a careful user runs it (its own ``save_checkpoint`` every as many steps as trainguard's,

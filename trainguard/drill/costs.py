@@ -181,8 +181,8 @@ def goal(row: dict, f: dict, every_steps: int, cold_start_s: float | None, hang_
                 and "bf16" in row.get("rung", ""),
                 f"<= the scaler's descent + {every_steps} steps" + (f" (= {bound})" if bound is not None else "")
                 + ", no restart, then bf16")
-    if kind == "corrupt_checkpoint":
-        return lost == 0, "0 extra steps"
+    if kind == "corrupt_checkpoint":  # (the schedule has no snapshot newer than it: the tier bounds what it costs)
+        return lost is not None and lost <= every_steps, f"<= {every_steps} extra steps (S; the disk alone: its interval)"
     if kind == "kill_rank":
         down = row.get("downtime_s")
         ok = lost is not None and lost <= every_steps and down is not None and cold_start_s is not None and \
