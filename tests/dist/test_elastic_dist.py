@@ -114,27 +114,44 @@ def test_a_killed_rank_comes_back_from_its_nodes_memory(tmp_path, torchrun, unin
     assert not list((tmp_path / "shm").rglob("manifest.json"))  # the end of the run freed the node memory
 
 
-def test_a_node_lost_with_its_memory_comes_back_from_its_peers_copy(tmp_path, torchrun, uninterrupted):
+def test_a_node_lost_with_its_memory_comes_back_from_its_peers_copy(tmp_path, torchrun, uninterrupted, monkeypatch):
     """Two simulated nodes of one rank each: rank 1 is killed and its node's memory is gone (the job is
     resubmitted on a new node); rank 1's shard comes back from the copy rank 0 keeps on the other node. (Killed
-    at the start of step 19: step 16's copy was received by then, the snapshot of step 18 waited for it.)"""
+    at the start of step 19: step 16's copy was received by then, the snapshot of step 18 waited for it.)
+    Authenticated (issue 25 item 12): the newest copy rank 0's node holds was altered after the kill -- a file
+    changed and its sha256 rewritten in the copy's manifest, which the run's key catches -- so it is named
+    (checkpoint_invalid, tier memory) and never loaded, and the copy before it comes back instead."""
     import shutil
 
+    from trainguard.checkpoint.manifest import Manifest, sha256_file
+
+    monkeypatch.setenv("TG_PEER_KEY", "the-run-key")
     fault = [{"type": "kill_rank", "step": 19, "rank": 1}]
     (tmp_path / "p").mkdir()
-    snap = snapshot_block(tmp_path, "peer", ranks_per_node=1)
+    snap = snapshot_block(tmp_path, "peer", ranks_per_node=1, keep=3)
+    snap["checkpoint"].update(hmac_key_env="TG_PEER_KEY", every_steps=10)  # (disk: 10; the copies: 14, 16, maybe 18)
     cfg = make_config(tmp_path / "p", block=snap, faults=fault, bf16={"enabled": True})
     first = torchrun(cfg, STEPS, "--step-sleep", "0.1", out_name="peer")  # (time for step 16's copy to travel)
     assert first.rc != 0
     (run_dir,) = (tmp_path / "shm").iterdir()
     held = sorted(p.name for p in (run_dir / "node0" / "held-rank1").iterdir() if not p.name.startswith("."))
     assert "step00000016" in held, held   # rank 0's node keeps rank 1's copies
+    altered = run_dir / "node0" / "held-rank1" / held[-1]
+    victim = altered / "trainguard" / "rank1.pt"
+    victim.write_bytes(victim.read_bytes() + b"\0")
+    man = Manifest.read(altered)
+    digest, size = sha256_file(victim)
+    man.files["trainguard/rank1.pt"] = {"sha256": digest, "size": size}  # rewritten, but it cannot be signed
+    man.write(altered)
     shutil.rmtree(run_dir / "node1")      # rank 1's node is gone, with its memory
     again = make_config(tmp_path / "p", block=snap, bf16={"enabled": True})  # (the same job, without the fault)
     run = torchrun(again, STEPS, out_name="peer").ok()
+    bad = [e["detail"] for e in events(run, "checkpoint_invalid") if e["detail"].get("tier") == "memory"]
+    assert bad and all(b["tag"] == held[-1] and "HMAC" in b["reason"] for b in bad), bad
     (resume,) = [e for e in events(run, "resume") if e["detail"].get("tier")]
     detail = resume["detail"]
-    assert detail["tier"] == "memory" and detail["from_peer_copy"] == [1] and 16 <= detail["step"] <= 18
+    assert detail["tier"] == "memory" and detail["from_peer_copy"] == [1]
+    assert detail["step"] == int(held[-1][4:]) - 2 and detail["step"] >= 14, (held, detail)
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
         uninterrupted.results[0]["param_sha256"]
 

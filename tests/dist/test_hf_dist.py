@@ -82,17 +82,25 @@ def test_without_the_block_the_prefixed_job_is_bit_identical(tmp_path):
         assert a["engine_class"] == b["engine_class"] == c["engine_class"] == "DeepSpeedEngine"
 
 
-def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path):
+def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path, monkeypatch):
     """Rank 1 is SIGKILLed at step 7; torchrun restarts the job (a store prefix per attempt, or the
     restarted gloo workers would not connect). It resumes from checkpoint-4 -- through HF's own
     resume_from_checkpoint=True, and through trainguard's automatic resume of a script that just
-    calls trainer.train() -- and ends with the same parameters as an uninterrupted run."""
+    calls trainer.train() -- and ends with the same parameters as an uninterrupted run. HF's own resume runs
+    authenticated (checkpoint.hmac_key_env, issue 25 item 12): the checkpoints HF asked DeepSpeed to save are
+    signed, and HF's resume loads one only after its signature and every file's bytes were checked."""
+    from pathlib import Path
+
+    monkeypatch.setenv("TG_HF_KEY", "the-run-key")
     _, clean, _ = trainer(tmp_path, "clean", {}, "--save-steps", "4")
     kill = {"allow_faults": True, "faults": [{"type": "kill_rank", "step": 7, "rank": 1}]}
-    for name, extra in (("hf_resume", ["--resume"]), ("auto_resume", [])):
-        _, results, lines = trainer(tmp_path, name, kill, "--save-steps", "4", *extra, launcher=["--max-restarts", "1"])
+    for name, block, extra in (("hf_resume", {**kill, "checkpoint": {"hmac_key_env": "TG_HF_KEY"}}, ["--resume"]),
+                               ("auto_resume", kill, [])):
+        _, results, lines = trainer(tmp_path, name, block, "--save-steps", "4", *extra, launcher=["--max-restarts", "1"])
         (resume,) = [x for x in lines if x.get("event") == "resume"]
         assert resume["detail"]["tag"] == "global_step4" and resume["detail"]["dir"].endswith("checkpoint-4")
+        signed = (Path(resume["detail"]["dir"]) / "global_step4" / "manifest.hmac").is_file()
+        assert signed == (name == "hf_resume") and resume["detail"]["verified_on_load"] >= 3
         assert [x["detail"]["attempt"] for x in lines if x.get("event") == "restart"] == [1]
         for r, c in zip(results, clean):
             assert r["restart"] == "1" and r["global_step"] == 10

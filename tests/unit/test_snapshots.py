@@ -55,7 +55,10 @@ def test_a_copy_verifies_as_its_original_and_old_ones_go(tmp_path):
     assert theirs.survey(world=2)["held"] == {0: [("step4", 4), ("step6", 6)]}
     assert mine.survey(world=4)["own"] == []                                # another layout's shards do not fit
     (theirs.held(0) / "step6" / "w.pt").write_bytes(b"rot")
-    assert theirs.survey(world=2)["held"] == {0: [("step4", 4)]}            # a copy that rotted is no copy
+    survey = theirs.survey(world=2)
+    assert survey["held"] == {0: [("step4", 4)]}                           # a copy that rotted is no copy ...
+    (refused,) = survey["refused"]                                         # ... and is named, with why
+    assert refused["tag"] == "step6" and refused["bad_file"] == "w.pt" and "size" in refused["reason"]
     assert mine.drop_after(4) == ["step6"] and CheckpointLayout(mine.own).tags() == ["step4"]
     assert mine.bytes_used() > 0
     mine.clear()

@@ -190,6 +190,9 @@ class MemoryTier:
         fits = self.source.fits() if hasattr(self.source, "fits") else None  # (the layout a shard must have)
         table = gather_objects(self.store.survey(world=dist.get_world_size() if dist.is_initialized() else 1,
                                                  fits=fits))
+        for r, row in enumerate(table):  # (a shard or peer copy that does not verify is named, never loaded)
+            for bad in row.get("refused", []):
+                self.cp.emit(self.source.step(), Record.CHECKPOINT_INVALID, {**bad, "tier": "memory", "rank": r})
         found = common_choice(table, self.store.place, lo, hi, only)
         if found is None:
             return None

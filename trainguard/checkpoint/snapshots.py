@@ -260,8 +260,10 @@ class SnapshotStore:
         """What verifies in this node's memory for this rank: its own shards and the copies it keeps
         (those of a job of ``world`` ranks, and whose manifest layout has every value of ``fits``: a shard
         is one rank's partition of that layout)."""
-        return {"own": _valid(self.own, self.key, world, fits),
-                "held": {q: _valid(self.held(q), self.key, world, fits) for q in self.place.sources()}}
+        refused: list[dict] = []  # what failed verification: rot, or bytes someone else changed (named, never loaded)
+        return {"own": _valid(self.own, self.key, world, fits, refused),
+                "held": {q: _valid(self.held(q), self.key, world, fits, refused) for q in self.place.sources()},
+                "refused": refused}
 
 
 def common_choice(table: list[dict], place: Placement, lo: int = 0, hi: float = float("inf"),
@@ -327,16 +329,23 @@ def _manifest_files(tag_dir: Path) -> list[str]:
     return [name for name in NOT_LISTED if (tag_dir / name).is_file()]
 
 
-def _valid(root: Path, key: bytes | None, world: int, fits: dict | None = None) -> list[tuple[str, int]]:
+def _valid(root: Path, key: bytes | None, world: int, fits: dict | None = None,
+           refused: list | None = None) -> list[tuple[str, int]]:
+    """The shards under ``root`` that verify (with ``key``: signed) and fit the layout; the others that do not
+    verify go into ``refused`` with why."""
     layout = CheckpointLayout(root)
     out = []
     want = {"world": world, **(fits or {})}
     for tag, step in layout.steps():
         tag_dir = layout.tag_dir(tag)
-        if verify(tag_dir, key=key).ok:
-            saved = Manifest.read(tag_dir).layout
-            if all(saved.get(k) == v for k, v in want.items()):
-                out.append((tag, step))
+        res = verify(tag_dir, key=key)
+        if not res.ok:
+            if refused is not None:
+                refused.append({"tag": tag, "dir": str(root), "bad_file": res.bad_file, "reason": res.reason})
+            continue
+        saved = Manifest.read(tag_dir).layout
+        if all(saved.get(k) == v for k, v in want.items()):
+            out.append((tag, step))
     return out
 
 

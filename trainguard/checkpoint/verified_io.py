@@ -26,7 +26,7 @@ from trainguard.checkpoint.layout import CheckpointError
 
 __all__ = ["verified_reads"]
 
-_LOCK = threading.Lock()  # one patched load at a time in a process
+_LOCK = threading.RLock()  # one patched load at a time in a process (nested: restored in order)
 
 
 @contextlib.contextmanager
