@@ -60,6 +60,9 @@ LONG = {
         "DP=2 attribution on megatron-core: the contract test and the SDC test run that layout",
     "test_megatron_lm_dist.py::test_nonfinite_on_one_rank_is_named_and_skipped_pp[core_v0.17.1]":
         "core_v0.17.1's NaN handover, skip and rollback: its TP=2 ladder test; the PP=2 path is trainguard's",
+    "test_megatron_lm_dist.py::test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy[core_v0.19.0]":
+        "the peer copy is the core tier's (test_elastic_dist.py's peer-copy restart, authenticated, runs it); the "
+        "megatron shard's load from node memory is the node-memory restart's, which stays",
     "test_megatron_lm_dist.py::test_sigkill_and_restart_resume_once_from_the_newest_snapshot[core_v0.17.1]":
         "core_v0.19.0 runs the SIGKILL restart (choosing the newer of --load and the snapshot is trainguard's); "
         "core_v0.17.1 runs its ladder test",
