@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
