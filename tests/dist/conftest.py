@@ -63,6 +63,9 @@ LONG = {
     "test_megatron_lm_dist.py::test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy[core_v0.19.0]":
         "the peer copy is the core tier's (test_elastic_dist.py's peer-copy restart, authenticated, runs it); the "
         "megatron shard's load from node memory is the node-memory restart's, which stays",
+    "test_megatron_lm_dist.py::test_sigkill_and_restart_resume_once_from_the_newest_snapshot[core_v0.19.0]":
+        "the node-memory restart of core_v0.19.0 SIGKILLs a rank under torchrun too and resumes once, from the newest "
+        "of --load, the disk snapshots and node memory; megatron-core's snapshot tests load dist_checkpointing's",
     "test_megatron_lm_dist.py::test_sigkill_and_restart_resume_once_from_the_newest_snapshot[core_v0.17.1]":
         "core_v0.19.0 runs the SIGKILL restart (choosing the newer of --load and the snapshot is trainguard's); "
         "core_v0.17.1 runs its ladder test",
