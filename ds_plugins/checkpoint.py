@@ -14,7 +14,6 @@ once on the loading rank and checked against the manifest rank 0 verified (train
 from __future__ import annotations
 
 import fnmatch
-import io
 import os
 import shutil
 import subprocess
@@ -34,7 +33,7 @@ from trainguard.checkpoint.manager import barrier as _barrier
 from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.manager import world as _world
 from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
-from trainguard.checkpoint.verified_io import verified_reads
+from trainguard.checkpoint.verified_io import load_weights, verified_reads
 from trainguard.events import Record
 from trainguard.guard import config_hash
 from trainguard.isolation import broadcast_from_rank0 as _broadcast
@@ -311,7 +310,7 @@ class DeepSpeedCheckpointer(CheckpointManager):
         loader = self.state.loader
 
         def state(rel: str) -> dict:
-            return torch.load(io.BytesIO(reader.read(tag_dir / rel)), weights_only=True)
+            return load_weights(reader, tag_dir / rel)
 
         mine = f"{SIDECAR}/rank{_rank()}.pt"
         if not resharded and mine in reader.files:

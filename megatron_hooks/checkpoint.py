@@ -20,7 +20,6 @@ TP=2 snapshot loads into TP=1; the RNG sidecars then do not map rank to rank, an
 """
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from trainguard.checkpoint.layout import SIDECAR, STAGING, CheckpointError, Chec
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.rollback import fitting_after
-from trainguard.checkpoint.verified_io import verified_reads
+from trainguard.checkpoint.verified_io import load_weights, verified_reads
 from trainguard.events import Record
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
@@ -204,7 +203,7 @@ class MegatronCheckpointer(CheckpointManager):
 
 
 def _sidecar_of(reader, tag_dir: Path, rank: int) -> dict:
-    return torch.load(io.BytesIO(reader.read(tag_dir / SIDECAR / f"rank{rank}.pt")), weights_only=True)
+    return load_weights(reader, tag_dir / SIDECAR / f"rank{rank}.pt")
 
 
 def _restore_rng(side: dict) -> None:

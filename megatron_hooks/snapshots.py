@@ -10,7 +10,6 @@ it (or, after its node was lost, on the rank that takes its place), at the same 
 """
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from megatron_hooks.checkpoint import SIDECAR
 from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.manager import rank as _rank
+from trainguard.checkpoint.verified_io import load_weights
 
 __all__ = ["MegatronShard", "SHARD"]
 
@@ -82,8 +82,8 @@ class MegatronShard:
         from megatron_hooks import _optimizers, _unwrap
 
         mg = self.cp.mg
-        state = torch.load(io.BytesIO(reader.read(tag_dir / SHARD / f"rank{_rank()}.pt")), weights_only=True)
-        side = torch.load(io.BytesIO(reader.read(tag_dir / SIDECAR / f"rank{_rank()}.pt")), weights_only=True)
+        state = load_weights(reader, tag_dir / SHARD / f"rank{_rank()}.pt")
+        side = load_weights(reader, tag_dir / SIDECAR / f"rank{_rank()}.pt")
         for chunk, sd in zip(mg.chunks, state["model"]):
             _unwrap(chunk).load_state_dict(sd)
         for outer, inner, saved in zip(_optimizers(mg.optimizer), _inner(mg.optimizer), state["optimizers"]):

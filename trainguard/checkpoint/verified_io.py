@@ -24,9 +24,14 @@ import torch
 
 from trainguard.checkpoint.layout import CheckpointError
 
-__all__ = ["verified_reads"]
+__all__ = ["verified_reads", "load_weights"]
 
 _LOCK = threading.RLock()  # one patched load at a time in a process (nested: restored in order)
+
+
+def load_weights(reader, path) -> dict:
+    """A file of trainguard's own (a sidecar, a shard of the in-memory tier): its checked bytes, loaded weights-only."""
+    return torch.load(io.BytesIO(reader.read(path)), weights_only=True)
 
 
 @contextlib.contextmanager
