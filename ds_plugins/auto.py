@@ -38,7 +38,7 @@ import inspect
 import sys
 import threading
 
-from trainguard.bootstrap import AfterImport, init_on_fresh_store
+from trainguard.bootstrap import AfterImport, flush, init_on_fresh_store, when_complete
 from trainguard.bootstrap import wrap_once as _wrap
 
 _state = threading.local()
@@ -46,12 +46,16 @@ _WATCHED = ("deepspeed", "accelerate.accelerator", "accelerate.data_loader", "tr
 
 
 def install() -> None:
-    """Patch now what is imported, and the rest when it is (idempotent)."""
+    """Patch now what is imported, and the rest when it is (idempotent). A module still executing -- this
+    entry loaded half-way through its import, e.g. by Accelerate's import inside ``transformers.trainer``
+    (``from transformers import Trainer`` first) -- is patched once its code has returned, never before
+    (trainguard.bootstrap.when_complete)."""
+    flush()
     _patch_init_process_group()
     for name in _WATCHED:
         module = sys.modules.get(name)
         if module is not None:
-            _PATCHES[name](module)
+            when_complete(module, _PATCHES[name])
     if not any(getattr(f, "names", None) == _WATCHED for f in sys.meta_path):
         sys.meta_path.insert(0, AfterImport(_WATCHED, lambda name, module: _PATCHES[name](module)))
 
@@ -123,6 +127,16 @@ def _patch_accelerate(module) -> None:
         return prepare_data_loader
 
     _wrap(module.Accelerator, "prepare_data_loader", make)
+
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            # the Trainer builds its Accelerator in its own __init__, so transformers.trainer has finished its
+            # import by now: a patch deferred while it was still executing lands before Trainer.train runs
+            flush()
+            return original(self, *args, **kwargs)
+        return __init__
+
+    _wrap(module.Accelerator, "__init__", make_init)
 
 
 def _patch_accelerate_loaders(module) -> None:

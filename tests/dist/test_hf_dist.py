@@ -19,7 +19,8 @@ DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "
       "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}
 
 
-def trainer(tmp_path, name, block, *extra, steps=10, prefix=PREFIX, launcher=(), ok=True):
+def trainer(tmp_path, name, block, *extra, steps=10, prefix=PREFIX, launcher=(), ok=True,
+            module="tests.support.hf_worker"):
     """One 2-rank Trainer run in tmp_path/name with ``block`` in its ds_config (None: no block)."""
     out = tmp_path / name
     out.mkdir()
@@ -28,7 +29,7 @@ def trainer(tmp_path, name, block, *extra, steps=10, prefix=PREFIX, launcher=(),
         cfg["trainguard"] = {"metrics": {"jsonl": str(out / "trainguard.jsonl"), "per_rank": True}, **block}
     (out / "ds_config.json").write_text(json.dumps(cfg))
     rc, results = run_worker(out / "ds_config.json", out, steps, extra=["--bf16", *extra], prefix=prefix,
-                             launcher=launcher, module="tests.support.hf_worker", timeout=300)
+                             launcher=launcher, module=module, timeout=300)
     if ok:
         assert rc == 0 and all(results), (out / "torchrun.log").read_text()[-4000:]
     lines = read(out / "trainguard.jsonl") if (out / "trainguard.jsonl").exists() else []
@@ -69,6 +70,29 @@ def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(t
     for r in results:
         assert r["engine_class"].startswith("Trainguard") and r["skipped_steps"] == 1 and r["weights_finite"]
         assert r["global_step"] == 10
+
+
+SHAPES = ("trainer_first", "transformers_attribute", "training_arguments_first", "accelerate_first", "deepspeed_first",
+          "trl")  # (tests/support/hf_shapes.py)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_zero_code_entry_survives_every_import_order(tmp_path, shape):
+    """Issue 32: a user's script opens with ``from transformers import Trainer`` (or ``import transformers``
+    then ``transformers.Trainer``, ``TrainingArguments`` first, ``import accelerate`` / ``import deepspeed``
+    first, TRL's ``SFTTrainer``) -- its first statement, under ``trainguard run -- torchrun``. The zero-code
+    entry loads in the middle of that import (Accelerate inside ``transformers.trainer``) and used to patch the
+    half-executed module: both ranks stopped with "partially initialized module 'transformers.trainer' has no
+    attribute 'Trainer'" (the first two shapes, transformers 5.25 / 4.57 with accelerate 1.16). Each shape now
+    trains guarded and names the dirty sample 13 alone, on rank 1, at step 3."""
+    if shape == "trl":
+        pytest.importorskip("trl", reason="TRL is not installed beside this transformers")
+    _, results, lines = trainer(tmp_path, shape, {}, "--shape", shape, "--nan-sample", "13", steps=4,
+                                module="tests.support.hf_shapes")
+    (e,) = [x for x in lines if x.get("event") == "nonfinite"]
+    assert e["step"] == 3 and e["ranks"] == [1] and e["action"] == "skip_step"
+    assert e["detail"]["per_rank"]["1"]["sample_ids"] == [13]
+    assert all(r["engine_class"] == "TrainguardDeepSpeedEngine" and r["skipped_steps"] == 1 for r in results)
 
 
 def test_without_the_block_the_prefixed_job_is_bit_identical(tmp_path):

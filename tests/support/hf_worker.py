@@ -38,7 +38,9 @@ class Embeddings(torch.utils.data.Dataset):
         return {"inputs_embeds": self.x[i], "labels": self.y[i]}
 
 
-def main(argv=None) -> int:
+def main(argv=None, make_trainer=None) -> int:
+    """``make_trainer(model, targs, dataset, callbacks)``: the trainer to run (default: HF's ``Trainer``;
+    tests/support/hf_shapes.py passes TRL's ``SFTTrainer``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--steps", type=int, default=12)
@@ -71,7 +73,10 @@ def main(argv=None) -> int:
             if logs and "loss" in logs:
                 losses.append((state.global_step, logs["loss"]))
 
-    trainer = Trainer(model=model, args=targs, train_dataset=Embeddings(args.nan_sample), callbacks=[Record()])
+    if make_trainer is None:
+        def make_trainer(model, targs, dataset, callbacks):
+            return Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
+    trainer = make_trainer(model, targs, Embeddings(args.nan_sample), [Record()])
     resume = bool(args.resume and os.path.isdir(targs.output_dir) and get_last_checkpoint(targs.output_dir))
     trainer.train(resume_from_checkpoint=resume or None)
     return finish(out, trainer.model, trainer.model_wrapped, losses=losses, global_step=trainer.state.global_step,

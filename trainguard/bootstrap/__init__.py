@@ -12,9 +12,9 @@ from __future__ import annotations
 import inspect
 import os
 
-from trainguard.bootstrap.site._trainguard_hook import AfterImport, wrap_once
+from trainguard.bootstrap.site._trainguard_hook import AfterImport, flush, when_complete, wrap_once
 
-__all__ = ["AfterImport", "wrap_once", "init_on_fresh_store", "attempt_store"]
+__all__ = ["AfterImport", "wrap_once", "when_complete", "flush", "init_on_fresh_store", "attempt_store"]
 
 
 def attempt_store(timeout):

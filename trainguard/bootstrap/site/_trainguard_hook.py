@@ -1,9 +1,47 @@
 """After-import hooks, with no dependencies (the bootstrap loads this before anything else, as a
-top-level module; the adapters import it as trainguard.bootstrap.site._trainguard_hook, through trainguard.bootstrap)."""
+top-level module; the adapters import it as trainguard.bootstrap.site._trainguard_hook, through trainguard.bootstrap).
+
+Import-order proof (issue 32): a patch never touches a module whose own code is still running. A user's
+``from transformers import Trainer`` executes ``transformers.trainer``, which imports Accelerate half-way,
+whose after-import hook loads the zero-code entry -- while ``transformers.trainer`` has no ``Trainer`` yet.
+:func:`when_complete` runs such a patch later: at the next import anywhere (every :class:`AfterImport`
+finder flushes first), or when a wrapper of ours is entered (they call :func:`flush`) -- whichever comes
+first after the module's code returned."""
 import functools
 import importlib.abc
 import importlib.util
 import threading
+
+_PENDING = []  # (module, patch) whose module was still executing when asked
+_LOCK = threading.Lock()
+
+
+def executing(module) -> bool:
+    """True while ``module``'s own code is still running: importlib marks its spec ``_initializing`` until
+    its import returns; an :class:`AfterImport` callback runs in between, once the code has returned (marked)."""
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False)) and not getattr(spec, "_trainguard_returned", False)
+
+
+def when_complete(module, patch) -> None:
+    """``patch(module)`` now if the module's import has completed, else once it has (see the module doc)."""
+    if not executing(module):
+        patch(module)
+        return
+    with _LOCK:
+        _PENDING.append((module, patch))
+
+
+def flush() -> None:
+    """Run the patches whose module has completed since (cheap when none wait)."""
+    if not _PENDING:
+        return
+    with _LOCK:
+        ready = [item for item in _PENDING if not executing(item[0])]
+        for item in ready:
+            _PENDING.remove(item)
+    for module, patch in ready:
+        patch(module)
 
 
 def wrap_once(owner, attr: str, make) -> None:
@@ -26,6 +64,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
         self._local = threading.local()
 
     def find_spec(self, name, path, target=None):
+        flush()  # (any import is a moment after which a module that was executing may have completed)
         if name not in self.names or getattr(self._local, "busy", False):
             return None
         self._local.busy = True
@@ -43,6 +82,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module):
                 real.exec_module(module)
+                spec._trainguard_returned = True  # (its code ran to the end: see executing())
                 callback(name, module)
 
         spec.loader = _Then()

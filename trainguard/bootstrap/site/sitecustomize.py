@@ -22,7 +22,9 @@ _WATCHED = ("deepspeed", "accelerate", "megatron.training")
 
 def _load_entry(name="deepspeed", module=None):  # (each entry installs itself once; later calls are no-ops)
     try:
-        import ds_plugins.auto  # noqa: F401 - installs itself (a restarted attempt's process group: any framework)
+        import ds_plugins.auto  # (installs itself at its first import: a restarted attempt's process group, any framework)
+
+        ds_plugins.auto.install()  # (again: patches what was imported since, and what had not finished its import)
 
         if name == "megatron.training":
             from megatron_hooks.lm import install_entry
