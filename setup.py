@@ -1,9 +1,12 @@
 """Distribution "trainguard": a plugin suite that keeps DeepSpeed and Megatron-core runs alive.
 
 Floors, not pins or caps: installing into a cluster environment that already has torch, DeepSpeed
-or megatron-core must not change their versions. torch is deliberately *not* a hard requirement here: an unpinned torch
-resolved from scratch pulls a multi-GB CUDA build; install your torch first (README).
+or megatron-core must not change their versions. The extras' floors are the *oldest* releases of the support
+matrix (trainguard/releases.json, read here): inside the matrix, ``pip install "trainguard[deepspeed]"`` changes
+nothing (tests/dist/test_install_dist.py checks it against DeepSpeed 0.16.9). torch is deliberately *not* a hard
+requirement: an unpinned torch resolved from scratch pulls a multi-GB CUDA build; install your torch first (README).
 """
+import json
 import os
 import re
 
@@ -15,6 +18,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _version():
     with open(os.path.join(HERE, "trainguard", "__init__.py"), encoding="utf-8") as f:
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+def _floor(distribution):
+    """The oldest supported release of a distribution in the support matrix (trainguard/releases.json)."""
+    with open(os.path.join(HERE, "trainguard", "releases.json"), encoding="utf-8") as f:
+        rows = json.load(f)["packages"]
+    lows = [row["ranges"][0][0] for key, row in rows.items() if row.get("distribution", key) == distribution]
+    return min(lows, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def _span(distribution):
+    """``>=oldest,<past the newest`` of the support matrix: the suite's releases stay inside it."""
+    with open(os.path.join(HERE, "trainguard", "releases.json"), encoding="utf-8") as f:
+        top = json.load(f)["packages"][distribution]["ranges"][-1][1]
+    major, minor = (int(x) for x in top.split(".")[:2])
+    return f"{distribution}>={_floor(distribution)},<{major}.{minor + 1}"
 
 
 def _readme():
@@ -38,13 +57,15 @@ setup(
         "numpy>=1.23",
     ],
     extras_require={
-        # floors only, at the versions the tests run (deepspeed 0.19.8; megatron-core 0.16.1, 0.17.1, 0.19.2):
-        # an install into a cluster's environment never downgrades its framework
-        "deepspeed": ["deepspeed>=0.19.8"],
-        "megatron": ["megatron-core>=0.16.1", "psutil"],
+        # floors only, at the oldest release of the support matrix: an install into a cluster's environment inside
+        # the matrix changes no version of its framework
+        "deepspeed": [f"deepspeed>={_floor('deepspeed')}"],
+        "megatron": [f"megatron-core>={_floor('megatron-core')}", "psutil"],
         "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6", "wandb>=0.17"],
-        # the zero-code entry is tested under Hugging Face's Trainer and Accelerate (tested: 5.24 / 1.15)
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", "transformers>=5,<6", "accelerate>=1.15,<2"],
+        # the suite runs the newest releases inside the support matrix (what a fresh install resolves, capped at the
+        # matrix's top: a newer release is refused at start until the matrix says otherwise); the oldest row runs in
+        # its own venv (scripts/compat.sh)
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", _span("transformers"), _span("accelerate")],
     },
     entry_points={"console_scripts": ["trainguard=trainguard.cli:main"]},
     classifiers=[

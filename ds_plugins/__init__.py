@@ -69,6 +69,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # what the block may ask for depends on whose loader feeds the engine (trainguard/support.py)
     check_supported(block, "ds_plugins" if training_data is not None else
                     "ds_plugins/framework" if _entry == "auto" else "ds_plugins/own")
+    check_releases(block, framework=_entry == "auto")
 
     # We hand DeepSpeed the dict we already parsed (unless it came through args, which DeepSpeed
     # insists on reading itself), and build the loader ourselves.
@@ -168,7 +169,34 @@ def attach(engine, block: dict | tg_config.TrainguardConfig):
 
     cfg = block if isinstance(block, tg_config.TrainguardConfig) else tg_config.parse_block(block)
     check_supported(cfg, "ds_plugins/own")  # (your loader: no sanitiser, data position or skipping)
+    check_releases(cfg, framework=False)
     return _attach(engine, cfg)
+
+
+RELEASES: dict = {"checked": {}, "untested": []}  # what check_releases found (the run_start record)
+
+
+def check_releases(block, framework: bool) -> dict:
+    """The support matrix (trainguard/releases.json), before anything is built: DeepSpeed's release, and --
+    under the zero-code entry, where they built the engine -- transformers' and Accelerate's when imported.
+    A release outside it stops the run here, naming the supported ranges and the override; a key of the
+    block that cannot run on that release is refused by name."""
+    import sys
+
+    from trainguard import releases
+    from trainguard.support import check_release
+
+    found = {"deepspeed": _deepspeed().__version__}
+    if framework:
+        for key in ("transformers", "accelerate"):
+            version = getattr(sys.modules.get(key), "__version__", None)
+            if isinstance(version, str):
+                found[key] = version
+    untested = [key for key, version in found.items() if not releases.check(key, version)]
+    for key, version in found.items():
+        check_release(block, key, version)
+    RELEASES.update(checked=found, untested=untested)
+    return RELEASES
 
 
 def alive(engine, phase: str = "eval") -> None:

@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ds_plugins import RELEASES
 from ds_plugins.loaders import UNTAGGED as _UNTAGGED
 from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import ScalerView
@@ -171,7 +172,8 @@ class EngineGuard:
                 "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
                 "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
                 "clipping": {"mode": self.cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()},
-                "untagged_loaders": list(_UNTAGGED)}
+                "untagged_loaders": list(_UNTAGGED), "releases": dict(RELEASES["checked"]),
+                "untested_releases": list(RELEASES["untested"])}
 
     def _run_facts(self, client_scheduler) -> RunFacts:
         eng = self.engine

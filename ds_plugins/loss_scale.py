@@ -4,7 +4,8 @@ Two shapes exist in DeepSpeed 0.19: ZeRO 1-3 keep a ``DynamicLossScaler`` in
 ``optimizer.loss_scaler`` (``cur_scale``, ``min_scale``, ``cur_hysteresis``; it *raises* "Current
 loss scale already at minimum" on an overflow at the floor), and ZeRO-0's ``FP16_Optimizer`` keeps
 ``optimizer.loss_scale_config`` (``cur_scale``, ``min_loss_scale``; it clamps at the floor and
-skips forever). Every value here is a host float: reading it costs no device sync.
+skips forever; DeepSpeed 0.16-0.17's ``FP16_Optimizer``/``FP16_UnfusedOptimizer`` keep those fields on
+themselves). Every value here is a host float: reading it costs no device sync.
 
 A checkpoint load replaces the ZeRO scaler object with the pickled one, so :meth:`arm` must run
 again after every load (the adapter does).
@@ -21,7 +22,8 @@ class ScalerView:
 
     def _scaler(self):
         opt = self.engine.optimizer
-        for obj in (getattr(opt, "loss_scaler", None), getattr(opt, "loss_scale_config", None)):
+        # (DeepSpeed 0.16-0.17's ZeRO-0 fp16 optimizers keep the same fields on themselves: the last candidate)
+        for obj in (getattr(opt, "loss_scaler", None), getattr(opt, "loss_scale_config", None), opt):
             if obj is not None and (getattr(obj, "dynamic", False) or getattr(obj, "dynamic_loss_scale", False)):
                 return obj
         return None

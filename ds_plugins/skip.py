@@ -63,13 +63,25 @@ def _zero_1_2(opt) -> Iterator[None]:
     def check_overflow(partition_gradients=True):
         opt.overflow = True
 
-    with _patched(opt, "check_overflow", check_overflow), _patched(opt, "check_grad_overflow", True):
-        yield
+    # DeepSpeed 0.19 clears the flag, then checks (check_grad_overflow, any dtype); 0.16-0.17 check only under
+    # fp16, and their bf16/fp32 step reads the flag as it stands -- so it is set here too, and put back after
+    # (nothing clears it there: left set, every later step would skip)
+    before, opt.overflow = opt.overflow, True
+    try:
+        with _patched(opt, "check_overflow", check_overflow), _patched(opt, "check_grad_overflow", True):
+            yield
+    finally:
+        opt.overflow = before
 
 
 @strategy("DeepSpeedZeroOptimizer_Stage3")
 @contextlib.contextmanager
 def _zero_3(opt) -> Iterator[None]:
+    if not hasattr(opt, "_loss_scale_update_and_overflow_cleanup"):  # DeepSpeed 0.16-0.17: as ZeRO 1-2 there
+        with _zero_1_2(opt):
+            yield
+        return
+
     def overflow_check_and_loss_scale_update(update_scale=True):
         opt.overflow = True
         if not update_scale:
@@ -89,13 +101,21 @@ def _bf16(opt) -> Iterator[None]:
         opt.clear_hp_grads()
         opt.clear_lp_grads()
 
-    with _patched(opt, "step", step):
+    # (the engine reads the flag when the attribute exists; DeepSpeed 0.16's BF16_Optimizer has none, and one
+    # left behind would count every later step as skipped)
+    with _patched(opt, "step", step), _patched(opt, "overflow", True):
         yield
 
 
 @strategy("FP16_Optimizer", "FP16_UnfusedOptimizer")  # ZeRO 0, fp16 (and bf16 with a non-fused torch optimizer)
 @contextlib.contextmanager
 def _fp16(opt) -> Iterator[None]:
+    if not hasattr(opt, "_skip_invalid_grad_norm"):  # DeepSpeed 0.16-0.17: its overflow check says yes
+        checker = opt.overflow_checker
+        with _patched(checker, "has_overflow", lambda *a, **k: True), _patched(checker, "check", lambda *a, **k: True):
+            yield
+        return
+
     def step(closure=None):
         return opt._skip_invalid_grad_norm()
 

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import config as tg_config
+from trainguard import releases
 from trainguard.checks import RunFacts, bf16_supported
 from trainguard.driver import zero_adam_moments
 from trainguard.errors import FallbackUnavailable
@@ -142,6 +143,9 @@ class MegatronGuard:
 
         s.begin(coords, {
             "framework": "megatron-core", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
+            "releases": {"megatron-core": megatron.core.__version__},
+            "untested_releases": [] if releases.supported("megatron-core", megatron.core.__version__)
+            else ["megatron-core"],
             "parallel": {"tp": ps.get_tensor_model_parallel_world_size(),
                          "pp": ps.get_pipeline_model_parallel_world_size(),
                          "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()},
@@ -400,6 +404,9 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = tg_config.block_of(config, "megatron_hooks.install")
     check_supported(cfg, "megatron_hooks")  # a key set here that megatron cannot honour: refused, by name
+    from trainguard.support import check_release
+
+    check_release(cfg, "megatron-core", megatron.core.__version__)  # (a key this release cannot run: refused)
     if replayer is None:
         asked = [k for k in ("replay_check", "narrow_samples") if k in cfg.recovery.model_fields_set
                  and getattr(cfg.recovery, k)]

@@ -4,7 +4,8 @@
 # its extras, then run what was asked.
 #
 #   bash scripts/setup.sh demo [trainguard demo args...]   # the 2-rank demo
-#   bash scripts/setup.sh test [pytest args...]            # the whole test suite (what CI runs)
+#   bash scripts/setup.sh test [pytest args...]            # the whole test suite (what CI runs), then -- with no
+#                                                          # args -- the support matrix's oldest row (compat.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-test}"; shift || true
@@ -20,6 +21,12 @@ stamp="$VENV/.trainguard-installed"
 want="$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)-$what"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q "torch==2.13.0"
+  # the newest releases a fresh install resolves *inside* the support matrix (trainguard/releases.json): a newer
+  # one would be refused at start until the matrix says otherwise
+  PYTHONPATH=. python -c "from trainguard.releases import constraints; print(constraints(), end='')" > "$VENV/constraints.txt"
+  # (PIP_CONSTRAINT replaces a constraint file pip's configuration names: that one is kept too)
+  config_constraint="$(python -m pip config get global.constraint 2>/dev/null || true)"
+  export PIP_CONSTRAINT="$(cd "$VENV" && pwd)/constraints.txt${config_constraint:+ $config_constraint}${PIP_CONSTRAINT:+ $PIP_CONSTRAINT}"
   if [ "$what" = "test" ]; then
     # the tests cover both adapters and Megatron-LM's loop on two releases (PLATFORM.md): megatron-core
     # 0.19.2 installed (the newest; its cp311 wheel holds megatron.training and asks for Python 3.12 but
@@ -28,6 +35,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # megatron.training, for Megatron-LM core_v0.17.1) and 0.16.1 (the newest whose metadata allows 3.11),
     # each put first on the workers' PYTHONPATH by the tests that run them
     python -m pip install -q -e ".[deepspeed,monitor,test,megatron]"
+    python -m pip install -q "trl>=1.16,<1.17"  # (TRL's SFTTrainer: one of the zero-code entry's import shapes)
     python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" "triton==3.9.0"
     python -m pip install -q --no-deps --upgrade --ignore-requires-python --target "$VENV/megatron-core-0.17.1" "megatron-core==0.17.1"
     python -m pip install -q --no-deps --upgrade --target "$VENV/megatron-core-0.16.1" "megatron-core==0.16.1"
@@ -48,6 +56,12 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 case "$what" in
   demo) exec trainguard demo "$@" ;;
-  test) bash scripts/get_promtool.sh; bash scripts/get_slurm.sh; exec python -m pytest -q tests "$@" ;;
+  test)
+    bash scripts/get_promtool.sh; bash scripts/get_slurm.sh
+    python -m pytest -q tests "$@"
+    if [ $# -eq 0 ]; then  # the whole suite ran (the newest releases): now the oldest row, in its own venv
+      deactivate
+      bash scripts/compat.sh oldest
+    fi ;;
   *) echo "usage: bash scripts/setup.sh demo|test [args...]" >&2; exit 2 ;;
 esac

@@ -14,6 +14,8 @@
                                    run your launch command (torchrun, deepspeed, accelerate launch,
                                    python) with the zero-code entry: every deepspeed.initialize of the
                                    job whose config has an enabled block gets the full guard
+    trainguard versions [--constraints]
+                                   the support matrix beside what is installed here (exit 1: outside it)
     trainguard report LOG [--out DIR]
                                    PNG plots from a JSONL log (loss and events, gradient norm,
                                    loss scale and skipped steps, attention-entropy heatmap)
@@ -152,6 +154,30 @@ def _run(args) -> int:
         return 127
 
 
+def _versions(args) -> int:
+    """The support matrix beside what is installed here: exit 0 when every installed framework is inside it."""
+    from trainguard import releases
+
+    if args.constraints:
+        print(releases.constraints(), end="")
+        return 0
+    outside = 0
+    print(f"trainguard {__version__}: the support matrix (trainguard/releases.json, measured "
+          f"{releases._matrix()['measured']}) and this environment")
+    for key, version in releases.installed().items():
+        p = releases.package(key)
+        if version is None:
+            verdict = "not installed"
+        elif releases.supported(key, version):
+            verdict = "supported"
+        else:
+            outside += 1
+            why = p.outside.get(releases.series(version))
+            verdict = f"OUTSIDE the matrix{': ' + why if why else ''} (refused at start; {releases.OVERRIDE}={key} runs it untested)"
+        print(f"  {p.name}: supported {releases.describe(key)}; installed {version or '-'}: {verdict}")
+    return 1 if outside else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="trainguard", description="Keep DeepSpeed and Megatron runs alive.")
     ap.add_argument("--version", action="version", version=f"trainguard {__version__}")
@@ -173,6 +199,11 @@ def main(argv=None) -> int:
     dr.add_argument("--steps", type=int, default=1000, help="drill length (the fault schedule scales with it)")
     dr.add_argument("--out", default="trainguard-drill", help="where logs, checkpoints and drill.json go")
     dr.set_defaults(func=_drill)
+
+    vs = sub.add_parser("versions", help="the support matrix (DeepSpeed, transformers, Accelerate, megatron-core) "
+                        "beside what this environment has installed; exit 1 when something is outside it")
+    vs.add_argument("--constraints", action="store_true", help="print pip constraints that keep an install inside it")
+    vs.set_defaults(func=_versions)
 
     rn = sub.add_parser("run", help="run a launch command with the zero-code entry (trainguard run -- torchrun ...)")
     rn.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")

@@ -138,3 +138,16 @@ def check_supported(cfg, adapter: str) -> None:
         problems.append((f"trainguard.{key}", f"{value!r} is not applied by {adapter} ({r.reason})"))
     if problems:
         raise ConfigError(problems)
+
+
+def check_release(cfg, package: str, version: str) -> None:
+    """Raise ConfigError naming every key the user set that cannot run on this release of ``package`` (the
+    support matrix's per-series refusals, trainguard/releases.json), and why."""
+    from trainguard import releases
+
+    refused = releases.refused_keys(package, version)
+    problems = [(f"trainguard.{key}", f"{value!r} cannot run on {releases.package(package).name} {version} ({why})")
+                for key, value in _set_values(cfg) for path, why in refused.items()
+                if key == path or (path.endswith(".") and key.startswith(path))]
+    if problems:
+        raise ConfigError(problems)

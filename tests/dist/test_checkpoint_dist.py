@@ -31,7 +31,7 @@ def ckpt_block(d, **kw):
 # (ZeRO-1 passed here too and is left out for the suite's time: its optimizer is ZeRO-2's class)
 @pytest.mark.parametrize("stage, async_save", [
     # (ZeRO-0: its module-only checkpoint is resumed exactly by the SIGKILL and elastic tests too -- long, 30 s)
-    pytest.param(0, False, marks=pytest.mark.long), (3, False), (2, True)])
+    pytest.param(0, False, marks=pytest.mark.long), (3, False), pytest.param(2, True, marks=pytest.mark.smoke("resume"))])
 def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
     """2N steps straight == N steps, save, (4 more steps then 'crash'), new processes, resume, N more:
     identical parameters and losses; the resume checks itself against the recorded trajectory. With

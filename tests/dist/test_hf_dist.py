@@ -72,8 +72,8 @@ def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(t
         assert r["global_step"] == 10
 
 
-SHAPES = ("trainer_first", "transformers_attribute", "training_arguments_first", "accelerate_first", "deepspeed_first",
-          "trl")  # (tests/support/hf_shapes.py)
+SHAPES = (pytest.param("trainer_first", marks=pytest.mark.smoke("zero-code HF Trainer")), "transformers_attribute",
+          "training_arguments_first", "accelerate_first", "deepspeed_first", "trl")  # (tests/support/hf_shapes.py)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

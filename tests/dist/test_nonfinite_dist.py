@@ -82,6 +82,7 @@ def test_fp16_nan_skipped_with_cpu_switch(tmp_path, torchrun, stage):
     assert all(m["loss_scale_min"] is not None and 0 < m["loss_scale_min"] < m["loss_scale"] for m in run.metrics)
 
 
+@pytest.mark.smoke("skip")
 def test_acceptance_nan_loss_rank1_step20(tmp_path, torchrun):
     """The issue's 'done when': nan_loss on rank 1 at step 20 -> one event naming rank 1, step 20
     and that batch's sample ids; skipped_steps equal on both ranks; final weights finite."""

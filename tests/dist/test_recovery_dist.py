@@ -19,6 +19,7 @@ def events(run, name):
     return [e for e in run.events if e["event"] == name]
 
 
+@pytest.mark.smoke("rollback")
 def test_nonfinite_ladder_rolls_back_and_never_replays_a_quarantined_sample(tmp_path, torchrun):
     faults = [{"type": "nan_loss", "step": s, "rank": 1} for s in (22, 24, 26)]
     # the ladder as written (replay_check off: by default a replay would find the weights healthy and skip)

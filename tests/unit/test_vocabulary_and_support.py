@@ -275,20 +275,20 @@ def test_an_optimizer_without_a_skip_path_is_refused_by_name():
 
 
 def test_megatron_releases_outside_the_tested_range_are_refused_by_version(monkeypatch):
-    """The adapter and Megatron-LM's loop run only on the megatron-core releases the suite runs
+    """The adapter and Megatron-LM's loop run only on the megatron-core releases of the support matrix
     (0.16.1-0.19.x; Megatron-LM's loop from 0.17.1); outside, the error names the version, the range
-    and the way out."""
-    pytest.importorskip("megatron.core")
+    and the way out (the older switch still works)."""
     from megatron_hooks import versions
     from trainguard.errors import UnsupportedSetup
 
-    monkeypatch.delenv(versions.ESCAPE, raising=False)
+    monkeypatch.delenv("TRAINGUARD_ALLOW_UNTESTED", raising=False)
+    monkeypatch.delenv("TRAINGUARD_ALLOW_UNTESTED_MEGATRON", raising=False)
     for ok in ("0.16.1", "0.17.1", "0.19.2", "0.19.2+130ec38", "0.19.5"):
-        versions.check(ok)
+        assert versions.check(ok)
     versions.check("0.19.0rc1", "Megatron-LM")
-    for old, what in (("0.16.0", "megatron-core"), ("0.16.1", "Megatron-LM"), ("0.20.0", "megatron-core"),
-                      ("1.0.0", "Megatron-LM")):
-        with pytest.raises(UnsupportedSetup, match=rf"this is megatron-core {old}.*{versions.ESCAPE}=1"):
+    for old, what, key in (("0.16.0", "megatron-core", "megatron-core"), ("0.16.1", "Megatron-LM", "megatron-lm"),
+                           ("0.20.0", "megatron-core", "megatron-core"), ("1.0.0", "Megatron-LM", "megatron-lm")):
+        with pytest.raises(UnsupportedSetup, match=rf"this is megatron-core {old}.*TRAINGUARD_ALLOW_UNTESTED={key}"):
             versions.check(old, what)
-    monkeypatch.setenv(versions.ESCAPE, "1")
-    versions.check("0.20.0")
+    monkeypatch.setenv("TRAINGUARD_ALLOW_UNTESTED_MEGATRON", "1")
+    assert versions.check("0.20.0") is False
