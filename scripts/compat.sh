@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 DIR="${TRAINGUARD_COMPAT_DIR:-.venv-compat}"
 mkdir -p "$DIR"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"
+DIR="$(cd "$DIR" && pwd)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 rows() {  # "name deepspeed transformers accelerate", one row a line
@@ -43,7 +43,8 @@ while read -r name ds tf acc; do
   echo "== compat.sh: row $name: the smoke (pytest -m smoke)"
   report="$DIR/$name.smoke.json"
   rm -f "$report"
-  TRAINGUARD_SMOKE_REPORT="$PWD/$report" "$venv/bin/python" -m pytest -q -p no:cacheprovider -m smoke tests/dist \
+  # (its own cache of DeepSpeed's CPU op: two environments sharing one rebuild it each time the other used it)
+  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" TRAINGUARD_SMOKE_REPORT="$report" "$venv/bin/python" -m pytest -q -p no:cacheprovider -m smoke tests/dist \
     || status=1
 done <<< "$selected"
 

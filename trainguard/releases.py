@@ -144,7 +144,10 @@ def table() -> str:
     """The matrix as the README's Markdown table (tests/unit/test_releases.py holds the README to it)."""
     lines = ["| | supported | tested | outside the span, and why |", "|---|---|---|---|"]
     for key, p in packages().items():
-        outside = "; ".join(f"{s}.x: {why}" for s, why in p.outside.items()) or "-"
+        grouped: dict[str, list[str]] = {}
+        for s, why in p.outside.items():
+            grouped.setdefault(why, []).append(f"{s}.x")
+        outside = "; ".join(f"{', '.join(names)}: {why}" for why, names in grouped.items()) or "-"
         lines.append(f"| {p.name} | {describe(key)} | {', '.join(p.tested)} | {outside} |")
     return "\n".join(lines) + "\n"
 

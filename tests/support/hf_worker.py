@@ -38,6 +38,15 @@ class Embeddings(torch.utils.data.Dataset):
         return {"inputs_embeds": self.x[i], "labels": self.y[i]}
 
 
+def _data_seed(seed: int) -> dict:
+    """``data_seed`` where transformers can pass it on (it refuses it below Accelerate 1.1, which the support matrix
+    leaves out anyway: seeded by ``seed`` there)."""
+    from importlib.metadata import version
+
+    major, minor = (int(x) for x in version("accelerate").split(".")[:2])
+    return {"data_seed": seed} if (major, minor) >= (1, 1) else {}
+
+
 def main(argv=None, make_trainer=None) -> int:
     """``make_trainer(model, targs, dataset, callbacks)``: the trainer to run (default: HF's ``Trainer``;
     tests/support/hf_shapes.py passes TRL's ``SFTTrainer``)."""
@@ -63,7 +72,7 @@ def main(argv=None, make_trainer=None) -> int:
     targs = TrainingArguments(
         output_dir=str(out / "hf"), per_device_train_batch_size=4, max_steps=args.steps, learning_rate=3e-3,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        deepspeed=args.config, use_cpu=True, bf16=args.bf16, report_to=[], seed=1, data_seed=1,
+        deepspeed=args.config, use_cpu=True, bf16=args.bf16, report_to=[], seed=1, **_data_seed(1),
         dataloader_num_workers=0, disable_tqdm=True, warmup_steps=2)
 
     losses = []

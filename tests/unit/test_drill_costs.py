@@ -60,3 +60,15 @@ def test_the_tiers_cost_in_the_step_times():
     per_snapshot, share = tier_cost(times, snaps, disk_every=50)
     assert abs(per_snapshot - 0.008) < 1e-6 and 0.03 < share < 0.04  # 8 ms each (the steps after 50 are the disk's)
     assert tier_cost(times, [], 50) is None
+
+
+def test_the_demo_summary_shows_a_run_that_died_instead_of_crashing():
+    """Issue 33: with fp16 and a high LR, plain DeepSpeed dies ("Current loss scale already at minimum") and its
+    result has no counters; the demo's summary crashed on it (KeyError 'skipped_steps') -- the one outcome the
+    demo exists to show."""
+    from trainguard.demo.run import summarise
+
+    died = {"rank": 0, "plain": True, "losses": [], "aborted": None, "global_steps": 75,
+            "died": "Exception: Current loss scale already at minimum - cannot decrease scale anymore."}
+    s = summarise([died, dict(died, rank=1)])
+    assert s == {"completed": False, "steps": 75, "died": died["died"]}

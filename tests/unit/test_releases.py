@@ -31,7 +31,7 @@ def test_the_extras_floors_are_the_oldest_supported_releases():
 @pytest.mark.parametrize("key, inside, outside", [
     ("deepspeed", ["0.16.9", "0.17.6", "0.17.9", "0.19.8", "0.19.10"], ["0.16.8", "0.17.5", "0.18.9", "0.20.0", "0.15.4"]),
     ("transformers", ["4.57.6", "5.24.0", "5.25.0", "5.25.1.dev0"], ["4.56.2", "5.0.0", "5.26.0", "6.0.0"]),
-    ("accelerate", ["1.0.0", "1.10.1", "1.16.0"], ["0.34.2", "1.17.0", "2.0.0"]),
+    ("accelerate", ["1.3.0", "1.10.1", "1.16.0"], ["0.34.2", "1.0.0", "1.2.0", "1.17.0", "2.0.0"]),
     ("megatron-core", ["0.16.1", "0.19.2+130ec38"], ["0.16.0", "0.20.0"]),
 ])
 def test_a_release_outside_is_refused_with_the_range_and_the_override(monkeypatch, key, inside, outside):
@@ -48,6 +48,8 @@ def test_a_release_outside_is_refused_with_the_range_and_the_override(monkeypatc
 def test_a_series_known_not_to_run_says_why():
     with pytest.raises(UnsupportedSetup, match=r"deepspeed 0\.18\.9: does not run on torch 2\.13"):
         releases.check("deepspeed", "0.18.9")
+    with pytest.raises(UnsupportedSetup, match=r"accelerate 1\.0\.0: transformers 4\.57's Trainer calls"):
+        releases.check("accelerate", "1.0.0")
 
 
 def test_deepspeed_refuses_at_initialize_before_anything_is_built(monkeypatch):

@@ -216,6 +216,9 @@ def summarise(results: list[dict | None]) -> dict:
     ok = [r for r in results if r]
     if not ok:
         return {"completed": False}
+    died = next((r["died"] for r in ok if r.get("died")), None)
+    if died is not None:  # (a run that stopped -- plain DeepSpeed at its minimum loss scale: what the demo is for)
+        return {"completed": False, "steps": ok[0].get("global_steps"), "died": died}
     return {
         "completed": len(ok) == len(results) and not any(r["aborted"] for r in ok),
         "steps": ok[0]["global_steps"],
@@ -256,6 +259,8 @@ def demo(config: str | os.PathLike | None, steps: int, out: str | os.PathLike, e
                        ("held-out loss (final)", "eval_loss")]:
         print(f"{label:<26}{fmt(g.get(key)):<22}{fmt(p.get(key)):<22}", file=stream)
     print(f"{'culprit rank and samples':<26}{'named in the log':<22}{'not reported':<22}", file=stream)
+    if p.get("died"):
+        print(f"\nplain DeepSpeed stopped at step {p.get('steps')}: {p['died']}", file=stream)
     if any(r.get("fault") == "bad_label" for r in fault_table(events)):
         print("\nbad_label is a loader fault: DeepSpeed's own loader has no injection point, so the plain run "
               "did not get it.\nUnsanitised, an out-of-range label crashes cross-entropy (tests/dist/"
