@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainguard import __version__
+from trainguard import __version__, releases
 from trainguard.checkpoint import rng
 from ds_plugins.engines import _Capture, _Hashing
 from trainguard.checkpoint.commit import commit_staged
@@ -34,6 +34,7 @@ from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.manager import world as _world
 from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
 from trainguard.checkpoint.verified_io import load_weights, verified_reads
+from trainguard.errors import UnsupportedSetup
 from trainguard.events import Record
 from trainguard.guard import config_hash
 from trainguard.isolation import broadcast_from_rank0 as _broadcast
@@ -235,6 +236,14 @@ class DeepSpeedCheckpointer(CheckpointManager):
         eng = self.engine
         saved_dp = int(man.layout.get("dp", eng.dp_world_size))
         universal = saved_dp != eng.dp_world_size
+        if universal:  # (refused by name on a release whose conversion loads wrong state: the support matrix)
+            import deepspeed
+
+            why = releases.feature_refusal("deepspeed", deepspeed.__version__, "reshard")
+            if why is not None:
+                raise UnsupportedSetup(
+                    f"trainguard will not resume {root / tag} (saved at data-parallel size {saved_dp}) at size "
+                    f"{eng.dp_world_size} on DeepSpeed {deepspeed.__version__}: {why}. Nothing was loaded or moved.")
         load_root, files = (self._universal(root, tag, man) if universal else (root, reader))
         previous = eng._config.load_universal_checkpoint
         eng._config.load_universal_checkpoint = universal or previous

@@ -52,7 +52,7 @@ done <<< "$selected"
 import datetime, json, os, sys
 folder, names = sys.argv[1], sys.argv[2:]
 rows = {r["row"]: r for r in json.load(open("trainguard/releases.json"))["rows"]}
-features = ["skip", "rollback", "resume", "zero-code HF Trainer", "install"]
+features = ["skip", "rollback", "resume", "reshard", "zero-code HF Trainer", "install"]
 print(f"\nsupport matrix smoke, {datetime.date.today()} (Python {sys.version.split()[0]}, torch 2.13.0, 2 CPU ranks, gloo)\n")
 print("| row | DeepSpeed | transformers | Accelerate | " + " | ".join(features) + " |")
 print("|---|---|---|---|" + "---|" * len(features))

@@ -24,7 +24,7 @@ from pathlib import Path
 from trainguard.errors import UnsupportedSetup
 
 __all__ = ["Package", "package", "packages", "parse", "supported", "check", "describe", "floor", "cap",
-           "constraints", "table", "refused_keys", "OVERRIDE"]
+           "constraints", "table", "refused_keys", "feature_refusal", "OVERRIDE"]
 
 FILE = Path(__file__).with_name("releases.json")
 OVERRIDE = "TRAINGUARD_ALLOW_UNTESTED"
@@ -41,6 +41,7 @@ class Package:
     tested: tuple       # the releases the suite and scripts/compat.sh run
     outside: dict       # series ("0.18") -> why it is not supported
     refused: dict       # series -> {block key: why it cannot run there}
+    features: dict      # series -> {capability ("reshard"): why it is refused there when needed}
 
 
 @lru_cache(maxsize=None)
@@ -56,7 +57,8 @@ def packages() -> dict[str, Package]:
 def package(key: str) -> Package:
     raw = _matrix()["packages"][key]
     return Package(key, raw["name"], raw.get("distribution", key), tuple(tuple(r) for r in raw["ranges"]),
-                   tuple(raw["tested"]), dict(raw.get("outside", {})), dict(raw.get("refused", {})))
+                   tuple(raw["tested"]), dict(raw.get("outside", {})), dict(raw.get("refused", {})),
+                   dict(raw.get("features", {})))
 
 
 def parse(version: str) -> tuple[int, int, int]:
@@ -150,6 +152,12 @@ def table() -> str:
         outside = "; ".join(f"{', '.join(names)}: {why}" for why, names in grouped.items()) or "-"
         lines.append(f"| {p.name} | {describe(key)} | {', '.join(p.tested)} | {outside} |")
     return "\n".join(lines) + "\n"
+
+
+def feature_refusal(key: str, version: str, feature: str) -> str | None:
+    """Why ``feature`` (e.g. "reshard": a resume at another data-parallel size) cannot run on this release
+    (None: it can). The adapter refuses it by name when the run needs it, before touching any state."""
+    return package(key).features.get(series(version), {}).get(feature)
 
 
 def refused_keys(key: str, version: str) -> dict[str, str]:

@@ -255,7 +255,8 @@ def sigkill_trials(tmp_path, async_save: bool, trials: int, min_in_flight: int) 
     assert [e["detail"]["fell_back_past"] for e in events if e.get("event") == "resume"] == [[]]
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.long)])  # (1->2: long, 25 s)
+@pytest.mark.parametrize("before, after", [pytest.param(2, 1, marks=pytest.mark.smoke("reshard")),
+                                           pytest.param(1, 2, marks=pytest.mark.long)])  # (1->2: long, 25 s)
 def test_resume_at_another_data_parallel_size(tmp_path, before, after):
     """Through DeepSpeed universal checkpoints (converted on demand): the run goes on at the new
     size with the same full fp32 master parameters and Adam moments as the source run saved, and the
@@ -270,6 +271,17 @@ def test_resume_at_another_data_parallel_size(tmp_path, before, after):
     rc, first = run_worker(cfg, tmp_path / "first", N, nproc=before, timeout=240, extra=["--state-digest"])
     assert rc == 0
     rc, second = run_worker(cfg, tmp_path / "second", N + 4, nproc=after, timeout=240, extra=["--state-digest"])
+    import deepspeed
+
+    from trainguard import releases
+
+    if releases.feature_refusal("deepspeed", deepspeed.__version__, "reshard"):
+        # DeepSpeed 0.16-0.17 load an Adam moment into the fp32 master weights (issue 32: seen on both, this test
+        # without the refusal): the resume is refused by name, before anything is loaded, the checkpoint kept
+        log = (tmp_path / "second" / "torchrun.log").read_text()
+        assert rc != 0 and "trainguard will not resume" in log and "Adam moment into the fp32 master" in log
+        assert (d / "step00000008" / "manifest.json").is_file()
+        return
     assert rc == 0, (tmp_path / "second" / "torchrun.log").read_text()[-3000:]
     # the state the source run saved at step N (its end) is the state the new size starts from, exactly
     saved = first[0]["state_at_end"]

@@ -244,11 +244,14 @@ def test_accelerate_names_the_bad_sample_of_a_tuple_batch_however_the_config_is_
     (start,) = [x for x in lines if x.get("event") == "run_start"]
     assert start["detail"]["untagged_loaders"] == []
     bad = [x for x in lines if x.get("event") == "nonfinite"]
-    assert bad and [x["step"] for x in bad] == results[0]["bad_batch_at"]
+    # (Accelerate 1.16 on CPU does not shard this loader -- both ranks read sample 37 at the same steps; 1.3, the
+    # support matrix's oldest, does: each rank names it when its own batch held it. Each rank records where.)
+    held = {r["rank"]: r["bad_batch_at"] for r in results}
+    assert bad and [x["step"] for x in bad] == sorted(set(held[0]) | set(held[1]))
     for e in bad:
-        assert e["action"] == "skip_step" and e["ranks"] == [0, 1]
-        for r in ("0", "1"):
-            mine = e["detail"]["per_rank"][r]
+        assert e["action"] == "skip_step" and e["ranks"] == [r for r in (0, 1) if e["step"] in held[r]]
+        for r in e["ranks"]:
+            mine = e["detail"]["per_rank"][str(r)]
             assert mine["sample_ids"] == [37] and 37 in mine["batch_sample_ids"] and len(mine["batch_sample_ids"]) == 8
     assert not [x for x in lines if x.get("event") == "rollback"]
     assert all(r["engine_class"] == "TrainguardDeepSpeedEngine" and r["weights_finite"] for r in results)
