@@ -379,7 +379,8 @@ class RecoveryConfig(_Section):
     floor_factor: float = Field(16.0, gt=1, description="raise_floor rung: the min loss scale (DeepSpeed's, or "
                                 "megatron's DynamicGradScaler's) x this.")
     suspect_after: int = Field(3, ge=2, description="Raise suspect_rank when one rank is the culprit this many times "
-                               "on different data.")
+                               "on different data, each on a step where another rank was healthy (a failure every "
+                               "rank shares names no host).")
 
     @field_validator("ladders")
     @classmethod

@@ -116,7 +116,7 @@ class StepGuard:
         self.last_metrics: dict = {}            # the last metric line (for checkpoint health)
         self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
         self.culprit_samples: dict[int, list[int]] = {}
-        self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self.coords_of)
+        self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self.coords_of, world)
         self._everyone: list[dict] | None = None  # the last anomaly step's object gather
         self._probe_values: dict = {}
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm

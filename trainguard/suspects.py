@@ -13,16 +13,24 @@ ADVICE = ("the same rank produced anomalies on different data: suspect its GPU o
 
 
 class SuspectWatch:
-    def __init__(self, suspect_after: int, rank: int, jsonl: str | None, coords_of: Callable[[int], dict]):
+    def __init__(self, suspect_after: int, rank: int, jsonl: str | None, coords_of: Callable[[int], dict],
+                 world: int = 0):
         self.suspect_after = suspect_after
         self.rank = rank
+        self.world = world
         self.jsonl = jsonl
         self.coords_of = coords_of
         self.seen: dict[int, list] = {}    # rank -> [(step, sample ids)] it was the culprit
         self.suspected: set[int] = set()
 
     def observe(self, step: int, culprits: dict[int, list[int]], emit) -> None:
-        """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit."""
+        """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit.
+
+        A step on which every rank was a culprit is no evidence against any one of them: a numerics failure they
+        all share (an LR too high, an fp16 scale collapsing on every rank) -- counted, it named every rank suspect
+        and sent every host to suspect_hosts.json, which a launcher excludes and drains (issue 33)."""
+        if self.world > 1 and len(culprits) >= self.world:
+            return
         for r, ids in culprits.items():
             seen = self.seen.setdefault(r, [])
             if not any(set(ids) == set(prev) for _, prev in seen):

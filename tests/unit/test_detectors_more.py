@@ -294,3 +294,19 @@ def test_straggler_detector_names_a_slow_rank_once_and_ignores_noise():
     for step in range(261, 300):  # it recovers: the episode ends, a later one is reported again
         found += det.observe(step, obs([0.1] * 4))
     assert det.persisting(299) == [] and len(found) == 1
+
+
+def test_a_failure_every_rank_shares_names_no_suspect():
+    """Issue 33: fp16 with a high LR collapsed the loss scale on both ranks; each step named both ranks culprits,
+    and after three both were ``suspect_rank`` with their hosts in suspect_hosts.json -- healthy nodes a Slurm
+    requeue would drain. A rank counts only on a step where another rank was healthy."""
+    from trainguard.suspects import SuspectWatch
+
+    records = []
+    watch = SuspectWatch(3, rank=1, jsonl=None, coords_of=lambda r: {"rank": r, "host": f"h{r}"}, world=2)
+    for step in (10, 11, 12, 13):  # every rank, different data each time
+        watch.observe(step, {0: [step], 1: [step + 100]}, lambda *a: records.append(a))
+    assert records == [] and watch.suspected == set()
+    for step in (20, 21, 22):  # rank 1 alone, on different data: its hardware
+        watch.observe(step, {1: [step]}, lambda *a: records.append(a))
+    assert watch.suspected == {1} and [r[2] for r in records] == [[1]]
