@@ -50,7 +50,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["trainguard", "trainguard.*", "ds_plugins", "ds_plugins.*",
                                     "megatron_hooks", "megatron_hooks.*"]),
-    package_data={"trainguard": ["demo/*.json", "drill/*.json"]},
+    package_data={"trainguard": ["demo/*.json", "drill/*.json", "releases.json"]},
     install_requires=[
         # torch is required at run time but not declared: see the module docstring.
         "pydantic>=2.5,<3",

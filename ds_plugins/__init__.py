@@ -178,7 +178,8 @@ RELEASES: dict = {"checked": {}, "untested": []}  # what check_releases found (t
 
 def check_releases(block, framework: bool) -> dict:
     """The support matrix (trainguard/releases.json), before anything is built: DeepSpeed's release, and --
-    under the zero-code entry, where they built the engine -- transformers' and Accelerate's when imported.
+    under the zero-code entry, when they are the ones building the engine (on the call stack) -- transformers' and
+    Accelerate's.
     A release outside it stops the run here, naming the supported ranges and the override; a key of the
     block that cannot run on that release is refused by name."""
     import sys
@@ -187,10 +188,15 @@ def check_releases(block, framework: bool) -> dict:
     from trainguard.support import check_release
 
     found = {"deepspeed": _deepspeed().__version__}
-    if framework:
+    if framework:  # (the frameworks on the call stack: a loop of yours that imports transformers for a model is yours)
+        callers = set()
+        frame = sys._getframe(1)
+        while frame is not None:
+            callers.add(str(frame.f_globals.get("__name__", "")).split(".")[0])
+            frame = frame.f_back
         for key in ("transformers", "accelerate"):
             version = getattr(sys.modules.get(key), "__version__", None)
-            if isinstance(version, str):
+            if key in callers and isinstance(version, str):
                 found[key] = version
     untested = [key for key, version in found.items() if not releases.check(key, version)]
     for key, version in found.items():

@@ -16,9 +16,9 @@ VENV="${TRAINGUARD_VENV:-.venv}"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
-# Reinstall only when the requirements changed (setup.py, this script).
+# Reinstall only when the requirements changed (setup.py, this script, the support matrix).
 stamp="$VENV/.trainguard-installed"
-want="$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)-$what"
+want="$(cat setup.py scripts/setup.sh trainguard/releases.json | sha256sum | cut -c1-16)-$what"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q "torch==2.13.0"
   # the newest releases a fresh install resolves *inside* the support matrix (trainguard/releases.json): a newer

@@ -26,11 +26,14 @@ class SuspectWatch:
     def observe(self, step: int, culprits: dict[int, list[int]], emit) -> None:
         """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit.
 
-        A step on which every rank was a culprit is no evidence against any one of them: a numerics failure they
+        A step on which every data-parallel replica held a culprit is no evidence against any one of them: a numerics failure they
         all share (an LR too high, an fp16 scale collapsing on every rank) -- counted, it named every rank suspect
         and sent every host to suspect_hosts.json, which a launcher excludes and drains (issue 33)."""
-        if self.world > 1 and len(culprits) >= self.world:
-            return
+        if self.world > 1 and culprits:
+            # (by data-parallel replica: under tensor/pipeline parallelism one origin per model-parallel group is named)
+            replicas = {self.coords_of(r).get("dp", r) for r in range(self.world)}
+            if len(replicas) > 1 and {self.coords_of(r).get("dp", r) for r in culprits} >= replicas:
+                return
         for r, ids in culprits.items():
             seen = self.seen.setdefault(r, [])
             if not any(set(ids) == set(prev) for _, prev in seen):

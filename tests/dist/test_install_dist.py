@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.dist, pytest.mark.smoke("install")]
+pytestmark = [pytest.mark.dist]
 
 
 def installed(name):
@@ -24,6 +24,7 @@ def installed(name):
         return None
 
 
+@pytest.mark.smoke("install")
 def test_installing_the_extras_changes_no_installed_version(tmp_path):
     extras = ["deepspeed"] + (["megatron"] if installed("megatron-core") else [])
     report = tmp_path / "report.json"
@@ -34,3 +35,16 @@ def test_installing_the_extras_changes_no_installed_version(tmp_path):
     changed = {name: (installed(name), version) for name, version in would.items() if name != "trainguard"}
     assert not changed, f"installing trainguard[{','.join(extras)}] would change {changed} (installed, would be)"
     assert "trainguard" in would and installed("deepspeed") is not None
+
+
+def test_the_wheel_carries_the_support_matrix(tmp_path):
+    """Every guarded run reads trainguard/releases.json at start: a wheel without it (an editable install hides
+    that) would stop every run with FileNotFoundError."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w",
+                           str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("trainguard-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "trainguard/releases.json" in names and "trainguard/demo/demo.json" in names

@@ -310,3 +310,18 @@ def test_a_failure_every_rank_shares_names_no_suspect():
     for step in (20, 21, 22):  # rank 1 alone, on different data: its hardware
         watch.observe(step, {1: [step]}, lambda *a: records.append(a))
     assert watch.suspected == {1} and [r[2] for r in records] == [[1]]
+
+
+def test_under_model_parallelism_every_replica_failing_names_no_suspect():
+    """Megatron TP=2 x DP=2: one origin per model-parallel group is named (ranks 0 and 2), which is every
+    data-parallel replica: shared numerics, no suspect."""
+    from trainguard.suspects import SuspectWatch
+
+    dp = {0: 0, 1: 0, 2: 1, 3: 1}
+    watch = SuspectWatch(3, rank=0, jsonl=None, coords_of=lambda r: {"rank": r, "dp": dp[r]}, world=4)
+    for step in (1, 2, 3):
+        watch.observe(step, {0: [step], 2: [step + 50]}, lambda *a: None)
+    assert watch.suspected == set()
+    for step in (4, 5, 6):
+        watch.observe(step, {2: [step]}, lambda *a: None)
+    assert watch.suspected == {2}

@@ -61,6 +61,7 @@ def test_deepspeed_refuses_at_initialize_before_anything_is_built(monkeypatch):
     import ds_plugins
 
     monkeypatch.setattr(deepspeed, "__version__", "0.18.9")
+    monkeypatch.setattr(ds_plugins, "RELEASES", {"checked": {}, "untested": []})  # (module state: not left behind)
     built = []
     monkeypatch.setattr(deepspeed, "initialize", lambda **kw: built.append(kw))
     with pytest.raises(UnsupportedSetup, match="this is deepspeed 0.18.9"):
@@ -83,3 +84,23 @@ def test_a_key_a_release_cannot_run_is_refused_by_name(monkeypatch):
         check_release(block, "deepspeed", "0.16.9")
     check_release(block, "deepspeed", "0.19.8")
     check_release(tg_config.parse_block({}), "deepspeed", "0.16.9")  # (not set: nothing refused)
+
+
+
+def test_under_the_zero_code_entry_a_framework_is_checked_only_when_it_builds_the_engine(monkeypatch):
+    """transformers imported by your own loop (a model class) is not what builds the engine: not checked; called
+    from the Trainer (transformers on the call stack), its release is."""
+    import sys
+    import types
+
+    pytest.importorskip("deepspeed")
+    import ds_plugins
+    from trainguard import config as tg_config
+
+    monkeypatch.setattr(ds_plugins, "RELEASES", {"checked": {}, "untested": []})
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="4.30.0"))
+    block = tg_config.parse_block({})
+    assert "transformers" not in ds_plugins.check_releases(block, framework=True)["checked"]
+    as_the_trainer = {"__name__": "transformers.trainer", "check": ds_plugins.check_releases, "block": block}
+    with pytest.raises(UnsupportedSetup, match=r"this is transformers 4\.30\.0"):
+        exec("check(block, framework=True)", as_the_trainer)

@@ -6,10 +6,12 @@ Import-order proof (issue 32): a patch never touches a module whose own code is 
 whose after-import hook loads the zero-code entry -- while ``transformers.trainer`` has no ``Trainer`` yet.
 :func:`when_complete` runs such a patch later: at the next import anywhere (every :class:`AfterImport`
 finder flushes first), or when a wrapper of ours is entered (they call :func:`flush`) -- whichever comes
-first after the module's code returned."""
+first after the module's code returned. (Each copy of this module -- the bootstrap's top-level one, the adapters'
+``trainguard.bootstrap.site._trainguard_hook`` -- keeps its own list, flushed by its own finders and callers.)"""
 import functools
 import importlib.abc
 import importlib.util
+import sys
 import threading
 
 _PENDING = []  # (module, patch) whose module was still executing when asked
@@ -41,7 +43,8 @@ def flush() -> None:
         for item in ready:
             _PENDING.remove(item)
     for module, patch in ready:
-        patch(module)
+        if sys.modules.get(module.__name__) is module:  # (an import that failed left nothing to patch)
+            patch(module)
 
 
 def wrap_once(owner, attr: str, make) -> None:
