@@ -20,19 +20,19 @@ def _version():
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
+with open(os.path.join(HERE, "trainguard", "releases.json"), encoding="utf-8") as f:
+    _MATRIX = json.load(f)["packages"]  # the support matrix (trainguard/releases.py reads the same file at start)
+
+
 def _floor(distribution):
-    """The oldest supported release of a distribution in the support matrix (trainguard/releases.json)."""
-    with open(os.path.join(HERE, "trainguard", "releases.json"), encoding="utf-8") as f:
-        rows = json.load(f)["packages"]
-    lows = [row["ranges"][0][0] for key, row in rows.items() if row.get("distribution", key) == distribution]
+    """The oldest supported release of a distribution in the support matrix."""
+    lows = [row["ranges"][0][0] for key, row in _MATRIX.items() if row.get("distribution", key) == distribution]
     return min(lows, key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
 def _span(distribution):
     """``>=oldest,<past the newest`` of the support matrix: the suite's releases stay inside it."""
-    with open(os.path.join(HERE, "trainguard", "releases.json"), encoding="utf-8") as f:
-        top = json.load(f)["packages"][distribution]["ranges"][-1][1]
-    major, minor = (int(x) for x in top.split(".")[:2])
+    major, minor = (int(x) for x in _MATRIX[distribution]["ranges"][-1][1].split(".")[:2])
     return f"{distribution}>={_floor(distribution)},<{major}.{minor + 1}"
 
 
