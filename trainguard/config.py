@@ -79,6 +79,19 @@ class LossSpikeConfig(_Section):
     min_history: int = Field(20, ge=3, description="Steps observed before any alert.")
 
 
+class LossTrendConfig(_Section):
+    """A loss that climbs step by step away from its best (what a median/MAD window absorbs): the smoothed
+    loss (median of the last ``smooth`` steps) against the best it reached; classified slow_rise /
+    instant_burst from the loss, the gradient norm and the LR together."""
+
+    enabled: bool = Field(True, description="Watch the smoothed loss (mean over ranks) against its best.")
+    smooth: int = Field(8, ge=3, description="Steps whose median is the smoothed loss (one bad batch cannot move it).")
+    rise: float = Field(0.2, gt=0, description="Diverging when the smoothed loss stands this fraction above its "
+                        "best (0.2: 20%) ...")
+    patience: int = Field(2, ge=1, description="... for this many steps in a row.")
+    min_history: int = Field(20, ge=3, description="Steps observed before any verdict.")
+
+
 class GradNormConfig(_Section):
     """Gradient-norm surge (one-step jump) and sustained rise (the precursor of an explosion)."""
 
@@ -90,6 +103,9 @@ class GradNormConfig(_Section):
     trend_rise: float = Field(
         0.03, gt=0, description="Rise alert when log(norm) grows faster than this per step (least squares) "
         "over trend_steps, all above the median. 0.03/step = +43% over 12 steps.")
+    surges_to_rise: int = Field(3, ge=0, description="This many grad_surge alerts within surge_window steps are a "
+                                "slow_rise (an irregular surge never gives a clean log-slope; 0: never).")
+    surge_window: int = Field(50, ge=2, description="Steps over which grad_surge alerts are counted.")
 
 
 class StragglerConfig(_Section):
@@ -193,6 +209,7 @@ class DetectorsConfig(_Section):
     nonfinite: NonfiniteConfig = Field(default_factory=NonfiniteConfig)
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
+    loss_trend: LossTrendConfig = Field(default_factory=LossTrendConfig)
     grad_norm: GradNormConfig = Field(default_factory=GradNormConfig)
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
     replica_check: ReplicaCheckConfig = Field(default_factory=ReplicaCheckConfig)

@@ -45,6 +45,7 @@ class StepDriver:
         with self._lr_scaled(step):
             loss_scale, divisor = fw.agree_scale()
             obs = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None)
+            guard.lr_now = self.step_lr if self.step_lr is not None else _lr(fw.lr_groups())
             decision = guard.on_decide(step, obs)
             if decision.action is Action.ABORT:
                 raise guard.abort(step, decision)
@@ -157,6 +158,7 @@ class StepDriver:
             self.lr_until = goes_on + rc.lr_cooldown_steps
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.grad_norm.reset_trend()
+        guard.loss_trend.rolled_back()
         if self.cfg.faults:
             guard.faults.rolled_back()
         guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {

@@ -34,6 +34,7 @@ from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
 from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.detectors.loss_trend import LossTrendDetector
 from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import argmax, culprit_samples, merge_nonfinite, narrow_to_origin
@@ -85,6 +86,8 @@ class StepGuard:
         self.faults = FaultInjector(cfg.faults, rank)
         self.loss_spike = LossSpikeDetector(cfg.detectors.loss_spike)
         self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
+        self.loss_trend = LossTrendDetector(cfg.detectors.loss_trend)
+        self.lr_now: float | None = None  # the LR of the coming update (the driver sets it before DECIDE)
         self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
         self.goodput = GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
@@ -271,12 +274,18 @@ class StepGuard:
                 spikes += self.grad_norm.observe(step, proxy, ranks=[argmax(norms)])
             else:
                 rising_before = None
+            with_loss = [o.loss for o in obs if o.has_loss]
+            mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
             if self.cfg.detectors.loss_spike.enabled:
-                with_loss = [o.loss for o in obs if o.has_loss]
-                mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
                 v = self.loss_spike.observe(step, mean_loss, rising_before, self.grad_norm.last_z,
                                             ranks=[argmax([o.loss for o in obs])])
                 if v is not None:
+                    spikes.append(v)
+            if self.cfg.detectors.loss_trend.enabled:
+                grad_ratio = self.grad_norm.ratio_since(self.loss_trend.best_step)
+                v = self.loss_trend.observe(step, mean_loss, self.lr_now, grad_ratio,
+                                            ranks=[argmax([o.loss for o in obs])])
+                if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
                     spikes.append(v)
         localized = None
         if nonfinite is not None and nonfinite.anomaly == "nonfinite" and self.cfg.detectors.localize.enabled \
@@ -525,6 +534,7 @@ class StepGuard:
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
                 "loss_spike": self.loss_spike.state_dict(), "grad_norm": self.grad_norm.state_dict(),
+                "loss_trend": self.loss_trend.state_dict(),
                 "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict(),
                 "detectors": {reg.key: det.state_dict() for reg, det in self.registered}}
 
@@ -533,6 +543,8 @@ class StepGuard:
         self.policy.load_state_dict(state["policy"])
         self.loss_spike.load_state_dict(state["loss_spike"])
         self.grad_norm.load_state_dict(state["grad_norm"])
+        if "loss_trend" in state:
+            self.loss_trend.load_state_dict(state["loss_trend"])
         self.clipper.load_state_dict(state["clipper"])
         if "goodput" in state:
             self.goodput.load_state_dict(state["goodput"])

@@ -114,8 +114,9 @@ class Policy:
                 rung = "skip_step" if c == "nonfinite" else "alert"
             if SEVERITY[rung] > SEVERITY[chosen]:
                 chosen, driver = rung, c
-                onset = self.history[c][0] if c == "nonfinite" else (rise_onset if c == "slow_rise" and rise_onset else
-                                                                     _onset(verdicts, c, step))
+                onset = self.history[c][0] if c == "nonfinite" else _onset(verdicts, c, step)
+                if c == "slow_rise" and rise_onset:  # (the gradient's creep may have begun before the loss's best)
+                    onset = min(onset, rise_onset)
         reason = f"{driver or sorted(classes)[0]} on rank(s) {ranks}"
         if weights is not None and self.recovery.enabled and driver in DATA_OR_WEIGHTS:
             if weights == "healthy" and chosen in ("rollback", "rollback_lower_lr"):

@@ -12,6 +12,9 @@ ADVICE = ("the same rank produced anomalies on different data: suspect its GPU o
           "the host (scripts/launch/slurm_deepspeed.sbatch reads the file)")
 
 
+QUIET_STEPS = 20  # a culprit counts against its rank only when the other replicas were healthy this long before
+
+
 class SuspectWatch:
     def __init__(self, suspect_after: int, rank: int, jsonl: str | None, coords_of: Callable[[int], dict],
                  world: int = 0):
@@ -22,24 +25,41 @@ class SuspectWatch:
         self.coords_of = coords_of
         self.seen: dict[int, list] = {}    # rank -> [(step, sample ids)] it was the culprit
         self.suspected: set[int] = set()
+        self.last_failure: dict = {}       # data-parallel replica -> the last step it held a culprit
 
     def observe(self, step: int, culprits: dict[int, list[int]], emit) -> None:
         """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit.
 
-        A step on which every data-parallel replica held a culprit is no evidence against any one of them: a numerics failure they
-        all share (an LR too high, an fp16 scale collapsing on every rank) -- counted, it named every rank suspect
-        and sent every host to suspect_hosts.json, which a launcher excludes and drains (issue 33)."""
-        if self.world > 1 and culprits:
+        A rank's anomalies count against it only while they are its own (issue 33): a step on which every
+        data-parallel replica held a culprit is no evidence against any one of them, and a culprit on another
+        replica voids the occurrences before it -- a numerics failure the run shares (an LR too high, an fp16
+        scale collapsing) strikes the ranks in turn, on different steps; counted, it named every rank suspect and
+        sent every host to suspect_hosts.json, which a launcher excludes and drains. Hardware is a rank that
+        fails again and again while the other replicas stay healthy."""
+        if not culprits:
+            return
+        if self.world > 1:
             # (by data-parallel replica: under tensor/pipeline parallelism one origin per model-parallel group is named)
-            replicas = {self.coords_of(r).get("dp", r) for r in range(self.world)}
-            if len(replicas) > 1 and {self.coords_of(r).get("dp", r) for r in culprits} >= replicas:
+            replicas = {self._replica(r) for r in range(self.world)}
+            failing = {self._replica(r) for r in culprits}
+            for rep in failing:
+                self.last_failure[rep] = step
+            if len(replicas) > 1 and failing >= replicas:
                 return
         for r, ids in culprits.items():
-            seen = self.seen.setdefault(r, [])
-            if not any(set(ids) == set(prev) for _, prev in seen):
+            others = [s for rep, s in self.last_failure.items() if rep != self._replica(r)]
+            since = max(others) if others else None
+            seen = [(s, prev) for s, prev in self.seen.get(r, []) if since is None or s >= since]
+            if since is not None and step - since <= QUIET_STEPS:
+                pass  # another replica failed just before (or on this very step): shared, no evidence
+            elif not any(set(ids) == set(prev) for _, prev in seen):
                 seen.append((step, ids))
+            self.seen[r] = seen
             if len(seen) >= self.suspect_after:
                 self.suspect(step, r, None, emit, occurrences=[s for s, _ in seen])
+
+    def _replica(self, r: int):
+        return self.coords_of(r).get("dp", r)
 
     def suspect(self, step: int, r: int, why: str | None, emit, occurrences: list[int] | None = None) -> None:
         """Name rank ``r`` suspect, once: the record, and its host in the file. ``why``: a reason other than

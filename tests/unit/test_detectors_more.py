@@ -307,7 +307,7 @@ def test_a_failure_every_rank_shares_names_no_suspect():
     for step in (10, 11, 12, 13):  # every rank, different data each time
         watch.observe(step, {0: [step], 1: [step + 100]}, lambda *a: records.append(a))
     assert records == [] and watch.suspected == set()
-    for step in (20, 21, 22):  # rank 1 alone, on different data: its hardware
+    for step in (40, 41, 42):  # rank 1 alone, on different data, the other replica healthy since 13: its hardware
         watch.observe(step, {1: [step]}, lambda *a: records.append(a))
     assert watch.suspected == {1} and [r[2] for r in records] == [[1]]
 
@@ -322,6 +322,25 @@ def test_under_model_parallelism_every_replica_failing_names_no_suspect():
     for step in (1, 2, 3):
         watch.observe(step, {0: [step], 2: [step + 50]}, lambda *a: None)
     assert watch.suspected == set()
-    for step in (4, 5, 6):
+    for step in (30, 31, 32):
         watch.observe(step, {2: [step]}, lambda *a: None)
     assert watch.suspected == {2}
+
+
+def test_ranks_failing_in_turn_are_shared_numerics_not_hardware():
+    """Issue 33, as measured: fp16 at too high an LR, the ranks' forwards overflowed on *different* steps (rank 0
+    at 40, rank 1 at 41, ...): no step had every rank failing, and both were named suspect. A culprit on another
+    replica voids the occurrences before it; a rank failing alone, again and again, is still named."""
+    from trainguard.suspects import SuspectWatch
+
+    records = []
+    watch = SuspectWatch(3, rank=0, jsonl=None, coords_of=lambda r: {"rank": r, "host": f"h{r}"}, world=2)
+    for step in range(40, 60, 2):
+        watch.observe(step, {0: [step]}, lambda *a: records.append(a))
+        watch.observe(step + 1, {1: [step + 1]}, lambda *a: records.append(a))
+    assert records == [] and watch.suspected == set()
+    watch.observe(70, {1: [70]}, lambda *a: records.append(a))  # (rank 0 failed 12 steps before: not its own yet)
+    for step in (100, 110, 120):  # then rank 1 alone, the other replica long healthy: its own
+        watch.observe(step, {1: [step]}, lambda *a: records.append(a))
+    assert watch.suspected == {1} and records[0][1].value == "suspect_rank"
+    assert records[0][4]["occurrences"] == [100, 110, 120]

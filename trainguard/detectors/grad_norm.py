@@ -8,7 +8,9 @@ verdicts:
   (a jump within one step);
 - ``slow_rise``: the log-norm has risen by more than ``trend_rise`` per step (least squares) over the
   last ``trend_steps`` steps and every one of them is above the median -- a sustained creep, which
-  is how a too-high LR shows itself before the loss explodes. Reported once per episode.
+  is how a too-high LR shows itself before the loss explodes. Reported once per episode. A surge that is
+  irregular never gives a clean slope (issue 33: Megatron-LM's norm jumping z 7.9, 13, 42, 28 with calm steps
+  between): ``surges_to_rise`` surges within ``surge_window`` steps are a ``slow_rise`` too.
 """
 from __future__ import annotations
 
@@ -29,11 +31,18 @@ class GradNormDetector:
         self.in_rise = False
         self.last_z = 0.0
         self.history: list[tuple[int, float]] = []   # (step, norm) of the last `window` steps
+        self.surges: list[int] = []                   # steps of recent grad_surge verdicts
 
     def onset(self, step: int) -> int:
         """Where the current rise began: the first of the uninterrupted run of steps whose norm
         lies above the window median, counting back from now. A creep starts before it is
-        detected, and the checkpoint to return to must predate its start, not its detection."""
+        detected, and the checkpoint to return to must predate its start, not its detection.
+        Repeated surges: the first of them, if earlier."""
+        if self.surges and len(self.surges) >= max(self.cfg.surges_to_rise, 1):
+            return min(self.surges[0], self._creep_onset(step))
+        return self._creep_onset(step)
+
+    def _creep_onset(self, step: int) -> int:
         if not len(self.window):
             return step - self.cfg.trend_steps
         med = self.window.median()
@@ -73,22 +82,37 @@ class GradNormDetector:
         if not verdicts:  # surges stay out of the baseline
             self.window.push(norm)
         rising_now = self.trend()
-        if rising_now and not self.in_rise:
+        self.surges = [s for s in self.surges if s > step - self.cfg.surge_window] + ([step] if verdicts else [])
+        repeated = 0 < self.cfg.surges_to_rise <= len(self.surges)  # (until the window forgets the surges)
+        if (rising_now or repeated) and not self.in_rise:
             self.in_rise = True
-            verdicts.append(Verdict(self.name, "slow_rise", tuple(ranks), {
-                "grad_norm": norm, "median": self.window.median(),
-                "log_slope_per_step": round(self.recent.slope(self.cfg.trend_steps, log=True), 4),
-                "steps": self.cfg.trend_steps,
-                "remedy": "lower the LR (or lengthen the warmup): the gradient norm is creeping up"}))
-        elif not rising_now:
+            detail = {"grad_norm": norm, "median": self.window.median(), "steps": self.cfg.trend_steps,
+                      "remedy": "lower the LR (or lengthen the warmup): the gradient norm is creeping up"}
+            if rising_now:
+                detail["log_slope_per_step"] = round(self.recent.slope(self.cfg.trend_steps, log=True), 4)
+            else:
+                detail.update({"surges": list(self.surges), "why": f"{len(self.surges)} gradient-norm surges within "
+                               f"{self.cfg.surge_window} steps", "onset_step": self.surges[0]})
+            verdicts.append(Verdict(self.name, "slow_rise", tuple(ranks), detail))
+        elif not rising_now and not repeated:
             self.in_rise = False
         return verdicts
+
+    def ratio_since(self, step: int) -> float | None:
+        """The median norm of the steps after ``step`` over the window's median: how far the gradient norm stands
+        above its baseline over a climb (None: too few steps known)."""
+        vals = [v for s, v in self.history if s > step]
+        if len(vals) < 3 or len(self.window) < self.cfg.min_history or self.window.median() <= 0:
+            return None
+        vals.sort()
+        return vals[len(vals) // 2] / self.window.median()
 
     def reset_trend(self) -> None:
         """After a rollback the trajectory is a new one: the creep measured on the old one is void."""
         self.recent = RollingWindow(self.recent.size)
         self.in_rise = False
         self.history = []
+        self.surges = []
 
     def state_dict(self) -> dict:
         return {"window": self.window.state_dict(), "recent": self.recent.state_dict(), "in_rise": self.in_rise}

@@ -1,0 +1,134 @@
+"""A loss that climbs step by step, seen against its own recent best.
+
+The spike detector (:mod:`trainguard.detectors.loss_spike`) judges one step against a median/MAD window
+of healthy steps -- and a window absorbs a climb that comes one step at a time: each step is only a little
+above the last, so none is a spike, and the window's median follows the loss up (issue 33: Megatron-LM's
+loss falling to ~2.4, then climbing for ~30 iterations to ~7.0, unanswered). This detector keeps the
+*smoothed* loss (the median of the last ``smooth`` steps: one bad batch cannot move it) and the best level it
+has reached (the median of ``4 x smooth`` steps: noise alone does not set it low); when the smoothed loss has stood more than ``rise`` (relative) above that best for ``patience``
+steps, the run is diverging, whatever shape the gradient norm has.
+
+Its class comes from three signals together (:func:`classify`), not from one:
+
+- ``slow_rise`` (lower the LR): the LR rose since the best loss (a warmup to too high a peak, a schedule
+  raised on resume), or the gradient norm stands above its baseline, or the climb was gradual;
+- ``instant_burst`` (roll back past the data): the loss jumped within a step and stayed up while the LR was
+  flat and the gradient norm normal -- a stretch of bad data.
+
+Its verdict carries ``onset_step``: the step of the best loss, which a rollback must not go past.
+Host floats only; the same numbers on every rank, so the same verdict everywhere.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from trainguard.config import LossTrendConfig
+from trainguard.detectors.base import Verdict
+
+REMEDY = {
+    "slow_rise": "lower the LR (or lengthen the warmup): the loss has been climbing away from its best",
+    "instant_burst": "roll back past this stretch of data: the loss jumped and stayed up with the LR and "
+                     "gradient norm unchanged",
+}
+
+
+def classify(lr_ratio: float | None, grad_ratio: float | None, jumped: bool) -> tuple[str, list[str]]:
+    """The class of a climb and the evidence, in words. ``lr_ratio``: the LR now over the LR at the best
+    loss; ``grad_ratio``: the gradient norm's median over the climb over its baseline median; ``jumped``:
+    the loss left the band in one step and never came back into it."""
+    why = []
+    if lr_ratio is not None and lr_ratio > 1.05:
+        why.append(f"the LR rose x{lr_ratio:.2f} since the best loss")
+    if grad_ratio is not None and grad_ratio > 1.5:
+        why.append(f"the gradient norm stands at x{grad_ratio:.2f} its baseline")
+    if why:
+        return "slow_rise", why
+    if jumped:
+        return "instant_burst", ["the loss jumped within one step and stayed up; LR and gradient norm unchanged"]
+    return "slow_rise", ["the loss climbed step by step"]
+
+
+class LossTrendDetector:
+    name = "loss_trend"
+
+    def __init__(self, cfg: LossTrendConfig):
+        self.cfg = cfg
+        self.raw: deque = deque(maxlen=max(4 * cfg.smooth, 4))   # (step, loss) of recent finite steps
+        self.seen = 0
+        self.best: float | None = None
+        self.best_step = 0
+        self.best_lr: float | None = None
+        self.above = 0          # consecutive steps the smoothed loss stood above the band
+        self.reported = False   # one verdict per episode (until the loss is back in its band)
+
+    def smoothed(self) -> float | None:
+        if len(self.raw) < self.cfg.smooth:
+            return None
+        return statistics.median(v for _, v in list(self.raw)[-self.cfg.smooth:])
+
+    def level(self) -> float | None:
+        """The loss's level for its best: the median of a window four times as long (the minimum of short medians
+        of a noisy loss lies well below its true level, and a band over it would be crossed by noise alone)."""
+        if len(self.raw) < self.raw.maxlen:
+            return None
+        return statistics.median(v for _, v in self.raw)
+
+    def band(self) -> float | None:
+        """The smoothed loss above which the run counts as climbing away from its best."""
+        return None if self.best is None else self.best + self.cfg.rise * abs(self.best)
+
+    def observe(self, step: int, loss: float, lr: float | None = None, grad_ratio: float | None = None,
+                ranks=()) -> Verdict | None:
+        if not math.isfinite(loss):
+            return None  # the non-finite detector owns this step
+        self.raw.append((step, loss))
+        self.seen += 1
+        s = self.smoothed()
+        if s is None:
+            return None
+        level = self.level()
+        if level is not None and (self.best is None or level < self.best):
+            # (the step at the centre of the window that set it: a rollback goes back before the climb, not to its top)
+            self.best, self.best_step, self.best_lr = level, self.raw[len(self.raw) // 2][0], lr
+        if self.best is None:
+            return None
+        band = self.band()
+        if s <= band:
+            self.above, self.reported = 0, False
+            return None
+        self.above += 1
+        if self.seen < self.cfg.min_history or self.above < self.cfg.patience or self.reported:
+            return None
+        self.reported = True
+        lr_ratio = lr / self.best_lr if lr and self.best_lr else None
+        kind, why = classify(lr_ratio, grad_ratio, self._jumped(band))
+        return Verdict(detector=self.name, anomaly=kind, ranks=tuple(ranks), detail={
+            "loss": loss, "smoothed": round(s, 4), "best": round(self.best, 4), "best_step": self.best_step,
+            "rise": round(s / self.best - 1, 4) if self.best else None, "limit_rise": self.cfg.rise,
+            "lr_ratio": None if lr_ratio is None else round(lr_ratio, 3),
+            "grad_ratio": None if grad_ratio is None else round(grad_ratio, 3),
+            "class": kind, "evidence": why, "onset_step": self.best_step + 1, "remedy": REMEDY[kind]})
+
+    def _jumped(self, band: float) -> bool:
+        """Whether the loss left the band in one step and stayed out: the first recent step above the band was
+        followed only by steps above it (a gradual climb wanders back into the band now and then)."""
+        vals = [v for _, v in list(self.raw)[-2 * self.cfg.smooth:]]
+        first = next((i for i, v in enumerate(vals) if v > band), None)
+        return first is not None and first > 0 and all(v > band for v in vals[first:])
+
+    def rolled_back(self) -> None:
+        """The run went back to a checkpoint: the climb measured on the abandoned trajectory is void (the best
+        stays: it is the level the run is to return to)."""
+        self.raw.clear()
+        self.above, self.reported = 0, False
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step = state.get("best"), int(state.get("best_step", 0))
+        self.best_lr, self.seen = state.get("best_lr"), int(state.get("seen", 0))
+        self.raw.clear()
+        self.above, self.reported = 0, False
