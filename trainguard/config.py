@@ -480,6 +480,10 @@ class MetricsConfig(_Section):
     per_rank: bool = Field(
         False, description="Also write one file per rank (`<stem>.rank<r>.jsonl`) with its local values.")
     every_steps: int = Field(1, ge=1, description="Write a metric line every N optimizer steps (events always).")
+    incident_gap: int = Field(100, ge=0, description="Alerts (records a ladder does not act on) as incidents: the first "
+                              "alert of a kind opens one and is written; the same kind within this many steps is "
+                              "folded into it (counted, worst value kept); this many steps without one closes it "
+                              "(an incident_closed record). 0: every alert written.")
     tensorboard: Optional[PathStr] = Field(None, description="Directory for TensorBoard scalars (rank 0). null: off.")
     prometheus_port: Optional[int] = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics over HTTP from rank 0 on this port "

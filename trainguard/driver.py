@@ -124,7 +124,8 @@ class StepDriver:
         to blame -- and then applies its remedy: reset the scale, raise its floor, or continue in
         bf16 (in place when no checkpoint predates the descent). Returns whether one was loaded."""
         fw, guard, rc = self.fw, self.guard, self.cfg.recovery
-        scale_case = decision.anomaly is Anomaly.LOSS_SCALE
+        # (a loss_scale decision, or a non-finite fp16 forward sent to bf16: the data is not to blame)
+        scale_case = decision.anomaly is Anomaly.LOSS_SCALE or decision.remedy is not None
         skip = 0 if scale_case else rc.skip_batches
         quarantined = guard.culprit_samples   # (set aside in the loader when the step was decided)
         data = fw.data
@@ -135,6 +136,7 @@ class StepDriver:
         if tag is None:
             if decision.lower_lr:
                 self._lower_lr(fw.completed_steps())
+                guard.grad_norm.reset_trend()  # (what goes on at the lowered LR is a new episode)
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
             guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,

@@ -125,6 +125,7 @@ class Record(str, enum.Enum):
     LOSS_SCALE = "loss_scale"                  # fp16 scaler collapsed (overflow at its floor / endless streak)
     LOSS_SCALE_RESET = "loss_scale_reset"      # scale reset (and floor raised) after a loss_scale rollback
     PRECISION_FALLBACK = "precision_fallback"  # the engine was re-created in bf16
+    INCIDENT_CLOSED = "incident_closed"        # alerts of one kind stopped: count, first/last step, worst value
     SUSPECT_RANK = "suspect_rank"              # one rank is the culprit again and again, on different data
     FP16_WHERE_BF16 = "fp16_where_bf16"        # start-of-run checks (action "warn")
     NO_WARMUP = "no_warmup"

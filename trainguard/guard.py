@@ -43,6 +43,7 @@ from trainguard.errors import ConfigError, TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
+from trainguard.incidents import Incidents
 from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
 from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import DATA_OR_WEIGHTS, Decision, Policy, anomaly_class
@@ -125,6 +126,7 @@ class StepGuard:
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
         self.straggler = StragglerDetector(cfg.detectors.straggler)
+        self.incidents = Incidents(cfg.metrics.incident_gap) if cfg.metrics.incident_gap else None
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -336,7 +338,7 @@ class StepGuard:
             verdicts += found
         custom = [v for det in self.custom for v in det.observe(step, obs)]
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
-        decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights)
+        decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights, fp16=self._scaled)
         self.last_decision = decision
         # damaged weights, not data: no sample is to blame
         self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
@@ -355,8 +357,7 @@ class StepGuard:
         if self.cfg.detectors.straggler.enabled:
             self._log_stragglers(step, obs)
         for v in custom:  # your detectors alert; the ladders act on the built-in classes only
-            self.emit(step, Record.CUSTOM_ALERT, v.ranks, ALERT, {"detector": v.detector, "anomaly": v.anomaly,
-                                                                  **v.detail}, rank_local=self.rank in v.ranks)
+            self._alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
 
     # ------------------------------------------------------------------ replays (trainguard.replay)
@@ -475,6 +476,7 @@ class StepGuard:
         self.last_metrics = line
         self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm, applied_sq)
         self._probe_values = {}
+        self._close_incidents(step)
         self._reset_step()
         self.timer.start()  # (the next step's own time counts from here)
 
@@ -486,6 +488,7 @@ class StepGuard:
     def on_close(self, totals: dict[str, Any] | None = None) -> None:
         """CLOSE: the last metric line, totals, then close the files."""
         self.deferred.close(self.world)
+        self._close_incidents(self.last_step, at_end=True)
         self.emit(self.last_step, Record.RUN_END, range(self.world), None,
                   {"guard_skipped_steps": self.skipped_steps,
                    "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
@@ -501,8 +504,7 @@ class StepGuard:
         for v in self.straggler.observe(step, obs):
             (r,) = v.ranks
             coords = self.coords_of(r)
-            self.emit(step, Record.STRAGGLER, [r], ALERT, {"coords": coords, "host": coords.get("host"), **v.detail},
-                      rank_local=self.rank == r)
+            self._alert(step, Record.STRAGGLER, [r], {"coords": coords, "host": coords.get("host"), **v.detail})
         for r in self.straggler.persisting(step):
             self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
                                   self.emit)
@@ -520,7 +522,24 @@ class StepGuard:
     def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
         record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self.coords_of,
                                                                 self.skipped_steps, self._weights)
-        self.emit(step, record, ranks, action, detail, rank_local=self.rank in ranks, **extra)
+        if action == ALERT and anomaly_class(v) is None:  # (a ladder class's verdict is written every time)
+            self._alert(step, record, ranks, detail, **extra)
+        else:
+            self.emit(step, record, ranks, action, detail, rank_local=self.rank in ranks, **extra)
+
+    def _alert(self, step: int, record: Record, ranks, detail: dict, **extra) -> None:
+        """An alert (no ladder acts on it): written when it opens an incident, else folded into the open one
+        (trainguard.incidents)."""
+        if self.incidents is not None:
+            incident = self.incidents.admit(step, record.value, ranks, detail)
+            if incident is None:
+                return
+            detail = {**detail, "incident": incident}
+        self.emit(step, record, ranks, ALERT, detail, rank_local=self.rank in ranks, **extra)
+
+    def _close_incidents(self, step: int, at_end: bool = False) -> None:
+        for inc in self.incidents.expire(step, at_end) if self.incidents is not None else ():
+            self.emit(step, Record.INCIDENT_CLOSED, inc["ranks"], None, inc)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""

@@ -57,6 +57,13 @@ def _onset(verdicts: Sequence[Verdict], cls: Anomaly, step: int) -> int:
     return min(given) if given else step
 
 
+def _forward(verdicts: Sequence[Verdict]) -> bool:
+    """Whether a non-finite verdict came from the forward (a loss or an activation), not the gradients alone."""
+    return any(v.anomaly == "nonfinite" and any(d.get("origin") in ("loss", "activation")
+                                               for d in (v.detail.get("per_rank") or {}).values()
+                                               if isinstance(d, dict)) for v in verdicts)
+
+
 def anomaly_class(v: Verdict) -> Anomaly | None:
     """The ladder class of a verdict (None: it alerts only)."""
     try:
@@ -79,7 +86,7 @@ class Policy:
         self.last_rollback_from: int | None = None  # ... from this step
 
     def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None,
-               weights: str | None = None) -> Decision:
+               weights: str | None = None, fp16: bool = False) -> Decision:
         """``weights``: what replaying the last healthy micro-batch on the current weights said
         (trainguard.replay): "healthy" (the data was bad: a non-finite or burst step that a rung would
         roll back is skipped instead, since a skipped step did no damage), "damaged" (roll back now,
@@ -147,8 +154,18 @@ class Policy:
                 # (e.g. by an LR ramp that began before any detector could see it) -- go further back
                 onset, skipped_onset = last, False
                 reason += f"; the rollback to step {last} did not hold, going further back"
+            remedy = None
+            if fp16 and driver == "nonfinite" and self.recovery.fp16_fallback != "none" and _forward(verdicts) and \
+                    any(t.get("anomaly") == "nonfinite" and step - t["step"] < self.recovery.ladder_window
+                        for t in self.tried):
+                # the fp16 forward overflowed again after a rollback: its range (max 65504) is exceeded by these
+                # weights' activations, which no loss scale changes (it scales the backward only) and another
+                # rollback to the same weights repeats -- continue in bf16 (issue 33: fp16 at too high an LR)
+                remedy = Remedy.BF16_FALLBACK
+                reason += ("; the fp16 forward overflowed again after a rollback: its range is exceeded, no loss "
+                           f"scale helps -> {remedy}")
             return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
-                            onset_skipped=skipped_onset)
+                            onset_skipped=skipped_onset, remedy=remedy)
         if chosen == "skip_step":
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)

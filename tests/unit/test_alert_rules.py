@@ -109,3 +109,26 @@ def test_every_alert_fires_on_the_series_the_exporter_serves(tmp_path):
     fired = {a for a in alerts if f"alertname: {a}" in out and "got:[" in out.split(f"alertname: {a}", 1)[1][:400]
              and "got:[]" not in out.split(f"alertname: {a}", 1)[1][:400]}
     assert fired == set(alerts), out[-4000:]
+
+
+def test_a_persisting_alert_is_one_incident():
+    """Issue 33: entropy_collapse written every 10 steps on both ranks for the rest of a run (14 records in 60
+    steps). Now: one record opens the incident, the rest are folded in, one incident_closed says how many and how
+    bad; a new episode after the gap is a new incident."""
+    from trainguard.incidents import Incidents
+
+    book = Incidents(gap=30)
+    heads = lambda r: {"heads": [{"rank": 0, "layer": "l0", "head": 1, "ratio": r}]}  # noqa: E731
+    written = [s for s in range(100, 200, 10) for _ in (0,) if book.admit(s, "entropy_collapse", [s % 20 // 10],
+                                                                          heads(0.05 - s / 10000))]
+    assert written == [100]
+    assert book.expire(220) == []                 # 30 steps after the last (190): still open
+    (closed,) = book.expire(221)
+    assert closed["count"] == 10 and closed["first_step"] == 100 and closed["last_step"] == 190
+    assert closed["ranks"] == [0, 1] and closed["worst"] == {"entropy_ratio": pytest.approx(0.05 - 0.019)}
+    assert book.admit(300, "entropy_collapse", [0], heads(0.01))["id"] == 2    # a new episode
+    assert book.admit(301, "grad_surge", [1], {"z": 9.0})["id"] == 3           # another kind: its own
+    assert book.admit(305, "grad_surge", [1], {"z": 40.0}) is None
+    ends = book.expire(306, at_end=True)
+    assert [(c["record"], c["worst"], c["open_at_end"]) for c in ends] == [
+        ("entropy_collapse", {"entropy_ratio": 0.01}, True), ("grad_surge", {"z": 40.0}, True)]

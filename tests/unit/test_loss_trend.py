@@ -83,6 +83,14 @@ def test_repeated_gradient_surges_are_a_slow_rise():
     rises = [s for s, k in kinds if "slow_rise" in k]
     assert rises == [42], kinds[28:50]
     assert det.onset(42) <= 31
+    # surges that go on after the remedy (the driver resets the trend after a rollback or an LR lowered in place)
+    # are a new episode: counted afresh, a second slow_rise
+    det.reset_trend()
+    more = noisy([1.0] * 40, 0.1, seed=9)
+    for k in (5, 12, 20):
+        more[k] = 1.0 + 20 * 0.15
+    again = [s for s, n in enumerate(more, 61) if any(v.anomaly == "slow_rise" for v in det.observe(s, n))]
+    assert again == [81]
     healthy = GradNormDetector(GradNormConfig())
     assert not [s for s, n in enumerate(noisy([1.0] * 500, 0.1, seed=4), 1)
                 if any(v.anomaly == "slow_rise" for v in healthy.observe(s, n))]

@@ -37,9 +37,7 @@ class GradNormDetector:
         """Where the current rise began: the first of the uninterrupted run of steps whose norm
         lies above the window median, counting back from now. A creep starts before it is
         detected, and the checkpoint to return to must predate its start, not its detection.
-        Repeated surges: the first of them, if earlier."""
-        if self.surges and len(self.surges) >= max(self.cfg.surges_to_rise, 1):
-            return min(self.surges[0], self._creep_onset(step))
+        (Repeated surges give their own onset, the first of them, in the verdict.)"""
         return self._creep_onset(step)
 
     def _creep_onset(self, step: int) -> int:
@@ -83,8 +81,8 @@ class GradNormDetector:
             self.window.push(norm)
         rising_now = self.trend()
         self.surges = [s for s in self.surges if s > step - self.cfg.surge_window] + ([step] if verdicts else [])
-        repeated = 0 < self.cfg.surges_to_rise <= len(self.surges)  # (until the window forgets the surges)
-        if (rising_now or repeated) and not self.in_rise:
+        repeated = 0 < self.cfg.surges_to_rise <= len(self.surges)
+        if (rising_now or repeated) and not self.in_rise:  # (once per episode: a remedy's reset_trend ends it)
             self.in_rise = True
             detail = {"grad_norm": norm, "median": self.window.median(), "steps": self.cfg.trend_steps,
                       "remedy": "lower the LR (or lengthen the warmup): the gradient norm is creeping up"}
@@ -108,7 +106,8 @@ class GradNormDetector:
         return vals[len(vals) // 2] / self.window.median()
 
     def reset_trend(self) -> None:
-        """After a rollback the trajectory is a new one: the creep measured on the old one is void."""
+        """After a rollback the trajectory is a new one: the creep measured on the old one is void (and after the LR
+        was lowered in place: what goes on after a remedy is a new episode)."""
         self.recent = RollingWindow(self.recent.size)
         self.in_rise = False
         self.history = []

@@ -15,6 +15,8 @@ trainguard_lr                          gauge    learning rate
 trainguard_steps_total                 counter  optimizer steps executed (rolled-back ones included)
 trainguard_skipped_steps_total         counter  steps not applied (skipped by the guard or the framework)
 trainguard_events_total{event}         counter  events by type (nonfinite, instant_burst, ...)
+trainguard_incident_open{record}       gauge    1 while an incident of alerts of that kind is open, else 0
+trainguard_incident_alerts{record}     gauge    alerts folded into the last incident of that kind (at its close)
 trainguard_attention_entropy_ratio     gauge    {layer, head, rank}: entropy / its maximum
 trainguard_activation_max_abs          gauge    {module, rank}: sampled output max-abs
 trainguard_heartbeat_timestamp_seconds gauge    {rank}: time of the rank's last completed step
@@ -57,6 +59,8 @@ class PrometheusSink:
         self.skipped = pc.Counter("trainguard_skipped_steps", "optimizer steps not applied", registry=self.registry)
         self.steps = pc.Counter("trainguard_steps", "optimizer steps executed", registry=self.registry)
         self.events = pc.Counter("trainguard_events", "trainguard events by type", ["event"], registry=self.registry)
+        self.incident_open = g("trainguard_incident_open", "1 while an incident of that kind is open", ["record"])
+        self.incident_alerts = g("trainguard_incident_alerts", "alerts in the last closed incident", ["record"])
         self.server, self.thread = pc.start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
         self._seen = {"executed_steps": 0, "not_applied_steps": 0}
@@ -99,6 +103,12 @@ class PrometheusSink:
 
     def event(self, step: int, event: str, ranks, action, detail) -> None:
         self.events.labels(event=event).inc()
+        detail = detail or {}
+        if isinstance(detail.get("incident"), dict) and detail["incident"].get("state") == "opened":
+            self.incident_open.labels(record=event).set(1)
+        elif event == "incident_closed" and detail.get("record"):
+            self.incident_open.labels(record=detail["record"]).set(0)
+            self._set(self.incident_alerts.labels(record=detail["record"]), detail.get("count"))
 
     def close(self) -> None:
         self.server.shutdown()
