@@ -190,6 +190,7 @@ class StepDriver:
                                                  decision.verdicts)) from None
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}
+            guard.grad_norm.reset()  # (a new gradient-norm distribution from here)
             guard.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
             guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
             if fw.checkpointer is not None:

@@ -42,12 +42,12 @@ class Block(nn.Module):
 
 class TinyGPT(nn.Module):
     def __init__(self, vocab_size: int = 128, seq_len: int = 32, d_model: int = 96, n_layers: int = 3,
-                 n_heads: int = 4, dropout: float = 0.0):
+                 n_heads: int = 4, dropout: float = 0.0, final_norm: bool = True):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d_model)
+        self.ln_f = nn.LayerNorm(d_model) if final_norm else nn.Identity()  # (off: output logits free to grow)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init)
 

@@ -96,6 +96,33 @@ def _plain_init_distributed(timeout_s: float) -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=td)
 
 
+def _bad_data(batch: dict, step: int, spec: str, vocab: int) -> dict:
+    """A stretch of corrupted data reaching the model (what the corpus bench feeds; not a trainguard fault)."""
+    start, end, kind = spec.split(":")
+    if not int(start) <= step < int(end):
+        return batch
+    g = torch.Generator().manual_seed(step)
+    ids = batch["input_ids"]
+    if kind == "random":
+        seq = torch.randint(0, vocab, (ids.shape[0], ids.shape[1] + 1), generator=g)
+    else:
+        seq = torch.full((ids.shape[0], ids.shape[1] + 1), int(torch.randint(0, vocab, (1,), generator=g)))
+    return {**batch, "input_ids": seq[:, :-1].to(ids.device), "labels": seq[:, 1:].to(ids.device)}
+
+
+def _raise_lr(engine, spec: str) -> None:
+    """From STEP on, the scheduler's peak (and its ramp) FACTOR times higher: a resumed run whose schedule was
+    raised. Once."""
+    step, factor = spec.split(":")
+    sched = engine.lr_scheduler
+    if engine.global_steps + 1 != int(step) or sched is None or getattr(sched, "_raised", False):
+        return
+    for name in ("max_lrs", "delta_lrs"):
+        if hasattr(sched, name):
+            setattr(sched, name, [x * float(factor) for x in getattr(sched, name)])
+    sched._raised = True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True)
@@ -119,6 +146,15 @@ def main(argv=None) -> int:
     ap.add_argument("--plain-timeout", type=float, default=0.0,
                     help="--plain: deepspeed.init_distributed(timeout=...) in seconds (DeepSpeed's own collective "
                          "timeout; 0: its default)")
+    nat = ap.add_argument_group("natural failures (bench/natural: settings that really fail, nothing injected)")
+    nat.add_argument("--adam-eps", type=float, default=1e-8)
+    nat.add_argument("--adam-beta2", type=float, default=0.999)
+    nat.add_argument("--heads", type=int, default=4)
+    nat.add_argument("--no-final-norm", action="store_true", help="no LayerNorm before the output head")
+    nat.add_argument("--bad-data", metavar="FROM:TO:KIND", help="optimizer steps [FROM, TO) read corrupted batches: "
+                     "KIND random (a shard of another tokenizer: uniform ids), repeat (one token repeated)")
+    nat.add_argument("--raise-lr", metavar="STEP:FACTOR", help="from STEP the scheduler's peak LR is FACTOR times "
+                     "higher (a run resumed with a raised schedule)")
     ap.add_argument("--load", metavar="DIR:TAG", help="engine.load_checkpoint(DIR, tag=TAG) after initialize, as a "
                     "user's own call (tests: an explicit load goes through the same verification)")
     args = ap.parse_args(argv)
@@ -138,9 +174,11 @@ def main(argv=None) -> int:
         get_accelerator().is_fp16_supported = lambda: True
 
     torch.manual_seed(args.seed)
-    model = TinyGPT(d_model=args.d_model, n_layers=args.layers, dropout=args.dropout)
+    model = TinyGPT(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
+                    final_norm=not args.no_final_norm)
     dataset = MarkovCorpus(seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, eps=args.adam_eps,
+                                  betas=(0.9, args.adam_beta2))
 
     if args.plain:
         if args.plain_timeout:
@@ -188,6 +226,10 @@ def main(argv=None) -> int:
                     skip_micro -= 1
                     continue
                 meter.begin_step()
+                if args.raise_lr:
+                    _raise_lr(engine, args.raise_lr)
+                if args.bad_data:
+                    batch = _bad_data(batch, engine.global_steps + 1, args.bad_data, dataset.vocab_size)
                 loss = engine(batch)
                 engine.backward(loss)
                 micro.append(loss.detach().float().item())

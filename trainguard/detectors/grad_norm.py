@@ -113,6 +113,12 @@ class GradNormDetector:
         self.history = []
         self.surges = []
 
+    def reset(self) -> None:
+        """After a precision change (fp16 -> bf16): the norms measured before belong to another distribution
+        (fresh optimizer state, no loss scale), against which every new step would look like a surge."""
+        self.window = RollingWindow(self.window.size)
+        self.reset_trend()
+
     def state_dict(self) -> dict:
         return {"window": self.window.state_dict(), "recent": self.recent.state_dict(), "in_rise": self.in_rise}
 

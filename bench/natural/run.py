@@ -1,0 +1,240 @@
+"""A corpus of natural failures: settings that really fail, nothing injected, each run three ways.
+
+    python bench/natural/run.py [--cases NAME,...] [--stack deepspeed|hf] [--out DIR] [--json FILE]
+
+Every case is a small model that fails when run plainly -- an LR peak too high, a warmup too short, fp16 whose
+loss scale collapses, a schedule raised mid-run, a stretch of corrupted data, Adam's epsilon too small,
+unnormalised output logits -- run
+
+- *healthy*: the same run with a sane setting, under trainguard (the README's block, default detectors): what
+  the run should reach, and what trainguard must leave alone (no action, at most one alert incident per 1,000
+  steps);
+- *plain*: the failing setting without trainguard;
+- *guarded*: the failing setting under trainguard (the same block).
+
+One table: the plain outcome (its held-out loss against healthy's, or how it died), what the guarded run did and
+when, the steps it lost, its held-out loss against healthy's, and the detection delay: the first action's step
+minus the step where the plain run's loss left its band (its 8-step median more than 10% above healthy's at the
+same step, or non-finite). The goals of issue 33 are checked at the end. No fault injection anywhere:
+``trainguard.faults`` is not configured in any run.
+
+The DeepSpeed cases run the demo's model (trainguard/demo) under DeepSpeed's own loop; the HF cases the same model
+through Hugging Face's Trainer under ``trainguard run -- torchrun`` (bench/natural/hf_train.py: the script knows
+nothing of trainguard).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from trainguard.demo.run import run_worker  # noqa: E402
+from trainguard.metrics.jsonl import read  # noqa: E402
+
+BLOCK = {  # the README's block: checkpoints, the event log; default detectors and ladders
+    "enabled": True,
+    "checkpoint": {"every_steps": 50, "stable_after": 20, "keep_last": 3},
+    "metrics": {"jsonl": "trainguard.jsonl"},
+}
+BASE = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2},
+    "bf16": {"enabled": True},
+    "steps_per_print": 1000000,
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.003,
+                                                 "warmup_num_steps": 100}},
+}
+FP16 = {"enabled": True, "initial_scale_power": 16, "min_loss_scale": 1}
+ACTIONS = ("skip_step", "rollback", "rollback_lower_lr", "bf16_fallback", "abort")
+
+
+@dataclass
+class Case:
+    name: str
+    stack: str
+    what: str
+    bad: dict                      # {"lr": .., "warmup": .., "fp16": bool, "args": [...]}
+    sane: dict = field(default_factory=dict)
+    steps: int = 300
+
+    def config(self, which: str) -> dict:
+        s = {**self.bad, **self.sane} if which == "healthy" else self.bad
+        cfg = copy.deepcopy(BASE)
+        cfg["scheduler"]["params"].update({"warmup_max_lr": s.get("lr", 0.003),
+                                           "warmup_num_steps": s.get("warmup", 100)})
+        if s.get("fp16"):
+            cfg.pop("bf16")
+            cfg["fp16"] = dict(FP16)
+        if which != "plain":
+            cfg["trainguard"] = copy.deepcopy(BLOCK)
+        return cfg
+
+    def args(self, which: str) -> list[str]:
+        s = {**self.bad, **self.sane} if which == "healthy" else self.bad
+        return list(s.get("args", []))
+
+
+CASES = [
+    Case("lr_peak_early", "deepspeed", "warmup to a peak LR 17x too high (0.05)", {"lr": 0.05}),
+    Case("warmup_too_short", "deepspeed", "peak 0.02 reached in 2 steps", {"lr": 0.02, "warmup": 2},
+         {"lr": 0.003, "warmup": 100}),
+    Case("fp16_scale_collapse", "deepspeed", "fp16 (min scale 1) at a peak LR of 0.1: the scale collapses",
+         {"lr": 0.1, "fp16": True}, {"lr": 0.003}),
+    Case("lr_raised_midrun", "deepspeed", "a run resumed at step 150 with its peak LR raised 15x",
+         {"args": ["--raise-lr", "150:15"]}, {"args": []}),
+    Case("bad_data_stretch", "deepspeed", "steps 150-200 read a shard of another tokenizer (uniform ids)",
+         {"args": ["--bad-data", "150:200:random"]}, {"args": []}),
+    Case("repeated_tokens", "deepspeed", "steps 150-200 read one token repeated (a broken packer)",
+         {"args": ["--bad-data", "150:200:repeat"]}, {"args": []}),
+    Case("adam_eps_tiny", "deepspeed", "Adam epsilon 1e-16 and beta2 0.9999 at peak LR 0.01",
+         {"lr": 0.01, "args": ["--adam-eps", "1e-16", "--adam-beta2", "0.9999"]},
+         {"lr": 0.01, "args": []}),
+    Case("output_logits", "deepspeed", "no final LayerNorm before the output head, peak LR 0.03",
+         {"lr": 0.03, "args": ["--no-final-norm"]}, {"lr": 0.003}),
+    Case("attention_logits", "deepspeed", "one wide head (d_head 96), no QK normalisation, peak LR 0.03",
+         {"lr": 0.03, "args": ["--heads", "1"]}, {"lr": 0.003}),
+]
+
+
+def run_case(case: Case, out: Path) -> dict:
+    runs = {}
+    for which in ("healthy", "plain", "guarded"):
+        d = out / case.name / which
+        d.mkdir(parents=True, exist_ok=True)
+        cfg_path = d / "ds_config.json"
+        cfg_path.write_text(json.dumps(case.config(which), indent=1))
+        extra = case.args(which) + (["--plain"] if which == "plain" else [])
+        t0 = time.time()
+        rc, results = run_worker(cfg_path, d, case.steps, extra=extra, timeout=900)
+        runs[which] = summarise_run(d, rc, results, time.time() - t0)
+    return judge(case, runs)
+
+
+def summarise_run(d: Path, rc: int, results: list, seconds: float) -> dict:
+    r0 = results[0] or {}
+    died = next((r.get("died") for r in results if r and r.get("died")), None)
+    aborted = next((r.get("aborted") for r in results if r and r.get("aborted")), None)
+    if rc != 0 and not died and not aborted:
+        died = f"exit {rc} (see {d / 'torchrun.log'})"
+    events = [e for e in read(d / "trainguard.jsonl") if e.get("type") == "event"] \
+        if (d / "trainguard.jsonl").exists() else []
+    end = next((e["detail"] for e in events if e["event"] == "run_end"), {})
+    return {"rc": rc, "died": died, "aborted": (aborted or {}).get("message"), "eval": r0.get("eval_loss"),
+            "losses": r0.get("losses", []), "steps": r0.get("global_steps"), "seconds": round(seconds, 1),
+            "events": events, "lost": (end.get("goodput") or {}).get("steps_lost")}
+
+
+def smooth(xs: list, k: int = 8) -> list:
+    return [statistics.median(xs[max(0, i - k + 1):i + 1]) if all(map(math.isfinite, xs[max(0, i - k + 1):i + 1]))
+            else math.inf for i in range(len(xs))]
+
+
+def left_band(plain: list, healthy: list, tol: float = 0.10) -> int | None:
+    """The first step where the plain run's smoothed loss stands more than ``tol`` above healthy's (or is not
+    finite), after the first 20 steps."""
+    p, h = smooth([x if x is not None else math.inf for x in plain]), smooth(healthy)
+    for i in range(20, min(len(p), len(h))):
+        if not math.isfinite(p[i]) or p[i] > h[i] * (1 + tol):
+            return i + 1
+    if len(p) < len(h):  # died before leaving it
+        return len(p) + 1
+    return None
+
+
+def incidents(events: list) -> int:
+    """Alert incidents opened (records written as alerts)."""
+    return sum(1 for e in events if e.get("action") == "alert")
+
+
+def judge(case: Case, runs: dict) -> dict:
+    healthy, plain, guarded = runs["healthy"], runs["plain"], runs["guarded"]
+    h_eval = healthy["eval"]
+    acted = [e for e in guarded["events"] if e.get("action") in ACTIONS and e["event"] != "rollback"]
+    first = acted[0] if acted else None
+    band = left_band(plain["losses"], healthy["losses"])
+    rel = lambda x: None if x is None or not h_eval else x / h_eval - 1  # noqa: E731
+    plain_bad = plain["died"] is not None or plain["eval"] is None or rel(plain["eval"]) >= 0.20
+    guarded_rel = rel(guarded["eval"])
+    return {
+        "case": case.name, "stack": case.stack, "what": case.what,
+        "healthy_eval": h_eval, "healthy_actions": [e["event"] for e in healthy["events"]
+                                                    if e.get("action") in ACTIONS],
+        "healthy_incidents_per_1k": round(1000 * incidents(healthy["events"]) / max(healthy["steps"] or 1, 1), 2),
+        "plain": "died at step %s: %s" % (plain["steps"], (plain["died"] or "")[:60]) if plain["died"]
+        else f"{plain['eval']:.3f} ({rel(plain['eval']):+.0%})" if plain["eval"] is not None else "NaN",
+        "plain_bad": plain_bad,
+        "guarded_did": [f"{e['event']}@{e['step']}:{e['action']}" for e in acted][:6],
+        "guarded_aborted": guarded["aborted"],
+        "guarded_eval": guarded["eval"], "guarded_rel": guarded_rel, "steps_lost": guarded["lost"],
+        "left_band": band, "first_action": first["step"] if first else None,
+        "delay": (first["step"] - band) if first and band else None,
+        "seconds": {k: v["seconds"] for k, v in runs.items()},
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'case':<20} {'stack':<9} {'plain vs healthy':<34} {'guarded did (first)':<36} "
+            f"{'lost':>5} {'guarded':>9} {'band':>5} {'delay':>6}")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        did = r["guarded_did"][0] if r["guarded_did"] else "nothing"
+        if r["guarded_aborted"]:
+            did = "ABORT: " + r["guarded_aborted"][:28]
+        g = "died" if r["guarded_eval"] is None else f"{r['guarded_rel']:+.1%}"
+        out.append(f"{r['case']:<20} {r['stack']:<9} {r['plain']:<34.34} {did:<36.36} {str(r['steps_lost']):>5} "
+                   f"{g:>9} {str(r['left_band']):>5} {str(r['delay']):>6}")
+    return "\n".join(out)
+
+
+def goals(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    bad = [r for r in rows if r["plain_bad"]]
+    acted = [r for r in bad if r["guarded_did"]]
+    near = [r for r in rows if r["guarded_rel"] is not None and r["guarded_rel"] <= 0.05]
+    timed = [r for r in bad if r["delay"] is not None]
+    prompt = [r for r in timed if r["delay"] <= 10]
+    quiet = [r for r in rows if not r["healthy_actions"] and r["healthy_incidents_per_1k"] <= 1.0]
+    return [
+        ("every case the plain run fails is acted on", len(acted) == len(bad), f"{len(acted)}/{len(bad)}"),
+        ("guarded within 5% of healthy in >= 80% of cases", len(near) >= 0.8 * len(rows), f"{len(near)}/{len(rows)}"),
+        ("detection within 10 steps of leaving the band", len(prompt) == len(timed), f"{len(prompt)}/{len(timed)}"),
+        ("healthy runs: no action, <= 1 alert incident per 1,000 steps", len(quiet) == len(rows),
+         f"{len(quiet)}/{len(rows)}"),
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", help="comma-separated case names (default: all)")
+    ap.add_argument("--stack", choices=["deepspeed", "hf"])
+    ap.add_argument("--out", default="/tmp/trainguard-natural")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args(argv)
+    chosen = [c for c in CASES if (not args.cases or c.name in args.cases.split(","))
+              and (not args.stack or c.stack == args.stack)]
+    rows = []
+    for c in chosen:
+        print(f"  {c.name} ({c.stack}): {c.what} ...", flush=True)
+        rows.append(run_case(c, Path(args.out)))
+    print()
+    print(table(rows))
+    print()
+    for name, ok, figure in goals(rows):
+        print(f"  [{'met' if ok else 'NOT met'}] {name}: {figure}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
