@@ -160,7 +160,7 @@ class StepDriver:
             self.lr_until = goes_on + rc.lr_cooldown_steps
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.grad_norm.reset_trend()
-        guard.loss_trend.rolled_back()
+        guard.loss_trend.rolled_back(to_step)
         if self.cfg.faults:
             guard.faults.rolled_back()
         guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {

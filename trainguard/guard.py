@@ -33,7 +33,7 @@ from trainguard.detectors.activation import detect_activation
 from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
-from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.detectors.loss_spike import LR_LOOKBACK, LossSpikeDetector
 from trainguard.detectors.loss_trend import LossTrendDetector
 from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
@@ -89,6 +89,7 @@ class StepGuard:
         self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
         self.loss_trend = LossTrendDetector(cfg.detectors.loss_trend)
         self.lr_now: float | None = None  # the LR of the coming update (the driver sets it before DECIDE)
+        self.lrs: dict[int, float] = {}   # step -> its LR, the last LR_LOOKBACK + 1 steps
         self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
         self.goodput = GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
@@ -278,9 +279,10 @@ class StepGuard:
                 rising_before = None
             with_loss = [o.loss for o in obs if o.has_loss]
             mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
+            lr_ratio = self._lr_ratio(step)
             if self.cfg.detectors.loss_spike.enabled:
                 v = self.loss_spike.observe(step, mean_loss, rising_before, self.grad_norm.last_z,
-                                            ranks=[argmax([o.loss for o in obs])])
+                                            ranks=[argmax([o.loss for o in obs])], lr_ratio=lr_ratio)
                 if v is not None:
                     spikes.append(v)
             if self.cfg.detectors.loss_trend.enabled:
@@ -289,6 +291,9 @@ class StepGuard:
                                             ranks=[argmax([o.loss for o in obs])])
                 if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
                     spikes.append(v)
+            if any(v.anomaly == "instant_burst" for v in spikes) and self.grad_norm.blame_data(step):
+                # (a bad batch's surge is no evidence about the LR: repeated surges that include it are no rise)
+                spikes = [v for v in spikes if not (v.detector == "grad_norm" and v.anomaly == "slow_rise")]
         localized = None
         if nonfinite is not None and nonfinite.anomaly == "nonfinite" and self.cfg.detectors.localize.enabled \
                 and self.localize is not None:
@@ -359,6 +364,15 @@ class StepGuard:
         for v in custom:  # your detectors alert; the ladders act on the built-in classes only
             self._alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
+
+    def _lr_ratio(self, step: int) -> float | None:
+        """The LR of this step over the LR ``LR_LOOKBACK`` steps before (None: unknown)."""
+        if self.lr_now is None:
+            return None
+        self.lrs = {s: x for s, x in self.lrs.items() if step - LR_LOOKBACK <= s < step}
+        self.lrs[step] = self.lr_now
+        before = self.lrs.get(step - LR_LOOKBACK) or self.lrs[min(self.lrs)]
+        return self.lr_now / before if before else None
 
     # ------------------------------------------------------------------ replays (trainguard.replay)
     @property

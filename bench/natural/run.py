@@ -20,12 +20,14 @@ same step, or non-finite). The goals of issue 33 are checked at the end. No faul
 
 The DeepSpeed cases run the demo's model (trainguard/demo) under DeepSpeed's own loop; the HF cases the same model
 through Hugging Face's Trainer under ``trainguard run -- torchrun`` (bench/natural/hf_train.py: the script knows
-nothing of trainguard).
+nothing of trainguard); the Megatron-LM cases its unmodified pretrain_gpt.py, a tiny GPT on mock data at TP=2
+(bench/natural/megatron.py; their outcome is the final training loss, Megatron-LM evaluating nothing here).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import json
 import math
 import statistics
@@ -56,6 +58,10 @@ BASE = {
                                                  "warmup_num_steps": 100}},
 }
 FP16 = {"enabled": True, "initial_scale_power": 16, "min_loss_scale": 1}
+HF_BASE = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"},
+           "steps_per_print": 1000000}
+PREFIX = [sys.executable, "-m", "trainguard.cli", "run", "--"]
 ACTIONS = ("skip_step", "rollback", "rollback_lower_lr", "bf16_fallback", "abort")
 
 
@@ -65,11 +71,20 @@ class Case:
     stack: str
     what: str
     bad: dict                      # {"lr": .., "warmup": .., "fp16": bool, "args": [...]}
-    sane: dict = field(default_factory=dict)
+    sane: dict = field(default_factory=dict)   # what healthy changes (default: LR 0.003 after 100 warmup steps)
     steps: int = 300
 
+    def setting(self, which: str) -> dict:
+        """The failing setting, or for *healthy* the sane one: the demo's LR schedule unless ``sane`` says."""
+        return {**self.bad, "lr": 0.003, "warmup": 100, **self.sane} if which == "healthy" else self.bad
+
     def config(self, which: str) -> dict:
-        s = {**self.bad, **self.sane} if which == "healthy" else self.bad
+        s = self.setting(which)
+        if self.stack == "hf":  # (the Trainer fills the "auto"s from its arguments; LR and warmup are its own)
+            cfg = copy.deepcopy(HF_BASE)
+            if which != "plain":
+                cfg["trainguard"] = copy.deepcopy(BLOCK)
+            return cfg
         cfg = copy.deepcopy(BASE)
         cfg["scheduler"]["params"].update({"warmup_max_lr": s.get("lr", 0.003),
                                            "warmup_num_steps": s.get("warmup", 100)})
@@ -81,14 +96,21 @@ class Case:
         return cfg
 
     def args(self, which: str) -> list[str]:
-        s = {**self.bad, **self.sane} if which == "healthy" else self.bad
-        return list(s.get("args", []))
+        s = self.setting(which)
+        lr = ["--lr", str(s.get("lr", 0.003)), "--warmup", str(s.get("warmup", 100))] if self.stack == "hf" else []
+        return lr + list(s.get("args", []))
+
+    def launch(self, which: str) -> dict:
+        """run_worker's module and prefix: DeepSpeed's own loop (the demo worker), or HF's Trainer under
+        ``trainguard run --`` (plain: no prefix, no block)."""
+        if self.stack == "hf":
+            return {"module": "bench.natural.hf_train", "prefix": () if which == "plain" else PREFIX}
+        return {}
 
 
 CASES = [
     Case("lr_peak_early", "deepspeed", "warmup to a peak LR 17x too high (0.05)", {"lr": 0.05}),
-    Case("warmup_too_short", "deepspeed", "peak 0.02 reached in 2 steps", {"lr": 0.02, "warmup": 2},
-         {"lr": 0.003, "warmup": 100}),
+    Case("warmup_too_short", "deepspeed", "peak 0.03 reached in 1 step (no warmup)", {"lr": 0.03, "warmup": 1}),
     Case("fp16_scale_collapse", "deepspeed", "fp16 (min scale 1) at a peak LR of 0.1: the scale collapses",
          {"lr": 0.1, "fp16": True}, {"lr": 0.003}),
     Case("lr_raised_midrun", "deepspeed", "a run resumed at step 150 with its peak LR raised 15x",
@@ -97,13 +119,22 @@ CASES = [
          {"args": ["--bad-data", "150:200:random"]}, {"args": []}),
     Case("repeated_tokens", "deepspeed", "steps 150-200 read one token repeated (a broken packer)",
          {"args": ["--bad-data", "150:200:repeat"]}, {"args": []}),
-    Case("adam_eps_tiny", "deepspeed", "Adam epsilon 1e-16 and beta2 0.9999 at peak LR 0.01",
-         {"lr": 0.01, "args": ["--adam-eps", "1e-16", "--adam-beta2", "0.9999"]},
+    Case("adam_eps_tiny", "deepspeed", "Adam epsilon 1e-16 and beta2 0.99999 at peak LR 0.01",
+         {"lr": 0.01, "args": ["--adam-eps", "1e-16", "--adam-beta2", "0.99999"]},
          {"lr": 0.01, "args": []}),
     Case("output_logits", "deepspeed", "no final LayerNorm before the output head, peak LR 0.03",
          {"lr": 0.03, "args": ["--no-final-norm"]}, {"lr": 0.003}),
     Case("attention_logits", "deepspeed", "one wide head (d_head 96), no QK normalisation, peak LR 0.03",
          {"lr": 0.03, "args": ["--heads", "1"]}, {"lr": 0.003}),
+    Case("hf_lr_peak_early", "hf", "HF Trainer: learning_rate 0.05 after 100 warmup steps", {"lr": 0.05}),
+    Case("hf_warmup_too_short", "hf", "HF Trainer: learning_rate 0.03, warmup_steps 1", {"lr": 0.03, "warmup": 1}),
+    Case("hf_bad_data_stretch", "hf", "HF Trainer: steps 150-200 read a shard of another tokenizer",
+         {"args": ["--bad-data", "150:200:random"]}, {"args": []}),
+    # Megatron-LM's pretrain_gpt.py (healthy: --lr 1e-3 after 30 warmup iterations)
+    Case("mg_lr_peak_early", "megatron", "pretrain_gpt.py: --lr 0.05 after 30 warmup iterations", {"lr": 0.05},
+         {"lr": 1e-3, "warmup": 30}, steps=150),
+    Case("mg_warmup_too_short", "megatron", "pretrain_gpt.py: --lr 0.03, --lr-warmup-iters 1",
+         {"lr": 0.03, "warmup": 1}, {"lr": 1e-3, "warmup": 30}, steps=150),
 ]
 
 
@@ -115,8 +146,13 @@ def run_case(case: Case, out: Path) -> dict:
         cfg_path = d / "ds_config.json"
         cfg_path.write_text(json.dumps(case.config(which), indent=1))
         extra = case.args(which) + (["--plain"] if which == "plain" else [])
+        if case.stack == "megatron":
+            from bench.natural import megatron
+
+            runs[which] = megatron.run(case.setting(which), which, d, case.steps, BLOCK)
+            continue
         t0 = time.time()
-        rc, results = run_worker(cfg_path, d, case.steps, extra=extra, timeout=900)
+        rc, results = run_worker(cfg_path, d, case.steps, extra=extra, timeout=900, **case.launch(which))
         runs[which] = summarise_run(d, rc, results, time.time() - t0)
     return judge(case, runs)
 
@@ -216,14 +252,23 @@ def goals(rows: list[dict]) -> list[tuple[str, bool, str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
-    ap.add_argument("--stack", choices=["deepspeed", "hf"])
+    ap.add_argument("--stack", choices=["deepspeed", "hf", "megatron"])
     ap.add_argument("--out", default="/tmp/trainguard-natural")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--steps", type=int, help="every case this many steps (a quick look; the goals need the cases' own)")
     args = ap.parse_args(argv)
+    os.chdir(ROOT)  # (the HF stack's workers run ``-m bench.natural.hf_train``)
     chosen = [c for c in CASES if (not args.cases or c.name in args.cases.split(","))
               and (not args.stack or c.stack == args.stack)]
+    from bench.natural import megatron
+
+    why = megatron.available()
+    if why and any(c.stack == "megatron" for c in chosen):
+        print(f"  (the Megatron-LM cases are left out: {why})")
+        chosen = [c for c in chosen if c.stack != "megatron"]
     rows = []
     for c in chosen:
+        c.steps = args.steps or c.steps
         print(f"  {c.name} ({c.stack}): {c.what} ...", flush=True)
         rows.append(run_case(c, Path(args.out)))
     print()

@@ -67,9 +67,14 @@ def test_rollback_voids_the_climb_but_keeps_the_best():
     state = det.state_dict()
     det.rolled_back()
     assert det.best == best and len(det.raw) == 0
+    # back to step 45 (loss ~2.9 then): its best then, not the later 2.4 -- else its own loss looks like a climb
+    det.rolled_back(45)
+    assert det.best > best and det.best_step <= 45
+    fall = megatron_lr_blowup()
+    assert not [s for s, x in enumerate(fall[45:60], 46) if det.observe(s, x)]
     det2 = LossTrendDetector(LossTrendConfig())
     det2.load_state_dict(state)
-    assert det2.best == best and det2.best_step == det.best_step
+    assert det2.best == best and det2.best_step == state["best_step"]
 
 
 def test_repeated_gradient_surges_are_a_slow_rise():
@@ -94,3 +99,38 @@ def test_repeated_gradient_surges_are_a_slow_rise():
     healthy = GradNormDetector(GradNormConfig())
     assert not [s for s, n in enumerate(noisy([1.0] * 500, 0.1, seed=4), 1)
                 if any(v.anomaly == "slow_rise" for v in healthy.observe(s, n))]
+
+
+def test_a_bad_batchs_surge_does_not_count_toward_a_rise():
+    """A stretch of bad data: each bad batch's gradient surges with its loss burst. Those surges are the data's,
+    not the LR's; counted, three of them lowered the LR until lr_floor aborted the run (bench/natural)."""
+    det = GradNormDetector(GradNormConfig())
+    for s, n in enumerate(noisy([1.0] * 40, 0.1, seed=5), 1):
+        det.observe(s, n)
+    for s in (41, 42):
+        assert [v.anomaly for v in det.observe(s, 5.0)] == ["grad_surge"]
+        assert det.blame_data(s) is False
+    found = [v.anomaly for v in det.observe(43, 5.0)]
+    assert found == ["grad_surge"]  # two surges left the count: no rise
+    det2 = GradNormDetector(GradNormConfig())
+    for s, n in enumerate(noisy([1.0] * 40, 0.1, seed=5), 1):
+        det2.observe(s, n)
+    for s in (41, 42):
+        det2.observe(s, 5.0)
+    assert "slow_rise" in [v.anomaly for v in det2.observe(43, 5.0)]
+    assert det2.blame_data(43) is True and not det2.in_rise  # the rise completed by a bad batch is void
+
+
+def test_a_spike_right_after_the_lr_jumped_is_the_lrs_not_a_batchs():
+    """A run resumed with its schedule raised 15x: the loss spikes at once, with no creep of the gradient norm
+    before it. Classified instant_burst, each spike was skipped as bad data (bench/natural lr_raised_midrun); the
+    LR's jump within the last 10 steps makes it slow_rise."""
+    from trainguard.config import LossSpikeConfig
+    from trainguard.detectors.loss_spike import LossSpikeDetector
+
+    det = LossSpikeDetector(LossSpikeConfig())
+    for s, x in enumerate(noisy([2.0] * 40, 0.02, seed=2), 1):
+        det.observe(s, x, None, 0.0)
+    assert det.observe(41, 8.0, None, 30.0, lr_ratio=1.0).anomaly == "instant_burst"
+    v = det.observe(42, 8.0, None, 30.0, lr_ratio=15.0)
+    assert v.anomaly == "slow_rise" and "LR rose x15.00" in v.detail["why"]

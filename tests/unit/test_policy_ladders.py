@@ -160,3 +160,33 @@ def test_a_healthy_replay_turns_a_rollback_into_a_skip_and_a_damaged_one_rolls_b
     # recovery off: skip, whatever the replay says
     p = Policy(NonfiniteConfig(), RecoveryConfig(enabled=False))
     assert p.decide([v("nonfinite")], step=5, weights="damaged").action is Action.SKIP_STEP
+
+
+def test_an_fp16_forward_overflowing_again_after_a_rollback_goes_to_bf16():
+    """Issue 33, natural: fp16 at too high an LR, the loss itself non-finite at the attention softmax on every rank
+    (no loss scale changes a forward: it scales the backward). The ladder rolled back again and again until its
+    budget aborted the run. The second rollback of such a forward continues in bf16; gradients alone, bf16 runs
+    or recovery.fp16_fallback "none" keep the ladder as written."""
+    from trainguard.events import Remedy
+
+    def forward(rank=0):
+        return Verdict("nonfinite", "nonfinite", (rank,), {"per_rank": {rank: {"origin": "loss"}}})
+
+    def climb(p, fp16, first=10):
+        for s in (first, first + 1):
+            assert p.decide([forward()], step=s, fp16=fp16).action is Action.SKIP_STEP
+        return p.decide([forward(1)], step=first + 2, fp16=fp16)
+
+    p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig())
+    d = climb(p, fp16=True)
+    assert d.action is Action.ROLLBACK and d.remedy is None  # the first time: a rollback may be enough
+    p.rolled_back(12, False, {"to_step": 5, "anomaly": d.anomaly})
+    d = climb(p, fp16=True, first=20)
+    assert d.action is Action.ROLLBACK and d.remedy is Remedy.BF16_FALLBACK and "range" in d.reason
+    for fp16, fallback, origin in ((False, "bf16", "loss"), (True, "none", "loss"), (True, "bf16", "gradients")):
+        p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig(fp16_fallback=fallback))
+        p.rolled_back(12, False, {"to_step": 5, "anomaly": "nonfinite"})
+        for s in (20, 21, 22):
+            d = p.decide([Verdict("nonfinite", "nonfinite", (0,), {"per_rank": {0: {"origin": origin}}})], step=s,
+                         fp16=fp16)
+        assert d.action is Action.ROLLBACK and d.remedy is None, (fp16, fallback, origin)

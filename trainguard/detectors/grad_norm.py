@@ -32,6 +32,7 @@ class GradNormDetector:
         self.last_z = 0.0
         self.history: list[tuple[int, float]] = []   # (step, norm) of the last `window` steps
         self.surges: list[int] = []                   # steps of recent grad_surge verdicts
+        self.escalated_at: int | None = None          # the step repeated surges last gave a slow_rise
 
     def onset(self, step: int) -> int:
         """Where the current rise began: the first of the uninterrupted run of steps whose norm
@@ -89,12 +90,22 @@ class GradNormDetector:
             if rising_now:
                 detail["log_slope_per_step"] = round(self.recent.slope(self.cfg.trend_steps, log=True), 4)
             else:
+                self.escalated_at = step
                 detail.update({"surges": list(self.surges), "why": f"{len(self.surges)} gradient-norm surges within "
                                f"{self.cfg.surge_window} steps", "onset_step": self.surges[0]})
             verdicts.append(Verdict(self.name, "slow_rise", tuple(ranks), detail))
         elif not rising_now and not repeated:
             self.in_rise = False
         return verdicts
+
+    def blame_data(self, step: int) -> bool:
+        """This step's surge came with a loss burst (a bad batch): no evidence about the LR, so it does not count
+        toward repeated surges. Returns True when it completed them at this step (that slow_rise is void)."""
+        self.surges = [s for s in self.surges if s != step]
+        if self.escalated_at == step:
+            self.escalated_at, self.in_rise = None, False
+            return True
+        return False
 
     def ratio_since(self, step: int) -> float | None:
         """The median norm of the steps after ``step`` over the window's median: how far the gradient norm stands

@@ -7,7 +7,8 @@ A spike is a step whose loss lies more than ``z`` robust deviations (median / MA
 - ``slow_rise``: the gradient norm was trending up over the steps before the spike -- the LR is
   too high or the warmup too short. Remedy: lower the LR, lengthen the warmup.
 - ``instant_burst``: no such trend; the gradient norm jumped within this one step -- a bad batch.
-  Remedy: skip the batch, roll back past it.
+  Remedy: skip the batch, roll back past it. Unless the LR itself jumped within the last ``LR_LOOKBACK`` steps
+  (a run resumed with a raised schedule): then it is the LR's, ``slow_rise``.
 
 Spikes are not pushed into the window, so one bad batch does not shift the baseline.
 """
@@ -25,6 +26,10 @@ REMEDY = {
 }
 
 
+LR_LOOKBACK = 10  # steps over which an LR jump is measured ...
+LR_JUMP = 1.5     # ... and the ratio that makes a spike an LR's, not a batch's
+
+
 class LossSpikeDetector:
     name = "loss_spike"
 
@@ -32,9 +37,11 @@ class LossSpikeDetector:
         self.cfg = cfg
         self.window = RollingWindow(cfg.window)
 
-    def observe(self, step: int, loss: float, trend: str | None, grad_z: float, ranks=()) -> Verdict | None:
+    def observe(self, step: int, loss: float, trend: str | None, grad_z: float, ranks=(),
+                lr_ratio: float | None = None) -> Verdict | None:
         """``trend``: the gradient detector's reading of the steps before this one ('rising' or
-        None); ``grad_z``: how far this step's gradient norm jumped (robust z)."""
+        None); ``grad_z``: how far this step's gradient norm jumped (robust z); ``lr_ratio``: the LR now over the
+        LR ``LR_LOOKBACK`` steps ago (a schedule raised mid-run spikes the loss with no creep before it)."""
         if not math.isfinite(loss):
             return None  # the non-finite detector owns this step
         if len(self.window) < self.cfg.min_history:
@@ -44,10 +51,13 @@ class LossSpikeDetector:
         if z <= self.cfg.z:
             self.window.push(loss)
             return None
-        kind = "slow_rise" if trend == "rising" else "instant_burst"
+        lr_jumped = lr_ratio is not None and lr_ratio > LR_JUMP
+        kind = "slow_rise" if trend == "rising" or lr_jumped else "instant_burst"
         return Verdict(detector=self.name, anomaly=kind, ranks=tuple(ranks), detail={
             "loss": loss, "median": self.window.median(), "mad": self.window.mad(), "z": round(z, 2),
-            "grad_z": round(grad_z, 2), "class": kind, "remedy": REMEDY[kind]})
+            "grad_z": round(grad_z, 2), "class": kind, "remedy": REMEDY[kind],
+            **({"lr_ratio": round(lr_ratio, 3), "why": f"the LR rose x{lr_ratio:.2f} within the last {LR_LOOKBACK} "
+                "steps"} if lr_jumped else {})})
 
     def state_dict(self) -> dict:
         return {"window": self.window.state_dict()}

@@ -61,6 +61,7 @@ class LossTrendDetector:
         self.best_step = 0
         self.best_lr: float | None = None
         self.above = 0          # consecutive steps the smoothed loss stood above the band
+        self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr) as each step left them
         self.reported = False   # one verdict per episode (until the loss is back in its band)
 
     def smoothed(self) -> float | None:
@@ -94,6 +95,7 @@ class LossTrendDetector:
             self.best, self.best_step, self.best_lr = level, self.raw[len(self.raw) // 2][0], lr
         if self.best is None:
             return None
+        self.bests.append((step, self.best, self.best_step, self.best_lr))
         band = self.band()
         if s <= band:
             self.above, self.reported = 0, False
@@ -118,11 +120,17 @@ class LossTrendDetector:
         first = next((i for i, v in enumerate(vals) if v > band), None)
         return first is not None and first > 0 and all(v > band for v in vals[first:])
 
-    def rolled_back(self) -> None:
-        """The run went back to a checkpoint: the climb measured on the abandoned trajectory is void (the best
-        stays: it is the level the run is to return to)."""
+    def rolled_back(self, to_step: int | None = None) -> None:
+        """The run went back to a checkpoint of ``to_step``: the climb measured on the abandoned trajectory is void,
+        and the best is the one the run had at ``to_step`` (a later best, from steps the rollback undid, would make
+        the loss of an earlier checkpoint look like a climb)."""
         self.raw.clear()
         self.above, self.reported = 0, False
+        if to_step is None:
+            return
+        while self.bests and self.bests[-1][0] > to_step:
+            self.bests.pop()
+        _, self.best, self.best_step, self.best_lr = self.bests[-1] if self.bests else (0, None, 0, None)
 
     def state_dict(self) -> dict:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen}
