@@ -78,12 +78,14 @@ class Case:
         """The failing setting, or for *healthy* the sane one: the demo's LR schedule unless ``sane`` says."""
         return {**self.bad, "lr": 0.003, "warmup": 100, **self.sane} if which == "healthy" else self.bad
 
-    def config(self, which: str) -> dict:
+    def config(self, which: str, out: Path) -> dict:
         s = self.setting(which)
         if self.stack == "hf":  # (the Trainer fills the "auto"s from its arguments; LR and warmup are its own)
             cfg = copy.deepcopy(HF_BASE)
-            if which != "plain":
+            if which != "plain":  # (the Trainer's working directory is not the run's: paths absolute)
                 cfg["trainguard"] = copy.deepcopy(BLOCK)
+                cfg["trainguard"]["metrics"]["jsonl"] = str(out / "trainguard.jsonl")
+                cfg["trainguard"]["checkpoint"]["dir"] = str(out / "ckpt")
             return cfg
         cfg = copy.deepcopy(BASE)
         cfg["scheduler"]["params"].update({"warmup_max_lr": s.get("lr", 0.003),
@@ -131,10 +133,10 @@ CASES = [
     Case("hf_bad_data_stretch", "hf", "HF Trainer: steps 150-200 read a shard of another tokenizer",
          {"args": ["--bad-data", "150:200:random"]}, {"args": []}),
     # Megatron-LM's pretrain_gpt.py (healthy: --lr 1e-3 after 30 warmup iterations)
-    Case("mg_lr_peak_early", "megatron", "pretrain_gpt.py: --lr 0.05 after 30 warmup iterations", {"lr": 0.05},
-         {"lr": 1e-3, "warmup": 30}, steps=150),
-    Case("mg_warmup_too_short", "megatron", "pretrain_gpt.py: --lr 0.03, --lr-warmup-iters 1",
-         {"lr": 0.03, "warmup": 1}, {"lr": 1e-3, "warmup": 30}, steps=150),
+    Case("mg_lr_peak_early", "megatron", "pretrain_gpt.py: --lr 0.3 after 30 warmup iterations",
+         {"lr": 0.3, "warmup": 30}, {"lr": 1e-3, "warmup": 30}, steps=150),
+    Case("mg_warmup_too_short", "megatron", "pretrain_gpt.py: --lr 0.15, --lr-warmup-iters 1",
+         {"lr": 0.15, "warmup": 1}, {"lr": 1e-3, "warmup": 30}, steps=150),
 ]
 
 
@@ -144,10 +146,10 @@ def run_case(case: Case, out: Path) -> dict:
         d = out / case.name / which
         d.mkdir(parents=True, exist_ok=True)
         cfg_path = d / "ds_config.json"
-        cfg_path.write_text(json.dumps(case.config(which), indent=1))
+        cfg_path.write_text(json.dumps(case.config(which, d), indent=1))
         extra = case.args(which) + (["--plain"] if which == "plain" else [])
         if case.stack == "megatron":
-            from bench.natural import megatron
+            from bench.natural import megatron_lm as megatron
 
             runs[which] = megatron.run(case.setting(which), which, d, case.steps, BLOCK)
             continue
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
     os.chdir(ROOT)  # (the HF stack's workers run ``-m bench.natural.hf_train``)
     chosen = [c for c in CASES if (not args.cases or c.name in args.cases.split(","))
               and (not args.stack or c.stack == args.stack)]
-    from bench.natural import megatron
+    from bench.natural import megatron_lm as megatron
 
     why = megatron.available()
     if why and any(c.stack == "megatron" for c in chosen):
