@@ -69,7 +69,7 @@ def _demo(args) -> int:
         extra += ["--zero-stage", str(args.zero_stage)]
     if args.dtype:
         extra += ["--dtype", args.dtype]
-    return demo(args.config, args.steps, args.out, extra=extra)
+    return demo(args.config, args.steps, args.out, extra=extra, natural=not args.no_natural)
 
 
 def _drill(args) -> int:
@@ -195,6 +195,8 @@ def main(argv=None) -> int:
     d.add_argument("--out", default="trainguard-demo", help="where logs and results go")
     d.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
     d.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="override the config's precision")
+    d.add_argument("--no-natural", action="store_true", help="leave out the natural failure (nothing injected: an "
+                   "LR schedule raised mid-run) that follows the injected faults")
     d.set_defaults(func=_demo)
 
     dr = sub.add_parser("drill", help="fire drill: trainguard vs plain DeepSpeed under a schedule of faults")

@@ -382,8 +382,9 @@ class RecoveryConfig(_Section):
                               "200-500).")
     lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier of rollback_lower_lr.")
     lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts.")
-    lr_floor: float = Field(0.05, gt=0, le=1, description="Abort when the accumulated LR factor would go below "
-                            "this (lowering it further is not a remedy any more).")
+    lr_floor: float = Field(0.01, gt=0, le=1, description="Abort when the accumulated LR factor would go below "
+                            "this (lowering it further is not a remedy any more). 0.01: six halvings; a peak LR "
+                            "30x too high (bench/natural) needs five.")
     reset_optimizer_moments: bool = Field(False, description="On a rollback, zero Adam's moment estimates (as SPAM "
                                           "does) instead of keeping the checkpoint's.")
     max_rollbacks: int = Field(5, ge=0, description="Rollbacks allowed within rollback_window steps; one more aborts.")

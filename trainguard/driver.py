@@ -138,6 +138,7 @@ class StepDriver:
                 self._lower_lr(fw.completed_steps())
                 guard.grad_norm.reset_trend()  # (what goes on at the lowered LR is a new episode)
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
+            guard.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
             guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
                 "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,

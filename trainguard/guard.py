@@ -285,15 +285,6 @@ class StepGuard:
                                             ranks=[argmax([o.loss for o in obs])], lr_ratio=lr_ratio)
                 if v is not None:
                     spikes.append(v)
-            if self.cfg.detectors.loss_trend.enabled:
-                grad_ratio = self.grad_norm.ratio_since(self.loss_trend.best_step)
-                v = self.loss_trend.observe(step, mean_loss, self.lr_now, grad_ratio,
-                                            ranks=[argmax([o.loss for o in obs])])
-                if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
-                    spikes.append(v)
-            if any(v.anomaly == "instant_burst" for v in spikes) and self.grad_norm.blame_data(step):
-                # (a bad batch's surge is no evidence about the LR: repeated surges that include it are no rise)
-                spikes = [v for v in spikes if not (v.detector == "grad_norm" and v.anomaly == "slow_rise")]
         localized = None
         if nonfinite is not None and nonfinite.anomaly == "nonfinite" and self.cfg.detectors.localize.enabled \
                 and self.localize is not None:
@@ -318,6 +309,8 @@ class StepGuard:
             losses = [e["replayed"] for e in everyone]
             self._weights = {"verdict": weights_verdict(losses, self._healthy_loss),
                              "replayed_losses": [loggable(x) for x in losses]}
+        if nonfinite is None:
+            spikes = self._trend(step, obs, spikes)
         if everyone and activation is not None:
             found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
                                       self.cfg.detectors.activation_range)
@@ -347,7 +340,9 @@ class StepGuard:
         self.last_decision = decision
         # damaged weights, not data: no sample is to blame
         self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
-        self.suspects.observe(step, self.culprit_samples, self.emit)
+        # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host)
+        unhealthy = [o.rank for o in obs if o.has_loss and not (o.loss_finite and self._healthy_loss(o.loss))]
+        self.suspects.observe(step, self.culprit_samples, self.emit, failing=unhealthy if verdicts else ())
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self._everyone = everyone
@@ -364,6 +359,25 @@ class StepGuard:
         for v in custom:  # your detectors alert; the ladders act on the built-in classes only
             self._alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
+
+    def _trend(self, step: int, obs: list[RankObservation], spikes: list[Verdict]) -> list[Verdict]:
+        """After the weights check: a step whose loss burst the weights do not explain was a bad batch -- its loss
+        and gradient norm are no evidence about the LR (they leave the gradient's creep and surge count, and the
+        loss trend does not see them); any other step's loss goes to the loss trend (trainguard.detectors.
+        loss_trend)."""
+        if any(v.anomaly == "instant_burst" for v in spikes) and self.weights != "damaged":
+            if self.grad_norm.blame_data(step):
+                spikes = [v for v in spikes if not (v.detector == "grad_norm" and v.anomaly == "slow_rise")]
+            return spikes
+        if self.cfg.detectors.loss_trend.enabled:
+            with_loss = [o.loss for o in obs if o.has_loss]
+            mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
+            v = self.loss_trend.observe(step, mean_loss, self.lr_now,
+                                        self.grad_norm.ratio_since(self.loss_trend.best_step),
+                                        ranks=[argmax([o.loss for o in obs])])
+            if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
+                spikes = spikes + [v]
+        return spikes
 
     def _lr_ratio(self, step: int) -> float | None:
         """The LR of this step over the LR ``LR_LOOKBACK`` steps before (None: unknown)."""

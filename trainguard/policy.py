@@ -84,6 +84,7 @@ class Policy:
         self.tried: list[dict] = []
         self.last_rollback_to: int | None = None    # the step the last rollback returned to ...
         self.last_rollback_from: int | None = None  # ... from this step
+        self.unavailable: dict[str, int] = {}       # class -> the step a rollback for it found no checkpoint
 
     def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None,
                weights: str | None = None, fp16: bool = False) -> Decision:
@@ -136,6 +137,15 @@ class Policy:
                            "damaged, rolling back now")
         if chosen == "abort":
             return self._abort(f"{reason}: the ladder says abort", verdicts, step)
+        stuck = self.unavailable.get(driver)
+        if driver == "instant_burst" and chosen == "rollback" and stuck is not None and \
+                0 <= step - stuck < self.recovery.ladder_window:
+            # no checkpoint predated this class's onset a moment ago, so a rollback would skip the step again: the
+            # weights (not a batch) are what is wrong, and skipping step after step freezes them where they are
+            # (bench/natural: a run whose output logits blew up at step 30 skipped every step until its budget
+            # aborted it; plain DeepSpeed trained through it) -- train on, and say so
+            return Decision(Action.CONTINUE, f"{reason}: no checkpoint predates its onset (step {stuck}); skipping "
+                            "again would freeze the weights: training on (alert)", verdicts, anomaly=driver)
         if chosen in ("rollback", "rollback_lower_lr"):
             exhausted = self._budget_exhausted(reason, verdicts, step)
             if exhausted is not None:
@@ -230,6 +240,11 @@ class Policy:
         if lower_lr:
             self.lower_lr()
         self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
+
+    def rollback_unavailable(self, step: int, cls: str | None) -> None:
+        """The adapter found no checkpoint before the onset of a ``cls`` rollback (the step was skipped instead)."""
+        if cls:
+            self.unavailable[str(cls)] = step
 
     def tried_also(self, step: int, action: str, detail: dict) -> None:
         """Record a remedy beyond the rollback itself (raise_floor, bf16_fallback) for the abort report."""

@@ -36,6 +36,20 @@ def _ranks(e: dict) -> set:
     return ranks
 
 
+def _folded(es: list[dict], closes: list[dict], kind: str) -> tuple[int, int, int] | None:
+    """Alerts of ``kind`` counted with the ones folded into their incidents (trainguard.incidents): (alerts,
+    incidents, last step), or None when none of its records opened an incident."""
+    opened = [e for e in es if isinstance((e.get("detail") or {}).get("incident"), dict)]
+    if not opened:
+        return None
+    mine = [c["detail"] for c in closes if (c.get("detail") or {}).get("record") == kind]
+    closed_ids = {c.get("id") for c in mine}
+    still_open = [e for e in opened if e["detail"]["incident"].get("id") not in closed_ids]  # (a killed run)
+    count = len(es) - len(opened) + sum(c.get("count", 1) for c in mine) + len(still_open)
+    last = max([c.get("last_step", 0) for c in mine] + [e["step"] for e in es])
+    return count, len(opened), last
+
+
 def summarize(lines: list[dict]) -> str:
     events = [x for x in lines if x.get("type") == "event"]
     metrics = [x for x in lines if x.get("type") == "metric"]
@@ -62,8 +76,14 @@ def summarize(lines: list[dict]) -> str:
             steps = sorted({e["step"] for e in es})
             ranks = sorted(set().union(*(_ranks(e) for e in es)))
             samples = sorted(set().union(*(_samples(e) for e in es)))
+            count, grouped = len(es), _folded(es, by.get("incident_closed") or [], kind)
+            if grouped:  # (alerts as incidents: what the closes say was folded in)
+                count, opened, last = grouped
+                steps = sorted(set(steps) | {last})
+                ranks = sorted(set(ranks) | set().union(*(set(c["detail"].get("ranks") or []) for c in
+                                                          by["incident_closed"] if c["detail"].get("record") == kind)))
             span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
-            line = f"  {kind:<20} x{len(es):<3} {span}"
+            line = f"  {kind:<20} x{count:<3} {span}" + (f" ({opened} incident{'s' * (opened > 1)})" if grouped else "")
             if ranks:
                 line += f"; ranks {ranks}"
             if samples:

@@ -27,7 +27,7 @@ class SuspectWatch:
         self.suspected: set[int] = set()
         self.last_failure: dict = {}       # data-parallel replica -> the last step it held a culprit
 
-    def observe(self, step: int, culprits: dict[int, list[int]], emit) -> None:
+    def observe(self, step: int, culprits: dict[int, list[int]], emit, failing=()) -> None:
         """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit.
 
         A rank's anomalies count against it only while they are its own (issue 33): a step on which every
@@ -35,16 +35,16 @@ class SuspectWatch:
         replica voids the occurrences before it -- a numerics failure the run shares (an LR too high, an fp16
         scale collapsing) strikes the ranks in turn, on different steps; counted, it named every rank suspect and
         sent every host to suspect_hosts.json, which a launcher excludes and drains. Hardware is a rank that
-        fails again and again while the other replicas stay healthy."""
-        if not culprits:
-            return
+        fails again and again while the other replicas stay healthy. ``failing``: the ranks whose own values were not
+        healthy this step beside the culprits (a loss spike names the rank with the highest loss; a stretch of bad
+        data reaches every rank)."""
         if self.world > 1:
             # (by data-parallel replica: under tensor/pipeline parallelism one origin per model-parallel group is named)
             replicas = {self._replica(r) for r in range(self.world)}
-            failing = {self._replica(r) for r in culprits}
+            failing = {self._replica(r) for r in [*culprits, *failing]}
             for rep in failing:
                 self.last_failure[rep] = step
-            if len(replicas) > 1 and failing >= replicas:
+            if not culprits or (len(replicas) > 1 and failing >= replicas):
                 return
         for r, ids in culprits.items():
             others = [s for rep, s in self.last_failure.items() if rep != self._replica(r)]

@@ -14,8 +14,8 @@ unnormalised output logits -- run
 
 One table: the plain outcome (its held-out loss against healthy's, or how it died), what the guarded run did and
 when, the steps it lost, its held-out loss against healthy's, and the detection delay: the first action's step
-minus the step where the plain run's loss left its band (its 8-step median more than 10% above healthy's at the
-same step, or non-finite). The goals of issue 33 are checked at the end. No fault injection anywhere:
+minus the step where the plain run's loss left its band (its 8-step median more than 10% above the best it had
+reached, or non-finite; none when it never climbed). The goals of issue 33 are checked at the end. No fault injection anywhere:
 ``trainguard.faults`` is not configured in any run.
 
 The DeepSpeed cases run the demo's model (trainguard/demo) under DeepSpeed's own loop; the HF cases the same model
@@ -128,7 +128,7 @@ CASES = [
          {"lr": 0.03, "args": ["--no-final-norm"]}, {"lr": 0.003}),
     Case("attention_logits", "deepspeed", "one wide head (d_head 96), no QK normalisation, peak LR 0.03",
          {"lr": 0.03, "args": ["--heads", "1"]}, {"lr": 0.003}),
-    Case("hf_lr_peak_early", "hf", "HF Trainer: learning_rate 0.05 after 100 warmup steps", {"lr": 0.05}),
+    Case("hf_lr_peak_early", "hf", "HF Trainer: learning_rate 0.2 after 100 warmup steps", {"lr": 0.2}),
     Case("hf_warmup_too_short", "hf", "HF Trainer: learning_rate 0.03, warmup_steps 1", {"lr": 0.03, "warmup": 1}),
     Case("hf_bad_data_stretch", "hf", "HF Trainer: steps 150-200 read a shard of another tokenizer",
          {"args": ["--bad-data", "150:200:random"]}, {"args": []}),
@@ -178,15 +178,16 @@ def smooth(xs: list, k: int = 8) -> list:
             else math.inf for i in range(len(xs))]
 
 
-def left_band(plain: list, healthy: list, tol: float = 0.10) -> int | None:
-    """The first step where the plain run's smoothed loss stands more than ``tol`` above healthy's (or is not
-    finite), after the first 20 steps."""
-    p, h = smooth([x if x is not None else math.inf for x in plain]), smooth(healthy)
-    for i in range(20, min(len(p), len(h))):
-        if not math.isfinite(p[i]) or p[i] > h[i] * (1 + tol):
+def left_band(plain: list, tol: float = 0.10) -> int | None:
+    """The first step where the plain run's loss left its band: its smoothed loss (8-step median) more than ``tol``
+    above the best it had reached, or not finite (after the first 20 steps). None: it never climbed (a run that only
+    converges slower has no such step)."""
+    p = smooth([x if x is not None else math.inf for x in plain])
+    best = math.inf
+    for i, x in enumerate(p):
+        if i >= 20 and (not math.isfinite(x) or x > best * (1 + tol)):
             return i + 1
-    if len(p) < len(h):  # died before leaving it
-        return len(p) + 1
+        best = min(best, x)
     return None
 
 
@@ -200,7 +201,7 @@ def judge(case: Case, runs: dict) -> dict:
     h_eval = healthy["eval"]
     acted = [e for e in guarded["events"] if e.get("action") in ACTIONS and e["event"] != "rollback"]
     first = acted[0] if acted else None
-    band = left_band(plain["losses"], healthy["losses"])
+    band = left_band(plain["losses"])
     rel = lambda x: None if x is None or not h_eval else x / h_eval - 1  # noqa: E731
     plain_bad = plain["died"] is not None or plain["eval"] is None or rel(plain["eval"]) >= 0.20
     guarded_rel = rel(guarded["eval"])

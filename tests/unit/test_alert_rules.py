@@ -132,3 +132,16 @@ def test_a_persisting_alert_is_one_incident():
     ends = book.expire(306, at_end=True)
     assert [(c["record"], c["worst"], c["open_at_end"]) for c in ends] == [
         ("entropy_collapse", {"entropy_ratio": 0.01}, True), ("grad_surge", {"z": 40.0}, True)]
+
+
+def test_the_report_counts_the_alerts_folded_into_incidents():
+    from trainguard.summary import summarize
+
+    lines = [{"type": "metric", "step": 1, "goodput": 1.0},
+             {"type": "event", "step": 50, "event": "entropy_collapse", "ranks": [0], "action": "alert",
+              "detail": {"incident": {"id": 1, "state": "opened"}}},
+             {"type": "event", "step": 300, "event": "incident_closed", "ranks": [0, 1], "action": None,
+              "detail": {"id": 1, "record": "entropy_collapse", "count": 14, "last_step": 300, "ranks": [0, 1]}},
+             {"type": "event", "step": 300, "event": "run_end", "ranks": [0, 1], "action": None, "detail": {}}]
+    (line,) = [x for x in summarize(lines).splitlines() if x.strip().startswith("entropy_collapse")]
+    assert "x14" in line and "steps 50..300" in line and "(1 incident)" in line and "ranks [0, 1]" in line

@@ -230,7 +230,7 @@ def summarise(results: list[dict | None]) -> dict:
 
 
 def demo(config: str | os.PathLike | None, steps: int, out: str | os.PathLike, extra: Sequence[str] = (),
-         stream=sys.stdout) -> int:
+         stream=sys.stdout, natural: bool = True) -> int:
     config = Path(config) if config else DEFAULT_CONFIG
     out = Path(out)
     print(f"trainguard demo: 2 ranks, {steps} steps, config {config}", file=stream)
@@ -267,4 +267,66 @@ def demo(config: str | os.PathLike | None, steps: int, out: str | os.PathLike, e
               "test_detect_dist.py).", file=stream)
     print("", file=stream)
     print(f"event log: {out / 'trainguard' / 'trainguard.jsonl'}", file=stream)
+    if natural:
+        natural_case(config, out / "natural", extra=extra, stream=stream)
     return 0
+
+
+# beside the injected faults: a failure nobody injected (bench/natural runs the whole corpus)
+NATURAL = {"what": "the peak LR raised 15x at step 150, as in a run resumed with a raised schedule",
+           "args": ["--raise-lr", "150:15"], "steps": 300}
+
+
+def natural_case(config: Path, out: Path, extra: Sequence[str] = (), stream=sys.stdout) -> dict:
+    """The demo's natural row: the same model and block, no fault configured, an LR schedule raised mid-run, under
+    trainguard and plain. A plain run that dies is a row of the table (how it died), never a traceback."""
+    from trainguard.config import read_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = read_json(config)
+    block = cfg.get("trainguard", {})
+    block.pop("faults", None)
+    block.pop("allow_faults", None)
+    path = out / "ds_config.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    print(f"\nA natural failure, nothing injected: {NATURAL['what']} ({NATURAL['steps']} steps).", file=stream)
+    print("  run 1/2: under trainguard ...", file=stream, flush=True)
+    rc_g, res_g = run_worker(path, out / "trainguard", NATURAL["steps"], extra=[*extra, *NATURAL["args"]])
+    print("  run 2/2: plain DeepSpeed ...", file=stream, flush=True)
+    rc_p, res_p = run_worker(path, out / "plain", NATURAL["steps"], extra=[*extra, *NATURAL["args"], "--plain"])
+    g, p = summarise(res_g), summarise(res_p)
+    if rc_g != 0:
+        g["completed"] = False
+    if rc_p != 0:
+        p["completed"] = False
+    log = out / "trainguard" / "trainguard.jsonl"
+    events = [e for e in read(log) if e.get("type") == "event"] if log.exists() else []
+    acts = [_did(e) for e in events if e["event"] in ("rollback", "rollback_unavailable", "precision_fallback")]
+    skipped = sum(1 for e in events if e.get("action") == "skip_step" and e["event"] != "rollback_unavailable")
+    did = "; ".join(acts[:4] + ([f"{skipped} step(s) skipped"] if skipped else [])) or "nothing"
+
+    def fmt(r):
+        if r.get("died"):
+            return f"died at step {r.get('steps')}"
+        return "NaN" if r.get("eval_loss") is None else f"{r['eval_loss']:.4f}"
+
+    print("", file=stream)
+    print(f"{'':<26}{'trainguard':<22}{'plain DeepSpeed':<22}", file=stream)
+    print(f"{'completed':<26}{str(g.get('completed')):<22}{str(p.get('completed')):<22}", file=stream)
+    print(f"{'held-out loss (final)':<26}{fmt(g):<22}{fmt(p):<22}", file=stream)
+    print(f"what trainguard did: {did}", file=stream)
+    if p.get("died"):
+        print(f"plain DeepSpeed stopped at step {p.get('steps')}: {p['died']}", file=stream)
+    return {"trainguard": g, "plain": p, "did": did, "events": events}
+
+
+def _did(e: dict) -> str:
+    d = e.get("detail") or {}
+    lr = f", LR x{d['lr_factor']:g}" if d.get("lr_factor") else ""
+    if e["event"] == "rollback":
+        return f"step {e['step']}: {d.get('anomaly')} -> rolled back to step {d.get('to_step')}{lr}"
+    if e["event"] == "rollback_unavailable":
+        return f"step {e['step']}: {d.get('anomaly')} -> no checkpoint before the onset: skipped{lr}"
+    if e["event"] == "precision_fallback":
+        return f"step {e['step']}: continued in bf16"
+    return f"step {e['step']}: {e['event']}"

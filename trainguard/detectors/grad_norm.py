@@ -32,7 +32,8 @@ class GradNormDetector:
         self.last_z = 0.0
         self.history: list[tuple[int, float]] = []   # (step, norm) of the last `window` steps
         self.surges: list[int] = []                   # steps of recent grad_surge verdicts
-        self.escalated_at: int | None = None          # the step repeated surges last gave a slow_rise
+        self.rise_at: int | None = None               # the step the last slow_rise was given
+        self.pushed: tuple[int, bool] | None = None   # (step, whether its norm went into the window)
 
     def onset(self, step: int) -> int:
         """Where the current rise began: the first of the uninterrupted run of steps whose norm
@@ -80,6 +81,7 @@ class GradNormDetector:
         self.history = (self.history + [(step, norm)])[-self.cfg.window:]
         if not verdicts:  # surges stay out of the baseline
             self.window.push(norm)
+        self.pushed = (step, not verdicts)
         rising_now = self.trend()
         self.surges = [s for s in self.surges if s > step - self.cfg.surge_window] + ([step] if verdicts else [])
         repeated = 0 < self.cfg.surges_to_rise <= len(self.surges)
@@ -90,20 +92,28 @@ class GradNormDetector:
             if rising_now:
                 detail["log_slope_per_step"] = round(self.recent.slope(self.cfg.trend_steps, log=True), 4)
             else:
-                self.escalated_at = step
                 detail.update({"surges": list(self.surges), "why": f"{len(self.surges)} gradient-norm surges within "
                                f"{self.cfg.surge_window} steps", "onset_step": self.surges[0]})
+            self.rise_at = step
             verdicts.append(Verdict(self.name, "slow_rise", tuple(ranks), detail))
         elif not rising_now and not repeated:
             self.in_rise = False
         return verdicts
 
     def blame_data(self, step: int) -> bool:
-        """This step's surge came with a loss burst (a bad batch): no evidence about the LR, so it does not count
-        toward repeated surges. Returns True when it completed them at this step (that slow_rise is void)."""
+        """This step's batch was bad (a loss burst the weights do not explain): its norm is no evidence about the
+        LR -- it leaves the surge count, the creep and the baseline (a stretch of bad data made the norm creep and
+        surge, and the LR was lowered until lr_floor aborted the run). Returns True when a slow_rise was given at
+        this step (void now)."""
         self.surges = [s for s in self.surges if s != step]
-        if self.escalated_at == step:
-            self.escalated_at, self.in_rise = None, False
+        if self.history and self.history[-1][0] == step:
+            self.history.pop()
+            if self.recent.values:
+                self.recent.values.pop()
+            if self.pushed == (step, True) and self.window.values:
+                self.window.values.pop()
+        if self.rise_at == step:
+            self.rise_at, self.in_rise = None, False
             return True
         return False
 
