@@ -181,7 +181,14 @@ def _patch_trainer(module) -> None:
                                                  key_from(block.checkpoint))
                 if chosen is not None:
                     resume_from_checkpoint = chosen
-            return original(self, resume_from_checkpoint, *args, **kwargs)
+            out = original(self, resume_from_checkpoint, *args, **kwargs)
+            # the run is over: its last save committed, run_end and the incidents closed -- the Trainer never
+            # destroys its engine, and a user's script ends without a word to trainguard (each train() builds
+            # its engine anew, so a later call is guarded afresh)
+            session = getattr(getattr(self, "model_wrapped", None), "_trainguard", None)
+            if session is not None:
+                session.close()
+            return out
         return train
 
     _wrap(module.Trainer, "train", make)

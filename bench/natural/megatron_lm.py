@@ -71,6 +71,12 @@ def run(setting: dict, which: str, out: Path, steps: int, block: dict) -> dict:
     t0 = time.time()
     with open(out / "megatron.log", "w") as log:
         rc, _, _ = run_bounded(command, 1200, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
+    shutil.rmtree(out / "ckpt", ignore_errors=True)
+    return summarise(out, rc, time.time() - t0)
+
+
+def summarise(out: Path, rc: int, seconds: float) -> dict:
+    """What a run left in ``out`` (Megatron-LM's log, trainguard's JSONL), in the bench's run summary shape."""
     text = (out / "megatron.log").read_text(errors="replace")
     losses: dict[int, float] = {}
     for m in LINE.finditer(text):
@@ -82,10 +88,9 @@ def run(setting: dict, which: str, out: Path, steps: int, block: dict) -> dict:
     aborted = next((e["detail"].get("reason") for e in events if e["event"] == "abort"), None)
     died = None if rc == 0 or aborted else (_last_error(text) or f"exit {rc}")
     end = next((e["detail"] for e in events if e["event"] == "run_end"), {})
-    shutil.rmtree(out / "ckpt", ignore_errors=True)
     final = statistics.median(series[-10:]) if len(series) >= 10 else None
     return {"rc": rc, "died": died, "aborted": aborted, "eval": final, "losses": series,
-            "steps": max(losses, default=0), "seconds": round(time.time() - t0, 1), "events": events,
+            "steps": max(losses, default=0), "seconds": round(seconds, 1), "events": events,
             "lost": (end.get("goodput") or {}).get("steps_lost")}
 
 

@@ -140,10 +140,13 @@ CASES = [
 ]
 
 
-def run_case(case: Case, out: Path) -> dict:
+def run_case(case: Case, out: Path, reuse: bool = False) -> dict:
     runs = {}
     for which in ("healthy", "plain", "guarded"):
         d = out / case.name / which
+        if reuse and (d / "summary.json").exists():  # (judged again from what a run left, not run again)
+            runs[which] = json.loads((d / "summary.json").read_text())
+            continue
         d.mkdir(parents=True, exist_ok=True)
         cfg_path = d / "ds_config.json"
         cfg_path.write_text(json.dumps(case.config(which, d), indent=1))
@@ -152,10 +155,11 @@ def run_case(case: Case, out: Path) -> dict:
             from bench.natural import megatron_lm as megatron
 
             runs[which] = megatron.run(case.setting(which), which, d, case.steps, BLOCK)
-            continue
-        t0 = time.time()
-        rc, results = run_worker(cfg_path, d, case.steps, extra=extra, timeout=900, **case.launch(which))
-        runs[which] = summarise_run(d, rc, results, time.time() - t0)
+        else:
+            t0 = time.time()
+            rc, results = run_worker(cfg_path, d, case.steps, extra=extra, timeout=900, **case.launch(which))
+            runs[which] = summarise_run(d, rc, results, time.time() - t0)
+        (d / "summary.json").write_text(json.dumps(runs[which], default=str))
     return judge(case, runs)
 
 
@@ -178,16 +182,19 @@ def smooth(xs: list, k: int = 8) -> list:
             else math.inf for i in range(len(xs))]
 
 
-def left_band(plain: list, tol: float = 0.10) -> int | None:
+def left_band(plain: list, tol: float = 0.15) -> int | None:
     """The first step where the plain run's loss left its band: its smoothed loss (8-step median) more than ``tol``
-    above the best it had reached, or not finite (after the first 20 steps). None: it never climbed (a run that only
-    converges slower has no such step)."""
-    p = smooth([x if x is not None else math.inf for x in plain])
+    above the best level it had reached (the lowest 32-step median: the lowest 8-step median of a noisy loss lies
+    below its level, and noise alone would leave a band over it), or not finite, after the first 20 steps. None: it
+    never climbed (a run that only converges slower has no such step)."""
+    xs = [x if x is not None else math.inf for x in plain]
+    p, level = smooth(xs), smooth(xs, 32)
     best = math.inf
     for i, x in enumerate(p):
         if i >= 20 and (not math.isfinite(x) or x > best * (1 + tol)):
             return i + 1
-        best = min(best, x)
+        if i >= 31:
+            best = min(best, level[i])
     return None
 
 
@@ -258,6 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stack", choices=["deepspeed", "hf", "megatron"])
     ap.add_argument("--out", default="/tmp/trainguard-natural")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--reuse", action="store_true", help="judge the runs already in --out again (no run)")
     ap.add_argument("--steps", type=int, help="every case this many steps (a quick look; the goals need the cases' own)")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # (the HF stack's workers run ``-m bench.natural.hf_train``)
@@ -273,7 +281,7 @@ def main(argv=None) -> int:
     for c in chosen:
         c.steps = args.steps or c.steps
         print(f"  {c.name} ({c.stack}): {c.what} ...", flush=True)
-        rows.append(run_case(c, Path(args.out)))
+        rows.append(run_case(c, Path(args.out), args.reuse))
     print()
     print(table(rows))
     print()

@@ -70,6 +70,11 @@ def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(t
     for r in results:
         assert r["engine_class"].startswith("Trainguard") and r["skipped_steps"] == 1 and r["weights_finite"]
         assert r["global_step"] == 10
+        # the run closed when train() returned (its last save committed, run_end written): a user's script never
+        # destroys the Trainer's engine (bench/natural's HF runs had no run_end)
+        assert r["guard_closed_after_train"] is True
+    (end,) = [x for x in lines if x.get("event") == "run_end"]
+    assert end["detail"]["global_steps"] == 10
 
 
 SHAPES = (pytest.param("trainer_first", marks=pytest.mark.smoke("zero-code HF Trainer")), "transformers_attribute",

@@ -88,8 +88,10 @@ def main(argv=None, make_trainer=None) -> int:
     trainer = make_trainer(model, targs, Embeddings(args.nan_sample), [Record()])
     resume = bool(args.resume and os.path.isdir(targs.output_dir) and get_last_checkpoint(targs.output_dir))
     trainer.train(resume_from_checkpoint=resume or None)
+    # (whether trainguard closed its run when train() returned: the Trainer never destroys its engine)
+    closed = getattr(getattr(getattr(trainer.model_wrapped, "_trainguard", None), "session", None), "closed", None)
     return finish(out, trainer.model, trainer.model_wrapped, losses=losses, global_step=trainer.state.global_step,
-                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), guard_closed_after_train=closed)
 
 if __name__ == "__main__":
     sys.exit(main())
