@@ -274,7 +274,8 @@ class StepGuard:
             proxy = math.sqrt(sum(n * n for n in norms) / len(norms)) if all(n is not None for n in norms) else None
             if self.cfg.detectors.grad_norm.enabled:
                 rising_before = self.grad_norm.trend()
-                spikes += self.grad_norm.observe(step, proxy, ranks=[argmax(norms)])
+                loss_up = not self.cfg.detectors.loss_trend.enabled or self.loss_trend.standing_above(0.05)
+                spikes += self.grad_norm.observe(step, proxy, ranks=[argmax(norms)], loss_up=loss_up)
             else:
                 rising_before = None
             with_loss = [o.loss for o in obs if o.has_loss]

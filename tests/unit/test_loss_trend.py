@@ -96,6 +96,10 @@ def test_repeated_gradient_surges_are_a_slow_rise():
         more[k] = 1.0 + 20 * 0.15
     again = [s for s, n in enumerate(more, 61) if any(v.anomaly == "slow_rise" for v in det.observe(s, n))]
     assert again == [81]
+    # a loss that goes on improving: surges alone are no rise (a heavy-tailed norm)
+    learning = GradNormDetector(GradNormConfig())
+    assert not [s for s, n in enumerate(norms, 1)
+                if any(v.anomaly == "slow_rise" for v in learning.observe(s, n, loss_up=False))]
     healthy = GradNormDetector(GradNormConfig())
     assert not [s for s, n in enumerate(noisy([1.0] * 500, 0.1, seed=4), 1)
                 if any(v.anomaly == "slow_rise" for v in healthy.observe(s, n))]

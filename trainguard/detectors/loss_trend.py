@@ -80,6 +80,12 @@ class LossTrendDetector:
         """The smoothed loss above which the run counts as climbing away from its best."""
         return None if self.best is None else self.best + self.cfg.rise * abs(self.best)
 
+    def standing_above(self, fraction: float) -> bool:
+        """Whether the smoothed loss of the steps so far stands more than ``fraction`` above the best level (True
+        while no best is known: no evidence either way)."""
+        s = self.smoothed()
+        return self.best is None or s is None or s > self.best * (1 + fraction)
+
     def observe(self, step: int, loss: float, lr: float | None = None, grad_ratio: float | None = None,
                 ranks=()) -> Verdict | None:
         if not math.isfinite(loss):
