@@ -55,6 +55,13 @@ def test_demo_prints_the_table(tmp_path):
     assert line["attention_entropy_ratio"]["blocks.1.attn.softmax"][3] < 0.05
     assert len(line["clocks"]) == 2 and all(abs(t - line["time"]) < 60 for t in line["clocks"])
 
+    # then the natural failure (nothing injected): the schedule raised 15x at 150 is acted on, the run ends better
+    natural = res.stdout[res.stdout.index("A natural failure, nothing injected"):]
+    did = next(x for x in natural.splitlines() if x.startswith("what trainguard did:"))
+    assert "slow_rise -> rolled back" in did and "LR x0.5" in did
+    (held,) = [x.split()[3:] for x in natural.splitlines() if x.startswith("held-out loss (final)")]
+    assert float(held[0]) < 0.8 * float(held[1])
+
     # trainguard report on the demo's log: the summary first, then the pictures
     rep = bounded([sys.executable, "-m", "trainguard.cli", "report", str(log), "--out", str(tmp_path / "rep")], 180)
     assert rep.returncode == 0, rep.stderr
