@@ -103,8 +103,10 @@ class GradNormConfig(_Section):
     trend_rise: float = Field(
         0.03, gt=0, description="Rise alert when log(norm) grows faster than this per step (least squares) "
         "over trend_steps, all above the median. 0.03/step = +43% over 12 steps.")
-    surges_to_rise: int = Field(3, ge=0, description="This many grad_surge alerts within surge_window steps are a "
-                                "slow_rise (an irregular surge never gives a clean log-slope; 0: never).")
+    surges_to_rise: int = Field(3, ge=0, description="This many grad_surge alerts within surge_window steps, while "
+                                "the loss stands 5% above its best level (detectors.loss_trend), are a slow_rise (an "
+                                "irregular surge never gives a clean log-slope; a bad batch's surge does not count; "
+                                "0: never).")
     surge_window: int = Field(50, ge=2, description="Steps over which grad_surge alerts are counted.")
 
 
