@@ -44,8 +44,8 @@ class StepDriver:
         before = scaler.state() if scaler is not None else None
         with self._lr_scaled(step):
             loss_scale, divisor = fw.agree_scale()
+            guard.lr_now = self.step_lr if self.step_lr is not None else _lr(fw.lr_groups())  # (it rides the table)
             obs = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None)
-            guard.lr_now = self.step_lr if self.step_lr is not None else _lr(fw.lr_groups())
             decision = guard.on_decide(step, obs)
             if decision.action is Action.ABORT:
                 raise guard.abort(step, decision)
@@ -162,6 +162,7 @@ class StepDriver:
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.grad_norm.reset_trend()
         guard.loss_trend.rolled_back(to_step)
+        guard.rewound(step, to_step)
         if self.cfg.faults:
             guard.faults.rolled_back()
         guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {

@@ -88,7 +88,8 @@ class StepGuard:
         self.loss_spike = LossSpikeDetector(cfg.detectors.loss_spike)
         self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
         self.loss_trend = LossTrendDetector(cfg.detectors.loss_trend)
-        self.lr_now: float | None = None  # the LR of the coming update (the driver sets it before DECIDE)
+        self.lr_now: float | None = None  # this rank's LR of the coming update (the driver sets it before AGREE)
+        self.lr_agreed: float | None = None  # rank 0's, from the AGREE table: what every rank's detectors read
         self.lrs: dict[int, float] = {}   # step -> its LR, the last LR_LOOKBACK + 1 steps
         self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
         self.goodput = GoodputMeter()
@@ -238,6 +239,7 @@ class StepGuard:
         host[F["samples_rejected"]] = len(tally.rejected)
         host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
         host[F["compute_s"]] = self.timer.take()
+        host[F["lr"]] = float("nan") if self.lr_now is None else float(self.lr_now)
         pending = self.deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
@@ -266,6 +268,9 @@ class StepGuard:
 
     def on_decide(self, step: int, obs: list[RankObservation]) -> Decision:
         """DECIDE: pure detectors -> policy -> one action, identical on every rank."""
+        # (the LR the detectors read comes from the table, never this rank's own: under pipeline parallelism a
+        # stage's first param group may hold another LR, and the ranks would classify differently)
+        self.lr_agreed = obs[0].lr if obs and math.isfinite(obs[0].lr) else None
         verdicts: list[Verdict] = []
         nonfinite = detect_nonfinite(obs, scaled=self._scaled) if self.checking else None
         spikes: list[Verdict] = []
@@ -373,7 +378,7 @@ class StepGuard:
         if self.cfg.detectors.loss_trend.enabled:
             with_loss = [o.loss for o in obs if o.has_loss]
             mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
-            v = self.loss_trend.observe(step, mean_loss, self.lr_now,
+            v = self.loss_trend.observe(step, mean_loss, self.lr_agreed,
                                         self.grad_norm.ratio_since(self.loss_trend.best_step),
                                         ranks=[argmax([o.loss for o in obs])])
             if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
@@ -382,12 +387,12 @@ class StepGuard:
 
     def _lr_ratio(self, step: int) -> float | None:
         """The LR of this step over the LR ``LR_LOOKBACK`` steps before (None: unknown)."""
-        if self.lr_now is None:
+        if self.lr_agreed is None:
             return None
         self.lrs = {s: x for s, x in self.lrs.items() if step - LR_LOOKBACK <= s < step}
-        self.lrs[step] = self.lr_now
+        self.lrs[step] = self.lr_agreed
         before = self.lrs.get(step - LR_LOOKBACK) or self.lrs[min(self.lrs)]
-        return self.lr_now / before if before else None
+        return self.lr_agreed / before if before else None
 
     # ------------------------------------------------------------------ replays (trainguard.replay)
     @property
@@ -566,9 +571,15 @@ class StepGuard:
             detail = {**detail, "incident": incident}
         self.emit(step, record, ranks, ALERT, detail, rank_local=self.rank in ranks, **extra)
 
-    def _close_incidents(self, step: int, at_end: bool = False) -> None:
-        for inc in self.incidents.expire(step, at_end) if self.incidents is not None else ():
+    def _close_incidents(self, step: int, at_end: bool = False, why: str | None = None) -> None:
+        for inc in self.incidents.expire(step, at_end, why) if self.incidents is not None else ():
             self.emit(step, Record.INCIDENT_CLOSED, inc["ranks"], None, inc)
+
+    def rewound(self, step: int, to_step: int) -> None:
+        """A rollback from ``step`` took the step counter back to ``to_step``: what counts steps across it starts
+        again (open incidents closed; the suspects' record of shared failures kept no later than ``to_step``)."""
+        self._close_incidents(step, why="rollback")
+        self.suspects.rewound(to_step)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""

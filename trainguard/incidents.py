@@ -70,10 +70,13 @@ class Incidents:
         self.open[record] = inc
         return {"id": inc.id, "state": "opened", "closes_after": self.gap}
 
-    def expire(self, step: int, at_end: bool = False) -> list[dict]:
-        """The incidents that closed by ``step`` (no alert of their kind for ``gap`` steps), or all at the end."""
-        done = [k for k, inc in self.open.items() if at_end or step - inc.last_step > self.gap]
-        return [{**self.open.pop(k).summary(), **({"open_at_end": True} if at_end else {})} for k in sorted(done)]
+    def expire(self, step: int, at_end: bool = False, why: str | None = None) -> list[dict]:
+        """The incidents that closed by ``step`` (no alert of their kind for ``gap`` steps), or all at the end of
+        the run (``at_end``) or at a rollback (``why``: the step counter goes back, and a gap measured across it
+        would fold the re-run's alerts into the abandoned trajectory's)."""
+        done = [k for k, inc in self.open.items() if at_end or why or step - inc.last_step > self.gap]
+        extra = {"open_at_end": True} if at_end else {"closed_by": why} if why else {}
+        return [{**self.open.pop(k).summary(), **extra} for k in sorted(done)]
 
 
 def _worst(record: str, detail: dict) -> float | None:

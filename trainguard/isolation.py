@@ -21,7 +21,7 @@ from trainguard.detectors.base import RankObservation
 # Columns of the gathered table. Appending a field is compatible; reordering is not.
 FIELDS = ("loss_sum", "micro_batches", "loss_nonfinite", "grad_sq", "grad_checked", "faults_fired",
           "samples_rejected", "prev_grad_norm", "clock", "prev_applied_sq",
-          "compute_s")
+          "compute_s", "lr")
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -90,6 +90,7 @@ def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
                                    samples_rejected=int(row[F["samples_rejected"]]),
                                    prev_grad_norm=row[F["prev_grad_norm"]], clock=row[F["clock"]],
                                    prev_applied_sq=row[F["prev_applied_sq"]], compute_s=row[F["compute_s"]],
+                                   lr=row[F["lr"]],
                                    extra={name: row[len(FIELDS) + i] for i, name in enumerate(extra)}))
     return out
 

@@ -58,6 +58,11 @@ class SuspectWatch:
             if len(seen) >= self.suspect_after:
                 self.suspect(step, r, None, emit, occurrences=[s for s, _ in seen])
 
+    def rewound(self, to_step: int) -> None:
+        """The step counter went back to ``to_step`` (a rollback): a shared failure recorded after it would otherwise
+        lie in the future of every step until the run passed it again."""
+        self.last_failure = {rep: min(s, to_step) for rep, s in self.last_failure.items()}
+
     def _replica(self, r: int):
         return self.coords_of(r).get("dp", r)
 

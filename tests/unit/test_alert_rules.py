@@ -145,3 +145,22 @@ def test_the_report_counts_the_alerts_folded_into_incidents():
              {"type": "event", "step": 300, "event": "run_end", "ranks": [0, 1], "action": None, "detail": {}}]
     (line,) = [x for x in summarize(lines).splitlines() if x.strip().startswith("entropy_collapse")]
     assert "x14" in line and "steps 50..300" in line and "(1 incident)" in line and "ranks [0, 1]" in line
+
+
+def test_a_rollback_closes_open_incidents_and_rewinds_shared_failures():
+    """A rollback sets the step counter back: a gap measured across it was negative, so the re-run's alerts were
+    folded into the abandoned trajectory's incident and nothing expired until the run passed it again."""
+    from trainguard.incidents import Incidents
+    from trainguard.suspects import SuspectWatch
+
+    book = Incidents(gap=100)
+    assert book.admit(500, "grad_surge", [0], {"z": 9.0})["state"] == "opened"
+    (closed,) = book.expire(501, why="rollback")
+    assert closed["closed_by"] == "rollback" and not book.open
+    assert book.admit(210, "grad_surge", [0], {"z": 50.0})["id"] == 2  # the re-run's alert: written
+    watch = SuspectWatch(2, rank=0, jsonl=None, coords_of=lambda r: {"rank": r}, world=2)
+    watch.observe(500, {0: [1]}, lambda *a: None)
+    watch.rewound(200)
+    for step in (230, 240):  # rank 1 alone after the rollback, rank 0's failure is behind the rewound counter
+        watch.observe(step, {1: [step]}, lambda *a: None)
+    assert watch.suspected == {1}

@@ -75,6 +75,8 @@ def test_rollback_voids_the_climb_but_keeps_the_best():
     det2 = LossTrendDetector(LossTrendConfig())
     det2.load_state_dict(state)
     assert det2.best == best and det2.best_step == state["best_step"]
+    det2.rolled_back(75)  # (back to the checkpoint it resumed from: the best it restored stays)
+    assert det2.best == best
 
 
 def test_repeated_gradient_surges_are_a_slow_rise():
@@ -84,10 +86,12 @@ def test_repeated_gradient_surges_are_a_slow_rise():
     norms = noisy([1.0] * 60, 0.1, seed=3)
     for k, z in ((30, 8.0), (36, 13.0), (41, 40.0), (47, 28.0)):
         norms[k] = 1.0 + z * 0.15
-    kinds = [(s, [v.anomaly for v in det.observe(s, n)]) for s, n in enumerate(norms, 1)]
+    found = [(s, det.observe(s, n)) for s, n in enumerate(norms, 1)]
+    kinds = [(s, [v.anomaly for v in vs]) for s, vs in found]
     rises = [s for s, k in kinds if "slow_rise" in k]
     assert rises == [42], kinds[28:50]
-    assert det.onset(42) <= 31
+    (rise,) = [v for v in found[41][1] if v.anomaly == "slow_rise"]
+    assert rise.detail["onset_step"] == 31 and rise.detail["surges"] == [31, 37, 42]
     # surges that go on after the remedy (the driver resets the trend after a rollback or an LR lowered in place)
     # are a new episode: counted afresh, a second slow_rise
     det.reset_trend()

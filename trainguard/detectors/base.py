@@ -26,6 +26,7 @@ class RankObservation:
     clock: float = float("nan")            # this rank's wall clock at AGREE (its heartbeat, for the metrics)
     prev_applied_sq: float = float("nan")  # its squared norm of the gradients the previous step applied
     compute_s: float = float("nan")        # its own data + forward time of this step (trainguard.steptime)
+    lr: float = float("nan")               # its LR of the coming update (rank 0's decides: the same on every rank)
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # registered detectors' columns
 
     @property

@@ -61,7 +61,7 @@ class LossTrendDetector:
         self.best_step = 0
         self.best_lr: float | None = None
         self.above = 0          # consecutive steps the smoothed loss stood above the band
-        self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr) as each step left them
+        self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr) at each new best
         self.reported = False   # one verdict per episode (until the loss is back in its band)
 
     def smoothed(self) -> float | None:
@@ -84,7 +84,7 @@ class LossTrendDetector:
         """Whether the smoothed loss of the steps so far stands more than ``fraction`` above the best level (True
         while no best is known: no evidence either way)."""
         s = self.smoothed()
-        return self.best is None or s is None or s > self.best * (1 + fraction)
+        return self.best is None or s is None or s > self.best + fraction * abs(self.best)
 
     def observe(self, step: int, loss: float, lr: float | None = None, grad_ratio: float | None = None,
                 ranks=()) -> Verdict | None:
@@ -99,9 +99,9 @@ class LossTrendDetector:
         if level is not None and (self.best is None or level < self.best):
             # (the step at the centre of the window that set it: a rollback goes back before the climb, not to its top)
             self.best, self.best_step, self.best_lr = level, self.raw[len(self.raw) // 2][0], lr
+            self.bests.append((step, self.best, self.best_step, self.best_lr))
         if self.best is None:
             return None
-        self.bests.append((step, self.best, self.best_step, self.best_lr))
         band = self.band()
         if s <= band:
             self.above, self.reported = 0, False
@@ -114,7 +114,7 @@ class LossTrendDetector:
         kind, why = classify(lr_ratio, grad_ratio, self._jumped(band))
         return Verdict(detector=self.name, anomaly=kind, ranks=tuple(ranks), detail={
             "loss": loss, "smoothed": round(s, 4), "best": round(self.best, 4), "best_step": self.best_step,
-            "rise": round(s / self.best - 1, 4) if self.best else None, "limit_rise": self.cfg.rise,
+            "rise": round((s - self.best) / abs(self.best), 4) if self.best else None, "limit_rise": self.cfg.rise,
             "lr_ratio": None if lr_ratio is None else round(lr_ratio, 3),
             "grad_ratio": None if grad_ratio is None else round(grad_ratio, 3),
             "class": kind, "evidence": why, "onset_step": self.best_step + 1, "remedy": REMEDY[kind]})
@@ -134,7 +134,9 @@ class LossTrendDetector:
         self.above, self.reported = 0, False
         if to_step is None:
             return
-        while self.bests and self.bests[-1][0] > to_step:
+        while len(self.bests) > 1 and self.bests[-1][0] > to_step:
+            self.bests.pop()
+        if self.bests and self.bests[-1][0] > to_step:  # (no best known as of to_step: learnt again)
             self.bests.pop()
         _, self.best, self.best_step, self.best_lr = self.bests[-1] if self.bests else (0, None, 0, None)
 
@@ -144,5 +146,8 @@ class LossTrendDetector:
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step = state.get("best"), int(state.get("best_step", 0))
         self.best_lr, self.seen = state.get("best_lr"), int(state.get("seen", 0))
+        # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
+        self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr)] if self.best is not None else [],
+                           maxlen=self.bests.maxlen)
         self.raw.clear()
         self.above, self.reported = 0, False
