@@ -316,7 +316,7 @@ class StepGuard:
             self._weights = {"verdict": weights_verdict(losses, self._healthy_loss),
                              "replayed_losses": [loggable(x) for x in losses]}
         if nonfinite is None:
-            spikes = self._trend(step, obs, spikes)
+            spikes = self._trend(step, obs, spikes, mean_loss)
         if everyone and activation is not None:
             found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
                                       self.cfg.detectors.activation_range)
@@ -346,9 +346,11 @@ class StepGuard:
         self.last_decision = decision
         # damaged weights, not data: no sample is to blame
         self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
-        # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host)
-        unhealthy = [o.rank for o in obs if o.has_loss and not (o.loss_finite and self._healthy_loss(o.loss))]
-        self.suspects.observe(step, self.culprit_samples, self.emit, failing=unhealthy if verdicts else ())
+        # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host;
+        # judged on anomaly steps only -- each judgement sorts the loss window)
+        unhealthy = [o.rank for o in obs if o.has_loss and not (o.loss_finite and self._healthy_loss(o.loss))] \
+            if verdicts else []
+        self.suspects.observe(step, self.culprit_samples, self.emit, failing=unhealthy)
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self._everyone = everyone
@@ -366,7 +368,8 @@ class StepGuard:
             self._alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
 
-    def _trend(self, step: int, obs: list[RankObservation], spikes: list[Verdict]) -> list[Verdict]:
+    def _trend(self, step: int, obs: list[RankObservation], spikes: list[Verdict],
+               mean_loss: float) -> list[Verdict]:
         """After the weights check: a step whose loss burst the weights do not explain was a bad batch -- its loss
         and gradient norm are no evidence about the LR (they leave the gradient's creep and surge count, and the
         loss trend does not see them); any other step's loss goes to the loss trend (trainguard.detectors.
@@ -376,10 +379,7 @@ class StepGuard:
                 spikes = [v for v in spikes if not (v.detector == "grad_norm" and v.anomaly == "slow_rise")]
             return spikes
         if self.cfg.detectors.loss_trend.enabled:
-            with_loss = [o.loss for o in obs if o.has_loss]
-            mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
-            v = self.loss_trend.observe(step, mean_loss, self.lr_agreed,
-                                        self.grad_norm.ratio_since(self.loss_trend.best_step),
+            v = self.loss_trend.observe(step, mean_loss, self.lr_agreed, self.grad_norm.ratio_since,
                                         ranks=[argmax([o.loss for o in obs])])
             if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
                 spikes = spikes + [v]

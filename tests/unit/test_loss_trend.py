@@ -55,7 +55,7 @@ def test_the_class_comes_from_loss_gradient_and_lr_together():
     # a stretch of garbage data: the loss jumps and stays up, LR flat, gradient calm
     det = LossTrendDetector(LossTrendConfig())
     losses = noisy([2.0] * 60, 0.03, seed=1) + noisy([4.0] * 20, 0.03, seed=2)
-    found = [v for s, x in enumerate(losses, 1) if (v := det.observe(s, x, lr=1e-3, grad_ratio=1.1))]
+    found = [v for s, x in enumerate(losses, 1) if (v := det.observe(s, x, lr=1e-3, grad_ratio=lambda since: 1.1))]
     assert [v.anomaly for v in found] == ["instant_burst"]
 
 

@@ -5,8 +5,9 @@ of healthy steps -- and a window absorbs a climb that comes one step at a time: 
 above the last, so none is a spike, and the window's median follows the loss up (issue 33: Megatron-LM's
 loss falling to ~2.4, then climbing for ~30 iterations to ~7.0, unanswered). This detector keeps the
 *smoothed* loss (the median of the last ``smooth`` steps: one bad batch cannot move it) and the best level it
-has reached (the median of ``4 x smooth`` steps: noise alone does not set it low); when the smoothed loss has stood more than ``rise`` (relative) above that best for ``patience``
-steps, the run is diverging, whatever shape the gradient norm has.
+has reached (the median of ``4 x smooth`` steps: noise alone does not set it low); when the smoothed loss has
+stood more than ``rise`` (relative) above that best for ``patience`` steps, the run is diverging, whatever shape
+the gradient norm has.
 
 Its class comes from three signals together (:func:`classify`), not from one:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import Callable
 
 from trainguard.config import LossTrendConfig
 from trainguard.detectors.base import Verdict
@@ -86,7 +88,8 @@ class LossTrendDetector:
         s = self.smoothed()
         return self.best is None or s is None or s > self.best + fraction * abs(self.best)
 
-    def observe(self, step: int, loss: float, lr: float | None = None, grad_ratio: float | None = None,
+    def observe(self, step: int, loss: float, lr: float | None = None,
+                grad_ratio: Callable[[int], float | None] | None = None,
                 ranks=()) -> Verdict | None:
         if not math.isfinite(loss):
             return None  # the non-finite detector owns this step
@@ -111,6 +114,8 @@ class LossTrendDetector:
             return None
         self.reported = True
         lr_ratio = lr / self.best_lr if lr and self.best_lr else None
+        # (``grad_ratio(since)``: the gradient norm over the climb against its baseline, asked only for a verdict)
+        grad_ratio = grad_ratio(self.best_step) if grad_ratio is not None else None
         kind, why = classify(lr_ratio, grad_ratio, self._jumped(band))
         return Verdict(detector=self.name, anomaly=kind, ranks=tuple(ranks), detail={
             "loss": loss, "smoothed": round(s, 4), "best": round(self.best, 4), "best_step": self.best_step,
