@@ -14,7 +14,9 @@ step at default sampling.
     python bench/guard_overhead.py [--ranks 2] [--steps 150] [--d-model 256] [--layers 4] [--zero 2] [--dtype bf16]
 
 ``--ranks 1`` runs as a single rank (no launcher). On a GPU machine it uses the GPU, and
-``--sync-debug`` additionally turns on ``torch.cuda.set_sync_debug_mode("warn")``.
+``--sync-debug`` additionally turns on ``torch.cuda.set_sync_debug_mode("warn")`` and counts, per step and
+engine, the synchronising CUDA calls the runtime itself reports (exact, where the tensor-call count above is a
+proxy). ``--dtype fp16`` runs DeepSpeed's dynamic loss scaling (on a GPU: real fp16 kernels).
 """
 from __future__ import annotations
 
@@ -93,8 +95,12 @@ def build(args, guarded: bool, device, sdc_every: int = 0, name: str = "bench"):
            "zero_optimization": {"stage": args.zero}, "wall_clock_breakdown": False}
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif args.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
     if guarded:
         cfg["trainguard"] = {"metrics": {"jsonl": str(Path(args.out) / f"{name}.jsonl")}}
+        if args.faults:  # (the GPU check: the guard's skip and loss-scale paths on real kernels; timings then moot)
+            cfg["trainguard"].update(allow_faults=True, faults=json.loads(args.faults))
         if sdc_every:  # (issue 26: both silent-data-corruption checks every N steps)
             cfg["trainguard"]["detectors"] = {"replica_check": {"enabled": True, "every_steps": sdc_every},
                                               "peer_replay": {"enabled": True, "every_steps": sdc_every}}
@@ -116,10 +122,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--zero", type=int, default=2)
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16")
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--sync-debug", action="store_true", help="GPU: torch.cuda.set_sync_debug_mode('warn')")
+    ap.add_argument("--faults", help="a JSON list of faults for the guarded engine (see docs/faults.md)")
     ap.add_argument("--sdc-every", type=int, default=0, help="compare the default guard (baseline, 'plain' below) "
                     "with the guard plus detectors.replica_check and detectors.peer_replay every N steps (issue 26: "
                     "N = 100, target mean ratio <= 1.005, no extra sync on unchecked steps)")
@@ -145,22 +152,39 @@ def main(argv=None) -> int:
     counter.install()
     times = {"plain": [], "guarded": []}
     syncs = {"plain": [], "guarded": []}
+    cuda_syncs = {"plain": [], "guarded": []}  # what the CUDA runtime reports under --sync-debug
+    cuda_count = [0]
+    if cuda and args.sync_debug:
+        import warnings
+
+        shown = warnings.showwarning
+
+        def count_sync(message, category, *a, **k):
+            if "synchronizing" in str(message).lower():
+                cuda_count[0] += counter.active
+                return
+            shown(message, category, *a, **k)
+
+        warnings.showwarning = count_sync
+        warnings.simplefilter("always")
 
     def one(engine, batch, name, measure):
         if cuda:
             torch.cuda.synchronize()
         counter.count, counter.active = 0, measure
+        cuda_count[0] = 0
         t0 = time.perf_counter()
         loss = engine(batch)
         engine.backward(loss)
         engine.step()
+        counter.active = False  # (the bench's own synchronize below is not counted)
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        counter.active = False
         if measure:
             times[name].append(dt)
             syncs[name].append(counter.count)
+            cuda_syncs[name].append(cuda_count[0])
 
     if cuda and args.sync_debug:
         torch.cuda.set_sync_debug_mode("warn")
@@ -199,6 +223,11 @@ def main(argv=None) -> int:
         "syncs_per_step_guarded_median": statistics.median(syncs["guarded"]),
         "extra_syncs_per_step_median": extra_median, "extra_syncs_per_step_mean": round(extra_mean, 3),
     }
+    if cuda and args.sync_debug:
+        figures.update({"cuda_syncs_per_step_plain_median": statistics.median(cuda_syncs["plain"]),
+                        "cuda_syncs_per_step_guarded_median": statistics.median(cuda_syncs["guarded"]),
+                        "cuda_syncs_per_step_plain_mean": round(statistics.mean(cuda_syncs["plain"]), 3),
+                        "cuda_syncs_per_step_guarded_mean": round(statistics.mean(cuda_syncs["guarded"]), 3)})
     if torch.distributed.get_rank() == 0:
         print(f"guard overhead: {n_params / 1e6:.2f} M params, ZeRO-{args.zero} {args.dtype} on {device} x {world} "
               f"rank(s), {args.steps} interleaved steps each")
@@ -209,6 +238,10 @@ def main(argv=None) -> int:
         print(f"  host syncs / step  plain {figures['syncs_per_step_plain_median']:9.1f}      "
               f"guarded {figures['syncs_per_step_guarded_median']:9.1f}      extra {extra_median:+.1f} median, "
               f"{extra_mean:+.2f} mean with sampled steps  (target <= 1)")
+        if "cuda_syncs_per_step_plain_median" in figures:
+            print(f"  CUDA syncs / step  plain {figures['cuda_syncs_per_step_plain_median']:9.1f}      "
+                  f"guarded {figures['cuda_syncs_per_step_guarded_median']:9.1f}      (the runtime's count, median; "
+                  f"means {figures['cuda_syncs_per_step_plain_mean']} / {figures['cuda_syncs_per_step_guarded_mean']})")
     if args.sdc_every:
         figures.update(sdc_figures)
         if torch.distributed.get_rank() == 0:
