@@ -90,6 +90,8 @@ def main() -> int:
 
             setattr(torch.Tensor, name, wrapper)
 
+    global step
+
     def step(engine):
         loss = engine(batch)
         engine.backward(loss)
@@ -118,6 +120,7 @@ def main() -> int:
         profiles[name] = prof
     if cuda:
         torch.cuda.set_sync_debug_mode(0)
+        gpu_timeline(engines, step, 5)
     print(f"per step: plain {times['plain'] * 1e3:.2f} ms, guarded {times['guarded'] * 1e3:.2f} ms "
           f"(ratio {times['guarded'] / times['plain']:.4f}; both under cProfile)")
     for name in ("plain", "guarded"):
@@ -137,6 +140,47 @@ def main() -> int:
         e.destroy()
     torch.distributed.destroy_process_group()
     return 0
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def gpu_timeline(engines, step, n: int) -> None:
+    """torch.profiler over ``n`` steps of each engine: wall time, the GPU's kernel time and its idle time per
+    step, and the guarded engine's extra kernels (by name, per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kernels = {}
+    for name, e in engines.items():
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step(e)
+            _sync()
+            wall = (time.perf_counter() - t0) / n
+        per = collections.Counter()
+        counts = collections.Counter()
+        busy = 0.0
+        for ev in prof.key_averages():
+            dev = getattr(ev, "self_device_time_total", None)
+            if dev is None:
+                dev = getattr(ev, "self_cuda_time_total", 0)
+            if dev and ev.device_type == torch.autograd.DeviceType.CUDA:
+                per[ev.key] += dev / n
+                counts[ev.key] += ev.count / n
+                busy += dev / n
+        kernels[name] = (per, counts)
+        print(f"timeline {name}: wall {wall * 1e3:.2f} ms/step, GPU kernels {busy / 1e3:.2f} ms/step, "
+              f"GPU idle {wall * 1e3 - busy / 1e3:.2f} ms/step")
+    per_g, cnt_g = kernels["guarded"]
+    per_p, cnt_p = kernels["plain"]
+    extra = sorted(((per_g[k] - per_p.get(k, 0.0), cnt_g[k] - cnt_p.get(k, 0.0), k) for k in per_g), reverse=True)
+    print("guarded's extra GPU work per step (us, launches):")
+    for us, c, k in extra[:12]:
+        print(f"  {us:9.1f} us  {c:7.1f}  {k[:110]}")
 
 
 def guard_overhead_args(argv):

@@ -129,6 +129,7 @@ class StepGuard:
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
         self.straggler = StragglerDetector(cfg.detectors.straggler)
         self.incidents = Incidents(cfg.metrics.incident_gap) if cfg.metrics.incident_gap else None
+        self._pinned: torch.Tensor | None = None  # (the AGREE row's host side, on a GPU)
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -243,7 +244,7 @@ class StepGuard:
         pending = self.deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
-        row = torch.tensor(host, dtype=torch.float64, device=self.device)
+        row = self._row(host)
         if tally.acc is not None:  # device-side values: copied, never read on the host here
             row[F["loss_sum"]] = tally.acc[0]
             row[F["loss_nonfinite"]] = tally.acc[1]
@@ -265,6 +266,18 @@ class StepGuard:
         self._scaled = dynamic_scale
         self.deferred.flush(obs[0].prev_grad_norm, sum(o.prev_applied_sq for o in obs))
         return obs
+
+    def _row(self, host: list) -> torch.Tensor:
+        """The host-known fields as this step's AGREE row on the collective's device. On a GPU through a
+        pinned buffer, copied without blocking: a copy from pageable memory would wait for the whole backward
+        (a second host sync per step, measured on an H200). The buffer is rewritten only after the previous
+        step's table was read on the host, by which time its copy has run."""
+        if self.device.type != "cuda":
+            return torch.tensor(host, dtype=torch.float64, device=self.device)
+        if self._pinned is None or self._pinned.numel() != len(host):
+            self._pinned = torch.empty(len(host), dtype=torch.float64, pin_memory=True)
+        self._pinned.copy_(torch.tensor(host, dtype=torch.float64))
+        return self._pinned.to(self.device, non_blocking=True)
 
     def on_decide(self, step: int, obs: list[RankObservation]) -> Decision:
         """DECIDE: pure detectors -> policy -> one action, identical on every rank."""
