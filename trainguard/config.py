@@ -383,6 +383,11 @@ class RecoveryConfig(_Section):
     skip_batches: int = Field(200, ge=0, description="Batches skipped past the anomaly on a rollback (PaLM skipped "
                               "200-500).")
     lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier of rollback_lower_lr.")
+    lr_cut: Literal["evidence", "factor"] = Field(
+        "evidence", description="How far rollback_lower_lr lowers the LR. evidence: if the LR jumped (one step >= "
+        "1.5x the one before, from 10 steps before the climb's onset on -- a schedule raised on resume), back to the LR "
+        "before the jump (never less of a cut than lr_factor; never below lr_floor, held there once); else lr_factor. "
+        "factor: always lr_factor.")
     lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts.")
     lr_floor: float = Field(0.01, gt=0, le=1, description="Abort when the accumulated LR factor would go below "
                             "this (lowering it further is not a remedy any more). 0.01: six halvings; a peak LR "

@@ -110,8 +110,8 @@ class StepDriver:
             self.step_lr = lr
             yield
 
-    def _lower_lr(self, from_step: int) -> None:
-        self.guard.policy.lower_lr()
+    def _lower_lr(self, from_step: int, scale: float | None = None) -> None:
+        self.guard.policy.lower_lr(scale)
         self.lr_until = from_step + self.cfg.recovery.lr_cooldown_steps
 
     # ------------------------------------------------------------------ recovery
@@ -135,7 +135,7 @@ class StepDriver:
             cp.rollback_target(root, decision.onset_step or step, rc.rollback_to, inclusive=decision.onset_skipped)
         if tag is None:
             if decision.lower_lr:
-                self._lower_lr(fw.completed_steps())
+                self._lower_lr(fw.completed_steps(), decision.lr_scale)
                 guard.grad_norm.reset_trend()  # (what goes on at the lowered LR is a new episode)
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
             guard.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
@@ -156,7 +156,7 @@ class StepDriver:
             data.skip(skip)                      # ... and then some
         abandoned = cp.abandon_after(root, to_step)
         guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
-                                                           "anomaly": decision.anomaly})
+                                                           "anomaly": decision.anomaly}, scale=decision.lr_scale)
         if decision.lower_lr:
             self.lr_until = goes_on + rc.lr_cooldown_steps
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None

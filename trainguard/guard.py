@@ -34,6 +34,7 @@ from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
 from trainguard.detectors.loss_spike import LR_LOOKBACK, LossSpikeDetector
+from trainguard.lrcut import LrHistory
 from trainguard.detectors.loss_trend import LossTrendDetector
 from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
@@ -90,7 +91,7 @@ class StepGuard:
         self.loss_trend = LossTrendDetector(cfg.detectors.loss_trend)
         self.lr_now: float | None = None  # this rank's LR of the coming update (the driver sets it before AGREE)
         self.lr_agreed: float | None = None  # rank 0's, from the AGREE table: what every rank's detectors read
-        self.lrs: dict[int, float] = {}   # step -> its LR, the last LR_LOOKBACK + 1 steps
+        self.lr_history = LrHistory()     # the LR each recent step used (rank 0's): the LR cut's evidence
         self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
         self.goodput = GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
@@ -355,7 +356,12 @@ class StepGuard:
             verdicts += found
         custom = [v for det in self.custom for v in det.observe(step, obs)]
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
-        decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights, fp16=self._scaled)
+        lr_cut = None
+        if self.cfg.recovery.lr_cut == "evidence":
+            def lr_cut(onset: int) -> tuple[float, str]:
+                return self.lr_history.cut(onset, step, self.cfg.recovery.lr_factor)
+        decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights, fp16=self._scaled,
+                                      lr_cut=lr_cut)
         self.last_decision = decision
         # damaged weights, not data: no sample is to blame
         self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
@@ -402,9 +408,8 @@ class StepGuard:
         """The LR of this step over the LR ``LR_LOOKBACK`` steps before (None: unknown)."""
         if self.lr_agreed is None:
             return None
-        self.lrs = {s: x for s, x in self.lrs.items() if step - LR_LOOKBACK <= s < step}
-        self.lrs[step] = self.lr_agreed
-        before = self.lrs.get(step - LR_LOOKBACK) or self.lrs[min(self.lrs)]
+        self.lr_history.record(step, self.lr_agreed)
+        before = self.lr_history.at(step - LR_LOOKBACK)
         return self.lr_agreed / before if before else None
 
     # ------------------------------------------------------------------ replays (trainguard.replay)
@@ -593,6 +598,7 @@ class StepGuard:
         again (open incidents closed; the suspects' record of shared failures kept no later than ``to_step``)."""
         self._close_incidents(step, why="rollback")
         self.suspects.rewound(to_step)
+        self.lr_history.rewound(to_step)
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""

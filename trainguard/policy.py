@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.detectors.base import Verdict
@@ -43,7 +43,8 @@ class Decision:
     action: Action
     reason: str
     verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
-    lower_lr: bool = False          # ROLLBACK: also scale the LR by lr_factor
+    lower_lr: bool = False          # ROLLBACK: also scale the LR, by lr_scale
+    lr_scale: float | None = None   # ROLLBACK with lower_lr: the multiplier (None: recovery.lr_factor)
     onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
     anomaly: Anomaly | None = None  # the class that drove the decision
     remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it
@@ -87,11 +88,13 @@ class Policy:
         self.unavailable: dict[str, int] = {}       # class -> the step a rollback for it found no checkpoint
 
     def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None,
-               weights: str | None = None, fp16: bool = False) -> Decision:
+               weights: str | None = None, fp16: bool = False,
+               lr_cut: Callable[[int], tuple[float, str]] | None = None) -> Decision:
         """``weights``: what replaying the last healthy micro-batch on the current weights said
         (trainguard.replay): "healthy" (the data was bad: a non-finite or burst step that a rung would
         roll back is skipped instead, since a skipped step did no damage), "damaged" (roll back now,
-        whatever the rung), or None (no replay: the ladders as written)."""
+        whatever the rung), or None (no replay: the ladders as written). ``lr_cut``: given the onset, the LR
+        multiplier a lowering should use and why (trainguard.lrcut; None: ``recovery.lr_factor``)."""
         verdicts = tuple(verdicts)
         classes = {c for c in map(anomaly_class, verdicts) if c}
         if "nonfinite" in classes:
@@ -151,9 +154,17 @@ class Policy:
             if exhausted is not None:
                 return exhausted
             lower = chosen == "rollback_lower_lr"
-            if lower and self.lr_factor * self.recovery.lr_factor < self.recovery.lr_floor:
-                return self._abort(f"{reason}: the LR factor would fall below lr_floor {self.recovery.lr_floor}",
-                                   verdicts, step)
+            scale = None
+            if lower:
+                scale, why = lr_cut(onset) if lr_cut is not None else (self.recovery.lr_factor, "")
+                floor = self.recovery.lr_floor
+                if self.lr_factor * scale < floor:
+                    if self.lr_factor * self.recovery.lr_factor < floor:
+                        return self._abort(f"{reason}: the LR factor would fall below lr_floor {floor}", verdicts,
+                                           step)
+                    scale, why = floor / self.lr_factor, (why + "; " if why else "") + f"held at lr_floor {floor}"
+                if why:
+                    reason += f"; LR x{scale:.3g}: {why}"
             # (every non-finite step was skipped -- unless the weights were damaged before it)
             skipped_onset = driver == "nonfinite" and weights != "damaged"
             last, was_at = self.last_rollback_to, self.last_rollback_from
@@ -175,7 +186,7 @@ class Policy:
                 reason += ("; the fp16 forward overflowed again after a rollback: its range is exceeded, no loss "
                            f"scale helps -> {remedy}")
             return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
-                            onset_skipped=skipped_onset, remedy=remedy)
+                            onset_skipped=skipped_onset, remedy=remedy, lr_scale=scale)
         if chosen == "skip_step":
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
@@ -220,12 +231,13 @@ class Policy:
                                f"within {self.recovery.rollback_window} steps)", verdicts, step)
         return None
 
-    def lower_lr(self) -> float:
-        """Scale the accumulated LR factor by lr_factor (the floor was checked when deciding)."""
-        self.lr_factor *= self.recovery.lr_factor
+    def lower_lr(self, scale: float | None = None) -> float:
+        """Scale the accumulated LR factor by ``scale`` (a decision's ``lr_scale``; None: lr_factor). The floor
+        was checked when deciding."""
+        self.lr_factor *= self.recovery.lr_factor if scale is None else scale
         return self.lr_factor
 
-    def rolled_back(self, step: int, lower_lr: bool, detail: dict) -> None:
+    def rolled_back(self, step: int, lower_lr: bool, detail: dict, scale: float | None = None) -> None:
         """The adapter carried out a rollback: count it against the budget."""
         self.rollback_steps.append(step)
         if detail.get("to_step") is not None:
@@ -238,7 +250,7 @@ class Policy:
                 # again from the bottom rung (the rollback budget still counts every rollback)
                 self.history[cls].clear()
         if lower_lr:
-            self.lower_lr()
+            self.lower_lr(scale)
         self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
 
     def rollback_unavailable(self, step: int, cls: str | None) -> None:

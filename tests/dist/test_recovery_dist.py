@@ -105,8 +105,10 @@ def test_instant_burst_rolls_back_and_slow_rise_lowers_the_lr(tmp_path, torchrun
     faults = [{"type": "spike_batch", "step": 27, "rank": 0},
               {"type": "lr_ramp", "step": 33, "steps": 60, "factor": 1.2}]
     # (replay_check off: the instant_burst rung as written; by default the burst would be skipped, test above)
+    # (lr_cut "factor": the ramp fault stops at the rollback, so a cut sized by the faulted LR -- recovery.lr_cut's
+    # default, tests/unit/test_lrcut.py -- would be measured against an LR the schedule no longer gives)
     cfg = make_config(tmp_path, block=block(tmp_path, lr_factor=0.5, lr_cooldown_steps=200, max_rollbacks=10,
-                                            replay_check=False), faults=faults)
+                                            replay_check=False, lr_cut="factor"), faults=faults)
     run = torchrun(cfg, 80).ok()
     rbs = events(run, "rollback")
     assert rbs[0]["detail"]["anomaly"] == "instant_burst" and rbs[0]["step"] == 27

@@ -1,0 +1,73 @@
+"""The LR cut sized by what the LR did before the climb (trainguard.lrcut), and the policy that applies it."""
+import pytest
+
+from trainguard.config import NonfiniteConfig, RecoveryConfig
+from trainguard.detectors.base import Verdict
+from trainguard.lrcut import LrHistory
+from trainguard.policy import Action, Policy
+
+
+def history(lrs: dict) -> LrHistory:
+    h = LrHistory()
+    for step in sorted(lrs):
+        h.record(step, lrs[step])
+    return h
+
+
+def test_a_schedule_raised_mid_run_goes_back_to_the_lr_before_the_jump():
+    h = history({s: 0.003 if s < 150 else 0.045 for s in range(1, 156)})
+    scale, why = h.cut(onset=151, now=155, configured=0.5)
+    assert scale == pytest.approx(1 / 15)
+    assert "jumped x15" in why and "step 150" in why
+
+
+def test_a_warmup_is_no_jump_and_keeps_the_configured_factor():
+    # a ramp still rising into the onset, even one whose first steps double the LR
+    h = history({s: 0.05 * min(s, 100) / 100 for s in range(1, 95)})
+    assert h.cut(onset=82, now=94, configured=0.5) == (0.5, "")
+    assert h.cut(onset=5, now=12, configured=0.5) == (0.5, "")
+    # a warmup of one step (from 0 to the peak) long before the onset
+    h = history({1: 0.0, **{s: 0.03 for s in range(2, 98)}})
+    assert h.cut(onset=85, now=97, configured=0.5) == (0.5, "")
+
+
+def test_a_steady_lr_in_a_grown_run_keeps_the_configured_factor():
+    h = history({s: 0.003 for s in range(300, 700)})
+    assert h.cut(onset=600, now=640, configured=0.5) == (0.5, "")
+    # (a mild rise is no jump, and the cut is never milder than configured)
+    h = history({s: 0.003 * (1 + (s - 300) / 4000) for s in range(300, 700)})
+    assert h.cut(onset=600, now=640, configured=0.5)[0] == 0.5
+
+
+def test_a_rollback_forgets_the_undone_steps_lrs():
+    h = history({s: 0.003 if s < 150 else 0.045 for s in range(1, 156)})
+    h.rewound(100)
+    h.record(101, 0.003)
+    assert h.cut(onset=90, now=101, configured=0.5) == (0.5, "")
+
+
+def _rise(step: int, onset: int) -> Verdict:
+    return Verdict(detector="loss_trend", anomaly="slow_rise", ranks=[0], detail={"onset_step": onset})
+
+
+def test_the_policy_applies_the_cut_and_says_why_and_holds_at_the_floor():
+    p = Policy(NonfiniteConfig(), RecoveryConfig(lr_floor=0.01))
+    d = p.decide([_rise(97, 85)], 97, lr_cut=lambda onset: (0.1, "evidence"))
+    assert d.action is Action.ROLLBACK and d.lower_lr and d.lr_scale == pytest.approx(0.1)
+    assert "LR x0.1: evidence" in d.reason
+    p.rolled_back(97, True, {"to_step": 50, "anomaly": "slow_rise"}, scale=d.lr_scale)
+    assert p.lr_factor == pytest.approx(0.1)
+    # a second tenth would pass the floor: held at it (0.01 / 0.1), once
+    d = p.decide([_rise(300, 280)], 300, lr_cut=lambda onset: (0.05, "evidence"))
+    assert d.lr_scale == pytest.approx(0.1) and "held at lr_floor" in d.reason
+    p.rolled_back(300, True, {"to_step": 250, "anomaly": "slow_rise"}, scale=d.lr_scale)
+    assert p.lr_factor == pytest.approx(0.01)
+    assert p.decide([_rise(500, 480)], 500, lr_cut=lambda onset: (0.5, "")).action is Action.ABORT
+
+
+def test_without_a_cut_the_configured_factor_as_before():
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    d = p.decide([_rise(97, 85)], 97)
+    assert d.lower_lr and d.lr_scale == 0.5
+    p.rolled_back(97, True, {"to_step": 50, "anomaly": "slow_rise"}, scale=d.lr_scale)
+    assert p.lr_factor == 0.5
