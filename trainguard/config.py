@@ -302,6 +302,11 @@ class CheckpointConfig(_Section):
     keep_stable: int = Field(2, ge=0, description="The newest this-many stable checkpoints are never deleted.")
     stable_after: int = Field(
         200, ge=1, description="A checkpoint becomes stable once this many steps after it pass with no anomaly.")
+    first_step: bool = Field(
+        True, description="With every_steps: also save after a fresh run's first step, in dir/.first (apart from the "
+        "periodic ones: retention and resume never see it; removed at step 400). Where a young run whose LR was too "
+        "high from the start goes back to (recovery.lr_cut): a checkpoint from before the LR's damage, which the "
+        "first periodic save comes too late for.")
     hmac_key_env: Optional[str] = Field(
         None, min_length=1, description="Authenticated checkpoints: the name of an environment variable (set on every "
         "rank) holding a secret key. Every checkpoint committed is signed (manifest.hmac, an HMAC-SHA256 of the "

@@ -16,6 +16,7 @@ The loop's pseudocode is :class:`trainguard.events.Event`'s docstring.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Callable, Iterator
 
@@ -131,11 +132,22 @@ class StepDriver:
         data = fw.data
         cp = fw.checkpointer
         root = cp.rollback_root() if cp is not None else None
-        tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
-            cp.rollback_target(root, decision.onset_step or step, rc.rollback_to, inclusive=decision.onset_skipped)
+        scale, restart, tag = decision.lr_scale, decision.restart, None
+        if restart and root is not None:  # a young run whose LR was too high from the start (trainguard.lrcut)
+            first, tag, _ = cp.first_target(decision.onset_step or step)
+            if tag is not None:
+                root, why = first, "the first step's checkpoint: the run's LR was too high from its start"
+            else:  # (none: an ordinary rollback, the ordinary cut -- a tenth from damaged weights is too slow)
+                scale, restart = rc.lr_factor, False
+                reason = decision.reason.split("; LR x")[0] + f"; no first step's checkpoint: LR x{scale:.3g}"
+                decision = dataclasses.replace(decision, lr_scale=scale, restart=False, reason=reason)
+        if tag is None:
+            tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
+                cp.rollback_target(root, decision.onset_step or step, rc.rollback_to,
+                                   inclusive=decision.onset_skipped)
         if tag is None:
             if decision.lower_lr:
-                self._lower_lr(fw.completed_steps(), decision.lr_scale)
+                self._lower_lr(fw.completed_steps(), scale)
                 guard.grad_norm.reset_trend()  # (what goes on at the lowered LR is a new episode)
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
             guard.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
@@ -154,9 +166,9 @@ class StepDriver:
         if data is not None:
             data.load_state_dict(position)       # where we were, quarantine included ...
             data.skip(skip)                      # ... and then some
-        abandoned = cp.abandon_after(root, to_step)
-        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
-                                                           "anomaly": decision.anomaly}, scale=decision.lr_scale)
+        abandoned = cp.abandon_after(cp.rollback_root(), to_step)
+        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step, "restart": restart,
+                                                           "anomaly": decision.anomaly}, scale=scale)
         if decision.lower_lr:
             self.lr_until = goes_on + rc.lr_cooldown_steps
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
@@ -172,6 +184,7 @@ class StepDriver:
             "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
             "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
             "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason,
+            **({"from_first_step": str(root)} if restart else {}),
             **({"moments_zeroed": zeroed} if zeroed is not None else {}),
             **({"loop": loop} if loop else {})})
         if scale_case:

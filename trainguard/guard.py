@@ -358,7 +358,7 @@ class StepGuard:
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
         lr_cut = None
         if self.cfg.recovery.lr_cut == "evidence":
-            def lr_cut(onset: int) -> tuple[float, str]:
+            def lr_cut(onset: int) -> tuple[float, str, bool]:
                 return self.lr_history.cut(onset, step, self.cfg.recovery.lr_factor)
         decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights, fp16=self._scaled,
                                       lr_cut=lr_cut)

@@ -7,17 +7,17 @@ history says more:
 - **it jumped** (one step's LR >= 1.5x the step before, from 10 steps before the onset until now -- a schedule
   raised on resume): back to the LR before the jump, where the loss was healthy (bench/natural: the raised
   schedule ended 1.8% above healthy instead of 5.9% after two halvings);
+- **a young run** (the climb began in its first 200 steps -- its LR settings are what fails there: a peak far too
+  high, a warmup too short): a tenth of the LR at the loss's best -- the LR range test's rule (Smith, 2017;
+  fastai's ``lr_find``: the LR where the loss stops falling, divided by ten) -- *and a restart* from the run's
+  first step's checkpoint (``checkpoint.first_step``), once. The restart is what makes the cut work: a rollback to
+  the first periodic save lands on weights the too-high LR had already pushed away, and from there a sane LR walks
+  them back about ten times slower than they were pushed (measured on bench/natural's warmup of one step: +155%
+  against healthy where halvings gave +49%). Without that checkpoint (or a second time): ``recovery.lr_factor``;
 - otherwise: ``recovery.lr_factor``, as before.
 
 Never less of a cut than ``lr_factor``. Pure: the guard hands it the LRs it recorded (rank 0's, from the AGREE
 table, so every rank computes the same cut).
-
-Tried and left out: where the LR was still *rising* into the onset (a warmup to a peak far too high), a tenth of
-the LR at the loss's best (the LR range test's rule, fastai's ``lr_find``). Measured on the corpus it did not help:
-the rollback lands on a checkpoint the too-high LR had already damaged (the first save comes after the damage), and
-from there a sane LR walks the weights back about ten times slower than they were pushed away (warmup in 1 step:
-+155% against healthy where halvings gave +49%). It needs a checkpoint from before the LR went wrong -- the run's
-first step -- first.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from collections import deque
 
 JUMP = 1.5       # one step's LR over the step before: a jump
 BEFORE = 10      # steps before the onset a jump may have come (the loss answers an LR jump within a few steps)
+YOUNG = 200      # a climb that begins within a run's first steps: its LR settings are what fails there
+TENTH = 0.1      # the LR range test's back-off from the LR where the loss stopped falling
 
 
 class LrHistory:
@@ -53,11 +55,12 @@ class LrHistory:
         while self.steps and self.steps[-1][0] > to_step:
             self.steps.pop()
 
-    def cut(self, onset: int, now: int, configured: float) -> tuple[float, str]:
-        """The LR multiplier for a lowering decided at step ``now`` for a climb that began at ``onset``."""
+    def cut(self, onset: int, now: int, configured: float) -> tuple[float, str, bool]:
+        """The LR multiplier for a lowering decided at step ``now`` for a climb that began at ``onset``, why, and
+        whether it comes with a restart from the first step's checkpoint (a young run)."""
         lr_now = self.at(now)
         if not lr_now or lr_now <= 0:
-            return configured, ""
+            return configured, "", False
         seen = list(self.steps)
         for i in range(3, len(seen)):
             s, lr = seen[i]
@@ -65,5 +68,10 @@ class LrHistory:
             if onset - BEFORE <= s <= now and prev > 0 and lr >= JUMP * prev and prev < JUMP * seen[i - 3][1]:
                 # (a jump from an LR that held: a warmup's first steps double the LR without jumping)
                 return min(configured, prev / lr_now), (
-                    f"the LR jumped x{lr / prev:.3g} at step {s}: back to the LR before it ({prev:.3g})")
-        return configured, ""
+                    f"the LR jumped x{lr / prev:.3g} at step {s}: back to the LR before it ({prev:.3g})"), False
+        if onset < YOUNG:
+            lr_onset = self.at(onset) or lr_now
+            return min(configured, TENTH * lr_onset / lr_now), (
+                f"a young run (the climb began at step {onset}): a tenth of the LR at the loss's best "
+                f"({lr_onset:.3g}; the LR range test's rule), from the first step's checkpoint"), True
+        return configured, "", False

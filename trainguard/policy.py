@@ -45,6 +45,8 @@ class Decision:
     verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
     lower_lr: bool = False          # ROLLBACK: also scale the LR, by lr_scale
     lr_scale: float | None = None   # ROLLBACK with lower_lr: the multiplier (None: recovery.lr_factor)
+    restart: bool = False           # ROLLBACK: to the first step's checkpoint, with lr_scale (trainguard.lrcut);
+                                    # where there is none, an ordinary rollback with recovery.lr_factor
     onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
     anomaly: Anomaly | None = None  # the class that drove the decision
     remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it
@@ -86,15 +88,17 @@ class Policy:
         self.last_rollback_to: int | None = None    # the step the last rollback returned to ...
         self.last_rollback_from: int | None = None  # ... from this step
         self.unavailable: dict[str, int] = {}       # class -> the step a rollback for it found no checkpoint
+        self.restarted = False                      # a young run went back to its first step (once per run)
 
     def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None,
                weights: str | None = None, fp16: bool = False,
-               lr_cut: Callable[[int], tuple[float, str]] | None = None) -> Decision:
+               lr_cut: Callable[[int], tuple[float, str, bool]] | None = None) -> Decision:
         """``weights``: what replaying the last healthy micro-batch on the current weights said
         (trainguard.replay): "healthy" (the data was bad: a non-finite or burst step that a rung would
         roll back is skipped instead, since a skipped step did no damage), "damaged" (roll back now,
         whatever the rung), or None (no replay: the ladders as written). ``lr_cut``: given the onset, the LR
-        multiplier a lowering should use and why (trainguard.lrcut; None: ``recovery.lr_factor``)."""
+        multiplier a lowering should use, why, and whether from the first step's checkpoint (trainguard.lrcut;
+        None: ``recovery.lr_factor``). A restart is proposed once per run."""
         verdicts = tuple(verdicts)
         classes = {c for c in map(anomaly_class, verdicts) if c}
         if "nonfinite" in classes:
@@ -154,9 +158,13 @@ class Policy:
             if exhausted is not None:
                 return exhausted
             lower = chosen == "rollback_lower_lr"
-            scale = None
+            scale, restart = None, False
             if lower:
-                scale, why = lr_cut(onset) if lr_cut is not None else (self.recovery.lr_factor, "")
+                scale, why, restart = lr_cut(onset) if lr_cut is not None else (self.recovery.lr_factor, "", False)
+                if restart and (self.restarted or driver != "slow_rise"):
+                    # (once: a young run that climbs again after it is halved; and only for a climb -- a burst is
+                    # no evidence about the LR)
+                    scale, why, restart = self.recovery.lr_factor, "", False
                 floor = self.recovery.lr_floor
                 if self.lr_factor * scale < floor:
                     if self.lr_factor * self.recovery.lr_factor < floor:
@@ -186,7 +194,7 @@ class Policy:
                 reason += ("; the fp16 forward overflowed again after a rollback: its range is exceeded, no loss "
                            f"scale helps -> {remedy}")
             return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
-                            onset_skipped=skipped_onset, remedy=remedy, lr_scale=scale)
+                            onset_skipped=skipped_onset, remedy=remedy, lr_scale=scale, restart=restart)
         if chosen == "skip_step":
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
@@ -240,6 +248,8 @@ class Policy:
     def rolled_back(self, step: int, lower_lr: bool, detail: dict, scale: float | None = None) -> None:
         """The adapter carried out a rollback: count it against the budget."""
         self.rollback_steps.append(step)
+        if detail.get("restart"):
+            self.restarted = True
         if detail.get("to_step") is not None:
             self.last_rollback_to, self.last_rollback_from = int(detail["to_step"]), step
         cls = detail.get("anomaly")
@@ -269,7 +279,8 @@ class Policy:
         return {"consecutive_nonfinite": self.consecutive_nonfinite, "total_nonfinite": self.total_nonfinite,
                 "history": {k: list(v) for k, v in self.history.items()},
                 "rollback_steps": list(self.rollback_steps), "lr_factor": self.lr_factor, "tried": self.tried[-20:],
-                "last_rollback_to": self.last_rollback_to, "last_rollback_from": self.last_rollback_from}
+                "last_rollback_to": self.last_rollback_to, "last_rollback_from": self.last_rollback_from,
+                "restarted": self.restarted}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
@@ -281,3 +292,4 @@ class Policy:
         self.tried = list(state.get("tried", []))
         self.last_rollback_to = state.get("last_rollback_to")
         self.last_rollback_from = state.get("last_rollback_from")
+        self.restarted = bool(state.get("restarted", False))

@@ -66,7 +66,9 @@ def run(setting: dict, which: str, out: Path, steps: int, block: dict) -> dict:
                str(CHECKOUT / "pretrain_gpt.py"), *args]
     marker = f"{out}:{uuid.uuid4().hex}"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TRAINGUARD_TEST_ROOT=str(ROOT),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"), str(CHECKOUT)]),
+               # (this checkout's trainguard, also where another is installed: the bench measures the code beside it)
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"), str(CHECKOUT),
+                                           str(ROOT)]),
                TRAINGUARD_TEST_RUN=marker)
     t0 = time.time()
     with open(out / "megatron.log", "w") as log:

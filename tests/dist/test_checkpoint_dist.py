@@ -59,7 +59,8 @@ def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
     # every file DeepSpeed loaded on rank 0 came from bytes checked against the manifest (issue 25 item 7):
     # the module states, and its ZeRO optimizer partition where there is one
     assert res["detail"]["verified_on_load"] >= (1 if stage == 0 else 2)
-    (saved,) = [e for e in first.events if e["event"] == "checkpoint_saved"]
+    # (the periodic one; the first step's goes to dir/.first: checkpoint.first_step)
+    (saved,) = [e for e in first.events if e["event"] == "checkpoint_saved" and not e["detail"]["dir"].endswith(".first")]
     assert saved["detail"].get("async", False) == async_save
     if async_save:
         assert saved["detail"]["blocking_s"] <= saved["detail"]["total_s"]
@@ -85,7 +86,7 @@ def test_a_failed_background_write_stays_invisible_and_training_goes_on(tmp_path
     assert layout.tags() == ["step00000004", "step00000012"]
     assert all(verify(layout.tag_dir(t)).ok for t in layout.tags())
     assert [e["detail"]["tag"] for e in run.events if e["event"] == "checkpoint_saved"] == \
-        ["step00000004", "step00000012"]
+        ["step00000001", "step00000004", "step00000012"]  # (1: the first step's, in dir/.first)
 
 
 def run_cli(*args):
@@ -149,7 +150,7 @@ def test_stable_marks_and_retention(tmp_path, torchrun):
     tags = layout.tags()
     stable = [t for t in tags if (layout.tag_dir(t) / "stable.json").exists()]
     saved = [e["detail"]["tag"] for e in run.events if e["event"] == "checkpoint_saved"]
-    assert saved == [f"step{s:08d}" for s in (4, 8, 12, 16, 20)]
+    assert saved == [f"step{s:08d}" for s in (1, 4, 8, 12, 16, 20)]  # (1: the first step's, in dir/.first)
     marked = [e["detail"]["tag"] for e in run.events if e["event"] == "checkpoint_stable"]
     assert marked == ["step00000004", "step00000008", "step00000016"]   # 12 was spoiled by the NaN at 14
     # after the save at 20: keep_last {16, 20} + the newest 2 stable {8, 16}; 4 and 12 deleted

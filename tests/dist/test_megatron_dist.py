@@ -368,7 +368,7 @@ def test_periodic_snapshots_retention_and_automatic_resume(tmp_path):
     clean_block = {"checks": {"enabled": False}}
     first, lines = run(tmp_path, "first", "dp", 16, block, ["--stop-after", "14"])  # (a job cut short)
     saved = [x["detail"]["tag"] for x in lines if x.get("event") == "checkpoint_saved"]
-    assert saved == ["step00000003", "step00000006", "step00000009", "step00000012"]
+    assert saved == ["step00000001", "step00000003", "step00000006", "step00000009", "step00000012"]  # (1: dir/.first)
     # keep_last 1 + keep_stable 1: when 12 was committed, 9 was the newest stable one (stable at 11)
     kept = sorted(p.name for p in ck.iterdir() if p.name.startswith("step"))
     assert kept == ["step00000009", "step00000012"]

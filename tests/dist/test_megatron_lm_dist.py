@@ -245,7 +245,7 @@ def test_tp_skips_then_rolls_back_keeping_iteration_consumed_samples_and_lr(tmp_
     same_schedule(run, plain, range(1, ITERS + 1))
     # the snapshots after the rollback are tagged by Megatron-LM's iteration
     assert [e["detail"]["tag"] for e in run.events("checkpoint_saved")] == \
-        ["step00000003", "step00000006", "step00000009", "step00000012"]
+        ["step00000001", "step00000003", "step00000006", "step00000009", "step00000012"]  # (1: dir/.first)
     first, last = float(run.iterations[1]["loss"]), float(run.iterations[ITERS]["loss"])
     assert math.isfinite(last) and last < first - 0.1
 
@@ -388,8 +388,8 @@ def test_megatron_lms_exit_signal_handler_saves_and_ends_the_run_cleanly(tmp_pat
     assert 4 <= last < ITERS and (mck / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
     (end,) = run.events("run_end")
     assert end["detail"]["iterations"] == last
-    assert all((tmp_path / "snapshots" / e["detail"]["tag"] / "manifest.json").is_file()
-               for e in run.events("checkpoint_saved"))
+    assert all((Path(e["detail"]["dir"]) / e["detail"]["tag"] / "manifest.json").is_file()
+               for e in run.events("checkpoint_saved"))  # (dir/.first's included: checkpoint.first_step)
 
 
 def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path, release):

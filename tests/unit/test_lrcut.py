@@ -16,24 +16,23 @@ def history(lrs: dict) -> LrHistory:
 
 def test_a_schedule_raised_mid_run_goes_back_to_the_lr_before_the_jump():
     h = history({s: 0.003 if s < 150 else 0.045 for s in range(1, 156)})
-    scale, why = h.cut(onset=151, now=155, configured=0.5)
-    assert scale == pytest.approx(1 / 15)
+    scale, why, restart = h.cut(onset=151, now=155, configured=0.5)
+    assert scale == pytest.approx(1 / 15) and not restart
     assert "jumped x15" in why and "step 150" in why
 
 
 def test_a_warmup_is_no_jump_and_keeps_the_configured_factor():
     # a ramp still rising into the onset, even one whose first steps double the LR
     h = history({s: 0.05 * min(s, 100) / 100 for s in range(1, 95)})
-    assert h.cut(onset=82, now=94, configured=0.5) == (0.5, "")
-    assert h.cut(onset=5, now=12, configured=0.5) == (0.5, "")
-    # a warmup of one step (from 0 to the peak) long before the onset
-    h = history({1: 0.0, **{s: 0.03 for s in range(2, 98)}})
-    assert h.cut(onset=85, now=97, configured=0.5) == (0.5, "")
+    # (in a grown run: the young rule below does not apply)
+    h = history({s: 0.05 * min(s - 300, 100) / 100 for s in range(301, 395)})
+    assert h.cut(onset=382, now=394, configured=0.5) == (0.5, "", False)
+    assert h.cut(onset=305, now=312, configured=0.5) == (0.5, "", False)
 
 
 def test_a_steady_lr_in_a_grown_run_keeps_the_configured_factor():
     h = history({s: 0.003 for s in range(300, 700)})
-    assert h.cut(onset=600, now=640, configured=0.5) == (0.5, "")
+    assert h.cut(onset=600, now=640, configured=0.5) == (0.5, "", False)
     # (a mild rise is no jump, and the cut is never milder than configured)
     h = history({s: 0.003 * (1 + (s - 300) / 4000) for s in range(300, 700)})
     assert h.cut(onset=600, now=640, configured=0.5)[0] == 0.5
@@ -43,26 +42,27 @@ def test_a_rollback_forgets_the_undone_steps_lrs():
     h = history({s: 0.003 if s < 150 else 0.045 for s in range(1, 156)})
     h.rewound(100)
     h.record(101, 0.003)
-    assert h.cut(onset=90, now=101, configured=0.5) == (0.5, "")
+    assert h.cut(onset=90, now=101, configured=0.5)[2]  # (no jump left: a young run's rule)
+    assert h.cut(onset=90, now=101, configured=0.5)[0] == pytest.approx(0.1)
 
 
 def _rise(step: int, onset: int) -> Verdict:
-    return Verdict(detector="loss_trend", anomaly="slow_rise", ranks=[0], detail={"onset_step": onset})
+    return Verdict(detector="loss_trend", anomaly="slow_rise", ranks=(0,), detail={"onset_step": onset})
 
 
 def test_the_policy_applies_the_cut_and_says_why_and_holds_at_the_floor():
     p = Policy(NonfiniteConfig(), RecoveryConfig(lr_floor=0.01))
-    d = p.decide([_rise(97, 85)], 97, lr_cut=lambda onset: (0.1, "evidence"))
+    d = p.decide([_rise(97, 85)], 97, lr_cut=lambda onset: (0.1, "evidence", False))
     assert d.action is Action.ROLLBACK and d.lower_lr and d.lr_scale == pytest.approx(0.1)
     assert "LR x0.1: evidence" in d.reason
     p.rolled_back(97, True, {"to_step": 50, "anomaly": "slow_rise"}, scale=d.lr_scale)
     assert p.lr_factor == pytest.approx(0.1)
     # a second tenth would pass the floor: held at it (0.01 / 0.1), once
-    d = p.decide([_rise(300, 280)], 300, lr_cut=lambda onset: (0.05, "evidence"))
+    d = p.decide([_rise(300, 280)], 300, lr_cut=lambda onset: (0.05, "evidence", False))
     assert d.lr_scale == pytest.approx(0.1) and "held at lr_floor" in d.reason
     p.rolled_back(300, True, {"to_step": 250, "anomaly": "slow_rise"}, scale=d.lr_scale)
     assert p.lr_factor == pytest.approx(0.01)
-    assert p.decide([_rise(500, 480)], 500, lr_cut=lambda onset: (0.5, "")).action is Action.ABORT
+    assert p.decide([_rise(500, 480)], 500, lr_cut=lambda onset: (0.5, "", False)).action is Action.ABORT
 
 
 def test_without_a_cut_the_configured_factor_as_before():
@@ -71,3 +71,21 @@ def test_without_a_cut_the_configured_factor_as_before():
     assert d.lower_lr and d.lr_scale == 0.5
     p.rolled_back(97, True, {"to_step": 50, "anomaly": "slow_rise"}, scale=d.lr_scale)
     assert p.lr_factor == 0.5
+
+
+def test_a_young_run_restarts_once_from_its_first_step_with_a_tenth_of_the_lr_at_its_best():
+    h = history({1: 0.0, **{s: 0.03 for s in range(2, 98)}})  # a warmup of one step: 0.03 from the start
+    scale, why, restart = h.cut(onset=85, now=97, configured=0.5)
+    assert restart and scale == pytest.approx(0.1) and "young run" in why
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    d = p.decide([_rise(97, 85)], 97, lr_cut=lambda onset: h.cut(onset, 97, 0.5))
+    assert d.restart and d.lr_scale == pytest.approx(0.1)
+    p.rolled_back(97, True, {"to_step": 1, "anomaly": "slow_rise", "restart": True}, scale=d.lr_scale)
+    # a second climb: halved, an ordinary rollback
+    d = p.decide([_rise(150, 120)], 150, lr_cut=lambda onset: h.cut(onset, 97, 0.5))
+    assert not d.restart and d.lr_scale == 0.5
+    # a burst on a rollback_lower_lr ladder is no evidence about the LR: no restart, the configured factor
+    p = Policy(NonfiniteConfig(), RecoveryConfig(ladders={"instant_burst": ["rollback_lower_lr"]}))
+    burst = Verdict(detector="loss_spike", anomaly="instant_burst", ranks=(0,), detail={})
+    d = p.decide([burst], 30, lr_cut=lambda onset: h.cut(onset, 97, 0.5))
+    assert d.lower_lr and not d.restart and d.lr_scale == 0.5

@@ -281,3 +281,19 @@ def test_without_the_guard_the_session_runs_the_faults_alone():
         fw.opt.zero_grad()
     assert fw.steps == 5 and used[0] == used[1] == used[4] == 1e-2 and used[2] > 1e-2 and used[3] > used[2]
     s.close({})
+
+
+def test_a_young_run_that_climbs_restarts_from_its_first_steps_checkpoint(tmp_path):
+    """checkpoint.first_step: a fresh run saves after its first step, apart (dir/.first). A climb that begins in a
+    young run (here the LR ramped x1.3 a step from step 22: no single jump) goes back there, not to the newest
+    periodic save (already trained at the too-high LR), with a tenth of the LR at the loss's best; every periodic
+    checkpoint after it is set aside as the abandoned trajectory (trainguard.lrcut)."""
+    fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "lr_ramp", "step": 22, "steps": 30, "factor": 1.3}],
+                                                 "recovery": {"lr_cooldown_steps": 100}}, 45)
+    assert ended is None
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["anomaly"] == "slow_rise" and rb["detail"]["to_step"] == 1
+    assert rb["detail"]["from_first_step"] == str(tmp_path / "ck" / ".first") and "young run" in rb["detail"]["reason"]
+    assert rb["detail"]["lr_factor"] < 0.5 and "step00000020" in rb["detail"]["abandoned"]
+    assert (tmp_path / "ck" / ".first" / "step00000001").is_dir()
+    assert all(torch.isfinite(p).all() for p in fw.model.parameters())

@@ -37,12 +37,17 @@ from trainguard.checkpoint.layout import (GUARD_STATE, SIDECAR, STABLE, STAGING,
 from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
+from trainguard.lrcut import YOUNG
+
+FIRST_KEPT = 2 * YOUNG  # the first step's checkpoint is removed at this step
 from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback
 from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, disk_tag, memory_tag, run_id, snapshot_step
 from trainguard.attempt import restart_attempt
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, gather_objects
+
+FIRST = ".first"  # dir/.first: the first step's checkpoint (checkpoint.first_step)
 
 
 def rank() -> int:
@@ -122,6 +127,8 @@ class CheckpointManager:
         c = self.cfg
         self.pacer.tick(time.perf_counter())  # (the step times a snapshot's cost shows in: max_overhead)
         saved = bool(c.dir and c.every_steps and step % c.every_steps == 0)
+        if c.dir and c.every_steps and c.first_step and step in (1, FIRST_KEPT) and not (step == 1 and saved):
+            self._first_step(step)
         if saved:
             self.save(c.dir)
             self.pacer.disk_saved()
@@ -138,6 +145,36 @@ class CheckpointManager:
             self.guard.emit(step, Record.FAULT_INJECTED, [rank()], None, {
                 "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": rank()}], "file": path},
                 rank_local=True)
+
+    # ------------------------------------------------------------------ the first step's checkpoint
+    def first_root(self) -> Path | None:
+        return Path(self.cfg.dir) / FIRST if self.cfg.dir else None
+
+    def _first_step(self, step: int) -> None:
+        """After a fresh run's first step: a checkpoint apart from the periodic ones (checkpoint.first_step). At
+        step FIRST_KEPT: removed (a restart from it is for a climb that began young, which is seen a little later)."""
+        root = self.first_root()
+        if step == 1:
+            tag = self.save(root)
+            # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it)
+            self.health.watching = [w for w in self.health.watching if w.tag != tag]
+            return
+        if rank() == 0 and root.exists():
+            trash = root.with_name(f"{FIRST}.deleted.{uuid.uuid4().hex[:6]}")
+            root.rename(trash)  # (gone from its place at once; a crash leaves no half-deleted one there)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def first_target(self, onset: int) -> tuple[Path | None, str | None, str]:
+        """The first step's checkpoint, verified, when it predates ``onset`` and fits the run (every rank learns)."""
+        root = self.first_root()
+        choice = None
+        if rank() == 0:
+            choice = (None, "no checkpoint of the first step", []) if root is None or not root.exists() else \
+                choose_rollback(root, onset, "latest_valid", self.not_before(root), False, key=self.key)
+        tag, why, bad = broadcast_from_rank0(choice)
+        for b in bad:
+            self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)
+        return (root if tag is not None else None), tag, why
 
     # ------------------------------------------------------------------ retention
     def retention(self, root: Path) -> None:
