@@ -173,6 +173,9 @@ class StepDriver:
             self.lr_until = goes_on + rc.lr_cooldown_steps
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.grad_norm.reset_trend()
+        if restart:  # (back to the first step: the loss and norm windows describe a later stage of training)
+            guard.loss_spike.reset()
+            guard.grad_norm.reset()
         guard.loss_trend.rolled_back(to_step)
         guard.rewound(step, to_step)
         if self.cfg.faults:

@@ -59,6 +59,11 @@ class LossSpikeDetector:
             **({"lr_ratio": round(lr_ratio, 3), "why": f"the LR rose x{lr_ratio:.2f} within the last {LR_LOOKBACK} "
                 "steps"} if lr_jumped else {})})
 
+    def reset(self) -> None:
+        """After a restart from the run's first step: the window's losses belong to a later stage of training,
+        against which every early loss would look like a burst."""
+        self.window = RollingWindow(self.window.size)
+
     def state_dict(self) -> dict:
         return {"window": self.window.state_dict()}
 
