@@ -322,7 +322,7 @@ def natural_case(config: Path, out: Path, extra: Sequence[str] = (), stream=sys.
 
 def _did(e: dict) -> str:
     d = e.get("detail") or {}
-    lr = f", LR x{d['lr_factor']:g}" if d.get("lr_factor") else ""
+    lr = f", LR x{d['lr_factor']:.3g}" if d.get("lr_factor") else ""
     if e["event"] == "rollback":
         return f"step {e['step']}: {d.get('anomaly')} -> rolled back to step {d.get('to_step')}{lr}"
     if e["event"] == "rollback_unavailable":
