@@ -58,7 +58,7 @@ def test_demo_prints_the_table(tmp_path):
     # then the natural failure (nothing injected): the schedule raised 15x at 150 is acted on, the run ends better
     natural = res.stdout[res.stdout.index("A natural failure, nothing injected"):]
     did = next(x for x in natural.splitlines() if x.startswith("what trainguard did:"))
-    assert "slow_rise -> rolled back" in did and "LR x0.5" in did
+    assert "slow_rise -> rolled back" in did and "LR x0.0667" in did  # (back to the LR before the jump: x1/15)
     (held,) = [x.split()[3:] for x in natural.splitlines() if x.startswith("held-out loss (final)")]
     assert float(held[0]) < 0.8 * float(held[1])
 
