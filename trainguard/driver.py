@@ -134,12 +134,15 @@ class StepDriver:
         root = cp.rollback_root() if cp is not None else None
         scale, restart, tag = decision.lr_scale, decision.restart, None
         if restart and root is not None:  # a young run whose LR was too high from the start (trainguard.lrcut)
-            first, tag, _ = cp.first_target(decision.onset_step or step)
+            first, tag, _ = cp.first_target()
             if tag is not None:
                 root, why = first, "the first step's checkpoint: the run's LR was too high from its start"
             else:  # (none: an ordinary rollback, the ordinary cut -- a tenth from damaged weights is too slow)
-                scale, restart = rc.lr_factor, False
-                reason = decision.reason.split("; LR x")[0] + f"; no first step's checkpoint: LR x{scale:.3g}"
+                restart = False
+                reason = decision.reason.split("; LR x")[0].split("; a young run")[0] + "; no first step's checkpoint"
+                if decision.lower_lr:
+                    scale = rc.lr_factor
+                    reason += f": LR x{scale:.3g}"
                 decision = dataclasses.replace(decision, lr_scale=scale, restart=False, reason=reason)
         if tag is None:
             tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
@@ -167,7 +170,9 @@ class StepDriver:
             data.load_state_dict(position)       # where we were, quarantine included ...
             data.skip(skip)                      # ... and then some
         abandoned = cp.abandon_after(cp.rollback_root(), to_step)
-        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step, "restart": restart,
+        # (a restart in bf16 is not the LR's: a later climb may still restart, once)
+        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
+                                                           "restart": restart and not scale_case,
                                                            "anomaly": decision.anomaly}, scale=scale)
         if decision.lower_lr:
             self.lr_until = goes_on + rc.lr_cooldown_steps
@@ -192,6 +197,8 @@ class StepDriver:
             **({"loop": loop} if loop else {})})
         if scale_case:
             self.scale_remedy(step, decision, rolled_back=True)
+            if restart and fw.checkpointer is not None:
+                fw.checkpointer.refresh_first()  # (in the precision the run goes on in)
         return True
 
     def scale_remedy(self, step: int, decision: Decision, rolled_back: bool) -> dict:

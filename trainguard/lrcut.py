@@ -13,7 +13,9 @@ history says more:
   first step's checkpoint (``checkpoint.first_step``), once. The restart is what makes the cut work: a rollback to
   the first periodic save lands on weights the too-high LR had already pushed away, and from there a sane LR walks
   them back about ten times slower than they were pushed (measured on bench/natural's warmup of one step: +155%
-  against healthy where halvings gave +49%). Without that checkpoint (or a second time): ``recovery.lr_factor``;
+  against healthy where halvings gave +49%). Without that checkpoint (or a second time): ``recovery.lr_factor``.
+  (A young run's bf16 fallback starts over from the same checkpoint and saves it again in bf16: trainguard.policy,
+  trainguard.driver);
 - otherwise: ``recovery.lr_factor``, as before.
 
 Never less of a cut than ``lr_factor``. Pure: the guard hands it the LRs it recorded (rank 0's, from the AGREE

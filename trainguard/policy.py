@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.detectors.base import Verdict
 from trainguard.events import Action, Anomaly, Remedy
+from trainguard.lrcut import YOUNG
 
 SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "raise_floor": 3,
             "bf16_fallback": 3, "abort": 4}
@@ -193,6 +194,11 @@ class Policy:
                 remedy = Remedy.BF16_FALLBACK
                 reason += ("; the fp16 forward overflowed again after a rollback: its range is exceeded, no loss "
                            f"scale helps -> {remedy}")
+                if onset < YOUNG and not lower:
+                    # (a young run starts over in bf16 from its first step: its fp16 trouble began before the newest
+                    # checkpoint, and from the first step a later climb can restart again, in bf16)
+                    restart = True
+                    reason += "; a young run: from its first step"
             return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
                             onset_skipped=skipped_onset, remedy=remedy, lr_scale=scale, restart=restart)
         if chosen == "skip_step":
@@ -218,9 +224,14 @@ class Policy:
         if exhausted is not None:
             return exhausted
         remedy = REMEDY.get(rung, Remedy.RESET_SCALE)  # rollback_lower_lr here means a plain rollback too
+        onset = verdict.detail.get("onset_step") or step
+        restart = remedy is Remedy.BF16_FALLBACK and onset < YOUNG
+        if restart:
+            reason += "; a young run: it starts over in bf16 from its first step"
         return Decision(Action.ROLLBACK, f"{reason} -> {remedy}", (verdict,), lower_lr=rung == "rollback_lower_lr",
-                        onset_step=verdict.detail.get("onset_step") or step, anomaly=Anomaly.LOSS_SCALE, remedy=remedy,
-                        onset_skipped=True)  # the descent began with an overflow, which was skipped
+                        onset_step=onset, anomaly=Anomaly.LOSS_SCALE, remedy=remedy,
+                        onset_skipped=True,  # the descent began with an overflow, which was skipped
+                        restart=restart)
 
     def _climb(self, cls: str, step: int) -> str:
         """Count one occurrence of ``cls`` and return its ladder's rung for it."""

@@ -183,6 +183,12 @@ def test_an_fp16_forward_overflowing_again_after_a_rollback_goes_to_bf16():
     p.rolled_back(12, False, {"to_step": 5, "anomaly": d.anomaly})
     d = climb(p, fp16=True, first=20)
     assert d.action is Action.ROLLBACK and d.remedy is Remedy.BF16_FALLBACK and "range" in d.reason
+    assert d.restart  # (a young run: the fallback starts over from the first step's checkpoint, where there is one)
+    p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig())
+    climb(p, fp16=True, first=400)
+    p.rolled_back(402, False, {"to_step": 395, "anomaly": "nonfinite"})
+    d = climb(p, fp16=True, first=410)
+    assert d.remedy is Remedy.BF16_FALLBACK and not d.restart  # (a grown run: from the newest checkpoint)
     for fp16, fallback, origin in ((False, "bf16", "loss"), (True, "none", "loss"), (True, "bf16", "gradients")):
         p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig(fp16_fallback=fallback))
         p.rolled_back(12, False, {"to_step": 5, "anomaly": "nonfinite"})

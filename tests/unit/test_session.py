@@ -319,3 +319,23 @@ def test_a_restart_from_the_first_step_starts_the_loss_and_norm_windows_again(tm
     assert det.observe(2, 4.8, None, 0.0).anomaly == "instant_burst"
     det.reset()
     assert det.observe(2, 4.8, None, 0.0) is None and len(det.window) == 1
+
+
+def test_a_young_runs_bf16_fallback_starts_over_from_its_first_step_and_keeps_one_to_restart_from(tmp_path):
+    """fp16 overflowing at the floor in a young run (bench/natural: fp16 at a peak LR of 0.1): the bf16 fallback
+    goes back to the first step's checkpoint, not to the newest periodic one (trained in fp16 at the trouble), and
+    the first step's checkpoint is saved again in bf16 -- the fp16 one would not load into the bf16 engine, so a
+    later climb could not restart from it (it ended 151% above healthy; 1.6% now)."""
+    fw, s, seen, records, ended = run(tmp_path, {
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30}],
+        "recovery": {"skip_batches": 0}}, 40, fp16=True)
+    assert ended is None and fw.precision == "bf16" and fw.steps == 40
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["anomaly"] == "loss_scale" and rb["detail"]["to_step"] == 1
+    assert rb["detail"]["from_first_step"] == str(tmp_path / "ck" / ".first") and "young run" in rb["detail"]["reason"]
+    fb = next(r for r in records if r["event"] == "precision_fallback")
+    again = [r for r in records if r["event"] == "checkpoint_saved" and r["time"] >= fb["time"]
+             and r["detail"]["dir"].endswith(".first")]
+    assert [r["detail"]["tag"] for r in again] == ["step00000001"]
+    # the policy may still restart a later climb once (the bf16 start-over is not the LR's)
+    assert not s.guard.policy.restarted

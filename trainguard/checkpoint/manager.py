@@ -153,24 +153,37 @@ class CheckpointManager:
     def _first_step(self, step: int) -> None:
         """After a fresh run's first step: a checkpoint apart from the periodic ones (checkpoint.first_step). At
         step FIRST_KEPT: removed (a restart from it is for a climb that began young, which is seen a little later)."""
-        root = self.first_root()
         if step == 1:
-            tag = self.save(root)
-            # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it)
-            self.health.watching = [w for w in self.health.watching if w.tag != tag]
-            return
+            self._save_first()
+        else:
+            self._drop_first()
+
+    def _save_first(self) -> None:
+        tag = self.save(self.first_root())
+        # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it)
+        self.health.watching = [w for w in self.health.watching if w.tag != tag]
+
+    def _drop_first(self) -> None:
+        root = self.first_root()
         if rank() == 0 and root.exists():
             trash = root.with_name(f"{FIRST}.deleted.{uuid.uuid4().hex[:6]}")
             root.rename(trash)  # (gone from its place at once; a crash leaves no half-deleted one there)
             shutil.rmtree(trash, ignore_errors=True)
 
-    def first_target(self, onset: int) -> tuple[Path | None, str | None, str]:
-        """The first step's checkpoint, verified, when it predates ``onset`` and fits the run (every rank learns)."""
+    def refresh_first(self) -> None:
+        """After a restart from the first step that changed the precision (fp16 -> bf16): the first step's checkpoint
+        again, in the precision the run goes on in (the fp16 one would not load any more)."""
+        if self.cfg.dir and self.cfg.first_step:
+            self._drop_first()
+            self._save_first()
+
+    def first_target(self) -> tuple[Path | None, str | None, str]:
+        """The first step's checkpoint, verified, when it fits the run (every rank learns)."""
         root = self.first_root()
         choice = None
         if rank() == 0:
             choice = (None, "no checkpoint of the first step", []) if root is None or not root.exists() else \
-                choose_rollback(root, onset, "latest_valid", self.not_before(root), False, key=self.key)
+                choose_rollback(root, 1, "latest_valid", self.not_before(root), inclusive=True, key=self.key)
         tag, why, bad = broadcast_from_rank0(choice)
         for b in bad:
             self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)
