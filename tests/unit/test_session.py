@@ -339,3 +339,16 @@ def test_a_young_runs_bf16_fallback_starts_over_from_its_first_step_and_keeps_on
     assert [r["detail"]["tag"] for r in again] == ["step00000001"]
     # the policy may still restart a later climb once (the bf16 start-over is not the LR's)
     assert not s.guard.policy.restarted
+
+
+def test_the_first_steps_checkpoint_is_removed_once_the_run_is_grown(tmp_path, monkeypatch):
+    """checkpoint.first_step: kept while a climb that began young can still be seen, then removed -- also when the
+    run was resumed past that step (a resumed run never sees its step 1 again)."""
+    import trainguard.checkpoint.manager as manager
+
+    monkeypatch.setattr(manager, "FIRST_KEPT", 12)
+    fw, s, seen, records, ended = run(tmp_path, {}, 11)
+    assert (tmp_path / "ck" / ".first" / "step00000001").is_dir()
+    s.driver.fw.checkpointer.after_step(13)  # (as a run resumed at 13 would)
+    assert not (tmp_path / "ck" / ".first").exists()
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".first")]

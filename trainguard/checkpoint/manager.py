@@ -80,6 +80,7 @@ class CheckpointManager:
         self.key = auth.key_from(self.cfg)     # checkpoint.hmac_key_env's key: sign and require signatures
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
+        self._first_dropped = False            # the first step's checkpoint was removed (checkpoint.first_step)
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
         self.snapshots = None                  # trainguard.checkpoint.memory_tier.MemoryTier (use_memory_tier)
         self.last_skipped: list[dict] = []     # what the last choice passed over, and why
@@ -127,7 +128,7 @@ class CheckpointManager:
         c = self.cfg
         self.pacer.tick(time.perf_counter())  # (the step times a snapshot's cost shows in: max_overhead)
         saved = bool(c.dir and c.every_steps and step % c.every_steps == 0)
-        if c.dir and c.every_steps and c.first_step and step in (1, FIRST_KEPT) and not (step == 1 and saved):
+        if c.dir and c.every_steps and c.first_step and (step == 1 and not saved or step >= FIRST_KEPT):
             self._first_step(step)
         if saved:
             self.save(c.dir)
@@ -155,7 +156,8 @@ class CheckpointManager:
         step FIRST_KEPT: removed (a restart from it is for a climb that began young, which is seen a little later)."""
         if step == 1:
             self._save_first()
-        else:
+        elif not self._first_dropped:  # (once per process: a run resumed past FIRST_KEPT drops it too)
+            self._first_dropped = True
             self._drop_first()
 
     def _save_first(self) -> None:
