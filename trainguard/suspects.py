@@ -3,6 +3,8 @@ hardware. Rank 0 keeps ``suspect_hosts.json`` beside the event log: what a launc
 restart (scripts/launch/slurm_deepspeed.sbatch reads it)."""
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Callable
 
@@ -84,6 +86,9 @@ class SuspectWatch:
 
         path = Path(self.jsonl).with_name("suspect_hosts.json")
         ranks = sorted(self.suspected)
-        atomic_write_json(path, {"ranks": ranks, "hosts": sorted({str(self.coords_of(r).get("host")) for r in ranks}),
+        # (the job's id: a launcher acts on a file of its own job only -- a previous job's, or one anyone else wrote
+        # into the log folder, excludes and drains nothing: scripts/launch/slurm_requeue.sh)
+        atomic_write_json(path, {"job_id": os.environ.get("SLURM_JOB_ID"), "ranks": ranks,
+                                 "hosts": sorted({str(self.coords_of(r).get("host")) for r in ranks}),
                                  "coords": [self.coords_of(r) for r in ranks]})
         return str(path)

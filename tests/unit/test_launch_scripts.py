@@ -94,3 +94,63 @@ def test_a_broken_trainguard_under_trainguard_run_stops_the_job_instead_of_train
     out = subprocess.run([sys.executable, "-c", code], env={**env, "TRAINGUARD_REQUIRED": "0"}, capture_output=True,
                          text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0 and "trained unguarded" in out.stdout and "training goes on unguarded" in out.stderr
+
+
+def _requeue(tmp_path, suspect: dict | None, drain: bool = True, fail: bool = False):
+    """scripts/launch/slurm_requeue.sh after a hang exit (75) of job 42 on nodes n[1-2], with a stand-in scontrol
+    that records what it is asked (and fails every update when ``fail``). Returns (what scontrol was asked to
+    change, stderr)."""
+    import json
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\necho "$@" >> "$SCONTROL_LOG"\ncase "$1 $2" in\n'
+        '  "show hostnames") if [ "$3" = "n[1-2]" ]; then printf "n1\\nn2\\n"; else printf "%s\\n" "$3"; fi;;\n'
+        '  "show job") echo "JobId=42 ExcNodeList=(null)";;\n'
+        '  *) if [ -n "${SCONTROL_FAIL:-}" ]; then echo "slurm_update error: Invalid node name" >&2; exit 1; fi;;\n'
+        'esac\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    (logs / "suspect_hosts.json").unlink(missing_ok=True)
+    if suspect is not None:
+        (logs / "suspect_hosts.json").write_text(json.dumps(suspect))
+    for name in ("gpu-a", "gpu-b"):  # (what a glob in the working directory would expand to)
+        (tmp_path / name).write_text("")
+    log = tmp_path / "scontrol.log"
+    log.unlink(missing_ok=True)
+    env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+               SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_ID="42", SCONTROL_LOG=str(log),
+               TRAINGUARD_DRAIN_SUSPECTS="1" if drain else "0", **({"SCONTROL_FAIL": "1"} if fail else {}))
+    done = subprocess.run(["bash", str(LAUNCH / "slurm_requeue.sh"), "75", str(logs)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 75, done.stderr
+    asked = [x for x in (log.read_text().splitlines() if log.exists() else []) if x.startswith(("update", "requeue"))]
+    return asked, done.stderr
+
+
+def test_slurm_requeue_excludes_and_drains_only_this_jobs_own_nodes(tmp_path):
+    """Issue 35 item 5: suspect_hosts.json reached scontrol unchecked -- a '*' was globbed into every file name of the
+    working directory, a node range drained 512 nodes, a previous job's file (or anyone's who can write LOG_DIR)
+    excluded and drained arbitrary nodes, a fully qualified name failed silently. Now only this job's file, only
+    names that are nodes of this job, every scontrol failure logged."""
+    drain = "update NodeName=n2 State=DRAIN"
+    asked, err = _requeue(tmp_path, {"job_id": "42", "hosts": ["n2"]})
+    assert "requeue 42" in asked and "update JobId=42 ExcNodeList=n2" in asked
+    assert [x for x in asked if x.startswith("update NodeName")] == [x for x in asked if x.startswith(drain)] != []
+    # a fully qualified name of a node of this job: that node
+    asked, err = _requeue(tmp_path, {"job_id": "42", "hosts": ["n2.cluster.example"]})
+    assert "update JobId=42 ExcNodeList=n2" in asked and any(x.startswith(drain) for x in asked)
+    # a glob, a node range, a comma list, a node of another job: set aside, each named
+    asked, err = _requeue(tmp_path, {"job_id": "42", "hosts": ["*", "gpu[001-512]", "n1,n2", "n9"]})
+    assert asked == ["requeue 42"], asked
+    assert err.count("set aside") == 4 and "gpu-a" not in " ".join(asked)
+    # a previous job's file, and one with no job id: nothing acted on
+    for stale in ({"job_id": "41", "hosts": ["n2"]}, {"hosts": ["n1"]}):
+        asked, err = _requeue(tmp_path, stale)
+        assert asked == ["requeue 42"] and "ignored" in err, (asked, err)
+    # scontrol refusing: every failure is in the log (it was discarded before)
+    asked, err = _requeue(tmp_path, {"job_id": "42", "hosts": ["n2"]}, fail=True)
+    assert "could not drain n2" in err and "requeue 42 failed" in err and "could not exclude n2" in err
