@@ -729,3 +729,36 @@ def test_a_checkpoint_of_an_older_trainguard_still_loads_with_the_guarantee_it_h
         Manifest(tag=d.name, step=1, files=hash_files(d, ["w.distcp"]), format=fmt).write(d)
         (d / ".metadata").write_bytes(b"pickle")
         assert verify(d).ok is ok
+
+
+def test_hashing_a_large_checkpoint_beats_the_heartbeat_from_the_training_thread_only(tmp_path, monkeypatch):
+    """Issue 35 item 6: hashing and verifying sent no heartbeat, so a checkpoint that takes longer than
+    hang_timeout_s to hash looked like a hang to the watchdog (every rank exits 75, the restart verifies again: a
+    loop). Each chunk now beats the heartbeat in the rank's phase -- from the training thread only."""
+    import threading
+    import time as _time
+
+    from trainguard.checkpoint import fsio
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.config import parse_block
+    from trainguard.watchdog import Heartbeat, find_hung
+
+    heart = Heartbeat(0)
+    heart.beat("checkpoint", 7)
+    CheckpointManager(parse_block({}), None, heart)
+    big = tmp_path / "shard.pt"
+    big.write_bytes(b"x" * (64 << 10))
+    started = _time.time()
+    slow = lambda: _time.sleep(0.05)  # noqa: E731  -- a slow disk: 16 chunks, ~0.8 s
+    monkeypatch.setattr(fsio, "_progress", (lambda inner: (lambda: (slow(), inner())))(fsio._progress))
+    fsio.sha256_file(big, chunk=4 << 10)
+    assert heart.progress > started + 0.5 and heart.phase == "checkpoint"  # beaten while hashing
+    # a hang timeout shorter than the hash: no rank is hung at its end
+    assert find_hung({0: heart.record()}, 1, _time.time(), hang_timeout_s=0.5, interval_s=0.1) is None
+    # a background writer's hashing beats nothing
+    before = heart.progress
+    t = threading.Thread(target=fsio.sha256_file, args=(big,), kwargs={"chunk": 4 << 10})
+    t.start()
+    t.join()
+    assert heart.progress == before
+    fsio.on_progress(None)

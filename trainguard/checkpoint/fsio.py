@@ -61,6 +61,21 @@ def atomic_write_json(path: str | os.PathLike, data) -> None:
     atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
+_progress = None  # called per chunk hashed (trainguard.checkpoint.manager sets it: the watchdog's heartbeat)
+
+
+def on_progress(fn) -> None:
+    """``fn()`` is called after each chunk a hash reads: a checkpoint of terabytes takes longer to hash and verify
+    than the watchdog's hang_timeout_s, and must not look like a hang (issue 35 item 6)."""
+    global _progress
+    _progress = fn
+
+
+def progressed() -> None:
+    if _progress is not None:
+        _progress()
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
@@ -71,6 +86,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> tuple[str, int
                 break
             h.update(block)
             size += len(block)
+            progressed()
     return h.hexdigest(), size
 
 

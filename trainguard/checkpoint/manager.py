@@ -81,6 +81,7 @@ class CheckpointManager:
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
         self._first_dropped = False            # the first step's checkpoint was removed (checkpoint.first_step)
+        self._progress_from_training_thread()
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
         self.snapshots = None                  # trainguard.checkpoint.memory_tier.MemoryTier (use_memory_tier)
         self.last_skipped: list[dict] = []     # what the last choice passed over, and why
@@ -146,6 +147,23 @@ class CheckpointManager:
             self.guard.emit(step, Record.FAULT_INJECTED, [rank()], None, {
                 "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": rank()}], "file": path},
                 rank_local=True)
+
+    def _progress_from_training_thread(self) -> None:
+        """Hashing and verifying beat the heartbeat per chunk, in the phase the rank is in -- from the training
+        thread only: a background writer's progress would hide a training thread that really hangs."""
+        import threading
+
+        from trainguard.checkpoint.fsio import on_progress
+
+        heart, main = self.heart, threading.get_ident()
+        if heart is None:
+            return
+
+        def beat() -> None:
+            if threading.get_ident() == main:
+                heart.beat(heart.phase)
+
+        on_progress(beat)
 
     # ------------------------------------------------------------------ the first step's checkpoint
     def first_root(self) -> Path | None:

@@ -258,6 +258,9 @@ class VerifiedReader:
         if want is None:
             raise CheckpointError(f"{path}: not listed in the manifest of {self.tag_dir}: refused, never read")
         data = _read_regular(Path(path))
+        from trainguard.checkpoint.fsio import progressed
+
+        progressed()
         if len(data) != int(want["size"]) or hashlib.sha256(data).hexdigest() != want["sha256"]:
             raise CheckpointError(f"{path}: its bytes differ from the manifest's sha256 (changed since it was "
                                   "verified): refused, never deserialised")
