@@ -762,3 +762,44 @@ def test_hashing_a_large_checkpoint_beats_the_heartbeat_from_the_training_thread
     t.join()
     assert heart.progress == before
     fsio.on_progress(None)
+
+
+def test_a_storage_error_is_retried_and_then_stops_the_run_never_setting_the_newest_aside(tmp_path, monkeypatch):
+    """Issue 35 item 4: an EIO while reading the newest manifest was reported "malformed", the resume loaded the
+    checkpoint before it and set the newest aside -- an NFS hiccup silently rolled progress back. A storage error
+    is retried; a transient one loads the newest; a persistent one stops the resume (every rank: the error is in
+    the broadcast choice) naming the file, nothing moved; a rollback does not go past it either."""
+    import errno
+    from pathlib import Path
+
+    from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint.layout import CheckpointError
+    from trainguard.checkpoint.rollback import choose_rollback
+
+    monkeypatch.setattr(mf, "IO_BACKOFF_S", 0.01)
+    real_read = mf.Manifest.read.__func__
+    failures = {"left": 0}
+
+    def flaky(cls, tag_dir):
+        if Path(tag_dir).name == "step00000020" and failures["left"] > 0:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error", str(Path(tag_dir) / "manifest.json"))
+        return real_read(cls, tag_dir)
+
+    monkeypatch.setattr(mf.Manifest, "read", classmethod(flaky))
+    # transient (two failures, three tries): the newest loads
+    failures["left"] = 2
+    m = _manager({"dir": str(_two(tmp_path / "transient"))})
+    assert m.resume_on_start() == "step00000020"
+    # persistent: the run stops, naming the file, and not one file moves
+    root = _two(tmp_path / "persistent")
+    before = _listing(root)
+    failures["left"] = 10 ** 6
+    m = _manager({"dir": str(root)})
+    with pytest.raises(CheckpointError) as e:
+        m.resume_on_start()
+    assert "step00000020" in str(e.value) and "I/O error" in str(e.value) and "roll progress back" in str(e.value)
+    assert _listing(root) == before
+    # a rollback chooses nothing past it (its abandonment would set the newest aside)
+    tag, why, bad = choose_rollback(root, 30, "latest_valid")
+    assert tag is None and bad[0]["io_error"] and "no rollback past it" in why

@@ -234,6 +234,10 @@ class CheckpointManager:
                                 f"framework loaded from its own checkpoint", "dir": str(root)})
                 break
             res = verify(layout.tag_dir(tag), key=self.key)
+            if res.io_error:  # (never passed over for a storage error: an older one loaded would set it aside)
+                skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root),
+                                "io_error": True})
+                return None, skipped
             if not res.ok:
                 skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
                 continue
@@ -262,6 +266,12 @@ class CheckpointManager:
         for s in skipped:
             if "bad_file" in s:
                 self.emit(self.step_count(), Record.CHECKPOINT_INVALID, s)
+        io = [s for s in skipped if s.get("io_error")]
+        if io:  # every rank: the run stops naming the file, nothing loaded and nothing moved
+            raise CheckpointError(f"checkpoint {io[0]['tag']} in {root}: {io[0]['bad_file']}: {io[0]['reason']}: the "
+                                  "run stops rather than pass over it (an older checkpoint loaded would set the "
+                                  "newest aside: a storage error must not roll progress back). Fix the storage "
+                                  "and restart.")
         if chosen is None and tag is not None:
             bad = skipped[0]
             raise CheckpointError(f"checkpoint {tag} in {root} does not verify: {bad['bad_file']}: {bad['reason']}")

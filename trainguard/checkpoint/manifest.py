@@ -120,6 +120,7 @@ class VerifyResult:
     bad_file: str | None = None
     reason: str = ""
     manifest: Manifest | None = None
+    io_error: bool = False  # the storage failed to read (EIO, ESTALE, ...): no verdict on the checkpoint itself
 
 
 def inside(rel: str) -> bool:
@@ -139,10 +140,31 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None
     Never raises: a malformed checkpoint is "invalid, here is why" -- rank 0 verifies before the
     broadcast of its choice, and an exception there would leave the other ranks waiting."""
     tag_dir = Path(tag_dir)
-    try:
-        return _verify(tag_dir, checksums, key)
-    except Exception as e:  # (anything a crafted or damaged checkpoint can provoke)
-        return VerifyResult(False, tag_dir.name, MANIFEST, f"malformed checkpoint: {type(e).__name__}: {e}")
+    res = None
+    for attempt in range(IO_TRIES):  # (a storage error is retried: an NFS hiccup is no verdict on a checkpoint)
+        if attempt:
+            time.sleep(IO_BACKOFF_S * 2 ** (attempt - 1))
+        try:
+            res = _verify(tag_dir, checksums, key)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                return VerifyResult(False, tag_dir.name, getattr(e, "filename", None) and Path(e.filename).name
+                                    or MANIFEST, f"missing: {e}")
+            res = _io_error(tag_dir, e)
+        except Exception as e:  # (anything a crafted or damaged checkpoint can provoke)
+            return VerifyResult(False, tag_dir.name, MANIFEST, f"malformed checkpoint: {type(e).__name__}: {e}")
+        if not res.io_error:
+            return res
+    return res
+
+
+IO_TRIES, IO_BACKOFF_S = 3, 0.5
+
+
+def _io_error(tag_dir: Path, e: OSError) -> VerifyResult:
+    where = Path(e.filename).name if getattr(e, "filename", None) else MANIFEST
+    return VerifyResult(False, tag_dir.name, where, f"I/O error reading it ({type(e).__name__}: {e}), "
+                        f"{IO_TRIES} tries", io_error=True)
 
 
 def _well_formed(man: "Manifest") -> str | None:
@@ -174,7 +196,9 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
         man = Manifest.read(tag_dir)
     except FileNotFoundError:
         return VerifyResult(False, tag, MANIFEST, "no manifest: the checkpoint was never committed")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except OSError as e:
+        return _io_error(tag_dir, e)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         return VerifyResult(False, tag, MANIFEST, f"unreadable manifest: {e}")
     why = _well_formed(man)
     if why is not None:
@@ -189,7 +213,7 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
         p = tag_dir / rel
         try:
             st = os.lstat(p)
-        except OSError:
+        except FileNotFoundError:
             return VerifyResult(False, tag, rel, "missing", man)
         if not stat.S_ISREG(st.st_mode):
             return VerifyResult(False, tag, rel, "not a regular file: refused, never read", man)

@@ -42,6 +42,10 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     for tag, step in reversed(layout.steps()):
         if not_before <= step < onset + (1 if inclusive else 0):
             seen.append((tag, verify(layout.tag_dir(tag), key=key)))
+            if seen[-1][1].io_error:  # (no older one chosen past a storage error: its rollback would set this aside)
+                res = seen[-1][1]
+                return None, f"{tag}: {res.bad_file}: {res.reason}: no rollback past it", [
+                    {"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root), "io_error": True}]
     valid = [t for t, res in seen if res.ok]
     stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
     if mode == "stable" and stable:
