@@ -361,7 +361,7 @@ class StepGuard:
             def lr_cut(onset: int) -> tuple[float, str, bool]:
                 return self.lr_history.cut(onset, step, self.cfg.recovery.lr_factor)
         decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights, fp16=self._scaled,
-                                      lr_cut=lr_cut)
+                                      lr_cut=lr_cut, lr_rising=self.lr_history.rising_into)
         self.last_decision = decision
         # damaged weights, not data: no sample is to blame
         self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
@@ -491,7 +491,7 @@ class StepGuard:
         verdict = self.loss_scale.observe(step, scaler, overflowed=not applied)
         if verdict is None:
             return None
-        scale_decision = self.policy.decide_loss_scale(verdict, step)
+        scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self.lr_history.rising_into)
         self._log_verdict(step, verdict, scale_decision, None)
         return scale_decision
 

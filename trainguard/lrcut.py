@@ -14,8 +14,8 @@ history says more:
   the first periodic save lands on weights the too-high LR had already pushed away, and from there a sane LR walks
   them back about ten times slower than they were pushed (measured on bench/natural's warmup of one step: +155%
   against healthy where halvings gave +49%). Without that checkpoint (or a second time): ``recovery.lr_factor``.
-  (A young run's bf16 fallback starts over from the same checkpoint and saves it again in bf16: trainguard.policy,
-  trainguard.driver);
+  (A young run's bf16 fallback whose trouble began while the LR was still rising -- a warmup under way -- starts
+  over from the same checkpoint and saves it again in bf16: trainguard.policy, trainguard.driver);
 - otherwise: ``recovery.lr_factor``, as before.
 
 Never less of a cut than ``lr_factor``. Pure: the guard hands it the LRs it recorded (rank 0's, from the AGREE
@@ -29,6 +29,7 @@ JUMP = 1.5       # one step's LR over the step before: a jump
 BEFORE = 10      # steps before the onset a jump may have come (the loss answers an LR jump within a few steps)
 YOUNG = 200      # a climb that begins within a run's first steps: its LR settings are what fails there
 TENTH = 0.1      # the LR range test's back-off from the LR where the loss stopped falling
+RISING, RAMP = 1.2, 32  # the LR at an onset over the LR RAMP steps before it: a warmup still under way
 
 
 class LrHistory:
@@ -52,6 +53,14 @@ class LrHistory:
         if best is None and self.steps:
             best = self.steps[0][1]
         return best
+
+    def rising_into(self, onset: int) -> bool:
+        """Whether the LR was still rising into ``onset`` (>= RISING x the LR RAMP steps before it, the oldest
+        recorded when the run is younger): a warmup still under way when the trouble began."""
+        lr_onset, ref = self.at(onset), self.at(onset - RAMP)
+        if not lr_onset or ref is None:
+            return False
+        return ref <= 0 or lr_onset >= RISING * ref
 
     def rewound(self, to_step: int) -> None:
         while self.steps and self.steps[-1][0] > to_step:

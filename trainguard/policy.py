@@ -93,13 +93,15 @@ class Policy:
 
     def decide(self, verdicts: Sequence[Verdict], step: int = 0, rise_onset: int | None = None,
                weights: str | None = None, fp16: bool = False,
-               lr_cut: Callable[[int], tuple[float, str, bool]] | None = None) -> Decision:
+               lr_cut: Callable[[int], tuple[float, str, bool]] | None = None,
+               lr_rising: Callable[[int], bool] | None = None) -> Decision:
         """``weights``: what replaying the last healthy micro-batch on the current weights said
         (trainguard.replay): "healthy" (the data was bad: a non-finite or burst step that a rung would
         roll back is skipped instead, since a skipped step did no damage), "damaged" (roll back now,
         whatever the rung), or None (no replay: the ladders as written). ``lr_cut``: given the onset, the LR
         multiplier a lowering should use, why, and whether from the first step's checkpoint (trainguard.lrcut;
-        None: ``recovery.lr_factor``). A restart is proposed once per run."""
+        None: ``recovery.lr_factor``). A restart is proposed once per run. ``lr_rising``: whether the LR was still
+        rising into a step (a young run's bf16 fallback then starts over from its first step)."""
         verdicts = tuple(verdicts)
         classes = {c for c in map(anomaly_class, verdicts) if c}
         if "nonfinite" in classes:
@@ -194,18 +196,19 @@ class Policy:
                 remedy = Remedy.BF16_FALLBACK
                 reason += ("; the fp16 forward overflowed again after a rollback: its range is exceeded, no loss "
                            f"scale helps -> {remedy}")
-                if onset < YOUNG and not lower:
+                if onset < YOUNG and not lower and lr_rising is not None and lr_rising(onset):
                     # (a young run starts over in bf16 from its first step: its fp16 trouble began before the newest
                     # checkpoint, and from the first step a later climb can restart again, in bf16)
                     restart = True
-                    reason += "; a young run: from its first step"
+                    reason += "; a young run, its LR still rising into the trouble: from its first step"
             return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
                             onset_skipped=skipped_onset, remedy=remedy, lr_scale=scale, restart=restart)
         if chosen == "skip_step":
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
 
-    def decide_loss_scale(self, verdict: Verdict, step: int) -> Decision:
+    def decide_loss_scale(self, verdict: Verdict, step: int, lr_rising: Callable[[int], bool] | None = None
+                          ) -> Decision:
         """The fp16 scaler collapsed on this (already skipped) step: the ``loss_scale`` ladder's rung.
         Every rank sees the same scaler (DeepSpeed agrees on overflow across ranks), so every rank
         decides the same."""
@@ -225,9 +228,9 @@ class Policy:
             return exhausted
         remedy = REMEDY.get(rung, Remedy.RESET_SCALE)  # rollback_lower_lr here means a plain rollback too
         onset = verdict.detail.get("onset_step") or step
-        restart = remedy is Remedy.BF16_FALLBACK and onset < YOUNG
+        restart = remedy is Remedy.BF16_FALLBACK and onset < YOUNG and lr_rising is not None and lr_rising(onset)
         if restart:
-            reason += "; a young run: it starts over in bf16 from its first step"
+            reason += "; a young run, its LR still rising into the trouble: it starts over in bf16 from its first step"
         return Decision(Action.ROLLBACK, f"{reason} -> {remedy}", (verdict,), lower_lr=rung == "rollback_lower_lr",
                         onset_step=onset, anomaly=Anomaly.LOSS_SCALE, remedy=remedy,
                         onset_skipped=True,  # the descent began with an overflow, which was skipped

@@ -89,3 +89,12 @@ def test_a_young_run_restarts_once_from_its_first_step_with_a_tenth_of_the_lr_at
     burst = Verdict(detector="loss_spike", anomaly="instant_burst", ranks=(0,), detail={})
     d = p.decide([burst], 30, lr_cut=lambda onset: h.cut(onset, 97, 0.5))
     assert d.lower_lr and not d.restart and d.lr_scale == 0.5
+
+
+def test_rising_into_an_onset_is_a_warmup_under_way():
+    h = history({s: 0.1 * min(s, 100) / 100 for s in range(1, 90)})
+    assert h.rising_into(56) and h.rising_into(10)
+    h = history({s: 0.003 for s in range(1, 90)})
+    assert not h.rising_into(56)
+    h = history({1: 0.0, **{s: 0.03 for s in range(2, 90)}})  # (a warmup of one step: from 0, within RAMP)
+    assert h.rising_into(20) and not h.rising_into(60)

@@ -183,12 +183,16 @@ def test_an_fp16_forward_overflowing_again_after_a_rollback_goes_to_bf16():
     p.rolled_back(12, False, {"to_step": 5, "anomaly": d.anomaly})
     d = climb(p, fp16=True, first=20)
     assert d.action is Action.ROLLBACK and d.remedy is Remedy.BF16_FALLBACK and "range" in d.reason
-    assert d.restart  # (a young run: the fallback starts over from the first step's checkpoint, where there is one)
-    p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig())
-    climb(p, fp16=True, first=400)
-    p.rolled_back(402, False, {"to_step": 395, "anomaly": "nonfinite"})
-    d = climb(p, fp16=True, first=410)
-    assert d.remedy is Remedy.BF16_FALLBACK and not d.restart  # (a grown run: from the newest checkpoint)
+    assert not d.restart  # (no LR evidence given: from the newest checkpoint before the onset)
+    for first, rising, restart in ((20, True, True), (20, False, False), (400, True, False)):
+        # a young run whose LR was still rising into the trouble starts over from its first step
+        p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig())
+        climb(p, fp16=True, first=first)
+        p.rolled_back(first + 2, False, {"to_step": first - 5, "anomaly": "nonfinite"})
+        for s in (first + 10, first + 11):
+            p.decide([forward()], step=s, fp16=True, lr_rising=lambda onset: rising)
+        d = p.decide([forward(1)], step=first + 12, fp16=True, lr_rising=lambda onset: rising)
+        assert d.remedy is Remedy.BF16_FALLBACK and d.restart is restart, (first, rising)
     for fp16, fallback, origin in ((False, "bf16", "loss"), (True, "none", "loss"), (True, "bf16", "gradients")):
         p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig(fp16_fallback=fallback))
         p.rolled_back(12, False, {"to_step": 5, "anomaly": "nonfinite"})

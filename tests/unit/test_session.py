@@ -322,12 +322,18 @@ def test_a_restart_from_the_first_step_starts_the_loss_and_norm_windows_again(tm
 
 
 def test_a_young_runs_bf16_fallback_starts_over_from_its_first_step_and_keeps_one_to_restart_from(tmp_path):
-    """fp16 overflowing at the floor in a young run (bench/natural: fp16 at a peak LR of 0.1): the bf16 fallback
-    goes back to the first step's checkpoint, not to the newest periodic one (trained in fp16 at the trouble), and
-    the first step's checkpoint is saved again in bf16 -- the fp16 one would not load into the bf16 engine, so a
-    later climb could not restart from it (it ended 151% above healthy; 1.6% now)."""
-    fw, s, seen, records, ended = run(tmp_path, {
-        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30}],
+    """fp16 overflowing at the floor in a young run while its LR still rises (bench/natural: fp16 during a warmup to
+    a peak LR of 0.1): the bf16 fallback goes back to the first step's checkpoint, not to the newest periodic one
+    (trained in fp16 at the trouble), and the first step's checkpoint is saved again in bf16 -- the fp16 one would
+    not load into the bf16 engine, so a later climb could not restart from it (it ended 151% above healthy; 1.6%
+    now). With a steady LR the fallback goes to the newest checkpoint before the trouble, as before."""
+    fw, s, seen, records, ended = run(tmp_path / "steady", {
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30}], "recovery": {"skip_batches": 0}}, 40, fp16=True)
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert ended is None and rb["detail"]["to_step"] == 10 and "from_first_step" not in rb["detail"]
+    fw, s, seen, records, ended = run(tmp_path, {  # (a warmup under way: the LR x1.05 a step from step 2)
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30},
+                   {"type": "lr_ramp", "step": 2, "steps": 14, "factor": 1.05}],
         "recovery": {"skip_batches": 0}}, 40, fp16=True)
     assert ended is None and fw.precision == "bf16" and fw.steps == 40
     (rb,) = [r for r in records if r["event"] == "rollback"]
