@@ -10,6 +10,7 @@
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-gpu-out}}
 mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)  # (absolute: the script works from the checkout's root)
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -305,8 +305,9 @@ class CheckpointConfig(_Section):
     first_step: bool = Field(
         True, description="With every_steps: also save after a fresh run's first step, in dir/.first (apart from the "
         "periodic ones: retention and resume never see it; removed at step 400). Where a young run whose LR was too "
-        "high from the start goes back to (recovery.lr_cut), and a young run's bf16 fallback starts over from (saving "
-        "it again in bf16): a checkpoint from before the damage, which the first periodic save comes too late for.")
+        "high from the start goes back to (recovery.lr_cut), and a young run's bf16 fallback whose LR was still rising "
+        "starts over from (saving it again in bf16): a checkpoint from before the damage, which the first periodic "
+        "save comes too late for.")
     hmac_key_env: Optional[str] = Field(
         None, min_length=1, description="Authenticated checkpoints: the name of an environment variable (set on every "
         "rank) holding a secret key. Every checkpoint committed is signed (manifest.hmac, an HMAC-SHA256 of the "

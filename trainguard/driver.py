@@ -33,7 +33,6 @@ class StepDriver:
 
     def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart):
         self.fw, self.guard, self.cfg, self.heart = fw, guard, cfg, heart
-        self.lr_until = 0          # recovery's lowered LR applies until this step
         self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
 
     # ------------------------------------------------------------------ the step
@@ -101,8 +100,7 @@ class StepDriver:
         cooldown); afterwards the scheduled LR is put back (unless the scheduler set a new one)."""
         faults = self.guard.faults
         mult = faults.lr_multiplier(step) if self.cfg.faults else 1.0
-        if self.fw.completed_steps() < self.lr_until:  # only a lowering by the policy sets lr_until
-            mult *= self.guard.policy.lr_factor
+        mult *= self.guard.policy.lr_applied(self.fw.completed_steps())  # (1.0 unless a lowering's cooldown runs)
         self.step_lr = None
         if mult == 1.0:
             yield
@@ -112,8 +110,10 @@ class StepDriver:
             yield
 
     def _lower_lr(self, from_step: int, scale: float | None = None) -> None:
-        self.guard.policy.lower_lr(scale)
-        self.lr_until = from_step + self.cfg.recovery.lr_cooldown_steps
+        policy = self.guard.policy
+        policy.lr_applied(from_step)  # (an expired factor is not lowered further)
+        policy.lower_lr(scale)
+        policy.lr_until = from_step + self.cfg.recovery.lr_cooldown_steps
 
     # ------------------------------------------------------------------ recovery
     def rollback(self, step: int, decision: Decision) -> bool:
@@ -132,6 +132,8 @@ class StepDriver:
         data = fw.data
         cp = fw.checkpointer
         root = cp.rollback_root() if cp is not None else None
+        if cp is not None:
+            cp.wait_pending()  # (a save still being written is no target yet: the first step's, with async saves)
         scale, restart, tag = decision.lr_scale, decision.restart, None
         if restart and root is not None:  # a young run whose LR was too high from the start (trainguard.lrcut)
             first, tag, _ = cp.first_target()
@@ -175,7 +177,7 @@ class StepDriver:
                                                            "restart": restart and not scale_case,
                                                            "anomaly": decision.anomaly}, scale=scale)
         if decision.lower_lr:
-            self.lr_until = goes_on + rc.lr_cooldown_steps
+            guard.policy.lr_until = goes_on + rc.lr_cooldown_steps
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.grad_norm.reset_trend()
         if restart:  # (back to the first step: the loss and norm windows describe a later stage of training)
@@ -196,9 +198,11 @@ class StepDriver:
             **({"moments_zeroed": zeroed} if zeroed is not None else {}),
             **({"loop": loop} if loop else {})})
         if scale_case:
-            self.scale_remedy(step, decision, rolled_back=True)
+            self.scale_remedy(step, decision, rolled_back=True)  # (its precision change saves a checkpoint)
             if restart and fw.checkpointer is not None:
                 fw.checkpointer.refresh_first()  # (in the precision the run goes on in)
+        elif restart:
+            cp.after_restart()
         return True
 
     def scale_remedy(self, step: int, decision: Decision, rolled_back: bool) -> dict:

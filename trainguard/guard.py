@@ -612,7 +612,7 @@ class StepGuard:
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
                 "loss_spike": self.loss_spike.state_dict(), "grad_norm": self.grad_norm.state_dict(),
-                "loss_trend": self.loss_trend.state_dict(),
+                "loss_trend": self.loss_trend.state_dict(), "lr_history": self.lr_history.state_dict(),
                 "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict(),
                 "detectors": {reg.key: det.state_dict() for reg, det in self.registered}}
 
@@ -623,6 +623,8 @@ class StepGuard:
         self.grad_norm.load_state_dict(state["grad_norm"])
         if "loss_trend" in state:
             self.loss_trend.load_state_dict(state["loss_trend"])
+        if "lr_history" in state:
+            self.lr_history.load_state_dict(state["lr_history"])
         self.clipper.load_state_dict(state["clipper"])
         if "goodput" in state:
             self.goodput.load_state_dict(state["goodput"])

@@ -62,6 +62,16 @@ class LrHistory:
             return False
         return ref <= 0 or lr_onset >= RISING * ref
 
+    def state_dict(self, last: int = 64) -> dict:
+        """The newest ``last`` steps' LRs: saved with the guard, so that a resume at a raised schedule still sees the
+        LR it jumped from (and a young run its LR's rise)."""
+        return {"steps": [[s, lr] for s, lr in list(self.steps)[-last:]]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps.clear()
+        for s, lr in state.get("steps", []):
+            self.steps.append((int(s), float(lr)))
+
     def rewound(self, to_step: int) -> None:
         while self.steps and self.steps[-1][0] > to_step:
             self.steps.pop()

@@ -85,6 +85,7 @@ class Policy:
         self.history: dict[str, deque] = defaultdict(deque)  # per ladder class: its recent occurrences
         self.rollback_steps: deque = deque()
         self.lr_factor = 1.0
+        self.lr_until = 0                           # the lowered LR (lr_factor) applies until this step
         self.tried: list[dict] = []
         self.last_rollback_to: int | None = None    # the step the last rollback returned to ...
         self.last_rollback_from: int | None = None  # ... from this step
@@ -253,6 +254,13 @@ class Policy:
                                f"within {self.recovery.rollback_window} steps)", verdicts, step)
         return None
 
+    def lr_applied(self, completed: int) -> float:
+        """The LR factor applied at this point (1.0 once the cooldown is over: the expired factor is forgotten, so a
+        later cut is measured against the schedule's LR, not multiplied into a factor no longer applied)."""
+        if completed >= self.lr_until and self.lr_factor != 1.0:
+            self.lr_factor = 1.0
+        return self.lr_factor
+
     def lower_lr(self, scale: float | None = None) -> float:
         """Scale the accumulated LR factor by ``scale`` (a decision's ``lr_scale``; None: lr_factor). The floor
         was checked when deciding."""
@@ -294,7 +302,7 @@ class Policy:
                 "history": {k: list(v) for k, v in self.history.items()},
                 "rollback_steps": list(self.rollback_steps), "lr_factor": self.lr_factor, "tried": self.tried[-20:],
                 "last_rollback_to": self.last_rollback_to, "last_rollback_from": self.last_rollback_from,
-                "restarted": self.restarted}
+                "restarted": self.restarted, "lr_until": self.lr_until}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
@@ -307,3 +315,5 @@ class Policy:
         self.last_rollback_to = state.get("last_rollback_to")
         self.last_rollback_from = state.get("last_rollback_from")
         self.restarted = bool(state.get("restarted", False))
+        # (a checkpoint from before lr_until was kept: its lowered LR was lost at a resume)
+        self.lr_until = int(state.get("lr_until", 0))

@@ -156,6 +156,10 @@ def find_hung(beats: dict[int, Beat], world: int, now: float, hang_timeout_s: fl
     if silent:
         return HangVerdict(sorted(silent), "its heartbeat stopped: the process is stopped, dead or wedged "
                            "without the GIL", beats)
+    if any(b.phase == "checkpoint" for r, b in beats.items() if r not in stalled):
+        # (the others wait for a rank that hashes or verifies a checkpoint -- rank 0 verifies alone while the rest
+        # wait in the broadcast of its choice: progress, not a hang; it stalls too when it is done or stuck)
+        return None
     top = max(b.step for b in beats.values())
     behind = [r for r, b in stalled.items() if b.step < top]
     if behind:

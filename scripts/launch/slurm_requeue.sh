@@ -24,13 +24,17 @@ say() { echo "trainguard: $*" >&2; }
 # digits, '.', '_' and '-' (a glob, a node range like gpu[001-512], a comma list) never gets through; a fully
 # qualified name whose first label is one of the job's nodes is taken as that node. Every name set aside is logged.
 suspects() {
-  local file="$LOG_DIR/suspect_hosts.json" nodes out
+  local file="$LOG_DIR/suspect_hosts.json" nodes err
   [ -f "$file" ] || return 0
-  if ! nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>&1); then
-    say "scontrol show hostnames failed (${nodes}): no suspect host acted on"
+  err=$(mktemp)
+  if ! nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>"$err"); then
+    say "scontrol show hostnames failed ($(cat "$err")): no suspect host acted on"
+    rm -f "$err"
     return 0
   fi
-  python - "$file" "${SLURM_JOB_ID:-}" "$nodes" <<'PY'
+  [ -s "$err" ] && say "scontrol show hostnames: $(cat "$err")"  # (a warning is logged, never taken for a node)
+  rm -f "$err"
+  "${PYTHON:-python3}" - "$file" "${SLURM_JOB_ID:-}" "$nodes" <<'PY'
 import json, re, sys
 path, job, nodes = sys.argv[1], sys.argv[2], set(sys.argv[3].split())
 name = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")

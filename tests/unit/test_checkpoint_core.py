@@ -762,6 +762,22 @@ def test_hashing_a_large_checkpoint_beats_the_heartbeat_from_the_training_thread
     t.join()
     assert heart.progress == before
     fsio.on_progress(None)
+    # with several ranks: rank 0 verifies alone while the others wait in the broadcast of its choice -- waiting for a
+    # rank that makes checkpoint progress is no hang; once it stalls too, it is
+    from trainguard.watchdog import Heartbeat as HB
+
+    others = [HB(r) for r in (1, 2, 3)]
+    for h in others:
+        h.beat("checkpoint", 7)
+        h.progress -= 10
+    fsio.on_progress(lambda: heart.beat(heart.phase))
+    fsio.progressed()  # (rank 0 hashing now)
+    now = _time.time()
+    world = {0: heart.record(), **{h.rank: h.record() for h in others}}
+    assert find_hung(world, 4, now, hang_timeout_s=0.5, interval_s=0.1) is None
+    heart.progress -= 10
+    world[0] = heart.record()
+    assert find_hung(world, 4, now, hang_timeout_s=0.5, interval_s=0.1) is not None
 
 
 def test_a_storage_error_is_retried_and_then_stops_the_run_never_setting_the_newest_aside(tmp_path, monkeypatch):
@@ -800,6 +816,18 @@ def test_a_storage_error_is_retried_and_then_stops_the_run_never_setting_the_new
         m.resume_on_start()
     assert "step00000020" in str(e.value) and "I/O error" in str(e.value) and "roll progress back" in str(e.value)
     assert _listing(root) == before
-    # a rollback chooses nothing past it (its abandonment would set the newest aside)
+    # a rollback chooses nothing past it (its abandonment would set the newest aside) ...
     tag, why, bad = choose_rollback(root, 30, "latest_valid")
     assert tag is None and bad[0]["io_error"] and "no rollback past it" in why
+    # ... but an older checkpoint's storage error does not stop a rollback to a newer one
+    failures["left"] = 0
+    for step in (30,):
+        make_ckpt(root, f"step{step:08d}", step, {"weights.bin": b"n" * step})
+    failures["left"] = 10 ** 6
+    tag, why, bad = choose_rollback(root, 40, "latest_valid")
+    assert tag == "step00000030" and not bad
+    # and an error that is a property of the checkpoint (a path through a file, a permission) passes it over
+    monkeypatch.setattr(mf.Manifest, "read", classmethod(lambda cls, d: (_ for _ in ()).throw(
+        NotADirectoryError(errno.ENOTDIR, "Not a directory", str(d)))))
+    res = mf.verify(root / "step00000030")
+    assert not res.ok and not res.io_error

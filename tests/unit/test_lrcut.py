@@ -22,9 +22,13 @@ def test_a_schedule_raised_mid_run_goes_back_to_the_lr_before_the_jump():
 
 
 def test_a_warmup_is_no_jump_and_keeps_the_configured_factor():
-    # a ramp still rising into the onset, even one whose first steps double the LR
+    # a ramp still rising into the onset, even one whose first steps double the LR: no jump (in a young run: the
+    # young run's rule, a tenth, not a jump's "back to the LR before it")
     h = history({s: 0.05 * min(s, 100) / 100 for s in range(1, 95)})
-    # (in a grown run: the young rule below does not apply)
+    for onset in (82, 12):
+        scale, why, restart = h.cut(onset=onset, now=94, configured=0.5)
+        assert restart and "young run" in why and "jumped" not in why
+    # (in a grown run the young rule does not apply either: the configured factor)
     h = history({s: 0.05 * min(s - 300, 100) / 100 for s in range(301, 395)})
     assert h.cut(onset=382, now=394, configured=0.5) == (0.5, "", False)
     assert h.cut(onset=305, now=312, configured=0.5) == (0.5, "", False)
@@ -98,3 +102,25 @@ def test_rising_into_an_onset_is_a_warmup_under_way():
     assert not h.rising_into(56)
     h = history({1: 0.0, **{s: 0.03 for s in range(2, 90)}})  # (a warmup of one step: from 0, within RAMP)
     assert h.rising_into(20) and not h.rising_into(60)
+
+
+def test_the_lr_history_rides_the_guards_state_so_a_resume_at_a_raised_schedule_sees_the_jump():
+    before = history({s: 0.003 for s in range(1, 151)})
+    resumed = LrHistory()
+    resumed.load_state_dict(before.state_dict())
+    for s in range(151, 156):
+        resumed.record(s, 0.045)
+    scale, why, restart = resumed.cut(onset=152, now=155, configured=0.5)
+    assert scale == pytest.approx(1 / 15) and not restart and "jumped" in why
+
+
+def test_a_lowered_lr_expires_with_its_cooldown_and_a_later_cut_starts_from_the_schedule():
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    p.lower_lr(0.1)
+    p.lr_until = 1001
+    assert p.lr_applied(500) == pytest.approx(0.1)
+    assert p.lr_applied(1001) == 1.0 and p.lr_factor == 1.0  # (forgotten: no longer applied)
+    d = p.decide([_rise(1200, 1150)], 1200, lr_cut=lambda onset: (0.1, "jump", False))
+    assert d.lr_scale == pytest.approx(0.1) and "held at lr_floor" not in d.reason
+    state = p.state_dict()
+    assert Policy(NonfiniteConfig(), RecoveryConfig()).load_state_dict(state) is None and state["lr_until"] == 1001

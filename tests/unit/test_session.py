@@ -235,7 +235,7 @@ def test_a_burst_rolls_back_and_a_ramp_rolls_back_with_the_lr_lowered(tmp_path):
     (rb,) = [r for r in records if r["event"] == "rollback"]
     assert rb["detail"]["lr_factor"] == 0.5
     assert math.isclose(fw.opt.param_groups[0]["lr"], 1e-2)  # (the scheduled LR is put back after each step)
-    assert s.driver.lr_until == 14 + 100 - (14 - 10)  # (the loop goes on from the checkpoint's step, 10)
+    assert s.guard.policy.lr_until == 14 + 100 - (14 - 10)  # (the loop goes on from the checkpoint's step, 10)
 
 
 def test_the_loss_scale_ladder_resets_raises_the_floor_and_falls_back_to_bf16(tmp_path):
@@ -345,6 +345,9 @@ def test_a_young_runs_bf16_fallback_starts_over_from_its_first_step_and_keeps_on
     assert [r["detail"]["tag"] for r in again] == ["step00000001"]
     # the policy may still restart a later climb once (the bf16 start-over is not the LR's)
     assert not s.guard.policy.restarted
+    # the main directory's own checkpoint of step 1 (the fallback's, in bf16) keeps its watch: it became stable there
+    assert (tmp_path / "ck" / "step00000001" / "stable.json").is_file()
+    assert not (tmp_path / "ck" / ".first" / "step00000001" / "stable.json").exists()
 
 
 def test_the_first_steps_checkpoint_is_removed_once_the_run_is_grown(tmp_path, monkeypatch):

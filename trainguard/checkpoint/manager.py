@@ -179,9 +179,16 @@ class CheckpointManager:
             self._drop_first()
 
     def _save_first(self) -> None:
+        roots = dict(self.roots)
         tag = self.save(self.first_root())
-        # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it)
-        self.health.watching = [w for w in self.health.watching if w.tag != tag]
+        # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it -- and the
+        # main directory's checkpoint of the same tag, if any, keeps its own watch and root)
+        mine = next((w for w in reversed(self.health.watching) if w.tag == tag), None)
+        self.health.watching = [w for w in self.health.watching if w is not mine]
+        if tag in roots:
+            self.roots[tag] = roots[tag]
+        else:
+            self.roots.pop(tag, None)
 
     def _drop_first(self) -> None:
         root = self.first_root()
@@ -189,6 +196,13 @@ class CheckpointManager:
             trash = root.with_name(f"{FIRST}.deleted.{uuid.uuid4().hex[:6]}")
             root.rename(trash)  # (gone from its place at once; a crash leaves no half-deleted one there)
             shutil.rmtree(trash, ignore_errors=True)
+
+    def after_restart(self) -> None:
+        """After a restart from the first step: a checkpoint of the run's new start at once (the periodic ones were
+        set aside with the abandoned trajectory; a crash before the next save would start the run afresh, its
+        lowered LR and its one restart forgotten)."""
+        if self.cfg.dir:
+            self.save(self.cfg.dir)
 
     def refresh_first(self) -> None:
         """After a restart from the first step that changed the precision (fp16 -> bf16): the first step's checkpoint
@@ -202,8 +216,11 @@ class CheckpointManager:
         root = self.first_root()
         choice = None
         if rank() == 0:
-            choice = (None, "no checkpoint of the first step", []) if root is None or not root.exists() else \
-                choose_rollback(root, 1, "latest_valid", self.not_before(root), inclusive=True, key=self.key)
+            try:  # (rank 0 never raises before the broadcast: the others would wait for it)
+                choice = (None, "no checkpoint of the first step", []) if root is None or not root.exists() else \
+                    choose_rollback(root, 1, "latest_valid", self.not_before(root), inclusive=True, key=self.key)
+            except OSError as e:
+                choice = (None, f"the first step's checkpoint could not be listed: {e}", [])
         tag, why, bad = broadcast_from_rank0(choice)
         for b in bad:
             self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)

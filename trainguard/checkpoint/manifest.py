@@ -147,9 +147,8 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None
         try:
             res = _verify(tag_dir, checksums, key)
         except OSError as e:
-            if isinstance(e, FileNotFoundError):
-                return VerifyResult(False, tag_dir.name, getattr(e, "filename", None) and Path(e.filename).name
-                                    or MANIFEST, f"missing: {e}")
+            if not _storage_error(e):  # (a damaged or crafted checkpoint: a verdict on it, as before)
+                return VerifyResult(False, tag_dir.name, MANIFEST, f"malformed checkpoint: {type(e).__name__}: {e}")
             res = _io_error(tag_dir, e)
         except Exception as e:  # (anything a crafted or damaged checkpoint can provoke)
             return VerifyResult(False, tag_dir.name, MANIFEST, f"malformed checkpoint: {type(e).__name__}: {e}")
@@ -159,6 +158,15 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None
 
 
 IO_TRIES, IO_BACKOFF_S = 3, 0.5
+
+
+def _storage_error(e: OSError) -> bool:
+    """A storage failure, not a property of the checkpoint (a missing file, a path through a file, a name too long,
+    a permission are verdicts on the checkpoint and pass it over as before)."""
+    import errno
+
+    return e.errno in {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ENOTCONN,
+                       getattr(errno, "EREMOTEIO", -1), errno.EBUSY, errno.ENOLCK}
 
 
 def _io_error(tag_dir: Path, e: OSError) -> VerifyResult:
@@ -197,7 +205,9 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
     except FileNotFoundError:
         return VerifyResult(False, tag, MANIFEST, "no manifest: the checkpoint was never committed")
     except OSError as e:
-        return _io_error(tag_dir, e)
+        if _storage_error(e):
+            return _io_error(tag_dir, e)
+        return VerifyResult(False, tag, MANIFEST, f"unreadable manifest: {e}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return VerifyResult(False, tag, MANIFEST, f"unreadable manifest: {e}")
     why = _well_formed(man)
@@ -213,7 +223,9 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
         p = tag_dir / rel
         try:
             st = os.lstat(p)
-        except FileNotFoundError:
+        except OSError as e:
+            if _storage_error(e):
+                raise  # (retried by verify)
             return VerifyResult(False, tag, rel, "missing", man)
         if not stat.S_ISREG(st.st_mode):
             return VerifyResult(False, tag, rel, "not a regular file: refused, never read", man)

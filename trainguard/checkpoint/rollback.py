@@ -42,10 +42,6 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     for tag, step in reversed(layout.steps()):
         if not_before <= step < onset + (1 if inclusive else 0):
             seen.append((tag, verify(layout.tag_dir(tag), key=key)))
-            if seen[-1][1].io_error:  # (no older one chosen past a storage error: its rollback would set this aside)
-                res = seen[-1][1]
-                return None, f"{tag}: {res.bad_file}: {res.reason}: no rollback past it", [
-                    {"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root), "io_error": True}]
     valid = [t for t, res in seen if res.ok]
     stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
     if mode == "stable" and stable:
@@ -56,6 +52,12 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     else:
         chosen, why = None, f"no valid checkpoint in {root} predates step {onset}"
     bad = layout.passed_over()
+    for tag, res in seen:  # newest first, down to the choice
+        if tag == chosen:
+            break
+        if res.io_error:  # (no rollback past a storage error: it would set that checkpoint aside)
+            return None, f"{tag}: {res.bad_file}: {res.reason}: no rollback past it", [
+                {"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root), "io_error": True}]
     for tag, res in seen:  # the invalid ones newer than the choice: say why they were passed over
         if tag == chosen:
             break
