@@ -245,6 +245,17 @@ def test_a_resume_that_finds_checkpoints_but_loads_none_stops_and_moves_nothing(
     m = _manager({"dir": str(_two(tmp_path / "latest"))})
     assert m.resume_on_start() == "step00000020" and not m.guard.of(Record.FRESH_START)
 
+    # ... also when the framework loaded its own checkpoint first (Megatron-LM's --load, newer_than): the newer
+    # ones all refused for a rotated key used to go to .abandoned/ and the run went on from the older step (issue 35
+    # item 4)
+    root = _two(tmp_path / "auth_load")
+    before = _listing(root)
+    m = _manager({"dir": str(root), "hmac_key_env": "TG_ROTATED"}, at=5)
+    with pytest.raises(CheckpointError) as e:
+        m.resume_on_start(newer_than=5)
+    assert "loaded its own checkpoint (step 5)" in str(e.value) and "unauthenticated" in str(e.value)
+    assert _listing(root) == before
+
     # the framework loaded its own checkpoint first (Megatron-LM's --load): only a newer snapshot loads,
     # and none newer is no failure (the run did resume)
     for newer_than, loaded in ((15, "step00000020"), (20, None), (25, None)):

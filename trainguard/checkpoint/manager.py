@@ -351,6 +351,12 @@ class CheckpointManager:
                     "Mount or correct it and restart; to start this job afresh, set checkpoint.resume to \"none\".")
             self._fresh_start(root, existed, attempt, "no checkpoint in the directory yet", [])
             return result
+        refused = [x for x in self.last_skipped if x.get("bad_file")] if self.resumed_tag is None else []
+        if refused:  # (newer than the framework's --load, and not one verifies: a rotated key, a damaged mount)
+            raise CheckpointError(
+                f"trainguard: the framework loaded its own checkpoint (step {newer_than}); of the newer ones in "
+                f"{root}, none can be loaded -- refused, not set aside:\n" + self._refusal(
+                    root, [x["tag"] for x in refused], self.last_skipped))
         set_aside = self.abandon_after(root, self.step_count())
         if set_aside and rank() == 0:
             import logging
