@@ -109,12 +109,6 @@ class StepDriver:
             self.step_lr = lr
             yield
 
-    def _lower_lr(self, from_step: int, scale: float | None = None) -> None:
-        policy = self.guard.policy
-        policy.lr_applied(from_step)  # (an expired factor is not lowered further)
-        policy.lower_lr(scale)
-        policy.lr_until = from_step + self.cfg.recovery.lr_cooldown_steps
-
     # ------------------------------------------------------------------ recovery
     def rollback(self, step: int, decision: Decision) -> bool:
         """In-process rollback, on every rank together: load the chosen checkpoint (RNG with it),
@@ -141,18 +135,18 @@ class StepDriver:
                 root, why = first, "the first step's checkpoint: the run's LR was too high from its start"
             else:  # (none: an ordinary rollback, the ordinary cut -- a tenth from damaged weights is too slow)
                 restart = False
-                reason = decision.reason.split("; LR x")[0].split("; a young run")[0] + "; no first step's checkpoint"
+                reason = decision.reason + "; but no first step's checkpoint: an ordinary rollback"
                 if decision.lower_lr:
                     scale = rc.lr_factor
-                    reason += f": LR x{scale:.3g}"
+                    reason += f", LR x{scale:.3g} instead"
                 decision = dataclasses.replace(decision, lr_scale=scale, restart=False, reason=reason)
         if tag is None:
             tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
                 cp.rollback_target(root, decision.onset_step or step, rc.rollback_to,
                                    inclusive=decision.onset_skipped)
         if tag is None:
-            if decision.lower_lr:
-                self._lower_lr(fw.completed_steps(), scale)
+            if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
+                guard.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
                 guard.grad_norm.reset_trend()  # (what goes on at the lowered LR is a new episode)
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
             guard.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
@@ -175,9 +169,8 @@ class StepDriver:
         # (a restart in bf16 is not the LR's: a later climb may still restart, once)
         guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
                                                            "restart": restart and not scale_case,
-                                                           "anomaly": decision.anomaly}, scale=scale)
-        if decision.lower_lr:
-            guard.policy.lr_until = goes_on + rc.lr_cooldown_steps
+                                                           "anomaly": decision.anomaly}, scale=scale,
+                                 until=goes_on + rc.lr_cooldown_steps)
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.grad_norm.reset_trend()
         if restart:  # (back to the first step: the loss and norm windows describe a later stage of training)

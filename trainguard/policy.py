@@ -261,13 +261,16 @@ class Policy:
             self.lr_factor = 1.0
         return self.lr_factor
 
-    def lower_lr(self, scale: float | None = None) -> float:
-        """Scale the accumulated LR factor by ``scale`` (a decision's ``lr_scale``; None: lr_factor). The floor
-        was checked when deciding."""
+    def lower_lr(self, scale: float | None = None, until: int | None = None) -> float:
+        """Scale the accumulated LR factor by ``scale`` (a decision's ``lr_scale``; None: lr_factor), applied until
+        step ``until`` (the cooldown's end). The floor was checked when deciding."""
         self.lr_factor *= self.recovery.lr_factor if scale is None else scale
+        if until is not None:
+            self.lr_until = until
         return self.lr_factor
 
-    def rolled_back(self, step: int, lower_lr: bool, detail: dict, scale: float | None = None) -> None:
+    def rolled_back(self, step: int, lower_lr: bool, detail: dict, scale: float | None = None,
+                    until: int | None = None) -> None:
         """The adapter carried out a rollback: count it against the budget."""
         self.rollback_steps.append(step)
         if detail.get("restart"):
@@ -282,7 +285,7 @@ class Policy:
                 # again from the bottom rung (the rollback budget still counts every rollback)
                 self.history[cls].clear()
         if lower_lr:
-            self.lower_lr(scale)
+            self.lower_lr(scale, until)
         self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
 
     def rollback_unavailable(self, step: int, cls: str | None) -> None:

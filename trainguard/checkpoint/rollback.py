@@ -52,15 +52,12 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     else:
         chosen, why = None, f"no valid checkpoint in {root} predates step {onset}"
     bad = layout.passed_over()
-    for tag, res in seen:  # newest first, down to the choice
+    for tag, res in seen:  # the invalid ones newer than the choice: say why they were passed over
         if tag == chosen:
             break
         if res.io_error:  # (no rollback past a storage error: it would set that checkpoint aside)
             return None, f"{tag}: {res.bad_file}: {res.reason}: no rollback past it", [
                 {"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root), "io_error": True}]
-    for tag, res in seen:  # the invalid ones newer than the choice: say why they were passed over
-        if tag == chosen:
-            break
         if not res.ok:
             bad.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
     return chosen, why, bad
