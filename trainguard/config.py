@@ -392,8 +392,9 @@ class RecoveryConfig(_Section):
     lr_cut: Literal["evidence", "factor"] = Field(
         "evidence", description="How far rollback_lower_lr lowers the LR. evidence: if the LR jumped (one step >= "
         "1.5x the one before, from 10 steps before the climb's onset on -- a schedule raised on resume), back to the LR "
-        "before the jump (never less of a cut than lr_factor; never below lr_floor, held there once); else lr_factor. "
-        "factor: always lr_factor.")
+        "before the jump; else, for a slow_rise that began in a run's first 200 steps, a tenth of the LR at the loss's "
+        "best and a restart from the first step's checkpoint (checkpoint.first_step), once per run; else lr_factor. "
+        "Never less of a cut than lr_factor; never below lr_floor (held there once). factor: always lr_factor.")
     lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts.")
     lr_floor: float = Field(0.01, gt=0, le=1, description="Abort when the accumulated LR factor would go below "
                             "this (lowering it further is not a remedy any more). 0.01: six halvings; a peak LR "
