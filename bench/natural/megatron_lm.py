@@ -42,7 +42,9 @@ def available() -> str | None:
     import importlib.util
 
     # (found, not imported: megatron.training needs the test-only layer the ranks get, tests/support/megatron_lm_site)
-    if importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec("megatron.training") is None:
+    # (find_spec of a submodule imports its parent: without any megatron it raises instead of returning None)
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None \
+            or importlib.util.find_spec("megatron.training") is None:
         return "megatron-core with megatron.training is not installed (scripts/setup.sh test installs it)"
     return None
 
