@@ -127,10 +127,12 @@ class EngineGuard:
             self.guard.clipper.framework_max_norm = float(engine.gradient_clipping() or 0.0)
         self._hook_engine()
         if self.guard is not None:
-            from ds_plugins.checkpoint import DeepSpeedCheckpointer
+            from ds_plugins.checkpoint import DeepSpeedState
+            from trainguard.checkpoint.manager import CheckpointManager
 
             base = _plain_class(type(engine))
-            self.checkpointer = DeepSpeedCheckpointer(self, base.save_checkpoint, base.load_checkpoint)
+            self.checkpointer = CheckpointManager(cfg, self.guard, self.heart,
+                                                  DeepSpeedState(self, base.save_checkpoint, base.load_checkpoint))
             s.begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
 
     @property

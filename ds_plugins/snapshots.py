@@ -15,20 +15,18 @@ from pathlib import Path
 
 from trainguard import __version__
 from trainguard.checkpoint.async_writer import snapshot as host_copy
-from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR
-from trainguard.checkpoint.manager import rank as _rank
 
 __all__ = ["DeepSpeedShard"]
 
 
 class DeepSpeedShard:
-    """trainguard.checkpoint.memory_tier.ShardSource over a DeepSpeed engine."""
+    """trainguard.protocols.ShardSource over a DeepSpeed engine (``ds``: ds_plugins.checkpoint.DeepSpeedState)."""
 
-    def __init__(self, cp):
-        self.cp = cp  # ds_plugins.checkpoint.DeepSpeedCheckpointer
+    def __init__(self, ds):
+        self.ds = ds
 
     def unsupported(self) -> str | None:
-        eng = self.cp.engine
+        eng = self.ds.engine
         if eng.zero_optimization_stage() > 2:
             return "ZeRO-3 gathers the module states to save them (a collective on the step)"
         if getattr(eng, "has_moe_layers", False):
@@ -38,15 +36,15 @@ class DeepSpeedShard:
         return None
 
     def estimated_bytes(self) -> int:
-        return _estimated_shard_bytes(self.cp.engine)
+        return _estimated_shard_bytes(self.ds.engine)
 
     def step(self) -> int:
-        return self.cp.engine.global_steps
+        return self.ds.engine.global_steps
 
-    def capture(self, staging_root: Path, tag: str, step: int):
+    def capture(self, staging_root: Path, tag: str, step: int) -> list:
         from ds_plugins.engines import _Capture
 
-        cp, eng = self.cp, self.cp.engine
+        eng = self.ds.engine
         capture = _Capture(eng.checkpoint_engine, host_copy)
         engine_before, eng.checkpoint_engine = eng.checkpoint_engine, capture
         writer_before, eng.save_non_zero_checkpoint = eng.save_non_zero_checkpoint, True  # each shard loads alone
@@ -57,11 +55,7 @@ class DeepSpeedShard:
                 eng._save_zero_checkpoint(str(staging_root), tag)
         finally:
             eng.checkpoint_engine, eng.save_non_zero_checkpoint = engine_before, writer_before
-        staged = staging_root / tag
-        writes = [(state, Path(path)) for state, path in capture.writes]
-        writes.append((host_copy(cp._sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
-        json_writes = [(cp.guard.state_dict(), staged / SIDECAR / GUARD_STATE)] if cp.guard is not None else []
-        return writes, json_writes, cp._manifest(tag, step, {})
+        return [(state, Path(path)) for state, path in capture.writes]
 
 
 def _estimated_shard_bytes(eng) -> int:

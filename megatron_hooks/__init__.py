@@ -82,7 +82,8 @@ class MegatronGuard:
                  start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None, replayer=None):
         from megatron.core import parallel_state as ps
 
-        from megatron_hooks.checkpoint import MegatronCheckpointer
+        from megatron_hooks.checkpoint import MegatronState
+        from trainguard.checkpoint.manager import CheckpointManager
 
         self.chunks = list(chunks)
         self.optimizer = optimizer
@@ -131,7 +132,7 @@ class MegatronGuard:
         optimizer.step = self.step  # the instance's step: the guard decides first
         if self.guard is None:
             return
-        self.checkpointer = MegatronCheckpointer(self)
+        self.checkpointer = CheckpointManager(cfg, self.guard, self.heart, MegatronState(self))
         self.guard.clipper.framework_max_norm = self._clip_grad()
         self.applied_grad = self._applied_grad_meter()
         if cfg.clipping.mode == "norm":

@@ -1,5 +1,6 @@
-"""Full snapshots of a megatron-core run through ``megatron.core.dist_checkpointing``, committed
-with the same protocol, manifest and layout as the DeepSpeed path (trainguard.checkpoint).
+"""megatron-core's state as trainguard's checkpoint manager saves and loads it (trainguard.protocols.State):
+full snapshots through ``megatron.core.dist_checkpointing``, committed by the core's protocol, with the same
+manifest and layout as every adapter's (trainguard.checkpoint).
 
     ckpt = guard.checkpointer                      # megatron_hooks.install(...) made it
     ckpt.save("ckpt", data_state={"consumed": n})  # every rank; returns the tag
@@ -26,13 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainguard import __version__
-from trainguard.checkpoint import rng
-from trainguard.checkpoint.layout import SIDECAR, STAGING, CheckpointError, CheckpointLayout
-from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.manifest import Manifest
-from trainguard.checkpoint.rollback import fitting_after
-from trainguard.checkpoint.verified_io import load_weights, verified_reads
+from trainguard.checkpoint.layout import STAGING, CheckpointError
+from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.events import Record
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
@@ -40,16 +36,17 @@ DIST = "dist"                        # dist_checkpointing's folder inside a tag
 CONFIG = "metadata.json"             # dist_checkpointing's config file in it (its backend and format)
 
 
-class MegatronCheckpointer(CheckpointManager):
+class MegatronState:
+    """trainguard.protocols.State over megatron-core model chunks and optimizer (``mg``: megatron_hooks.MegatronGuard)."""
+
+    name = "megatron-core"
+    format = "megatron dist_checkpointing"
+    nothing = None
+
     def __init__(self, mg):
-        super().__init__(mg.cfg, mg.guard, mg.heart)
-        self.mg = mg  # megatron_hooks.MegatronGuard
-        from megatron_hooks.snapshots import MegatronShard
+        self.mg = mg
 
-        self.shard = MegatronShard(self)
-        self.use_memory_tier(self.shard)  # (the in-memory tier, with checkpoint.snapshot.every_steps)
-
-    def step_count(self) -> int:
+    def step(self) -> int:
         return self.mg.iteration
 
     # ------------------------------------------------------------------ state
@@ -71,24 +68,27 @@ class MegatronCheckpointer(CheckpointManager):
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_FORMAT})
         return sd
 
-    def _layout(self) -> dict:
+    def layout(self) -> dict:
         from megatron.core import parallel_state as ps
 
         from megatron_hooks import _dtype
 
         return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
-                "framework": "megatron-core", "precision": _dtype(self.mg.chunks[0]),
-                "distributed_optimizer": _distributed(self.mg.optimizer)}
+                "precision": _dtype(self.mg.chunks[0]), "distributed_optimizer": _distributed(self.mg.optimizer)}
 
-    def _manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:
-        """The manifest of a snapshot (disk, or with ``tier="memory"`` a shard in node memory)."""
-        g = self.mg.guard
-        last = getattr(g, "last_metrics", {}) or {}
-        return Manifest(tag=tag, step=step, files=files, layout={**self._layout(), **layout},
-                        lineage={"versions": {"trainguard": __version__, "torch": torch.__version__}},
-                        health={"loss": last.get("loss"), "skipped_steps": g.skipped_steps,
-                                "recent_anomalies": list(g.recent_anomalies)[-10:]})
+    def versions(self) -> dict:
+        import megatron.core
+
+        return {"megatron-core": getattr(megatron.core, "__version__", None)}
+
+    def health(self) -> dict:
+        return {"skipped_steps": self.mg.guard.skipped_steps}
+
+    def precision_bound(self) -> bool:
+        """With the distributed optimizer, snapshots of another precision do not load (its on-disk layout names the
+        buffers by dtype). (megatron's own fp16 optimizer loads either.)"""
+        return _distributed(self.mg.optimizer)
 
     def _match_precision(self, saved: str | None, now: str, tag: str) -> None:
         """A bf16 snapshot (written after the ladder's bf16 fallback) loaded by a run launched in
@@ -108,65 +108,76 @@ class MegatronCheckpointer(CheckpointManager):
             if hasattr(o, "_copy_main_params_to_model_params"):
                 o._copy_main_params_to_model_params()
 
-    def _sidecar(self, data_state) -> dict:
-        from megatron.core import tensor_parallel
-
-        return {"rng": rng.capture(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-                "iteration": self.mg.iteration, "data_state": data_state}
-
     # ------------------------------------------------------------------ save
-    def save(self, root: str | os.PathLike, data_state: dict | None = None) -> str:
-        """Every rank. Commits ``<root>/<tag>`` (tag = the iteration) or raises; never half-writes
-        (the commit protocol: trainguard.checkpoint.manager.CheckpointManager.save_staged).
-        ``data_state``: your data position (default: what ``install(data_state=...)`` returns)."""
+    def write(self, staged: Path, tag: str, data_state: dict | None = None) -> dict:
+        """dist_checkpointing's save into the staging folder (its files are hashed by rank 0 at the commit: see
+        docs/checkpoints.md's threat model)."""
         from megatron.core import dist_checkpointing
+
+        if dist.get_rank() == 0:
+            (staged / DIST).mkdir()
+        dist.barrier()
+        dist_checkpointing.save(self._sharded(), str(staged / DIST))
+        return {}
+
+    def capture(self, staging_root: Path, tag: str, **_) -> None:
+        return None  # (dist_checkpointing's save is a collective: no host-copy async save here)
+
+    def sidecar(self, data_state: dict | None = None) -> dict:
+        """Megatron's tensor-parallel RNG tracker, the iteration and the user's data position (``data_state``;
+        default: what ``install(data_state=...)`` returns)."""
+        from megatron.core import tensor_parallel
 
         mg = self.mg
         if data_state is None and mg.data_state is not None:
             data_state = mg.data_state()
+        return {"tracker": tensor_parallel.get_cuda_rng_tracker().get_states(), "iteration": mg.iteration,
+                "data": data_state}
 
-        def write(staged: Path) -> dict:
-            if dist.get_rank() == 0:
-                (staged / DIST).mkdir()
-            dist.barrier()
-            dist_checkpointing.save(self._sharded(), str(staged / DIST))
-            return {}  # (dist_checkpointing's files: hashed by rank 0 at the commit)
+    def restore_sidecar(self, side: dict) -> None:
+        from megatron.core import tensor_parallel
 
-        return self.save_staged(root, write, fmt="megatron dist_checkpointing", sidecar=lambda: self._sidecar(data_state))
+        tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
+        if "iteration" in side:
+            self.mg.iteration = int(side["iteration"])
 
-    # ------------------------------------------------------------------ rollback
-    def not_before(self, root: Path) -> int:
-        """With the distributed optimizer, snapshots of another precision do not load (its on-disk
-        layout names the buffers by dtype): after a bf16 fallback, the fp16 ones before it are no
-        rollback targets. (megatron's own fp16 optimizer loads either.)"""
-        from megatron_hooks import _dtype
+    def use_data(self, data, result):
+        return data  # (load returns the data position: the user's loop puts it back)
 
-        return fitting_after(root, "precision", _dtype(self.mg.chunks[0])) if _distributed(self.mg.optimizer) else 0
-
-    # ------------------------------------------------------------------ load (the skeleton: CheckpointManager.load)
-    def load_disk(self, root: Path, tag: str, man: Manifest, reader, purpose: str, **kwargs):
-        """dist_checkpointing's load of ``root/tag`` (it reshards across TP/PP/DP where the optimizer allows),
-        every file it opens read through ``reader``. Returns the ``data_state`` saved with it (a resume)."""
-        from megatron.core import dist_checkpointing
-
-        mg = self.mg
-        tag_dir = CheckpointLayout(root).tag_dir(tag)
-        now = self._layout()
+    # ------------------------------------------------------------------ load
+    def conversion(self, man) -> bool:
+        """dist_checkpointing reshards on load, without a converted copy; with the distributed optimizer only the
+        data-parallel size may change, and an fp16 snapshot does not load into a bf16 run."""
+        now = self.layout()
+        tag = man.tag
         if (man.layout.get("distributed_optimizer") or now["distributed_optimizer"]) and \
                 any(man.layout.get(k) != now[k] for k in ("tp", "pp")):
             raise CheckpointError(
-                f"snapshot {tag} in {root} was written at TP={man.layout.get('tp')}, PP={man.layout.get('pp')} "
+                f"snapshot {tag} was written at TP={man.layout.get('tp')}, PP={man.layout.get('pp')} "
                 f"and this run is TP={now['tp']}, PP={now['pp']}: with the distributed optimizer (state written "
                 f"{OPTIMIZER_FORMAT}) only the data-parallel size may change between save and load")
         if man.layout.get("distributed_optimizer") and now["distributed_optimizer"] and \
                 man.layout.get("precision") == "fp16" and now["precision"] == "bf16":
             raise CheckpointError(
-                f"snapshot {tag} in {root} was written in fp16 with the distributed optimizer, and this run is "
+                f"snapshot {tag} was written in fp16 with the distributed optimizer, and this run is "
                 f"bf16: its on-disk layout ({OPTIMIZER_FORMAT}) names the buffers by dtype, so it loads into an fp16 "
                 "run only -- relaunch in fp16 (the loss_scale ladder can turn it into bf16 again)")
-        self._match_precision(man.layout.get("precision"), now["precision"], tag)
+        return False
+
+    def convert(self, source: Path, out: Path) -> str | None:
+        return "megatron-core checkpoints need no conversion"
+
+    def load(self, root: Path, tag: str, man, reader, purpose: str, converted: bool = False, **kwargs):
+        """dist_checkpointing's load of ``root/tag`` (it reshards across TP/PP/DP where the optimizer allows),
+        every file it opens read through ``reader``."""
+        from megatron.core import dist_checkpointing
+
         from megatron_hooks import _optimizers, _unwrap
 
+        mg = self.mg
+        tag_dir = root / tag
+        now = self.layout()
+        self._match_precision(man.layout.get("precision"), now["precision"], tag)
         for o in _optimizers(mg.optimizer):
             if _distributed(o) and not o.optimizer.state:
                 # a distributed optimizer before its first step has no state to load into, and without
@@ -183,34 +194,19 @@ class MegatronCheckpointer(CheckpointManager):
         _step_from_groups(mg.optimizer)
         if man.layout.get("precision") not in (None, now["precision"]):
             self._main_params_to_model()
-        now = self._layout()  # (its precision may have changed above)
-        same_layout = all(man.layout.get(k) == now[k] for k in ("world", "tp", "pp", "dp"))
-        side = _sidecar_of(reader, tag_dir, dist.get_rank()) if same_layout else None
-        if side is not None:
-            _restore_rng(side)
         mg.iteration = man.step
-        detail = {"rng_restored": side is not None, "resharded": None if same_layout else {"from": man.layout, "to": now}}
-        if purpose == "rollback":  # the run moves on: the guard's statistics, budgets and data stay as they are
-            return None, detail
-        return (side if side is not None else _sidecar_of(reader, tag_dir, 0)).get("data_state"), detail
+        return None, {}
 
     def load_shard(self, own: Path, tag: str, reader, purpose: str, **kwargs):
-        """This rank's shard of a snapshot in node memory (megatron_hooks.snapshots); returns its data state."""
-        side = self.shard.load(reader, own / tag)
-        _restore_rng(side)
-        self.mg.iteration = int(side["iteration"])
-        return (None if purpose == "rollback" else side.get("data_state")), {"rng_restored": True}
+        """This rank's shard of a snapshot in node memory (megatron_hooks.snapshots)."""
+        self.shard.load(reader, own / tag)
+        return None, {}
 
+    def shard_source(self):
+        from megatron_hooks.snapshots import MegatronShard
 
-def _sidecar_of(reader, tag_dir: Path, rank: int) -> dict:
-    return load_weights(reader, tag_dir / SIDECAR / f"rank{rank}.pt")
-
-
-def _restore_rng(side: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    rng.restore(side["rng"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(side["tracker"])
+        self.shard = MegatronShard(self)
+        return self.shard
 
 
 def _distributed(optimizer) -> bool:
@@ -244,4 +240,4 @@ def _step_from_groups(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
 
 
-__all__ = ["MegatronCheckpointer", "STAGING"]  # (STAGING: where uncommitted snapshots live, under root)
+__all__ = ["MegatronState", "STAGING"]  # (STAGING: where uncommitted snapshots live, under root)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_hooks.checkpoint import SIDECAR
 from trainguard.checkpoint.async_writer import snapshot as host_copy
-from trainguard.checkpoint.manager import rank as _rank
 from trainguard.checkpoint.verified_io import load_weights
+from trainguard.isolation import rank as _rank
 
 __all__ = ["MegatronShard", "SHARD"]
 
@@ -33,32 +32,32 @@ def _inner(optimizer) -> list:
 class MegatronShard:
     """trainguard.checkpoint.memory_tier.ShardSource over megatron-core model chunks and optimizer."""
 
-    def __init__(self, cp):
-        self.cp = cp  # megatron_hooks.checkpoint.MegatronCheckpointer
+    def __init__(self, ms):
+        self.ms = ms  # megatron_hooks.checkpoint.MegatronState
 
     def unsupported(self) -> str | None:
         return None
 
     def estimated_bytes(self) -> int:
-        mg = self.cp.mg
+        mg = self.ms.mg
         model = sum(p.numel() * p.element_size() for c in mg.chunks for p in c.parameters())
         stepped = sum(p.numel() for o in _inner(mg.optimizer) for g in o.param_groups for p in g["params"])
         return int(model + stepped * 4 * 3)  # (fp32 main values and Adam's two moments)
 
     def step(self) -> int:
-        return self.cp.mg.iteration
+        return self.ms.mg.iteration
 
     def fits(self) -> dict:
         """A shard is one rank's TP/PP slices and its data-parallel shard: it loads at the same layout only (a
         restart at another one takes the disk snapshots, which dist_checkpointing reshards)."""
-        now = self.cp._layout()
+        now = self.ms.layout()
         return {k: now[k] for k in ("tp", "pp", "dp", "distributed_optimizer")}
 
     def state(self) -> dict:
         """This rank's state (live tensors: the caller copies them)."""
         from megatron_hooks import _optimizers, _unwrap
 
-        mg = self.cp.mg
+        mg = self.ms.mg
         optimizers = []
         for outer, inner in zip(_optimizers(mg.optimizer), _inner(mg.optimizer)):
             scaler = getattr(outer, "grad_scaler", None)
@@ -67,23 +66,15 @@ class MegatronShard:
                                "grad_scaler": scaler.state_dict() if scaler is not None else None})
         return {"model": [_unwrap(c).state_dict() for c in mg.chunks], "optimizers": optimizers}
 
-    def capture(self, staging_root: Path, tag: str, step: int):
-        cp, mg = self.cp, self.cp.mg
-        staged = staging_root / tag
-        data_state = mg.data_state() if mg.data_state is not None else None
-        writes = [(host_copy(self.state()), staged / SHARD / f"rank{_rank()}.pt"),
-                  (host_copy(cp._sidecar(data_state)), staged / SIDECAR / f"rank{_rank()}.pt")]
-        json_writes = [(mg.guard.state_dict(), staged / SIDECAR / "guard.json")]
-        return writes, json_writes, cp._manifest(tag, step, {}, tier="memory")
+    def capture(self, staging_root: Path, tag: str, step: int) -> list:
+        return [(host_copy(self.state()), staging_root / tag / SHARD / f"rank{_rank()}.pt")]
 
-    def load(self, reader, tag_dir: Path) -> dict:
-        """Put this rank's shard of ``tag_dir`` back (bytes checked by ``reader`` against the manifest first);
-        returns its sidecar."""
+    def load(self, reader, tag_dir: Path) -> None:
+        """Put this rank's shard of ``tag_dir`` back (bytes checked by ``reader`` against the manifest first)."""
         from megatron_hooks import _optimizers, _unwrap
 
-        mg = self.cp.mg
+        mg = self.ms.mg
         state = load_weights(reader, tag_dir / SHARD / f"rank{_rank()}.pt")
-        side = load_weights(reader, tag_dir / SIDECAR / f"rank{_rank()}.pt")
         for chunk, sd in zip(mg.chunks, state["model"]):
             _unwrap(chunk).load_state_dict(sd)
         for outer, inner, saved in zip(_optimizers(mg.optimizer), _inner(mg.optimizer), state["optimizers"]):
@@ -95,4 +86,3 @@ class MegatronShard:
             scaler = getattr(outer, "grad_scaler", None)
             if scaler is not None and saved["grad_scaler"] is not None:
                 scaler.load_state_dict(saved["grad_scaler"])
-        return side

@@ -188,3 +188,17 @@ class TrackedLoader:
             # epoch's order; carry on after it, split the new way (no sample lost or repeated)
             self.epoch_offset += self.batch_in_epoch * old_batch * old_world
             self.batch_in_epoch = 0
+
+
+def merge_positions(states: list) -> Any:
+    """The data position a resume at another layout goes on from, given every old rank's (rank order): rank 0's --
+    a TrackedLoader's position is the epoch's common prefix, which the new ranks split their own way -- with every
+    old rank's quarantine merged (a batch set aside on one rank stays set aside on all)."""
+    if not states or states[0] is None:
+        return None
+    if not isinstance(states[0], dict):
+        return states[0]
+    data = dict(states[0])
+    if any(isinstance(s, dict) and "quarantine" in s for s in states):
+        data["quarantine"] = sorted({i for s in states if isinstance(s, dict) for i in s.get("quarantine", [])})
+    return data

@@ -130,3 +130,17 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 when not distributed)."""
+    return _rank()
+
+
+def world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def barrier() -> None:
+    if _distributed():
+        dist.barrier()

@@ -2,8 +2,9 @@
 
 An adapter is made of framework calls only; these protocols say which. :class:`Framework` is what the
 step driver and the session call (trainguard.driver, trainguard.session); :class:`ScalerControl` and
-:class:`DataControl` are two of its parts; :class:`ShardSource` is one rank's state for the in-memory
-tier; :class:`Tier` is a checkpoint tier as the checkpoint manager uses it (the memory tier; the disk
+:class:`DataControl` are two of its parts; :class:`State` is the framework's state as the checkpoint manager
+saves and loads it (the whole protocol -- staging, hashes, manifest, signature, commit, async, conversion cache,
+sidecars -- is the core's); :class:`ShardSource` is one rank's state for the in-memory tier; :class:`Tier` is a checkpoint tier as the checkpoint manager uses it (the memory tier; the disk
 tier is the manager itself); :class:`Loop` is what a training loop that owns its iteration counter
 (Megatron-LM's, megatron_hooks.lm) tells the adapter. docs/extending.md says who implements which.
 """
@@ -85,6 +86,65 @@ class Framework(Protocol):
         """Turn the fp16 run into a bf16 one in place; raise FallbackUnavailable with advice."""
 
 
+class State(Protocol):
+    """The framework's state, as trainguard.checkpoint.manager.CheckpointManager saves and loads it: framework calls
+    only. The manager owns everything else -- the staging folder, hashes, the manifest (one schema), the signature,
+    the commit, async saves, the conversion cache, the sidecars (RNG, data position), retention and the choices."""
+
+    name: str                  # the manifest's layout.framework ("deepspeed", "megatron-core")
+    format: str | None         # the checkpoint_saved record's format, if any
+    nothing: Any               # what load returns when there was nothing to load (the framework's convention)
+
+    def step(self) -> int:
+        """Optimizer steps done (the tag and manifest step of a checkpoint taken now)."""
+
+    def layout(self) -> dict:
+        """The manifest layout: world, dp, tp, pp, precision, and what else decides what loads where."""
+
+    def versions(self) -> dict:
+        """The framework's own release(s) for the manifest's lineage."""
+
+    def health(self) -> dict:
+        """The framework's figures for the manifest's health (e.g. skipped_steps)."""
+
+    def precision_bound(self) -> bool:
+        """Whether a checkpoint of another precision fails to load (then a precision change sets older ones aside)."""
+
+    def write(self, staged: Path, tag: str, **kwargs) -> dict:
+        """Every rank: the framework's files of a checkpoint under ``staged``; returns ``{relpath: {sha256, size}}``
+        of those hashed in-process while written (any other file is hashed by rank 0 at the commit)."""
+
+    def capture(self, staging_root: Path, tag: str, **kwargs) -> list | None:
+        """An async save's blocking part: [(host copy, path)] of the files ``write`` would write (None: no async)."""
+
+    def sidecar(self, **kwargs) -> dict:
+        """This rank's framework part of its sidecar (the data position, a framework's own RNG trackers, ...)."""
+
+    def restore_sidecar(self, side: dict) -> None:
+        """After the RNG came back from this rank's sidecar: the framework's part of it (not the data position)."""
+
+    def use_data(self, data: Any, result: Any) -> Any:
+        """A resume's data position (the sidecar's, merged across the old ranks when resharded): put it back;
+        returns what ``CheckpointManager.load`` returns."""
+
+    def conversion(self, man) -> bool:
+        """Whether checkpoint ``man`` (a Manifest) loads here only through a converted copy (:meth:`convert`);
+        raises UnsupportedSetup or CheckpointError when it cannot load here at all."""
+
+    def convert(self, source: Path, out: Path) -> str | None:
+        """The framework's conversion of the checkpoint folder ``source`` into ``out``; an error text or None."""
+
+    def load(self, root: Path, tag: str, man, reader, purpose: str, converted: bool = False, **kwargs) -> tuple[Any, dict]:
+        """Every rank: the framework's state of ``root/tag``, every byte read through ``reader``. Returns (what
+        ``CheckpointManager.load`` returns, facts for the ``resume`` record)."""
+
+    def load_shard(self, own: Path, tag: str, reader, purpose: str, **kwargs) -> tuple[Any, dict]:
+        """Every rank: this rank's shard ``own/tag`` of the in-memory tier, through ``reader``."""
+
+    def shard_source(self) -> "ShardSource | None":
+        """This framework's part of the in-memory tier (None: no in-memory tier here)."""
+
+
 class ShardSource(Protocol):
     """One framework's shard of one rank (the adapter's part of the tier)."""
 
@@ -100,10 +160,10 @@ class ShardSource(Protocol):
     def fits(self) -> dict:
         """(Optional) the manifest layout values a shard must have to load here, beyond the world size."""
 
-    def capture(self, staging_root: Path, tag: str, step: int) -> tuple[list, list, Any]:
-        """This rank's state as host copies: ``(writes, json_writes, manifest)`` -- ``writes`` [(state, path)]
-        and ``json_writes`` [(dict, path)] under ``staging_root / tag``, ``manifest`` without its files table.
-        Raises OSError when node memory cannot take it (a failed snapshot, never a failed step)."""
+    def capture(self, staging_root: Path, tag: str, step: int) -> list:
+        """This rank's framework state as host copies, [(state, path)] under ``staging_root / tag`` (the tier adds
+        the sidecar, the guard's state and the manifest). Raises OSError when node memory cannot take it (a failed
+        snapshot, never a failed step)."""
 
 
 class Tier(Protocol):

@@ -1,7 +1,7 @@
 """GuardSession over a framework made of plain torch calls (issue 24): every ladder in one process, the loop
 points called in :class:`trainguard.events.Event`'s order, and the checkpoints committed and loaded through the
-core's commit protocol (CheckpointManager.save_staged) -- what an adapter for a new framework would write,
-and all it would write."""
+core's checkpoint manager over a trainguard.protocols.State (TorchState) -- what an adapter for a new framework
+would write, and all it would write."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,8 @@ import re
 import torch
 
 from trainguard import gradhooks
-from trainguard.checkpoint import rng
-from trainguard.checkpoint.layout import SIDECAR
+from trainguard.checkpoint.async_writer import snapshot
+from trainguard.checkpoint.fsio import save_hashed
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.config import parse_block
@@ -49,33 +49,69 @@ class FakeScaler:
         return {"min_scale": self.min_scale}
 
 
-class TorchCheckpointer(CheckpointManager):
-    """The framework's state as one file per rank, committed by the core's protocol."""
+class TorchState:
+    """trainguard.protocols.State over a torch model and optimizer: the framework's state as one file per rank,
+    saved and loaded by the core's checkpoint manager (its protocol, manifest, sidecars, async saves) -- framework
+    calls only, as a new adapter's would be."""
 
-    def __init__(self, fw, session):
-        super().__init__(fw.cfg, session.guard, session.heart)
+    name, format, nothing = "torch", "torch", None
+
+    def __init__(self, fw):
         self.fw = fw
 
-    def step_count(self):
+    def step(self):
         return self.fw.steps
 
-    def save(self, root, **kw):
-        def write(staged):
-            torch.save({"model": self.fw.model.state_dict(), "optimizer": self.fw.opt.state_dict(),
-                        "steps": self.fw.steps}, staged / "state.pt")
-            return {}
-        return self.save_staged(root, write, fmt="torch", sidecar=lambda: {"rng": rng.capture()})
+    def layout(self):
+        return {"world": 1, "dp": 1, "tp": 1, "pp": 1, "precision": self.fw.precision}
 
-    def load_disk(self, root, tag, man, reader, purpose, **kw):
+    def versions(self):
+        return {}
+
+    def health(self):
+        return {"skipped_steps": self.fw.not_applied}
+
+    def precision_bound(self):
+        return False
+
+    def _state(self):
+        return {"model": self.fw.model.state_dict(), "optimizer": self.fw.opt.state_dict(), "steps": self.fw.steps}
+
+    def write(self, staged, tag, **kw):
+        return {"state.pt": save_hashed(self._state(), staged / "state.pt")}  # (hashed as written)
+
+    def capture(self, staging_root, tag, **kw):
+        return [(snapshot(self._state()), staging_root / tag / "state.pt")]
+
+    def sidecar(self, **kw):
+        return {}
+
+    def restore_sidecar(self, side):
+        return None
+
+    def use_data(self, data, result):
+        return result
+
+    def conversion(self, man):
+        return False
+
+    def convert(self, source, out):
+        return "no conversion"
+
+    def load(self, root, tag, man, reader, purpose, converted=False, **kw):
         """The framework's part of the core's load: its files, read through the verified reader."""
         with verified_reads(reader):
             state = torch.load(root / tag / "state.pt", weights_only=True)
-            side = torch.load(root / tag / SIDECAR / "rank0.pt", weights_only=True)
         self.fw.model.load_state_dict(state["model"])
         self.fw.opt.load_state_dict(state["optimizer"])
         self.fw.steps = state["steps"]
-        rng.restore(side["rng"])
         return tag, {}
+
+    def load_shard(self, own, tag, reader, purpose, **kw):
+        return self.load(own, tag, None, reader, purpose)
+
+    def shard_source(self):
+        return None
 
 
 class TorchFramework:
@@ -166,7 +202,7 @@ def run(tmp_path, block, steps, fp16=False):
     session = GuardSession(fw, cfg, 0, 1)
     seen: list[Event] = []
     _recorded(session.guard, seen)
-    fw.checkpointer = TorchCheckpointer(fw, session)
+    fw.checkpointer = CheckpointManager(fw.cfg, session.guard, session.heart, TorchState(fw))
     fw.faults = session.faults
     if session.faults is not None:
         session.faults.precision = fw.precision

@@ -1,30 +1,32 @@
-"""Asynchronous checkpoint writing: copy to host memory now, write and commit in the background.
+"""Asynchronous disk checkpoints (``checkpoint.async``), for every adapter: host copies now, written in the
+background, committed by the training thread.
 
-The blocking part is :func:`snapshot` (every tensor cloned to CPU). A :class:`BackgroundCommit`
-per rank then writes its files into the staging directory, fsyncs and hashes them, and leaves a
-marker ``.done.rank<r>.json`` listing them; rank 0's thread waits for every rank's marker, writes
-the manifest, renames the directory into place and moves ``latest``. A rank whose write fails (a
-full disk) leaves ``.failed.rank<r>.json`` with the error instead, so that rank 0 gives up at once
-rather than wait out its timeout: the checkpoint stays invisible on every rank. No collective runs in the
-background (a thread must not race the training loop's collectives): the ranks meet through the
-filesystem. A crash at any moment leaves only staging behind, which no resume looks at.
+The blocking part is the adapter's capture (its framework's state dicts, every tensor cloned to host memory by
+:func:`snapshot`) and trainguard's sidecars. A :class:`BackgroundWrite` per rank then writes those files into
+the staging folder, each hashed from the bytes as they are produced and fsynced. The commit is
+:meth:`AsyncSave.poll`'s, on the training thread, at a point every rank reaches together (the end of each step,
+the next save, the run's end): once every rank's writer is done -- agreed with a collective -- the file tables
+travel with a collective to rank 0, which commits (manifest, signature, rename) only when the staged folder
+holds exactly the files the ranks wrote, at their sizes. No table ever passes through the shared folder, where
+a writer of it could plant one; a crash at any moment leaves only staging, which no resume looks at.
 """
 from __future__ import annotations
 
 import copy
-import json
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from trainguard.checkpoint.fsio import atomic_write_json, save_hashed, sha256_file
+from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
+from trainguard.checkpoint.layout import CheckpointError
+from trainguard.events import Record
+from trainguard.isolation import broadcast_from_rank0, gather_objects, rank
 
-MARKER = ".done.rank{}.json"
-FAILED = ".failed.rank{}.json"
+MAX_QUIET_FAILURES = 3  # background saves failed in a row before an error is logged (the newest good one ages)
 
 
 def snapshot(obj: Any) -> Any:
@@ -43,80 +45,128 @@ def snapshot(obj: Any) -> Any:
     return obj
 
 
-class BackgroundCommit:
-    """One save's background work on one rank."""
+class BackgroundWrite:
+    """One save's files on one rank, written by a thread: ``writes`` [(state, path)] with torch.save,
+    ``json_writes`` [(dict, path)] as JSON; ``table`` maps each path (relative to ``staged``) to its sha256 and
+    size, hashed as written. ``fail``: raised after the first file (the checkpoint_write_error fault)."""
 
-    def __init__(self, staged: Path, rank: int, world: int, writes: list[tuple[Any, Path]],
-                 json_writes: list[tuple[Any, Path]], finish: Callable[[dict], None] | None,
-                 timeout_s: float = 1800.0, fail: BaseException | None = None):
-        self.staged, self.rank, self.world = staged, rank, world
-        self.writes, self.json_writes = writes, json_writes
-        self.finish = finish           # rank 0: given every rank's file table, commit
-        self.timeout_s = timeout_s
-        self.fail = fail               # raised after the first file (the checkpoint_write_error fault)
+    def __init__(self, staged: Path, writes: list[tuple[Any, Path]], json_writes: list[tuple[Any, Path]],
+                 fail: BaseException | None = None):
+        self.staged, self.writes, self.json_writes, self.fail = staged, writes, json_writes, fail
+        self.table: dict[str, dict] = {}
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self.bytes = 0
-        self._thread = threading.Thread(target=self._run, name=f"trainguard-ckpt-{rank}", daemon=True)
-        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainguard-ckpt-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            table = {}
             for state, path in self.writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                table[os.path.relpath(path, self.staged)] = save_hashed(state, path)  # hashed while written
+                self.table[os.path.relpath(path, self.staged)] = save_hashed(state, path)
                 if self.fail is not None:
                     raise self.fail
             for data, path in self.json_writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(path, data)
-                digest, size = sha256_file(path)
-                table[os.path.relpath(path, self.staged)] = {"sha256": digest, "size": size}
-            self.bytes = sum(v["size"] for v in table.values())
-            atomic_write_json(self.staged / MARKER.format(self.rank), table)
-            self.writes = self.json_writes = []  # free the host copies
-            if self.finish is not None:
-                merged = self._gather_markers()
-                if merged is not None:
-                    self.finish(merged)
-        except BaseException as e:  # noqa: BLE001 - reported by wait()
+                self.table[os.path.relpath(path, self.staged)] = write_json_hashed(path, data)
+        except BaseException as e:  # noqa: BLE001 - reported by AsyncSave.poll
             self.error = e
-            self.writes = self.json_writes = []
-            try:  # (rank 0 stops waiting for this rank's files)
-                atomic_write_json(self.staged / FAILED.format(self.rank), {"error": f"{type(e).__name__}: {e}"})
-            except OSError:
-                pass
         finally:
+            self.writes = self.json_writes = []  # free the host copies
             self.seconds = time.perf_counter() - t0
 
-    def _gather_markers(self) -> dict | None:
-        deadline = time.monotonic() + self.timeout_s
-        paths = [self.staged / MARKER.format(r) for r in range(self.world)]
-        while not all(p.exists() for p in paths):
-            failed = [r for r in range(self.world) if (self.staged / FAILED.format(r)).exists()]
-            if failed:
-                why = json.loads((self.staged / FAILED.format(failed[0])).read_text())["error"]
-                raise OSError(f"rank {failed[0]} could not write its part of {self.staged}: {why}")
-            if self._stop.is_set() or time.monotonic() > deadline:
-                missing = [r for r, p in enumerate(paths) if not p.exists()]
-                raise TimeoutError(f"ranks {missing} never finished writing {self.staged}")
-            time.sleep(0.01)
-        merged = {}
-        for p in paths:
-            merged.update(json.loads(p.read_text()))
-            p.unlink()
-        return merged
+    @property
+    def bytes(self) -> int:
+        return sum(v["size"] for v in self.table.values())
 
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self) -> None:
+    def join(self) -> None:
         self._thread.join()
-        if self.error is not None:
-            raise self.error
 
-    def cancel(self) -> None:
-        self._stop.set()
+
+class AsyncSave:
+    """The one save in flight (``cp``: trainguard.checkpoint.manager.CheckpointManager, which starts it)."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.job: BackgroundWrite | None = None
+        self.info: dict = {}
+        self.failed_in_a_row = 0
+
+    def start(self, job: BackgroundWrite, info: dict) -> None:
+        """Every rank: ``info`` -- tag, root, staging_root, nonce, step, blocking_s, t0."""
+        self.job, self.info = job, info
+
+    def tag(self) -> str | None:
+        return self.info["tag"] if self.job is not None else None
+
+    def poll(self, wait: bool = False) -> None:
+        """Every rank together: commit the save in flight once every rank's writer is done (``wait``: wait for this
+        rank's first), or report why it failed -- on every rank."""
+        job = self.job
+        if job is None:
+            return
+        if wait:
+            job.join()
+        if not all(gather_objects(job.done())):
+            return
+        self.job = None
+        info = self.info
+        outcome = gather_objects((f"{type(job.error).__name__}: {job.error}" if job.error else None, job.table))
+        failed = [(r, e) for r, (e, _) in enumerate(outcome) if e]
+        error = f"rank {failed[0][0]} could not write its part: {failed[0][1]}" if failed else None
+        if error is None and rank() == 0:
+            try:
+                self._commit(info, [t for _, t in outcome])
+            except (OSError, CheckpointError) as e:
+                error = f"{type(e).__name__}: {e}"
+        error = broadcast_from_rank0(error)
+        if error is not None:
+            self._failed(info, error)
+            return
+        self.failed_in_a_row = 0
+        self.cp.emit(info["step"], Record.CHECKPOINT_SAVED, {
+            "tag": info["tag"], "dir": str(info["root"]), "bytes_this_rank": job.bytes, "async": True,
+            "blocking_s": round(info["blocking_s"], 3), "write_s": round(job.seconds, 3),
+            "total_s": round(time.perf_counter() - info["t0"], 3)})
+
+    def _commit(self, info: dict, tables: list[dict]) -> None:
+        """Rank 0: the staged folder must hold exactly what the ranks wrote, at the sizes they wrote (a file
+        planted or swapped for one of another size is refused here; one of the same size fails its sha256 at
+        every load, the signature binding the bytes as produced); then the commit and retention."""
+        from trainguard.checkpoint.manifest import list_files
+
+        merged: dict = {}
+        for t in tables:
+            merged.update(t)
+        staged = Path(info["staging_root"]) / info["tag"]
+        found = list_files(staged)
+        if set(found) != set(merged):
+            raise CheckpointError(f"{staged}: {sorted(set(found) ^ set(merged))[:5]} differ between what the ranks "
+                                  "wrote and what is there; not committed")
+        for rel, want in merged.items():
+            size = os.lstat(staged / rel).st_size
+            if size != want["size"]:
+                raise CheckpointError(f"{staged / rel}: {size} bytes, the rank wrote {want['size']}; not committed")
+        self.cp.commit(info["root"], info["tag"], info["staging_root"], info["nonce"], info["step"], merged)
+
+    def _failed(self, info: dict, error: str) -> None:
+        """The checkpoint stays invisible (its staging removed); training goes on; after a few in a row, an error
+        in the log: the newest committed checkpoint is getting older with every step."""
+        import shutil
+
+        self.failed_in_a_row += 1
+        if rank() == 0:
+            shutil.rmtree(info["staging_root"], ignore_errors=True)
+        self.cp.emit(info["step"], Record.CHECKPOINT_FAILED, {"tag": info["tag"], "dir": str(info["root"]),
+                                                              "error": error, "failures_in_a_row": self.failed_in_a_row})
+        if self.failed_in_a_row >= MAX_QUIET_FAILURES and rank() == 0:
+            import logging
+
+            logging.getLogger("trainguard").error(
+                "trainguard: %d checkpoints in a row failed to save in the background (the last: %s); the newest "
+                "committed checkpoint is getting older with every step -- check %s (space, quota, mount)",
+                self.failed_in_a_row, error, info["root"])

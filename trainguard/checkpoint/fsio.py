@@ -61,6 +61,15 @@ def atomic_write_json(path: str | os.PathLike, data) -> None:
     atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
+def write_json_hashed(path: str | os.PathLike, data) -> dict:
+    """:func:`atomic_write_json`, returning ``{"sha256", "size"}`` of the bytes as produced (never read back:
+    what is signed is what this process wrote, not what a writer of the folder may have put there since)."""
+    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
+    atomic_write_text(path, text)
+    raw = text.encode("utf-8")
+    return {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+
+
 _progress = None  # called per chunk hashed (trainguard.checkpoint.manager sets it: the watchdog's heartbeat)
 
 

@@ -7,67 +7,54 @@ stable one) and the resume at start, rollback targets and what a rollback abando
 self-test, and every record about checkpoints. Who calls what: every rank calls every public
 method together; rank 0 alone reads and changes the directory listing and broadcasts its answer.
 
-The commit protocol is here too (:meth:`save_staged`): a staging folder agreed from rank 0, the
-framework's files and every rank's sidecar written and hashed, the guard's state, one file table,
-the manifest last, the rename, retention -- so that a crash leaves the old checkpoint or the new one,
-never half of one, on every framework.
-
-What an adapter supplies (the hooks at the bottom): writing and reading its framework's state
-(``save`` through :meth:`save_staged`, ``load``), its per-rank sidecar and manifest, its step count,
-which older checkpoints no longer fit the run (``not_before``), and what follows a precision change.
+The commit protocol, sync and async, and the manifest are the core's too (trainguard.checkpoint.saving), as are
+the conversion cache (trainguard.checkpoint.conversion) and the sidecars (RNG, data position, merged across the
+old ranks when a resume reshards). An adapter is not a subclass: it hands its framework's state as a
+:class:`trainguard.protocols.State` -- framework calls only (write, capture, load, layout) -- and the manager
+does the rest, the same way for every framework.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch.distributed as dist
-
-from trainguard.checkpoint import auth
-from trainguard.checkpoint.commit import commit_staged
-from trainguard.checkpoint.fsio import atomic_write_json, save_hashed
+from trainguard.attempt import restart_attempt
+from trainguard.checkpoint import auth, rng
+from trainguard.checkpoint.commit import restore_interrupted
+from trainguard.checkpoint.fsio import atomic_write_json
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import (GUARD_STATE, SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout,
-                                          step_tag, validate_tag)
-from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
+from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, STABLE, STAGING, TRAJECTORY, CheckpointError, CheckpointLayout
+from trainguard.checkpoint.manifest import Manifest, VerifiedReader, manifest_digest, verify
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
+from trainguard.checkpoint.rollback import abandon_after, choose_rollback, fitting_after
+from trainguard.checkpoint.saving import Saver
+from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, disk_tag, memory_tag, run_id, snapshot_step
+from trainguard.checkpoint.verified_io import load_weights
+from trainguard.data import merge_positions
+from trainguard.events import Record
+from trainguard.isolation import barrier, broadcast_from_rank0, rank, world
 from trainguard.lrcut import YOUNG
 
-FIRST_KEPT = 2 * YOUNG  # the first step's checkpoint is removed at this step
-from trainguard.checkpoint.commit import restore_interrupted
-from trainguard.checkpoint.rollback import abandon_after, choose_rollback
-from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, disk_tag, memory_tag, run_id, snapshot_step
-from trainguard.attempt import restart_attempt
-from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0, gather_objects
-
 FIRST = ".first"  # dir/.first: the first step's checkpoint (checkpoint.first_step)
+FIRST_KEPT = 2 * YOUNG  # the first step's checkpoint is removed at this step
 
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+__all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 
 
 class CheckpointManager:
-    """Base of the adapters' checkpointers. ``cfg``: the whole block; ``guard``: the StepGuard
-    (records, state, goodput); ``heart``: the rank's heartbeat (saves and loads count as progress)."""
+    """One per rank, over the adapter's :class:`trainguard.protocols.State` (``state``). ``cfg``: the whole block;
+    ``guard``: the StepGuard (records, state, goodput); ``heart``: the rank's heartbeat (saves and loads count as
+    progress)."""
 
-    def __init__(self, cfg, guard, heart):
+    def __init__(self, cfg, guard, heart, state):
+        self.state = state
         self.block = cfg
         self.cfg = cfg.checkpoint
         self.guard = guard
@@ -86,10 +73,16 @@ class CheckpointManager:
         self.snapshots = None                  # trainguard.checkpoint.memory_tier.MemoryTier (use_memory_tier)
         self.last_skipped: list[dict] = []     # what the last choice passed over, and why
         self.chosen_digest: str | None = None  # sha256 of the manifest rank 0 verified for the last choice
+        self.saver = Saver(self)               # the commit protocol (sync and async) and the manifest
         # the directory as this process found it (rank 0), before anything here writes to it (the in-memory
         # tier writes the run marker at initialize): (it existed, it held the run marker)
         root = Path(self.cfg.dir) if self.cfg.dir else None
         self._found = (root.is_dir(), (root / RUN_ID).is_file()) if root is not None and rank() == 0 else None
+        source = state.shard_source() if self.cfg.snapshot.every_steps else None
+        if source is not None:  # (every rank together)
+            from trainguard.checkpoint.memory_tier import MemoryTier
+
+            self.snapshots = MemoryTier(self, source)
 
     def emit(self, step: int, record: Record, detail: dict, ranks=(), action=None) -> None:
         if self.guard is not None:
@@ -448,13 +441,6 @@ class CheckpointManager:
         return Manifest.read(root / tag).step if tag is not None else -1
 
     # ------------------------------------------------------------------ the in-memory tier (every adapter)
-    def use_memory_tier(self, source) -> None:
-        """With ``checkpoint.snapshot.every_steps``: the tier over the adapter's ShardSource (every rank together)."""
-        if self.cfg.snapshot.every_steps:
-            from trainguard.checkpoint.memory_tier import MemoryTier
-
-            self.snapshots = MemoryTier(self, source)
-
     def snapshot(self) -> str | None:
         """This rank's shard to node memory, no collective; None when the tier is off on this rank."""
         tag = self.snapshots.take()
@@ -467,53 +453,19 @@ class CheckpointManager:
         if self.guard is not None:
             self.guard.goodput.overhead(seconds)
 
-    # ------------------------------------------------------------------ the commit protocol (every adapter)
-    def save_staged(self, root: str | os.PathLike, write: Callable[[Path], dict], tag: str | None = None,
-                    fmt: str | None = None, sidecar: Callable[[], dict] | None = None) -> str:
-        """Every rank: commit one checkpoint of the framework's state as ``<root>/<tag>`` (tag: the step's) or
-        raise; never a half-written one. ``write(staged)``: the adapter writes its framework's files under the
-        staging folder and returns the table of those it hashed while writing them (``{}``: rank 0 hashes what
-        is left); ``sidecar()``: this rank's own state (RNG, data position), taken after ``write`` and written
-        beside the framework's files."""
-        root = Path(root)
-        self.heart.beat("checkpoint")  # (the watchdog: progress, in a phase of its own)
-        t0 = time.perf_counter()
-        step = self.step_count()
-        tag = validate_tag(tag if tag is not None else step_tag(step))
-        nonce = broadcast_from_rank0(f"{tag}.{uuid.uuid4().hex[:10]}")
-        staging_root = CheckpointLayout(root).staging_root(nonce)
-        staged = staging_root / tag
-        if rank() == 0:
-            (staged / SIDECAR).mkdir(parents=True, exist_ok=True)
-        barrier()
-        own = dict(write(staged))
-        if sidecar is not None:
-            (staged / SIDECAR).mkdir(parents=True, exist_ok=True)
-            own[f"{SIDECAR}/rank{rank()}.pt"] = save_hashed(sidecar(), staged / SIDECAR / f"rank{rank()}.pt")
-        if rank() == 0 and self.guard is not None:
-            atomic_write_json(staged / SIDECAR / GUARD_STATE, self.guard.state_dict())
-            own.update(hash_files(staged, [f"{SIDECAR}/{GUARD_STATE}"]))
-        barrier()
-        hashed: dict = {}
-        for part in gather_objects(own):
-            hashed.update(part)
-        if rank() == 0:
-            files = list_files(staged)  # anything the ranks did not hash while writing: hashed now
-            hashed.update(hash_files(staged, [f for f in files if f not in hashed]))
-            if set(hashed) != set(files):
-                raise CheckpointError(f"checkpoint {tag}: {sorted(set(hashed) ^ set(files))[:5]} differ between "
-                                      f"what the ranks wrote and what is in {staged}")
-            commit_staged(root, staging_root, nonce, self._manifest(tag, step, hashed), key=self.key)
-            self.retention(root)
-        barrier()
+    # ------------------------------------------------------------------ saving (trainguard.checkpoint.saving)
+    def save(self, root, tag: str | None = None, **kwargs) -> str:
+        """Every rank: a checkpoint of the framework's state as ``root/tag`` (tag: the step's); ``kwargs`` go to the
+        adapter's ``write``/``capture``/``sidecar`` (DeepSpeed's client_state, megatron's data_state)."""
+        return self.saver.save(root, tag, **kwargs)
+
+    def saved(self, root: Path, tag: str, step: int) -> None:
+        """A save of ``tag`` committed (or, async, begun): its root known for marks, its health watched."""
         self.roots[tag] = root
         self.health.saved(tag, step)
-        seconds = time.perf_counter() - t0
-        self.overhead(seconds)
-        self.emit(step, Record.CHECKPOINT_SAVED, {
-            "tag": tag, "dir": str(root), "files": len(hashed), "bytes": sum(f["size"] for f in hashed.values()),
-            **({"format": fmt} if fmt else {}), "blocking_s": round(seconds, 3), "total_s": round(seconds, 3)})
-        return tag
+
+    def commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
+        self.saver.commit(root, tag, staging_root, nonce, step, files)
 
     def resumed(self, root: Path, tag: str, step: int, detail: dict) -> None:
         """After a resume's load (not a rollback's): the resume self-test armed and the ``resume`` record."""
@@ -525,8 +477,6 @@ class CheckpointManager:
             "verify_steps": len(self.resume_check.expected) if self.resume_check else 0})
 
     # ------------------------------------------------------------------ the load (every adapter)
-    NOTHING: Any = None  # what load returns when there was nothing to load (the framework's own convention)
-
     def load(self, root, tag: str | None = None, mode: str = "latest_valid", purpose: str = "resume", **kwargs):
         """Every rank: load ``tag`` (a disk tag, or ``memory:<tag>`` from :meth:`rollback_target`), or the newest
         valid tier -- the newest checkpoint that verifies (and is stable, with ``mode="stable"``), unless a snapshot
@@ -580,47 +530,94 @@ class CheckpointManager:
         if self.guard is not None and f"{SIDECAR}/{GUARD_STATE}" in reader.files:
             self.guard.load_state_dict(json.loads(reader.read(tag_dir / SIDECAR / GUARD_STATE)))
 
-    # ------------------------------------------------------------------ the adapter's part
-    def step_count(self) -> int:
-        raise NotImplementedError
-
+    # ------------------------------------------------------------------ loading the framework's state
     def load_disk(self, root: Path, tag: str, man: Manifest, reader: VerifiedReader, purpose: str,
                   **kwargs) -> tuple[Any, dict]:
-        """Every rank: the framework's state and this rank's sidecar (RNG; the data position unless ``purpose`` is
-        "rollback") from checkpoint ``root/tag``, every byte read through ``reader`` (or, for files of another
-        folder -- a conversion -- through a reader of that folder's own verified manifest). Returns (what
-        ``load`` returns, facts for the ``resume`` record)."""
-        raise NotImplementedError
+        """Every rank: the framework's state of ``root/tag`` (through its conversion where the adapter needs one:
+        trainguard.checkpoint.conversion), then the sidecars; every byte read through a verified reader."""
+        state = self.state
+        converted = state.conversion(man)
+        load_root, files = root, reader
+        if converted:
+            from trainguard.checkpoint.conversion import converted as conversion
+
+            digest = self.chosen_digest or manifest_digest(root / tag) or "unverified"
+            load_root, files = conversion(self, root, tag, man, digest, reader)
+        result, detail = state.load(load_root, tag, man, files, purpose, converted=converted, **kwargs)
+        now = state.layout()
+        same = not converted and all(man.layout.get(k) == now.get(k) for k in ("world", "tp", "pp", "dp"))
+        data, restored = self._restore_sidecars(reader, root / tag, same, purpose)
+        if purpose != "rollback":
+            result = state.use_data(data, result)
+        resharded = None if same else {"from": man.layout, "to": now, "from_dp": man.layout.get("dp"),
+                                       "to_dp": now.get("dp"),
+                                       **({"conversion_files_verified": len(files.read_files)} if converted else {})}
+        return result, {"rng_restored": restored, "resharded": resharded, **detail}
 
     def load_shard(self, own: Path, tag: str, reader: VerifiedReader, purpose: str, **kwargs) -> tuple[Any, dict]:
-        """Every rank: this rank's shard ``own/tag`` of the in-memory tier, through ``reader``; as :meth:`load_disk`."""
-        raise NotImplementedError
+        """Every rank: this rank's shard ``own/tag`` of the in-memory tier, then its sidecar."""
+        result, detail = self.state.load_shard(own, tag, reader, purpose, **kwargs)
+        data, restored = self._restore_sidecars(reader, own / tag, True, purpose)
+        if purpose != "rollback":
+            result = self.state.use_data(data, result)
+        return result, {"rng_restored": restored, **detail}
 
-    def _manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:
-        """The manifest of a checkpoint: its files, layout, lineage and health (the adapter's facts)."""
-        return Manifest(tag=tag, step=step, files=files, layout=layout)
+    def _restore_sidecars(self, reader: VerifiedReader, tag_dir: Path, same: bool, purpose: str) -> tuple[Any, bool]:
+        """This rank's RNG and the framework's part of its sidecar, when the ranks are the ones that wrote them
+        (``same``); returns (the data position, whether the RNG came back). Resharded, the ranks are new: RNG streams
+        start afresh (documented) and the data position is the old ranks' common one, merged (trainguard.data)."""
+        def side(rel: str) -> dict:
+            return load_weights(reader, tag_dir / rel)
 
-    def save(self, root, **kwargs) -> str:
-        raise NotImplementedError
+        mine = f"{SIDECAR}/rank{rank()}.pt"
+        if same:
+            if mine not in reader.files:
+                return None, False
+            st = side(mine)
+            if st.get("world", world()) != world():
+                return None, False
+            rng.restore(st["rng"])
+            self.state.restore_sidecar(st)
+            return _data_of(st), True
+        if purpose == "rollback":
+            return None, False
+        names = sorted((f for f in reader.files if fnmatch.fnmatch(f, f"{SIDECAR}/rank*.pt")),
+                       key=lambda f: int(f[len(SIDECAR) + 5:-3]) if f[len(SIDECAR) + 5:-3].isdigit() else 1 << 30)
+        return merge_positions([_data_of(side(f)) for f in names]), False
+
+    def step_count(self) -> int:
+        return self.state.step()
 
     def not_before(self, root: Path) -> int:
-        """Checkpoints older than this step do not fit the run any more (0: all fit)."""
-        return 0
+        """Checkpoints older than this step do not fit the run any more (0: all fit): those of another precision,
+        where the framework cannot load them (after a bf16 fallback)."""
+        if not self.state.precision_bound():
+            return 0
+        return fitting_after(root, "precision", self.state.layout().get("precision"))
 
     def after_precision_change(self) -> None:
-        """After the bf16 fallback (the driver calls it): a checkpoint of the new precision at once,
-        so that a restart comes back in bf16 rather than replaying the fp16 trouble."""
+        """After the bf16 fallback (the driver calls it): snapshots of the old precision dropped where they would not
+        load, and a checkpoint of the new precision at once, so that a restart comes back in bf16 rather than
+        replaying the fp16 trouble."""
+        if self.snapshots is not None and self.state.precision_bound():
+            self.snapshots.wait()
+            self.snapshots.store.drop_before(self.step_count())
         if self.cfg.dir:
             self.save(self.cfg.dir)
 
+    @property
+    def NOTHING(self) -> Any:  # noqa: N802 - what load returns when there was nothing to load (the framework's)
+        return self.state.nothing
+
     def pending_tag(self) -> str | None:
         """The tag of a save still being written in the background, if any."""
-        return None
+        return self.saver.pending.tag()
 
     def poll_pending(self, wait: bool = False) -> None:
-        """Report a finished background save (and snapshot)."""
+        """Every rank: commit or report a finished background save (and snapshot)."""
         if self.snapshots is not None:
             self.snapshots.poll(wait)
+        self.saver.pending.poll(wait)
 
     def wait_pending(self) -> None:
         self.poll_pending(wait=True)
@@ -629,3 +626,8 @@ class CheckpointManager:
         self.wait_pending()
         if self.snapshots is not None:
             self.snapshots.close()
+
+
+def _data_of(side: dict) -> Any:
+    """A sidecar's data position (``data``; megatron's older sidecars: ``data_state``)."""
+    return side.get("data", side.get("data_state"))

@@ -213,6 +213,8 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
     why = _well_formed(man)
     if why is not None:
         return VerifyResult(False, tag, MANIFEST, why)
+    if man.tag != tag:  # (a signed manifest copied under another tag: another step's state under this name)
+        return VerifyResult(False, tag, MANIFEST, f"the manifest is checkpoint {man.tag!r}'s, not this folder's ({tag!r})")
     present, odd = _entries(tag_dir)
     if odd is not None:
         return VerifyResult(False, tag, odd, "not a regular file (a symlink, FIFO or device): refused, never read", man)

@@ -20,14 +20,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint.fsio import atomic_write_json, save_buffered, sha256_file
-from trainguard.checkpoint.layout import CheckpointLayout, step_tag
-from trainguard.checkpoint.manager import rank as _rank
+from trainguard.checkpoint.async_writer import snapshot as host_copy
+from trainguard.checkpoint.fsio import save_buffered, write_json_hashed
+from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, CheckpointLayout, step_tag
 from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
 from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, run_id
 from trainguard.errors import ConfigError
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, gather_objects
+from trainguard.isolation import rank as _rank
 from trainguard.protocols import ShardSource
 
 __all__ = ["MemoryTier", "ShardSource", "MAX_FAILURES", "PEER_TIMEOUT_S"]  # (ShardSource: trainguard.protocols)
@@ -93,11 +94,15 @@ class MemoryTier:
         staging_root = CheckpointLayout(self.store.own).staging_root(nonce)
         try:
             staging_root.mkdir(parents=True, exist_ok=True)
-            writes, json_writes, manifest = self.source.capture(staging_root, tag, step)
+            staged = staging_root / tag
+            writes = list(self.source.capture(staging_root, tag, step))
+            saver = self.cp.saver  # (trainguard's own parts: the same as a disk checkpoint's)
+            writes.append((host_copy(saver.sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
+            json_writes = [(self.cp.guard.state_dict(), staged / SIDECAR / GUARD_STATE)] if self.cp.guard else []
+            manifest = saver.manifest(tag, step, {}, tier="memory")
         except OSError as e:  # node memory full already here: a failed snapshot, never a failed step
             shutil.rmtree(staging_root, ignore_errors=True)
             return self._no_write(tag, step, t0, interval, failed=e)
-        staged = staging_root / tag
         blocking = time.perf_counter() - t0
         self.cp.overhead(blocking)
         self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval)
@@ -248,9 +253,7 @@ class _Job:
                 table[str(path.relative_to(self.staged))] = save_buffered(state, path)
             for data, path in self.json_writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(path, data)
-                digest, size = sha256_file(path)
-                table[str(path.relative_to(self.staged))] = {"sha256": digest, "size": size}
+                table[str(path.relative_to(self.staged))] = write_json_hashed(path, data)
             self.bytes = sum(v["size"] for v in table.values())
             store.commit(store.own, self.staging_root, self.nonce, dataclasses.replace(self.manifest, files=table))
             if self.owner.peer is not None:

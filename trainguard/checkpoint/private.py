@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainguard.errors import TrainguardError
 
-__all__ = ["UnsafeFolder", "private_dir", "expand"]
+__all__ = ["UnsafeFolder", "private_dir", "own_dir", "expand"]
 
 
 class UnsafeFolder(TrainguardError):
@@ -91,4 +91,27 @@ def private_dir(base: str | os.PathLike, *below: str) -> Path:
         except FileExistsError:
             pass
         _check_own(p, uid)
+    return p
+
+
+def own_dir(path: str | os.PathLike, fresh: bool = False) -> Path:
+    """A folder of this job's inside a checkpoint directory (its staging, a conversion's output): created 0700 where
+    missing -- never through a symlink someone planted --, else checked with ``lstat`` to be a real folder of this
+    user's. ``fresh``: it must not exist yet (a name of this save's own: one found there was planted). The
+    directory above it is the user's (``checkpoint.dir``, perhaps group-shared): only what trainguard writes
+    into is made private. Raises UnsafeFolder naming the folder."""
+    p = Path(path)
+    try:
+        os.mkdir(p, 0o700)
+        os.chmod(p, 0o700)
+        return p
+    except FileExistsError:
+        if fresh:
+            raise UnsafeFolder(f"{p} exists already: a folder of this save's own name was made by someone else") from None
+    st = os.lstat(p)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFolder(f"{p} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a folder'}: refused (trainguard "
+                           "writes checkpoints only into real folders of its own)")
+    if st.st_uid != os.geteuid():
+        raise UnsafeFolder(f"{p} belongs to another user ({_describe(st)})")
     return p

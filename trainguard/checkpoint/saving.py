@@ -1,0 +1,176 @@
+"""The commit protocol, for every adapter: how a checkpoint is saved, synchronously or in the background.
+
+A staging folder agreed from rank 0 (created 0700, never through a planted link), the framework's files written by
+the adapter (:class:`trainguard.protocols.State`, ``write`` or ``capture``) and hashed as they are produced, every
+rank's sidecar (RNG, data position) and the guard's state hashed the same way, the tables gathered with a
+collective, the manifest -- one schema for every framework: layout, lineage, health -- written last and signed,
+the rename, retention. A crash leaves the old checkpoint or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from trainguard import __version__
+from trainguard.checkpoint import rng
+from trainguard.checkpoint.async_writer import AsyncSave, BackgroundWrite, snapshot
+from trainguard.checkpoint.commit import commit_staged
+from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
+from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, STAGING, CheckpointError, step_tag, validate_tag
+from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+from trainguard.checkpoint.private import UnsafeFolder, own_dir
+from trainguard.events import Record
+from trainguard.isolation import barrier, broadcast_from_rank0, gather_objects, rank, world
+
+
+def code_revision() -> str | None:
+    """The git commit of the working directory the job runs from, if it is one (the manifest's lineage)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=os.getcwd())
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class Saver:
+    """``cp``: the checkpoint manager (its state port, config, guard, heartbeat, key, records, retention)."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.pending = AsyncSave(cp)
+        self.revision = code_revision() if rank() == 0 else None
+
+    # ------------------------------------------------------------------ save
+    def save(self, root: str | os.PathLike, tag: str | None = None, **kwargs) -> str:
+        """Every rank: commit a checkpoint of the framework's state as ``root/tag`` (tag: the step's) or raise --
+        with ``checkpoint.async`` and an adapter that can capture, the commit comes later (:meth:`AsyncSave.poll`)."""
+        cp = self.cp
+        self.pending.poll(wait=True)  # a new save waits for the previous one
+        state = cp.state
+        if cp.cfg.async_:
+            t0 = time.perf_counter()
+            tag = validate_tag(tag if tag is not None else step_tag(state.step()))
+            nonce, staging_root = self.staging(Path(root), tag)
+            writes = state.capture(staging_root, tag, **kwargs)
+            if writes is not None:
+                return self._save_async(Path(root), tag, nonce, staging_root, writes, kwargs, t0)
+            self._discard(staging_root)
+        return self.save_staged(root, lambda staged, tag: state.write(staged, tag, **kwargs), tag=tag,
+                                fmt=state.format, sidecar=lambda: self.sidecar(**kwargs))
+
+    def staging(self, root: Path, tag: str) -> tuple[str, Path]:
+        """Every rank: one staging name agreed from rank 0, its folder created there (0700, checked)."""
+        outcome = None
+        if rank() == 0:
+            nonce = f"{tag}.{uuid.uuid4().hex[:10]}"
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                staging_root = own_dir(own_dir(root / STAGING) / nonce, fresh=True)
+                own_dir(staging_root / tag, fresh=True)
+                own_dir(staging_root / tag / SIDECAR, fresh=True)
+                outcome = (nonce, None)
+            except (OSError, UnsafeFolder) as e:
+                outcome = (nonce, f"{type(e).__name__}: {e}")
+        nonce, error = broadcast_from_rank0(outcome)
+        if error:
+            raise CheckpointError(f"trainguard: cannot stage a checkpoint in {root}: {error}")
+        return nonce, root / STAGING / nonce
+
+    def _discard(self, staging_root: Path) -> None:
+        barrier()
+        if rank() == 0:
+            import shutil
+
+            shutil.rmtree(staging_root, ignore_errors=True)
+
+    def save_staged(self, root: str | os.PathLike, write: Callable[[Path, str], dict], tag: str | None = None,
+                    fmt: str | None = None, sidecar: Callable[[], dict] | None = None) -> str:
+        """Every rank, synchronously: ``write(staged, tag)`` writes the framework's files under the staging folder and
+        returns the table of those it hashed while writing them (rank 0 hashes the rest, read back: see
+        docs/checkpoints.md's threat model); ``sidecar()``: this rank's own state, taken after ``write``."""
+        cp = self.cp
+        root = Path(root)
+        cp.heart.beat("checkpoint")  # (the watchdog: progress, in a phase of its own)
+        t0 = time.perf_counter()
+        step = cp.step_count()
+        tag = validate_tag(tag if tag is not None else step_tag(step))
+        nonce, staging_root = self.staging(root, tag)
+        staged = staging_root / tag
+        barrier()
+        own = dict(write(staged, tag))
+        if sidecar is not None:
+            own[f"{SIDECAR}/rank{rank()}.pt"] = save_hashed(sidecar(), staged / SIDECAR / f"rank{rank()}.pt")
+        if rank() == 0 and cp.guard is not None:
+            own[f"{SIDECAR}/{GUARD_STATE}"] = write_json_hashed(staged / SIDECAR / GUARD_STATE, cp.guard.state_dict())
+        barrier()
+        hashed: dict = {}
+        for part in gather_objects(own):
+            hashed.update(part)
+        if rank() == 0:
+            files = list_files(staged)  # anything the ranks did not hash while writing: hashed now
+            hashed.update(hash_files(staged, [f for f in files if f not in hashed]))
+            if set(hashed) != set(files):
+                raise CheckpointError(f"checkpoint {tag}: {sorted(set(hashed) ^ set(files))[:5]} differ between "
+                                      f"what the ranks wrote and what is in {staged}")
+            self.commit(root, tag, staging_root, nonce, step, hashed)
+        barrier()
+        cp.saved(root, tag, step)
+        seconds = time.perf_counter() - t0
+        cp.overhead(seconds)
+        cp.emit(step, Record.CHECKPOINT_SAVED, {
+            "tag": tag, "dir": str(root), "files": len(hashed), "bytes": sum(f["size"] for f in hashed.values()),
+            **({"format": fmt} if fmt else {}), "blocking_s": round(seconds, 3), "total_s": round(seconds, 3)})
+        return tag
+
+    def _save_async(self, root: Path, tag: str, nonce: str, staging_root: Path, writes: list, kwargs: dict,
+                    t0: float) -> str:
+        cp = self.cp
+        staged = staging_root / tag
+        writes = [(state, Path(path)) for state, path in writes]
+        writes.append((snapshot(self.sidecar(**kwargs)), staged / SIDECAR / f"rank{rank()}.pt"))
+        json_writes = [(cp.guard.state_dict(), staged / SIDECAR / GUARD_STATE)] if rank() == 0 and cp.guard else []
+        step = cp.step_count()
+        blocking = time.perf_counter() - t0
+        cp.overhead(blocking)
+        faults = cp.guard.faults if cp.guard is not None and cp.block.faults else None
+        fail = faults.write_error(step) if faults is not None else None
+        self.pending.start(BackgroundWrite(staged, writes, json_writes, fail=fail), {
+            "tag": tag, "root": root, "staging_root": staging_root, "nonce": nonce, "step": step,
+            "blocking_s": blocking, "t0": t0})
+        cp.saved(root, tag, step)
+        return tag
+
+    def commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
+        """Rank 0, once every file is written and hashed: the commit, then retention."""
+        commit_staged(root, staging_root, nonce, self.manifest(tag, step, files), key=self.cp.key)
+        self.cp.retention(root)
+
+    # ------------------------------------------------------------------ what a checkpoint says of itself
+    def manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:
+        """One schema for every framework: the layout (the adapter's, and e.g. ``tier``), the lineage (data, config,
+        releases, code) and the health at save time."""
+        cp, state = self.cp, self.cp.state
+        g = cp.guard
+        last = getattr(g, "last_metrics", {}) or {}
+        from trainguard.guard import config_hash
+
+        return Manifest(
+            tag=tag, step=step, files=files,
+            layout={"framework": state.name, **state.layout(), **layout},
+            lineage={"dataset_id": cp.cfg.dataset_id, "dataset_version": cp.cfg.dataset_version,
+                     "config_hash": config_hash(cp.block),
+                     "versions": {"trainguard": __version__, "torch": torch.__version__, **state.versions()},
+                     "code_revision": self.revision},
+            health={"loss": last.get("loss"), "loss_median": last.get("loss_median"),
+                    "loss_scale": last.get("loss_scale"), **state.health(),
+                    "recent_anomalies": list(getattr(g, "recent_anomalies", []))[-10:] if g is not None else []})
+
+    def sidecar(self, **kwargs) -> dict:
+        """This rank's sidecar: who wrote it, every RNG, and the framework's part (data position, ...)."""
+        return {"rank": rank(), "world": world(), "rng": rng.capture(), **self.cp.state.sidecar(**kwargs)}
