@@ -65,7 +65,7 @@ setup(
         # the suite runs the newest releases inside the support matrix (what a fresh install resolves, capped at the
         # matrix's top: a newer release is refused at start until the matrix says otherwise); the oldest row runs in
         # its own venv (scripts/compat.sh)
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", _span("transformers"), _span("accelerate")],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", "import-linter>=2.1,<3", _span("transformers"), _span("accelerate")],
     },
     entry_points={"console_scripts": ["trainguard=trainguard.cli:main"]},
     classifiers=[

@@ -12,7 +12,7 @@ again after every load (the adapter does).
 """
 from __future__ import annotations
 
-from trainguard.detectors.loss_scale import ScalerState
+from trainguard.verdicts import ScalerState
 
 
 class ScalerView:

@@ -21,7 +21,6 @@ TP=2 snapshot loads into TP=1; the RNG sidecars then do not map rank to rank, an
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch

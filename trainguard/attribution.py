@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from trainguard.detectors import Verdict
+from trainguard.verdicts import Verdict
 from trainguard.events import Action
 from trainguard.isolation import RankCoords
 

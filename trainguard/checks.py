@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainguard.config import TrainguardConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 
 
 @dataclass(frozen=True)

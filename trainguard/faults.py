@@ -395,32 +395,9 @@ class FaultInjector:
         return mult
 
 
-def corrupt_newest_checkpoint(root) -> str | None:
-    """Flip 64 bytes in the middle of the largest file of the newest committed checkpoint under
-    ``root`` (as storage rot would, size unchanged). Returns the file's path, or None."""
-    from pathlib import Path
-
-    from trainguard.checkpoint.layout import CheckpointLayout
-
-    layout = CheckpointLayout(Path(root))
-    tags = layout.tags()
-    if not tags:
-        return None
-    files = [p for p in layout.tag_dir(tags[-1]).rglob("*") if p.is_file() and p.stat().st_size > 128]
-    if not files:
-        return None
-    target = max(files, key=lambda p: p.stat().st_size)
-    with open(target, "r+b") as f:
-        f.seek(target.stat().st_size // 2)
-        chunk = f.read(64)
-        f.seek(-len(chunk), 1)
-        f.write(bytes(b ^ 0xFF for b in chunk))
-    return str(target)
-
-
 def flip_bit(t: torch.Tensor, bit: int) -> None:
     """Flip bit ``bit`` of ``t``'s first element in place (its bits read as an integer of the same width)."""
-    from trainguard.detectors.replica import as_ints  # (the same reading of the bits the replica check sums)
+    from trainguard.bits import as_ints  # (the same reading of the bits the replica check sums)
 
     view = as_ints(t.view(-1)[:1])
     bit = bit % (8 * t.element_size())

@@ -13,8 +13,6 @@ add one object gather (sample ids, probe statistics, localisation).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from contextlib import ExitStack, contextmanager
@@ -25,14 +23,15 @@ import torch
 from trainguard import __version__, records
 from trainguard.checks import RunFacts, start_checks
 from trainguard.clipping import Clipper
-from trainguard.config import TrainguardConfig
+from trainguard.config import TrainguardConfig, config_hash
 from trainguard.data import DataPosition
 from trainguard.detectors import RankObservation, Verdict, detect_nonfinite
-from trainguard.detectors.base import PeerContext
+from trainguard.verdicts import PeerContext
 from trainguard.detectors.activation import detect_activation
 from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
-from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
+from trainguard.detectors.loss_scale import LossScaleWatch
+from trainguard.verdicts import ScalerState
 from trainguard.detectors.loss_spike import LR_LOOKBACK, LossSpikeDetector
 from trainguard.lrcut import LrHistory
 from trainguard.detectors.loss_trend import LossTrendDetector
@@ -57,11 +56,6 @@ from trainguard.suspects import SuspectWatch
 
 ALERT = records.ALERT
 COLUMN_AT = {name: len(FIELDS) + i for i, name in enumerate(COLUMNS)}  # the registered detectors' AGREE columns
-
-
-def config_hash(cfg: TrainguardConfig) -> str:
-    text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class StepGuard:

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from trainguard.detectors.base import RankObservation
+from trainguard.verdicts import RankObservation
 
 # Columns of the gathered table. Appending a field is compatible; reordering is not.
 FIELDS = ("loss_sum", "micro_batches", "loss_nonfinite", "grad_sq", "grad_checked", "faults_fired",

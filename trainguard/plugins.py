@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
-from trainguard.detectors.base import RankObservation, Verdict
+from trainguard.verdicts import RankObservation, Verdict
 from trainguard.errors import ConfigError
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 from trainguard.events import Action, Anomaly, Remedy
 from trainguard.lrcut import YOUNG
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-from trainguard.detectors.loss_scale import ScalerState
+from trainguard.verdicts import ScalerState
 from trainguard.policy import Decision
 
 @dataclass(frozen=True)

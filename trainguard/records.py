@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from trainguard.detectors import RankObservation, Verdict
+from trainguard.verdicts import RankObservation, Verdict
 from trainguard.events import Action, Record
 
 ALERT = "alert"

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from trainguard import config as tg
+from trainguard import reference
 from trainguard.errors import ConfigError
 
 
@@ -89,14 +90,14 @@ def test_missing_file(tmp_path):
 
 def test_schema_and_reference_are_in_sync(root):
     schema = json.loads((root / "configs" / "trainguard.schema.json").read_text())
-    assert schema == json.loads(json.dumps(tg.json_schema(), sort_keys=True)), \
-        "configs/trainguard.schema.json is stale: run python -m trainguard.config"
-    assert (root / "docs" / "config-reference.md").read_text() == tg.reference_markdown(), \
-        "docs/config-reference.md is stale: run python -m trainguard.config"
+    assert schema == json.loads(json.dumps(reference.json_schema(), sort_keys=True)), \
+        "configs/trainguard.schema.json is stale: run python -m trainguard.reference"
+    assert (root / "docs" / "config-reference.md").read_text() == reference.reference_markdown(), \
+        "docs/config-reference.md is stale: run python -m trainguard.reference"
 
 
 def test_reference_lists_every_leaf_key(root):
-    text = tg.reference_markdown()
+    text = reference.reference_markdown()
     for key in ("trainguard.detectors.nonfinite.action", "trainguard.metrics.per_rank",
                 "trainguard.data.seed", "trainguard.faults[].type", "trainguard.allow_faults"):
         assert f"`{key}`" in text

@@ -116,7 +116,7 @@ def test_guard_abort_report_names_everything(tmp_path):
 def test_origin_within_model_parallel_groups():
     """A NaN spreads inside a model-parallel group (same dp index): the earliest first-bad module is
     the origin, else the rank whose loss was non-finite; data-parallel replicas are judged alone."""
-    from trainguard.detectors.base import Verdict
+    from trainguard.verdicts import Verdict
     from trainguard.attribution import narrow_to_origin
     from trainguard.isolation import RankCoords
 

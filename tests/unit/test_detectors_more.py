@@ -267,7 +267,7 @@ def test_straggler_detector_names_a_slow_rank_once_and_ignores_noise():
     import random
 
     from trainguard.config import StragglerConfig
-    from trainguard.detectors.base import RankObservation
+    from trainguard.verdicts import RankObservation
     from trainguard.detectors.straggler import StragglerDetector
 
     det = StragglerDetector(StragglerConfig(window=10, slower_by=1.5, persist_steps=30))

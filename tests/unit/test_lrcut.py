@@ -2,7 +2,7 @@
 import pytest
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 from trainguard.lrcut import LrHistory
 from trainguard.policy import Action, Policy
 

@@ -8,7 +8,7 @@ import torch
 
 from trainguard import p2p
 from trainguard.config import PeerReplayConfig
-from trainguard.detectors.base import PeerContext
+from trainguard.verdicts import PeerContext
 from trainguard.detectors.peer_replay import PeerReplay, arbitrate, pairs, replica_groups, same
 from trainguard.faults import OutputPoison
 from trainguard.isolation import RankCoords

@@ -1,5 +1,5 @@
 from trainguard.config import NonfiniteConfig, RecoveryConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 from trainguard.events import Action
 from trainguard.policy import Policy
 
@@ -63,8 +63,9 @@ def test_custom_ladder_and_recovery_off():
 
 def test_fp16_overflow_is_routine_and_the_loss_scale_ladder_climbs():
     from trainguard.config import LossScaleConfig
-    from trainguard.detectors.base import RankObservation
-    from trainguard.detectors.loss_scale import LossScaleWatch, ScalerState
+    from trainguard.verdicts import RankObservation
+    from trainguard.detectors.loss_scale import LossScaleWatch
+    from trainguard.verdicts import ScalerState
     from trainguard.detectors.nonfinite import detect_nonfinite
 
     # gradients overflowed with a finite loss: with a dynamic scale, an "overflow" the scaler handles

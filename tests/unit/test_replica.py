@@ -3,7 +3,7 @@ detector's verdict: found by the registry, one AGREE column, its onset honoured 
 import torch
 
 from trainguard.config import NonfiniteConfig, ReplicaCheckConfig, RecoveryConfig, parse_block
-from trainguard.detectors.base import RankObservation
+from trainguard.verdicts import RankObservation
 from trainguard.detectors.registry import COLUMNS, registrations
 from trainguard.detectors.replica import ReplicaCheck, digest
 from trainguard.events import Action, Anomaly, Record
@@ -67,7 +67,7 @@ def test_a_rank_a_registered_detector_is_sure_of_has_its_host_written_for_the_ne
     scripts/launch excludes on a restart) -- the replica check does so when a majority outvotes the rank."""
     import json
 
-    from trainguard.detectors.base import Verdict
+    from trainguard.verdicts import Verdict
     from trainguard.guard import StepGuard
 
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl")}, "checks": {"enabled": False}})

@@ -15,7 +15,7 @@ from trainguard.checkpoint.fsio import save_hashed
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.config import parse_block
-from trainguard.detectors.loss_scale import ScalerState
+from trainguard.verdicts import ScalerState
 from trainguard.driver import zero_adam_moments
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event

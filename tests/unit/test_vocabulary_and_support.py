@@ -158,7 +158,7 @@ class LossAbove:
         self.limit = limit
 
     def observe(self, step, obs):
-        from trainguard.detectors import Verdict
+        from trainguard.verdicts import Verdict
 
         losses = [o.loss for o in obs if o.has_loss]
         if losses and sum(losses) / len(losses) > self.limit:

@@ -133,7 +133,7 @@ class CheckpointManager:
             self.snapshot()  # (the in-memory tier: not where a disk checkpoint was just taken)
         faults = self.guard.faults if self.guard is not None and self.block.faults else None
         if faults is not None and c.dir and faults.checkpoint_due(step):
-            from trainguard.faults import corrupt_newest_checkpoint
+            from trainguard.checkpoint.damage import corrupt_newest_checkpoint
 
             self.wait_pending()  # (the newest committed one: a save of this very step is committed first)
             path = corrupt_newest_checkpoint(c.dir)

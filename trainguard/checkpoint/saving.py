@@ -25,6 +25,7 @@ from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, STAGING, CheckpointError, step_tag, validate_tag
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
 from trainguard.checkpoint.private import UnsafeFolder, own_dir
+from trainguard.config import config_hash
 from trainguard.events import Record
 from trainguard.isolation import barrier, broadcast_from_rank0, gather_objects, rank, world
 
@@ -158,8 +159,6 @@ class Saver:
         cp, state = self.cp, self.cp.state
         g = cp.guard
         last = getattr(g, "last_metrics", {}) or {}
-        from trainguard.guard import config_hash
-
         return Manifest(
             tag=tag, step=step, files=files,
             layout={"framework": state.name, **state.layout(), **layout},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from trainguard.config import ActivationRangeConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 
 
 def detect_activation(per_rank: dict[int, dict[str, tuple[float, float]]], cfg: ActivationRangeConfig) -> list[Verdict]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainguard.config import AttentionEntropyConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 
 
 def detect_attention(step: int, per_rank: dict[int, dict[str, dict]], cfg: AttentionEntropyConfig) -> list[Verdict]:

@@ -11,20 +11,11 @@ Host floats only: the adapter reads the scaler's attributes, which need no devic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from trainguard.config import LossScaleConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import ScalerState, Verdict
 from trainguard.events import Anomaly
 
 ONSET_GAP = 10  # overflows at most this many steps apart belong to one descent
-
-
-@dataclass(frozen=True)
-class ScalerState:
-    scale: float
-    min_scale: float
-    hysteresis: int | None = None   # overflows still absorbed before the next halving (None: no hysteresis)
 
 
 class LossScaleWatch:

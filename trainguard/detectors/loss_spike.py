@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from trainguard.config import LossSpikeConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 from trainguard.stats import RollingWindow
 
 REMEDY = {

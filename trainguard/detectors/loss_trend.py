@@ -27,7 +27,7 @@ from collections import deque
 from typing import Callable
 
 from trainguard.config import LossTrendConfig
-from trainguard.detectors.base import Verdict
+from trainguard.verdicts import Verdict
 
 REMEDY = {
     "slow_rise": "lower the LR (or lengthen the warmup): the loss has been climbing away from its best",

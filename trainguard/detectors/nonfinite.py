@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trainguard.detectors.base import RankObservation, Verdict
+from trainguard.verdicts import RankObservation, Verdict
 from trainguard.events import Anomaly
 
 

@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from trainguard import p2p
-from trainguard.detectors.base import PeerContext, RankObservation, Verdict
+from trainguard.verdicts import PeerContext, RankObservation, Verdict
 from trainguard.detectors.registry import Registration
 from trainguard.events import Anomaly
 

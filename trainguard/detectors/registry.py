@@ -10,7 +10,7 @@ hosts into ``suspect_hosts.json``, which the launch scripts exclude on a restart
 ``Record(anomaly)``.
 
 Two optional methods, called on every rank alike (collectives allowed): ``exchange(step, ctx)`` at DECIDE before
-``observe`` (``ctx``: :class:`trainguard.detectors.base.PeerContext`; ``peer_replay.py`` replays micro-batches for
+``observe`` (``ctx``: :class:`trainguard.verdicts.PeerContext`; ``peer_replay.py`` replays micro-batches for
 its peers there), and ``explain(step, verdicts, group)`` after ``observe`` found something (``replica.py`` names the
 tensors that differ there, with one object gather on a mismatch step only).
 
@@ -25,7 +25,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
-from trainguard.detectors.base import RankObservation, Verdict
+from trainguard.verdicts import RankObservation, Verdict
 
 
 class LadderDetector(Protocol):

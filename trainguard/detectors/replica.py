@@ -16,17 +16,13 @@ from typing import Sequence
 
 import torch
 
-from trainguard.detectors.base import RankObservation, Verdict
+from trainguard.verdicts import RankObservation, Verdict
 from trainguard.detectors.registry import Registration
+from trainguard.bits import INT as _INT
+from trainguard.bits import as_ints
 from trainguard.events import Anomaly
 
 MOD = 2 ** 52
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_ints(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bits read as integers of the same width (a view: writing it writes ``t``)."""
-    return t.view(_INT[t.element_size()])
 
 
 def digest(params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 from collections import deque
 
 from trainguard.config import StragglerConfig
-from trainguard.detectors.base import RankObservation, Verdict
+from trainguard.verdicts import RankObservation, Verdict
 
 
 def _median(xs):

@@ -66,3 +66,12 @@ class PeerContext:
     healthy: Callable[[float], bool]     # the loss-spike detector's judgement of a loss
     unexplained: Sequence[int] = field(default_factory=tuple)  # culprits of a spike neither data nor weights explain
     step_loss: Sequence[float] = field(default_factory=tuple)  # every rank's training loss of the step
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """An fp16 dynamic loss scaler as the loss-scale watch sees it at the start of a step."""
+
+    scale: float
+    min_scale: float
+    hysteresis: int | None = None   # overflows still absorbed before the next halving (None: no hysteresis)

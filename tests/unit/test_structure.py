@@ -1,0 +1,90 @@
+"""The codebase's shape, checked by commands (issue 34): the import rules (.importlinter, run by import-linter), no
+adapter subclassing the checkpoint manager, and the size budgets -- with the modules still over them listed by
+name at their current size, so that a debt can only shrink (a module that grows past its ceiling, a new module
+over the budget, or a debt paid but still listed fails here)."""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("trainguard", "ds_plugins", "megatron_hooks")
+
+MODULE_BUDGET = 300                                       # lines, any module
+PACKAGE_BUDGET = {"ds_plugins": 1300, "megatron_hooks": 700}
+# What is still over a budget, at its size when listed: may shrink, never grow (issue 34 stays open while any remains)
+MODULE_DEBTS = {
+    "trainguard/checkpoint/manager.py": 633, "trainguard/checkpoint/manifest.py": 327,
+    "trainguard/checkpoint/snapshots.py": 360, "trainguard/config.py": 802, "trainguard/demo/run.py": 332,
+    "trainguard/drill/__init__.py": 328, "trainguard/faults.py": 405, "trainguard/guard.py": 639,
+    "trainguard/policy.py": 322, "trainguard/watchdog.py": 456, "ds_plugins/engine.py": 417,
+    "megatron_hooks/__init__.py": 419, "megatron_hooks/lm.py": 318,
+}
+PACKAGE_DEBTS = {"ds_plugins": 1919, "megatron_hooks": 1586}
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def _modules():
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            yield f.relative_to(ROOT).as_posix(), f
+
+
+def test_import_rules_hold():
+    """The core imports no adapter and no framework (but for the two entry points named in .importlinter), one adapter
+    never imports the other, and the core's packages and modules import one another without cycles."""
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    res = subprocess.run([exe, "--config", str(ROOT / ".importlinter")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "3 kept, 0 broken" in res.stdout
+
+
+def test_no_adapter_subclasses_the_checkpoint_manager():
+    """An adapter hands its framework's state as a trainguard.protocols.State; the protocol is the core's alone."""
+    found = []
+    for pkg in ("ds_plugins", "megatron_hooks"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    bases = [ast.unparse(b) for b in node.bases]
+                    if any(b.split(".")[-1] == "CheckpointManager" for b in bases):
+                        found.append(f"{f.relative_to(ROOT)}: class {node.name}({', '.join(bases)})")
+    assert not found, found
+
+
+def test_size_budgets_only_shrink():
+    over = {}
+    for rel, f in _modules():
+        n = _lines(f)
+        ceiling = MODULE_DEBTS.get(rel, MODULE_BUDGET)
+        if n > ceiling:
+            over[rel] = f"{n} lines > {ceiling}" + (" (a listed debt grew)" if rel in MODULE_DEBTS else "")
+    for rel, ceiling in MODULE_DEBTS.items():
+        if not (ROOT / rel).exists() or _lines(ROOT / rel) <= MODULE_BUDGET:
+            over[rel] = "within the budget now (or gone): take it off MODULE_DEBTS"
+    for pkg, budget in PACKAGE_BUDGET.items():
+        n = sum(_lines(f) for f in (ROOT / pkg).rglob("*.py"))
+        ceiling = PACKAGE_DEBTS.get(pkg, budget)
+        if n > ceiling:
+            over[pkg] = f"{n} lines > {ceiling}"
+        elif pkg in PACKAGE_DEBTS and n <= budget:
+            over[pkg] = "within the budget now: take it off PACKAGE_DEBTS"
+    assert not over, over
+
+
+def test_the_debts_are_written_at_their_size():
+    """A debt listed above its real size would let a module grow back unseen: ceilings are the sizes of today."""
+    loose = {rel: (ceiling, _lines(ROOT / rel)) for rel, ceiling in MODULE_DEBTS.items()
+             if (ROOT / rel).exists() and ceiling > _lines(ROOT / rel) + 10}
+    for pkg, ceiling in PACKAGE_DEBTS.items():
+        n = sum(_lines(f) for f in (ROOT / pkg).rglob("*.py"))
+        if ceiling > n + 30:
+            loose[pkg] = (ceiling, n)
+    assert not loose, f"lower these ceilings to the sizes now: {loose}"
