@@ -1,0 +1,183 @@
+"""The resume at start and the choice of a checkpoint to load (the checkpoint manager's, as functions of it: ``cp``
+is trainguard.checkpoint.manager.CheckpointManager). Rank 0 alone reads the listing and verifies; every rank
+learns the choice. It fails closed: a directory that holds checkpoints of which none loads, or that is not the
+run's own on a restarted attempt, stops the run naming each -- never a fresh start over the run's work."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from trainguard.attempt import restart_attempt
+from trainguard.checkpoint.commit import restore_interrupted
+from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout
+from trainguard.checkpoint.manifest import manifest_digest, verify
+from trainguard.checkpoint.snapshots import RUN_ID, run_id
+from trainguard.events import Record
+from trainguard.isolation import barrier, broadcast_from_rank0, rank
+
+
+def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict]]:
+    """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode)."""
+    layout = CheckpointLayout(root)
+    steps = layout.steps()
+    skipped = layout.passed_over()
+    for tag, step in reversed(steps):
+        if step <= cp._newer_than:  # (older ones are older still)
+            skipped.append({"tag": tag, "reason": f"not newer than step {cp._newer_than}, which the "
+                            f"framework loaded from its own checkpoint", "dir": str(root)})
+            break
+        res = verify(layout.tag_dir(tag), key=cp.key)
+        if res.io_error:  # (never passed over for a storage error: an older one loaded would set it aside)
+            skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root),
+                            "io_error": True})
+            return None, skipped
+        if not res.ok:
+            skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
+            continue
+        if mode == "stable" and not (layout.tag_dir(tag) / STABLE).exists():
+            skipped.append({"tag": tag, "reason": "not stable", "dir": str(root)})
+            continue
+        return tag, skipped
+    return None, skipped
+
+
+def choose_for_load(cp, root: Path, tag: str | None, mode: str) -> tuple[str | None, list[dict]]:
+    """Every rank: rank 0 verifies (``tag`` alone, or newest first) and everyone learns the
+    choice; invalid ones passed over are reported. A named ``tag`` that fails raises."""
+    decision = None
+    if rank() == 0:
+        if tag is not None:
+            res = verify(CheckpointLayout(root).tag_dir(tag), key=cp.key)
+            decision = (tag if res.ok else None,
+                        [] if res.ok else [{"tag": tag, "bad_file": res.bad_file, "reason": res.reason,
+                                            "dir": str(root)}])
+        else:
+            decision = cp.choose(root, mode)
+        # the manifest rank 0 verified, pinned by its digest: every rank loads against that one
+        decision = (*decision, manifest_digest(CheckpointLayout(root).tag_dir(decision[0])) if decision[0] else None)
+    chosen, skipped, cp.chosen_digest = broadcast_from_rank0(decision)
+    cp.last_skipped = skipped
+    for s in skipped:
+        if "bad_file" in s:
+            cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, s)
+    io = [s for s in skipped if s.get("io_error")]
+    if io:  # every rank: the run stops naming the file, nothing loaded and nothing moved
+        raise CheckpointError(f"checkpoint {io[0]['tag']} in {root}: {io[0]['bad_file']}: {io[0]['reason']}: the "
+                              "run stops rather than pass over it (an older checkpoint loaded would set the "
+                              "newest aside: a storage error must not roll progress back). Fix the storage "
+                              "and restart.")
+    if chosen is None and tag is not None:
+        bad = skipped[0]
+        raise CheckpointError(f"checkpoint {tag} in {root} does not verify: {bad['bad_file']}: {bad['reason']}")
+    return chosen, skipped
+
+
+def resume_on_start(cp, newer_than: int = 0) -> Any:
+    """With ``checkpoint.dir``: put back a checkpoint a crash left half-replaced, clear what a
+    crash left in staging, then (unless ``resume`` is "none") load the newest checkpoint that
+    verifies, or the newest stable one. Returns what ``load`` returns (None when nothing was loaded).
+
+    It fails closed (issue 25): when the directory holds checkpoints and none loads, or when a
+    restarted attempt finds a directory that is not its run's (no run marker: unmounted, emptied or
+    mistyped), it stops with a CheckpointError naming each checkpoint and why it was refused --
+    never a fresh start over the run's work, and nothing is moved when nothing was loaded. A fresh
+    start over existing checkpoints is the explicit ``resume: "none"`` (they are set aside, kept).
+    ``newer_than``: the step the run is at already (the framework loaded its own checkpoint, e.g.
+    Megatron-LM's ``--load``): only a newer snapshot is loaded -- one state, never two -- and finding
+    none is no failure. Checkpoints after the step the run goes on from belong to another trajectory:
+    they are set aside (``.abandoned/``, never deleted), so that no later save replaces them under
+    their tag and no later resume picks them."""
+    c = cp.cfg
+    if not c.dir:
+        return None
+    root = Path(c.dir)
+    state = None
+    if rank() == 0:
+        existed, marked = cp._found  # (as found at construction: rank 0 with a dir always has it)
+        restored = restore_interrupted(root) if root.is_dir() else []
+        if (root / STAGING).is_dir():
+            shutil.rmtree(root / STAGING, ignore_errors=True)  # never-committed saves
+        state = (existed, marked, restored)
+    existed, marked, restored = broadcast_from_rank0(state)
+    if restored:
+        cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, {
+            "dir": str(root), "tag": ", ".join(restored), "bad_file": STAGING,
+            "reason": "a crash while the tag was saved again left it aside in staging: put back"})
+    attempt = restart_attempt()
+    if c.resume == "none":  # a fresh start, by choice: what is there is kept, out of the way
+        set_aside = cp.abandon_after(root, -1)
+        fresh_start(cp, root, existed, attempt, "checkpoint.resume is \"none\"", set_aside)
+        return None
+    tags = broadcast_from_rank0(CheckpointLayout(root).tags() if rank() == 0 else None)
+    if not tags and not c.snapshot.every_steps:  # (with the in-memory tier, a run killed before its
+        result = None                            # first disk checkpoint comes back from memory)
+    else:
+        cp._newer_than = newer_than if newer_than > 0 else -1
+        cp.last_skipped = []
+        try:
+            result = cp.load(root, mode=c.resume)
+        finally:
+            cp._newer_than = -1
+    if cp.resumed_tag is None and newer_than <= 0:
+        if tags:
+            raise CheckpointError(refusal(cp, root, tags, cp.last_skipped))
+        if attempt and not marked:
+            raise CheckpointError(
+                f"trainguard: this is restarted attempt {attempt} of the job, and checkpoint.dir {root} "
+                f"{'holds no checkpoint and no run marker (' + RUN_ID + ')' if existed else 'does not exist'}: "
+                "it is not the directory the first attempt wrote to (unmounted, emptied, or another path?). "
+                "Mount or correct it and restart; to start this job afresh, set checkpoint.resume to \"none\".")
+        fresh_start(cp, root, existed, attempt, "no checkpoint in the directory yet", [])
+        return result
+    refused = [x for x in cp.last_skipped if x.get("bad_file")] if cp.resumed_tag is None else []
+    if refused:  # (newer than the framework's --load, and not one verifies: a rotated key, a damaged mount)
+        raise CheckpointError(
+            f"trainguard: the framework loaded its own checkpoint (step {newer_than}); of the newer ones in "
+            f"{root}, none can be loaded -- refused, not set aside:\n" + refusal(cp, 
+                root, [x["tag"] for x in refused], cp.last_skipped))
+    set_aside = cp.abandon_after(root, cp.step_count())
+    if set_aside and rank() == 0:
+        import logging
+
+        logging.getLogger("trainguard").warning(
+            "trainguard: the run goes on from step %d; the checkpoints after it (%s) belong to another "
+            "trajectory and were moved to %s", cp.step_count(), ", ".join(set_aside), root / ".abandoned")
+    if cp.resumed_tag is None and tags:  # (the framework loaded its own, newer_than: nothing newer here)
+        reason = f"no checkpoint newer than step {newer_than} (loaded by the framework) verifies" + \
+            (" and is stable" if c.resume == "stable" else "")
+        cp.emit(cp.step_count(), Record.RESUME_SKIPPED, {
+            "dir": str(root), "mode": c.resume, "checkpoints": tags, "reason": reason,
+            "starting_at_step": cp.step_count(), "set_aside": set_aside})
+    mark_run(cp, root)
+    return result
+
+
+def fresh_start(cp, root: Path, existed: bool, attempt: int, reason: str, set_aside: list[str]) -> None:
+    """A run that starts from nothing says so, and marks the directory as its own (RUN_ID)."""
+    cp.emit(cp.step_count(), Record.FRESH_START, {
+        "dir": str(root), "created": not existed, "attempt": attempt, "reason": reason, "set_aside": set_aside})
+    if rank() == 0:
+        import logging
+
+        logging.getLogger("trainguard").warning(
+            "trainguard: a fresh start in %s (%s%s)", root, reason,
+            "; the directory did not exist and is created" if not existed else "")
+    mark_run(cp, root)
+
+
+def mark_run(cp, root: Path) -> None:
+    if rank() == 0:
+        run_id(root)  # (written once: a restarted attempt that finds no marker is not in its run's dir)
+    barrier()
+
+
+def refusal(cp, root: Path, tags: list[str], skipped: list[dict]) -> str:
+    why = {s["tag"]: (f"{s['bad_file']}: " if s.get("bad_file") else "") + s["reason"] for s in skipped}
+    lines = [f"  {t}: {why.get(t, 'not chosen')}" for t in reversed(tags)]
+    hint = ("set checkpoint.resume to \"latest_valid\" to take the newest valid one" if cp.cfg.resume == "stable"
+            else "repair the cause (the key in checkpoint.hmac_key_env's variable, the mount, the files)")
+    return (f"trainguard: checkpoint.dir {root} holds {len(tags)} checkpoint(s) and none can be loaded "
+            f"(checkpoint.resume={cp.cfg.resume!r}); nothing was moved or deleted:\n" + "\n".join(lines) +
+            f"\nTo resume, {hint}; `trainguard ckpt verify {root}` shows each one. To start afresh instead "
+            "(these are then set aside in .abandoned/, kept), set checkpoint.resume to \"none\".")
