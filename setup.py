@@ -67,7 +67,10 @@ setup(
         # its own venv (scripts/compat.sh)
         "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", "import-linter>=2.1,<3", _span("transformers"), _span("accelerate")],
     },
-    entry_points={"console_scripts": ["trainguard=trainguard.cli:main"]},
+    entry_points={"console_scripts": ["trainguard=trainguard.cli:main"],
+                  # each adapter's declaration of what it cannot honour (trainguard.support.declared)
+                  "trainguard.adapters": ["ds_plugins=ds_plugins.capabilities",
+                                          "megatron_hooks=megatron_hooks.capabilities"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -64,11 +64,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ds_dict, block = tg_config.load(raw)
     if block is None or not block.enabled:
         return deepspeed.initialize(**kwargs)
+    from ds_plugins.capabilities import REFUSED
     from trainguard.support import check_supported
 
-    # what the block may ask for depends on whose loader feeds the engine (trainguard/support.py)
+    # what the block may ask for depends on whose loader feeds the engine (ds_plugins/capabilities.py)
     check_supported(block, "ds_plugins" if training_data is not None else
-                    "ds_plugins/framework" if _entry == "auto" else "ds_plugins/own")
+                    "ds_plugins/framework" if _entry == "auto" else "ds_plugins/own", REFUSED)
     check_releases(block, framework=_entry == "auto")
 
     # We hand DeepSpeed the dict we already parsed (unless it came through args, which DeepSpeed
@@ -165,10 +166,11 @@ def attach(engine, block: dict | tg_config.TrainguardConfig):
     """Guard an engine that was built by ``deepspeed.initialize`` (when you cannot change that call)."""
     from ds_plugins.engine import attach as _attach
 
+    from ds_plugins.capabilities import REFUSED
     from trainguard.support import check_supported
 
     cfg = block if isinstance(block, tg_config.TrainguardConfig) else tg_config.parse_block(block)
-    check_supported(cfg, "ds_plugins/own")  # (your loader: no sanitiser, data position or skipping)
+    check_supported(cfg, "ds_plugins/own", REFUSED)  # (your loader: no sanitiser, data position or skipping)
     check_releases(cfg, framework=False)
     return _attach(engine, cfg)
 

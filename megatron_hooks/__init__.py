@@ -67,6 +67,7 @@ from trainguard.session import GuardSession
 from trainguard.support import check_supported
 
 from megatron_hooks import versions
+from megatron_hooks.capabilities import REFUSED
 from megatron_hooks.args import extra_args_provider
 from megatron_hooks.parts import _GradScaler, _dtype, _modules, _optimizers, _unwrap  # noqa: F401 (the package's)
 
@@ -404,7 +405,7 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     versions.check(megatron.core.__version__)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = tg_config.block_of(config, "megatron_hooks.install")
-    check_supported(cfg, "megatron_hooks")  # a key set here that megatron cannot honour: refused, by name
+    check_supported(cfg, "megatron_hooks", REFUSED)  # a key set here that megatron cannot honour: refused, by name
     from trainguard.support import check_release
 
     check_release(cfg, "megatron-core", megatron.core.__version__)  # (a key this release cannot run: refused)

@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from megatron_hooks import versions
+from megatron_hooks.capabilities import REFUSED
 from trainguard import config as tg_config
 from trainguard.support import check_supported
 
@@ -26,7 +27,7 @@ def _existing_file(value: str) -> str:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"--trainguard-config: {value} is not a file")
     try:
-        check_supported(tg_config.block_of(str(path)), "megatron_hooks")
+        check_supported(tg_config.block_of(str(path)), "megatron_hooks", REFUSED)
         import megatron.core
 
         versions.check(megatron.core.__version__, "Megatron-LM")

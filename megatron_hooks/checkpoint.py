@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from trainguard.checkpoint.layout import STAGING, CheckpointError
 from trainguard.checkpoint.verified_io import verified_reads
+from trainguard.checkpoint.write_hashes import hashed_writes
 from trainguard.events import Record
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
@@ -109,15 +110,17 @@ class MegatronState:
 
     # ------------------------------------------------------------------ save
     def write(self, staged: Path, tag: str, data_state: dict | None = None) -> dict:
-        """dist_checkpointing's save into the staging folder (its files are hashed by rank 0 at the commit: see
-        docs/checkpoints.md's threat model)."""
+        """dist_checkpointing's save into the staging folder, each file this rank's writers produce (its threads,
+        or on megatron-core 0.16 its forked processes; torch DCP's pickled ``.metadata``; its ``metadata.json``)
+        hashed from the bytes as written (trainguard.checkpoint.write_hashes)."""
         from megatron.core import dist_checkpointing
 
         if dist.get_rank() == 0:
             (staged / DIST).mkdir()
         dist.barrier()
-        dist_checkpointing.save(self._sharded(), str(staged / DIST))
-        return {}
+        with hashed_writes(staged) as hashes:
+            dist_checkpointing.save(self._sharded(), str(staged / DIST))
+        return hashes.table
 
     def capture(self, staging_root: Path, tag: str, **_) -> None:
         return None  # (dist_checkpointing's save is a collective: no host-copy async save here)

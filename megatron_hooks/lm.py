@@ -43,6 +43,7 @@ import functools
 import sys
 from pathlib import Path
 
+from megatron_hooks.capabilities import LM_FLAGS_REFUSED
 from trainguard import config as tg_config
 from trainguard.bootstrap import wrap_once
 from trainguard.data import DataPosition
@@ -129,32 +130,14 @@ def _setup(setup, *args, **kwargs):
     return model, optimizer, scheduler
 
 
-# Megatron-LM's own resilience features that trainguard cannot run beside (docs/megatron.md's table):
-# the flag, when it conflicts (given the parsed arguments and the block), why, and the trainguard key instead
-REFUSED = [
-    ("--inprocess-restart", lambda a, cfg: bool(getattr(a, "inprocess_restart", False)),
-     "NVIDIA resiliency-ext's in-process restart re-enters pretrain() in the same process after a fault, while "
-     "trainguard's watchdog, heartbeats, snapshot writer and module hooks belong to the failed attempt's model",
-     "restart at the process level: trainguard run -- torchrun --max-restarts=N ... (trainguard.watchdog names "
-     "and ends a hung rank; the restart resumes from the newer of --load and trainguard.checkpoint.dir)"),
-    ("--non-persistent-ckpt-type local", lambda a, cfg: getattr(a, "non_persistent_ckpt_type", None) == "local"
-     and bool(cfg.checkpoint.dir),
-     "Megatron-LM's local checkpoints (and their --replication) are a second fast tier beside trainguard's "
-     "snapshots, loaded by Megatron-LM's --load before trainguard chooses, with no manifest trainguard can verify; "
-     "two tiers that can disagree on the newest state are refused",
-     "trainguard.checkpoint.every_steps (verified snapshots, the newer of them and --load resumes), or leave "
-     "trainguard.checkpoint.dir unset to keep Megatron-LM's local checkpoints"),
-]
-
-
 def _refuse_conflicts(args) -> None:
-    """At Megatron-LM's argument parsing, before any process group: a flag of REFUSED that conflicts
+    """At Megatron-LM's argument parsing, before any process group: a flag of LM_FLAGS_REFUSED that conflicts
     with the block stops the launch (exit 2, as a bad key does), naming the flag, why and what to use."""
     path = getattr(args, "trainguard_config", None)
     if not path:
         return
     cfg = tg_config.block_of(path, "--trainguard-config")
-    for flag, conflicts, why, instead in REFUSED:
+    for flag, conflicts, why, instead in LM_FLAGS_REFUSED:
         if conflicts(args, cfg):
             print(f"error: --trainguard-config {path} cannot run with Megatron-LM's {flag}: {why}. Instead: "
                   f"{instead}.", file=sys.stderr, flush=True)
@@ -301,8 +284,7 @@ class LMRun:
         m = self.margs
         current = int(getattr(m, "curr_iteration", self.guard.iteration))
         if current != self._iteration_seen:
-            self._iteration_seen, self._micro = current, 0
-            self.guard.iteration = current
+            self._iteration_seen, self._micro, self.guard.iteration = current, 0, current
         if getattr(m, "dataloader_type", "single") == "single":
             from megatron.core import parallel_state as ps  # (imported already: megatron.training is)
 

@@ -1,5 +1,5 @@
 """The config's generated documents: the JSON schema (configs/trainguard.schema.json) and the reference
-(docs/config-reference.md), from the models in trainguard.config and the adapters' support table
+(docs/config-reference.md), from the models in trainguard.config and the installed adapters' declarations
 (trainguard.support). ``python -m trainguard.reference [REPO_ROOT]`` writes both; a test keeps them in sync."""
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], nested: list):
 
 def _honoured_by(path: str) -> str:
     """The reference's per-adapter column (trainguard.support is the one source)."""
-    from trainguard.support import ADAPTERS, refusal
+    from trainguard.support import adapters, refusal
 
     key = path.split(".", 1)[1]
     cells = []
-    for adapter in ADAPTERS:
+    for adapter in adapters():
         r = refusal(key, adapter)
         if r is None:
             cells.append(adapter)
@@ -80,7 +80,7 @@ def reference_markdown() -> str:
     out = ["# Config reference: the `trainguard` block", "",
            "Generated from `trainguard/config.py` by `python -m trainguard.reference`; a test keeps it "
            "in sync. Unknown keys are errors. Every key is optional unless marked required.", "",
-           "*Honoured by*: the adapters that apply the key (`trainguard/support.py`). A key an adapter "
+           "*Honoured by*: the adapters that apply the key (each adapter's `capabilities.py`, read by `trainguard/support.py`). A key an adapter "
            "cannot apply is refused by it when you set it: `ds_plugins.initialize` / `megatron_hooks.install` "
            "raise a ConfigError naming the key and the reason, never a silent no-op.", ""]
     queue = [(TrainguardConfig, BLOCK)]

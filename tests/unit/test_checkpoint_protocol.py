@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.unit.test_session import BASE, TorchFramework, TorchState
+from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.checkpoint.conversion import CACHE, bound, converted
 from trainguard.checkpoint.layout import CheckpointError, CheckpointLayout
 from trainguard.checkpoint.manager import CheckpointManager
@@ -156,3 +157,66 @@ def test_a_cached_conversion_loads_only_when_bound_to_its_source(tmp_path, monke
     assert fw.steps == 20 and float(fw.model[0].weight[0, 0]) == 20.0  # the newest's state, converted anew
     assert len(ConvertingState.read) == 1
     assert bound(forged, d_new, new, 20) is None and verify(forged, key=cp.key).ok
+
+
+class DcpState(TorchState):
+    """A framework whose writer trainguard does not call itself -- torch.distributed.checkpoint's, as megatron's
+    dist_checkpointing (its pickled ``.metadata`` written to a temporary name and renamed) -- hashed as it writes
+    (trainguard.checkpoint.write_hashes). ``tamper``: what a writer of the folder does between the write and the
+    commit."""
+
+    tamper = None
+
+    def write(self, staged, tag, **kw):
+        import torch.distributed.checkpoint as dcp
+
+        from trainguard.checkpoint.write_hashes import hashed_writes
+
+        (staged / "dist").mkdir()
+        with hashed_writes(staged) as hashes:
+            dcp.save({"model": self.fw.model.state_dict(), "steps": torch.tensor(self.fw.steps)},
+                     checkpoint_id=str(staged / "dist"))
+        if DcpState.tamper is not None:
+            DcpState.tamper(staged / "dist" / ".metadata")
+        return hashes.table
+
+    def load(self, root, tag, man, reader, purpose, converted=False, **kw):
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": self.fw.model.state_dict(), "steps": torch.tensor(0)}
+        with verified_reads(reader):
+            dcp.load(state, checkpoint_id=str(root / tag / "dist"))
+        self.fw.model.load_state_dict(state["model"])
+        self.fw.steps = int(state["steps"])
+        return tag, {}
+
+
+def test_a_frameworks_own_writer_is_hashed_as_it_writes_and_a_swapped_metadata_is_never_signed(tmp_path, monkeypatch):
+    """Issue 35 item 1: megatron's state write returned no hashes and rank 0 hashed dist_checkpointing's files after
+    they were written -- a ``.metadata`` (a pickle) replaced during the save was signed, verified and unpickled on
+    resume. Now every file is hashed from the bytes as written: a swap of another size stops the commit; one of the
+    same size is committed under the true hash and never verifies, so it is never unpickled."""
+    fw, cp, _ = _manager(tmp_path, monkeypatch, state=DcpState)
+    root = Path(cp.cfg.dir)
+    fw.steps = 4
+    DcpState.tamper = None
+    tag = cp.save(root)  # untouched: committed, signed, every file hashed as written
+    assert verify(root / tag, key=cp.key).ok
+    man = Manifest.read(root / tag)
+    assert {"dist/.metadata", "dist/__0_0.distcp"} <= set(man.files)
+    fw.steps = 0
+    cp.resume_on_start()
+    assert fw.steps == 4  # (and it loads back through the verified reader)
+
+    fw.steps = 8
+    DcpState.tamper = lambda p: p.write_bytes(b"cos\nsystem\n(S'payload'\ntR.")  # another size
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        cp.save(root)
+    assert CheckpointLayout(root).tags() == [tag]
+
+    fw.steps = 12
+    DcpState.tamper = lambda p: p.write_bytes(bytes(p.stat().st_size))  # the same size, other bytes
+    bad = cp.save(root)
+    res = verify(root / bad, key=cp.key)
+    assert not res.ok and res.bad_file == "dist/.metadata" and "sha256" in res.reason
+    DcpState.tamper = None

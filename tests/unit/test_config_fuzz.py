@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.config import ConfigError, parse_block, read_json
-from trainguard.support import ADAPTERS, check_supported
+from trainguard.support import adapters, check_supported
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [p for p in sorted((ROOT / "configs").glob("*.json")) if p.name != "trainguard.schema.json"]
@@ -61,7 +61,7 @@ def check(block):
         return False
     again = parse_block(json.loads(cfg.model_dump_json(by_alias=True)))
     assert again == cfg
-    for adapter in ADAPTERS:
+    for adapter in adapters():
         try:
             check_supported(cfg, adapter)
         except ConfigError as e:

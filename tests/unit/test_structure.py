@@ -21,9 +21,9 @@ MODULE_DEBTS = {
     "trainguard/checkpoint/snapshots.py": 360, "trainguard/config.py": 802, "trainguard/demo/run.py": 332,
     "trainguard/drill/__init__.py": 328, "trainguard/faults.py": 405, "trainguard/guard.py": 639,
     "trainguard/policy.py": 322, "trainguard/watchdog.py": 456, "ds_plugins/engine.py": 417,
-    "megatron_hooks/__init__.py": 419, "megatron_hooks/lm.py": 318,
+    "megatron_hooks/__init__.py": 420,
 }
-PACKAGE_DEBTS = {"ds_plugins": 1919, "megatron_hooks": 1586}
+PACKAGE_DEBTS = {"ds_plugins": 1948, "megatron_hooks": 1635}
 
 
 def _lines(path: Path) -> int:

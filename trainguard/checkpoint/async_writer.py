@@ -137,20 +137,14 @@ class AsyncSave:
         """Rank 0: the staged folder must hold exactly what the ranks wrote, at the sizes they wrote (a file
         planted or swapped for one of another size is refused here; one of the same size fails its sha256 at
         every load, the signature binding the bytes as produced); then the commit and retention."""
-        from trainguard.checkpoint.manifest import list_files
+        from trainguard.checkpoint.commit import as_written
 
         merged: dict = {}
         for t in tables:
             merged.update(t)
-        staged = Path(info["staging_root"]) / info["tag"]
-        found = list_files(staged)
-        if set(found) != set(merged):
-            raise CheckpointError(f"{staged}: {sorted(set(found) ^ set(merged))[:5]} differ between what the ranks "
-                                  "wrote and what is there; not committed")
-        for rel, want in merged.items():
-            size = os.lstat(staged / rel).st_size
-            if size != want["size"]:
-                raise CheckpointError(f"{staged / rel}: {size} bytes, the rank wrote {want['size']}; not committed")
+        why = as_written(Path(info["staging_root"]) / info["tag"], merged)
+        if why is not None:
+            raise CheckpointError(f"{why}; not committed")
         self.cp.commit(info["root"], info["tag"], info["staging_root"], info["nonce"], info["step"], merged)
 
     def _failed(self, info: dict, error: str) -> None:

@@ -13,6 +13,28 @@ from trainguard.checkpoint.layout import LATEST, MANIFEST, STAGING, CheckpointLa
 from trainguard.checkpoint.manifest import Manifest
 
 
+def as_written(staged: Path, hashed: dict, late: list | None = None) -> str | None:
+    """Rank 0, before the commit: whether the staged folder holds the files the ranks wrote, at the sizes they wrote
+    (``hashed``: the ranks' tables, hashed from the bytes as written). One swapped for another size is refused here;
+    one of the same size fails its sha256 at every load, the signature binding the bytes as written. ``late``: a
+    list to take the files no rank could hash while writing (a framework's writer that seeks back, a checkpoint
+    engine other than torch's), hashed now from the folder -- the job's own, 0700 -- and added to ``hashed``;
+    None: every file must be in the tables. Returns why the commit must not happen, or None."""
+    from trainguard.checkpoint.manifest import hash_files, list_files
+
+    files = list_files(staged)
+    if late is not None:
+        late += [f for f in files if f not in hashed]
+        hashed.update(hash_files(staged, late))
+    if set(hashed) != set(files):
+        return f"{sorted(set(hashed) ^ set(files))[:5]} differ between what the ranks wrote and what is in {staged}"
+    for rel, want in hashed.items():
+        size = os.lstat(staged / rel).st_size
+        if size != want["size"]:
+            return f"{staged / rel}: {size} bytes, the rank wrote {want['size']}"
+    return None
+
+
 def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest, key: bytes | None = None,
                   private: bool = False) -> Path:
     """Commit ``<staging_root>/<manifest.tag>`` as ``<root>/<manifest.tag>``; returns its path.

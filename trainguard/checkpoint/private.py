@@ -114,4 +114,6 @@ def own_dir(path: str | os.PathLike, fresh: bool = False) -> Path:
                            "writes checkpoints only into real folders of its own)")
     if st.st_uid != os.geteuid():
         raise UnsafeFolder(f"{p} belongs to another user ({_describe(st)})")
+    if st.st_mode & 0o077:
+        os.chmod(p, 0o700)  # (one an older release made with the umask's mode: no one else may rename inside it)
     return p

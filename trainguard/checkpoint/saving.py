@@ -20,10 +20,10 @@ import torch
 from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.async_writer import AsyncSave, BackgroundWrite, snapshot
-from trainguard.checkpoint.commit import commit_staged
+from trainguard.checkpoint.commit import as_written, commit_staged
 from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, STAGING, CheckpointError, step_tag, validate_tag
-from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.private import UnsafeFolder, own_dir
 from trainguard.config import config_hash
 from trainguard.events import Record
@@ -113,21 +113,34 @@ class Saver:
         hashed: dict = {}
         for part in gather_objects(own):
             hashed.update(part)
+        late: list[str] = []
+        error = None
         if rank() == 0:
-            files = list_files(staged)  # anything the ranks did not hash while writing: hashed now
-            hashed.update(hash_files(staged, [f for f in files if f not in hashed]))
-            if set(hashed) != set(files):
-                raise CheckpointError(f"checkpoint {tag}: {sorted(set(hashed) ^ set(files))[:5]} differ between "
-                                      f"what the ranks wrote and what is in {staged}")
-            self.commit(root, tag, staging_root, nonce, step, hashed)
-        barrier()
+            try:
+                error = as_written(staged, hashed, late)
+                if error is None:
+                    self.commit(root, tag, staging_root, nonce, step, hashed)
+            except (OSError, CheckpointError) as e:
+                error = f"{type(e).__name__}: {e}"
+        error = broadcast_from_rank0(error)  # (every rank raises together: none waits for a commit that failed)
+        if error is not None:
+            if rank() == 0:
+                self._discard_now(staging_root)
+            raise CheckpointError(f"checkpoint {tag} in {root} was not committed: {error}")
         cp.saved(root, tag, step)
         seconds = time.perf_counter() - t0
         cp.overhead(seconds)
         cp.emit(step, Record.CHECKPOINT_SAVED, {
             "tag": tag, "dir": str(root), "files": len(hashed), "bytes": sum(f["size"] for f in hashed.values()),
-            **({"format": fmt} if fmt else {}), "blocking_s": round(seconds, 3), "total_s": round(seconds, 3)})
+            **({"format": fmt} if fmt else {}), "hashed_at_commit": late, "blocking_s": round(seconds, 3),
+            "total_s": round(seconds, 3)})
         return tag
+
+    @staticmethod
+    def _discard_now(staging_root: Path) -> None:
+        import shutil
+
+        shutil.rmtree(staging_root, ignore_errors=True)
 
     def _save_async(self, root: Path, tag: str, nonce: str, staging_root: Path, writes: list, kwargs: dict,
                     t0: float) -> str:
