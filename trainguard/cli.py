@@ -116,6 +116,12 @@ def _ckpt(args) -> int:
                     print(f"trainguard ckpt {args.ckpt_command}: the environment variable {args.key_env} is not set",
                           file=sys.stderr)
                     return 2
+                if args.ckpt_command == "sign":
+                    from trainguard.checkpoint.auth import weak
+
+                    if weak(key):
+                        print(f"trainguard ckpt sign: {weak(key, args.key_env)}", file=sys.stderr)
+                        return 2
             if args.ckpt_command == "sign":
                 return ck.ckpt_sign(args.dir, key, args.tag, force=args.force)
             return ck.ckpt_verify(args.dir, args.tag, key=key)

@@ -310,7 +310,7 @@ class CheckpointConfig(_Section):
         "save comes too late for.")
     hmac_key_env: Optional[str] = Field(
         None, min_length=1, description="Authenticated checkpoints: the name of an environment variable (set on every "
-        "rank) holding a secret key. Every checkpoint committed is signed (manifest.hmac, an HMAC-SHA256 of the "
+        "rank) holding a secret key of at least 16 bytes. Every checkpoint committed is signed (manifest.hmac, an HMAC-SHA256 of the "
         "manifest, which lists every file's sha256), and a checkpoint without a valid signature is refused -- "
         "checked before any of its files is opened (DeepSpeed's and dist_checkpointing's files are pickles: code). "
         "null: no signatures (the sha256 manifest then catches rot, not tampering).")

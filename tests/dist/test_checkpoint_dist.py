@@ -320,7 +320,7 @@ def test_an_authenticated_run_end_to_end_refuses_every_altered_file(tmp_path, to
     key was rotated stops instead of starting afresh."""
     from trainguard.checkpoint.manifest import Manifest, sha256_file
 
-    monkeypatch.setenv("TG_E2E_KEY", "the-run-key")
+    monkeypatch.setenv("TG_E2E_KEY", "the-run-key-0123456789")
     d, shm = tmp_path / "ck", tmp_path / "shm"
     # disk checkpoints at 5, 10; snapshots at 2, 4, 6, 8; the weights damaged at 9: the newest stable state before
     # it is the snapshot of 6 (8 had no clean step after it), newer than the disk's 5
@@ -362,7 +362,7 @@ def test_an_authenticated_run_end_to_end_refuses_every_altered_file(tmp_path, to
     log = (explicit.out / "torchrun.log").read_text()
     assert explicit.rc != 0 and f"checkpoint {newest}" in log and "HMAC mismatch" in log
 
-    monkeypatch.setenv("TG_E2E_KEY", "a-rotated-key")  # every checkpoint now fails its signature: stop, move nothing
+    monkeypatch.setenv("TG_E2E_KEY", "a-rotated-key-0123456789")  # every checkpoint now fails its signature: stop, move nothing
     listing = sorted(p.name for p in d.iterdir())
     rotated = torchrun(again, 12, out_name="rotated")
     log = (rotated.out / "torchrun.log").read_text()

@@ -125,7 +125,7 @@ def test_a_node_lost_with_its_memory_comes_back_from_its_peers_copy(tmp_path, to
 
     from trainguard.checkpoint.manifest import Manifest, sha256_file
 
-    monkeypatch.setenv("TG_PEER_KEY", "the-run-key")
+    monkeypatch.setenv("TG_PEER_KEY", "the-run-key-0123456789")
     fault = [{"type": "kill_rank", "step": 19, "rank": 1}]
     (tmp_path / "p").mkdir()
     snap = snapshot_block(tmp_path, "peer", ranks_per_node=1, keep=3)

@@ -120,7 +120,7 @@ def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path, monke
     signed, and HF's resume loads one only after its signature and every file's bytes were checked."""
     from pathlib import Path
 
-    monkeypatch.setenv("TG_HF_KEY", "the-run-key")
+    monkeypatch.setenv("TG_HF_KEY", "the-run-key-0123456789")
     _, clean, _ = trainer(tmp_path, "clean", {}, "--save-steps", "4")
     kill = {"allow_faults": True, "faults": [{"type": "kill_rank", "step": 7, "rank": 1}]}
     for name, block, extra in (("hf_resume", {**kill, "checkpoint": {"hmac_key_env": "TG_HF_KEY"}}, ["--resume"]),

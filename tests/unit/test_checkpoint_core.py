@@ -234,7 +234,7 @@ def test_a_resume_that_finds_checkpoints_but_loads_none_stops_and_moves_nothing(
     # authentication turned on (or the key rotated) for checkpoints signed with no key or another one
     root = _two(tmp_path / "auth")
     before = _listing(root)
-    monkeypatch.setenv("TG_ROTATED", "new-key")
+    monkeypatch.setenv("TG_ROTATED", "a-new-key-0123456789")
     m = _manager({"dir": str(root), "hmac_key_env": "TG_ROTATED"})
     with pytest.raises(CheckpointError) as e:
         m.resume_on_start()
@@ -422,7 +422,7 @@ def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_openin
     monkeypatch.delenv("TG_TEST_KEY", raising=False)
     with pytest.raises(ConfigError, match="TG_TEST_KEY"):  # configured, but no key: the run does not start
         Manager(cfg, None, heart=None, state=None)
-    monkeypatch.setenv("TG_TEST_KEY", "s3cret")
+    monkeypatch.setenv("TG_TEST_KEY", "s3cret-0123456789")
     m = Manager(cfg, None, heart=None, state=None)
 
     def save(step, key):
@@ -509,14 +509,14 @@ def test_ckpt_sign_turns_authentication_on_for_an_existing_run(tmp_path, monkeyp
     (root / "step00000010" / "weights.bin").write_bytes(b"x" * 10)  # rot: same size, other bytes
     assert main(["ckpt", "verify", str(root), "step00000020"]) == 0
     assert "unsigned" in capsys.readouterr().out
-    monkeypatch.setenv("TG_SIGN_KEY", "k1")
+    monkeypatch.setenv("TG_SIGN_KEY", "key-one-0123456789")
     assert main(["ckpt", "sign", str(root), "--key-env", "TG_SIGN_KEY"]) == 1  # one could not be signed
     out = capsys.readouterr().out
     assert "step00000010: NOT SIGNED" in out and "sha256 mismatch" in out and "step00000020: signed" in out
-    assert problem(root / "step00000020", b"k1") is None and problem(root / "step00000010", b"k1") is not None
+    assert problem(root / "step00000020", b"key-one-0123456789") is None and problem(root / "step00000010", b"key-one-0123456789") is not None
     m = _manager({"dir": str(root), "hmac_key_env": "TG_SIGN_KEY"})
     assert m.resume_on_start() == "step00000020"
-    monkeypatch.setenv("TG_SIGN_KEY", "k2")  # another key: refused unless --force
+    monkeypatch.setenv("TG_SIGN_KEY", "key-two-0123456789")  # another key: refused unless --force
     assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY"]) == 1
     assert "another key" in capsys.readouterr().out
     assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY", "--force"]) == 0

@@ -220,3 +220,35 @@ def test_a_frameworks_own_writer_is_hashed_as_it_writes_and_a_swapped_metadata_i
     res = verify(root / bad, key=cp.key)
     assert not res.ok and res.bad_file == "dist/.metadata" and "sha256" in res.reason
     DcpState.tamper = None
+
+
+def test_a_run_id_that_is_not_a_plain_name_is_refused_never_followed(tmp_path):
+    """Issue 35 item 7: the run id read from the marker names the in-memory tier's folder; an absolute path or '..'
+    written there moved the tier outside its checked folder. Now it is refused by name."""
+    import json
+
+    from trainguard.checkpoint.snapshots import RUN_ID, run_id
+
+    first = run_id(tmp_path)
+    assert run_id(tmp_path) == first
+    for bad in ("../../elsewhere", "/dev/shm/theirs", "", 7):
+        (tmp_path / RUN_ID).write_text(json.dumps({"id": bad}))
+        with pytest.raises(CheckpointError, match=RUN_ID):
+            run_id(tmp_path)
+
+
+def test_a_signing_key_must_be_long_enough_and_checking_takes_any(tmp_path, monkeypatch, capsys):
+    """Issue 35 item 7: no minimum key length. A run (or `ckpt sign`) with a key under 16 bytes is refused naming
+    the variable; `ckpt verify` still checks an old short key's signatures (to move a run to a new key)."""
+    from trainguard.checkpoint.auth import key_from
+    from trainguard.cli import main
+    from trainguard.errors import ConfigError
+
+    monkeypatch.setenv("TG_SHORT", "s3cret")
+    cfg = parse_block({"checkpoint": {"dir": str(tmp_path / "ck"), "hmac_key_env": "TG_SHORT"}}).checkpoint
+    with pytest.raises(ConfigError, match="TG_SHORT.*6 bytes"):
+        key_from(cfg)
+    (tmp_path / "ck").mkdir()
+    assert main(["ckpt", "sign", str(tmp_path / "ck"), "--key-env", "TG_SHORT"]) == 2
+    assert "at least 16" in capsys.readouterr().err
+    assert main(["ckpt", "verify", str(tmp_path / "ck"), "--key-env", "TG_SHORT"]) in (0, 1)  # (checked, not refused)

@@ -34,7 +34,21 @@ def key_from(cfg) -> bytes | None:
         raise ConfigError([("trainguard.checkpoint.hmac_key_env",
                             f"the environment variable {name} it names is not set (or empty): set it to the key on "
                             "every rank, or remove the key to run without authenticated checkpoints")])
+    if weak(key):
+        raise ConfigError([("trainguard.checkpoint.hmac_key_env", weak(key, name))])
     return key
+
+
+MIN_KEY_BYTES = 16  # a key that signs: at least this long (a short one is guessed by whoever can read a checkpoint)
+
+
+def weak(key: bytes, name: str | None = None) -> str | None:
+    """Why ``key`` is too weak to sign with (None: it is not). Checking old signatures takes any key."""
+    if len(key) >= MIN_KEY_BYTES:
+        return None
+    return (f"the key in {name or 'the variable'} is {len(key)} bytes: a signing key needs at least {MIN_KEY_BYTES} "
+            "(random bytes, e.g. `openssl rand -hex 32`); to move a run to a new key, `trainguard ckpt verify` with "
+            "the old one, then `trainguard ckpt sign --force` with the new one")
 
 
 def key_in(name: str) -> bytes | None:

@@ -24,10 +24,10 @@ from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.fsio import save_buffered, write_json_hashed
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, CheckpointLayout, step_tag
 from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
-from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, run_id
+from trainguard.checkpoint.snapshots import Placement, SnapshotStore, agreed_run_id, common_choice
 from trainguard.errors import ConfigError
 from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0, gather_objects
+from trainguard.isolation import gather_objects
 from trainguard.isolation import rank as _rank
 from trainguard.protocols import ShardSource
 
@@ -50,7 +50,7 @@ class MemoryTier:
         if why:
             raise ConfigError([("trainguard.checkpoint.snapshot.every_steps", f"the in-memory tier is not supported "
                                f"here: {why}; set it to 0 (disk checkpoints still work)")])
-        rid = broadcast_from_rank0(run_id(cp.cfg.dir) if _rank() == 0 else None)
+        rid = agreed_run_id(cp.cfg.dir)
         place = Placement.build(_rank(), gather_objects(Placement.host()), self.cfg.ranks_per_node)
         base = expand(self.cfg.dir)
         self.store = SnapshotStore(base / rid, place, self.cfg.keep, key=cp.key)

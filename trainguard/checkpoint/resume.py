@@ -12,9 +12,9 @@ from trainguard.attempt import restart_attempt
 from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout
 from trainguard.checkpoint.manifest import manifest_digest, verify
-from trainguard.checkpoint.snapshots import RUN_ID, run_id
+from trainguard.checkpoint.snapshots import RUN_ID, agreed_run_id
 from trainguard.events import Record
-from trainguard.isolation import barrier, broadcast_from_rank0, rank
+from trainguard.isolation import broadcast_from_rank0, rank
 
 
 def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict]]:
@@ -167,9 +167,7 @@ def fresh_start(cp, root: Path, existed: bool, attempt: int, reason: str, set_as
 
 
 def mark_run(cp, root: Path) -> None:
-    if rank() == 0:
-        run_id(root)  # (written once: a restarted attempt that finds no marker is not in its run's dir)
-    barrier()
+    agreed_run_id(root)  # (written once: a restarted attempt that finds no marker is not in its run's dir)
 
 
 def refusal(cp, root: Path, tags: list[str], skipped: list[dict]) -> str:
