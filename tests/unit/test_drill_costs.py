@@ -72,3 +72,25 @@ def test_the_demo_summary_shows_a_run_that_died_instead_of_crashing():
             "died": "Exception: Current loss scale already at minimum - cannot decrease scale anymore."}
     s = summarise([died, dict(died, rank=1)])
     assert s == {"completed": False, "steps": 75, "died": died["died"]}
+
+
+def test_the_drills_verdict_is_the_per_fault_goals_the_loss_and_plains_outcome_not_goodput():
+    """Issue 36 item 5: the drill failed its run on "goodput over the in-process faults >= 0.97", a goal restated
+    as per-fault costs (goodput is their sum): a run with every fault within its goal was told trainguard failed."""
+    from trainguard.drill import verdict
+
+    rows = [{"run": "clean (no faults)", "completed": True},
+            {"run": "trainguard", "completed": True, "loss_vs_clean": 0.0004, "goodput_in_process": 0.91},
+            {"run": "plain DeepSpeed", "completed": False}]
+    costs = [{"run": "trainguard", "fault": "nan_loss", "step": 100, "goal_met": True},
+             {"run": "trainguard", "fault": "kill_rank", "step": 300, "goal_met": True},
+             {"run": "trainguard", "fault": "lr_ramp", "step": 500, "goal_met": None},  # (not measurable here)
+             {"run": "plain DeepSpeed", "fault": "nan_loss", "step": 100}]
+    ok, lines = verdict(rows, costs)
+    assert ok, lines
+    assert not any("goodput" in line for line in lines) and "2 of 2" in " ".join(lines)
+    costs[1]["goal_met"] = False
+    ok, lines = verdict(rows, costs)
+    assert not ok and "missed: kill_rank@300" in " ".join(lines)
+    ok, _ = verdict(rows, [])  # (no fault judged: no verdict of success)
+    assert not ok

@@ -19,10 +19,10 @@ fp16 with DeepSpeed's dynamic loss scaler (enabled on CPU by the worker's test s
 whole-run table the drill prints each fault's cost in both runs (trainguard.drill.costs) against
 issue 16's goal per fault.
 
-Goals (issues 5, 16): trainguard completes, within 2% of the clean run's final loss, with goodput
->= 0.97 over the in-process faults (the killed and hung ranks' windows taken out of the wall time: they
-are reported on their own, with the restart downtime); plain DeepSpeed fails to complete or ends worse.
-Exit code 0 when they hold. trainguard's runs keep disk checkpoints every 50 steps (the baseline saves
+Goals (issues 5, 16, 36): trainguard completes, within 2% of the clean run's final loss, every fault within its
+own goal (trainguard.drill.costs.goal); plain DeepSpeed fails to complete or ends worse. Exit code 0 when they
+hold. Goodput over the in-process faults (the killed and hung ranks' windows taken out of the wall time: they are
+reported on their own, with the restart downtime) is printed: it is the per-fault costs' sum, not a goal of its own. trainguard's runs keep disk checkpoints every 50 steps (the baseline saves
 as often) and the in-memory tier every 10 (``checkpoint.snapshot``).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from trainguard.metrics.jsonl import read
 DRILL_CONFIG = Path(__file__).with_name("drill.json")
 SCHEDULE_STEPS = 1000
 LAUNCHER = ["--max-restarts=2", "--monitor-interval=0.5"]
-GOALS = {"loss_within": 0.02, "goodput": 0.97}
+GOALS = {"loss_within": 0.02}
 
 
 def drill_config(steps: int, faults: bool = True) -> dict:
@@ -154,15 +154,20 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verdict(rows: list[dict]) -> tuple[bool, list[str]]:
+def verdict(rows: list[dict], costs: list[dict] = ()) -> tuple[bool, list[str]]:
+    """The drill's goals: trainguard completed, within ``loss_within`` of the clean run, every fault's own goal met
+    (issue 16's per-fault costs, ``costs``' ``goal_met``; one that cannot be measured here is not counted), and plain
+    DeepSpeed died or ended worse. Goodput is printed beside them, not judged: it is the per-fault costs' sum."""
     by = {r["run"]: r for r in rows}
     tg, plain = by["trainguard"], by["plain DeepSpeed"]
+    judged = [c for c in costs if c.get("run") == "trainguard" and c.get("goal_met") is not None]
+    missed = [f"{c['fault']}@{c['step']}" for c in judged if not c["goal_met"]]
     checks = [
         (tg["completed"], "trainguard completed"),
         (tg.get("loss_vs_clean") is not None and abs(tg["loss_vs_clean"]) <= GOALS["loss_within"],
          f"trainguard's final loss within {GOALS['loss_within']:.0%} of the clean run"),
-        (tg.get("goodput_in_process") is not None and tg["goodput_in_process"] >= GOALS["goodput"],
-         f"trainguard's goodput over the in-process faults >= {GOALS['goodput']}"),
+        (bool(judged) and not missed, f"every fault's own goal met ({len(judged) - len(missed)} of {len(judged)}"
+         + (f"; missed: {', '.join(missed)}" if missed else "") + ")"),
         (not plain["completed"] or (plain.get("loss_vs_clean") or 0) > (tg.get("loss_vs_clean") or 0),
          "plain DeepSpeed failed to complete or ended worse"),
     ]
@@ -293,7 +298,7 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
     clean_s, insured_s = rows[0].get("train_s"), rows[1].get("train_s")
     if clean_s and insured_s:
         rows[1]["insurance_cost"] = round(insured_s / clean_s - 1, 4)
-    ok, lines = verdict(rows)
+    ok, lines = verdict(rows, costs)
     print("", file=stream)
     print(format_table(rows), file=stream)
     for r in rows:
@@ -303,7 +308,8 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
     if tg.get("goodput_in_process") is not None:
         print(f"  trainguard's goodput over the in-process faults (the process faults' windows -- "
               f"{tg['process_fault_s']:.1f} s, restart downtime {tg.get('downtime_s') or 0:.1f} s of it -- taken out "
-              f"of the wall time): {tg['goodput_in_process']:.3f} (goal >= {GOALS['goodput']})", file=stream)
+              f"of the wall time): {tg['goodput_in_process']:.3f} (the per-fault costs' sum: printed, not judged)",
+              file=stream)
     snaps = snapshot_figures(Path(rows[1]["dir"]), every)
     if snaps:
         rows[1]["snapshots"] = snaps
