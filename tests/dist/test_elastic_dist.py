@@ -193,7 +193,9 @@ def _tmpfs(path, size: str):
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(path)],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root and mount(8) needed): {done.stderr.strip()}")
+        from tests.support.require import unavailable
+
+        unavailable("tmpfs", f"cannot mount a tmpfs here (root and mount(8) needed): {done.stderr.strip()}")
 
 
 def _umount(path):

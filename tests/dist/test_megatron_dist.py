@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from tests.support.require import unavailable
+
 from tests.support import releases
 from trainguard.demo.run import run_worker
 from trainguard.metrics.jsonl import read
@@ -38,7 +40,7 @@ def megatron_core(request, monkeypatch):
     try:
         path = releases.core_path(request.param)
     except LookupError as e:
-        pytest.skip(str(e))
+        unavailable("megatron_releases", str(e))
     if path:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p))
     return request.param

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.require import unavailable
+
 from tests.support import releases
 from trainguard.demo.run import run_bounded
 from trainguard.metrics.jsonl import read
@@ -48,9 +50,9 @@ class Release:
         try:
             self.core_path = releases.core_path(self.core)
         except LookupError as e:
-            pytest.skip(f"Megatron-LM {name}: {e}")
+            unavailable("megatron_lm", f"Megatron-LM {name}: {e}")
         if not (self.checkout / "pretrain_gpt.py").is_file():
-            pytest.skip(f"no Megatron-LM {name} checkout at {self.checkout}")
+            unavailable("megatron_lm", f"no Megatron-LM {name} checkout at {self.checkout}")
 
     def pythonpath(self) -> str:
         return os.pathsep.join([str(ROOT / "tests" / "support" / "megatron_lm_site"),

@@ -13,8 +13,11 @@ import pytest
 from tests.support import slurm
 from trainguard.metrics.jsonl import read
 
-pytestmark = [pytest.mark.dist,
-              pytest.mark.skipif(slurm.unavailable() is not None, reason=str(slurm.unavailable()))]
+pytestmark = [pytest.mark.dist]
+if slurm.unavailable() is not None:
+    from tests.support.require import unavailable
+
+    unavailable("slurm", str(slurm.unavailable()), module=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -274,7 +274,7 @@ def test_a_missing_or_foreign_checkpoint_dir_is_a_record_at_first_and_a_stop_on_
     save created it. A first attempt now says so (fresh_start, created); a restarted attempt (torchrun's
     or Slurm's count) whose directory lacks the run marker the first attempt wrote stops."""
     from trainguard.checkpoint.layout import CheckpointError
-    from trainguard.checkpoint.snapshots import RUN_ID
+    from trainguard.checkpoint.runid import RUN_ID
     from trainguard.events import Record
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)

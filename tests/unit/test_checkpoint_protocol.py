@@ -227,7 +227,7 @@ def test_a_run_id_that_is_not_a_plain_name_is_refused_never_followed(tmp_path):
     written there moved the tier outside its checked folder. Now it is refused by name."""
     import json
 
-    from trainguard.checkpoint.snapshots import RUN_ID, run_id
+    from trainguard.checkpoint.runid import RUN_ID, run_id
 
     first = run_id(tmp_path)
     assert run_id(tmp_path) == first

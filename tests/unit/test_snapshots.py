@@ -7,7 +7,8 @@ from trainguard.checkpoint.fsio import save_hashed
 from trainguard.checkpoint.layout import CheckpointLayout
 from trainguard.checkpoint.manifest import Manifest, verify
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, disk_tag, memory_tag, run_id
+from trainguard.checkpoint.runid import run_id
+from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice, disk_tag, memory_tag
 from trainguard.config import parse_block
 
 

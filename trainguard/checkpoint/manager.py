@@ -32,10 +32,10 @@ from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import to_delete
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback, fitting_after
 from trainguard.checkpoint.saving import Saver
-from trainguard.checkpoint.snapshots import MEMORY, RUN_ID, disk_tag, memory_tag, snapshot_step
+from trainguard.checkpoint.runid import RUN_ID
+from trainguard.checkpoint.snapshots import MEMORY, disk_tag, memory_tag, snapshot_step
 from trainguard.events import Record
 from trainguard.isolation import barrier, broadcast_from_rank0, rank, world
-
 
 __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 

@@ -24,7 +24,8 @@ from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.fsio import save_buffered, write_json_hashed
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, CheckpointLayout, step_tag
 from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
-from trainguard.checkpoint.snapshots import Placement, SnapshotStore, agreed_run_id, common_choice
+from trainguard.checkpoint.runid import agreed_run_id
+from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice
 from trainguard.errors import ConfigError
 from trainguard.events import Record
 from trainguard.isolation import gather_objects

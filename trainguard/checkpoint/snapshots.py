@@ -24,7 +24,6 @@ Choosing (every rank, at a resume or a rollback): each rank lists what verifies 
 from __future__ import annotations
 
 import json
-import re
 import os
 import shutil
 import socket
@@ -37,7 +36,6 @@ from trainguard.checkpoint.fsio import PRIVATE_FILE_MODE
 from trainguard.checkpoint.layout import STAGING, CheckpointLayout
 from trainguard.checkpoint.manifest import NOT_LISTED, Manifest, list_files, verify
 
-RUN_ID = ".trainguard-run"   # in checkpoint.dir: the id that names the run's snapshot folder
 MAGIC = b"TGSHARD1"          # a packed shard's first bytes (SnapshotStore.pack)
 MAX_HEADER = 16 << 20        # a packed shard's header: a list of file names and sizes, never this large
 MEMORY = "memory:"           # how a snapshot's tag reads in choices and records (never a valid disk tag)
@@ -55,48 +53,6 @@ def disk_tag(tag: str) -> tuple[str, bool]:
 def snapshot_step(tag: str) -> int:
     """The step of a snapshot's tag (snapshots are always tagged ``step_tag(step)``)."""
     return int(disk_tag(tag)[0][len("step"):])
-
-
-_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def agreed_run_id(checkpoint_dir: str | os.PathLike) -> str:
-    """Every rank: rank 0's :func:`run_id`, or the same CheckpointError on every rank (none waits for the others)."""
-    from trainguard.checkpoint.layout import CheckpointError
-    from trainguard.isolation import broadcast_from_rank0, rank
-
-    outcome = None
-    if rank() == 0:
-        try:
-            outcome = (run_id(checkpoint_dir), None)
-        except CheckpointError as e:
-            outcome = (None, str(e))
-    rid, error = broadcast_from_rank0(outcome)
-    if error:
-        raise CheckpointError(error)
-    return rid
-
-
-def run_id(checkpoint_dir: str | os.PathLike) -> str:
-    """The run's id, created in ``checkpoint_dir`` by the first caller (rank 0) and read by the rest. The id names
-    the in-memory tier's folder: one that is not a plain name (a path, ``..``) is refused by name, never followed."""
-    path = Path(checkpoint_dir) / RUN_ID
-    try:
-        rid = json.loads(path.read_text())["id"]
-    except (OSError, ValueError, KeyError, TypeError):
-        rid = None
-    if rid is not None:
-        if not isinstance(rid, str) or not _RUN_ID.fullmatch(rid):
-            from trainguard.checkpoint.layout import CheckpointError
-
-            raise CheckpointError(f"{path} holds {rid!r}, not a run id (1-64 letters, digits, '-' or '_'): it names "
-                                  "the in-memory tier's folder, so it is refused; remove the file to start a new run id")
-        return rid
-    from trainguard.checkpoint.fsio import atomic_write_json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, {"id": uuid.uuid4().hex[:16]})
-    return json.loads(path.read_text())["id"]
 
 
 @dataclass(frozen=True)

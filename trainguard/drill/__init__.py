@@ -15,15 +15,12 @@ fp16 loss-scale collapse (a model whose values leave fp16's range). Every run is
 ``torchrun --max-restarts=2``: trainguard resumes by itself from its checkpoints; plain DeepSpeed is
 run as a careful user runs it (its own ``save_checkpoint`` every as many steps as trainguard's,
 ``load_checkpoint`` of the latest on start, its own collective timeout). The run is 2 ranks, ZeRO-2,
-fp16 with DeepSpeed's dynamic loss scaler (enabled on CPU by the worker's test switch). Besides the
-whole-run table the drill prints each fault's cost in both runs (trainguard.drill.costs) against
-issue 16's goal per fault.
+fp16 with DeepSpeed's dynamic loss scaler (enabled on CPU by the worker's test switch); trainguard's runs keep
+disk checkpoints every 50 steps (the baseline saves as often) and the in-memory tier every 10.
 
 Goals (issues 5, 16, 36): trainguard completes, within 2% of the clean run's final loss, every fault within its
-own goal (trainguard.drill.costs.goal); plain DeepSpeed fails to complete or ends worse. Exit code 0 when they
-hold. Goodput over the in-process faults (the killed and hung ranks' windows taken out of the wall time: they are
-reported on their own, with the restart downtime) is printed: it is the per-fault costs' sum, not a goal of its own. trainguard's runs keep disk checkpoints every 50 steps (the baseline saves
-as often) and the in-memory tier every 10 (``checkpoint.snapshot``).
+own goal (each fault's cost in both runs is printed: trainguard.drill.costs); plain DeepSpeed fails to complete
+or ends worse: exit code 0 when they hold. Goodput over the in-process faults is printed, not judged.
 """
 from __future__ import annotations
 
@@ -155,22 +152,18 @@ def format_table(rows: list[dict]) -> str:
 
 
 def verdict(rows: list[dict], costs: list[dict] = ()) -> tuple[bool, list[str]]:
-    """The drill's goals: trainguard completed, within ``loss_within`` of the clean run, every fault's own goal met
-    (issue 16's per-fault costs, ``costs``' ``goal_met``; one that cannot be measured here is not counted), and plain
-    DeepSpeed died or ended worse. Goodput is printed beside them, not judged: it is the per-fault costs' sum."""
-    by = {r["run"]: r for r in rows}
-    tg, plain = by["trainguard"], by["plain DeepSpeed"]
+    """trainguard completed, within ``loss_within`` of the clean run, every fault's own goal met (``costs``' goal_met;
+    None: not measurable, not counted), plain DeepSpeed died or ended worse. Goodput is printed, not judged."""
+    tg, plain = ({r["run"]: r for r in rows}[k] for k in ("trainguard", "plain DeepSpeed"))
     judged = [c for c in costs if c.get("run") == "trainguard" and c.get("goal_met") is not None]
     missed = [f"{c['fault']}@{c['step']}" for c in judged if not c["goal_met"]]
-    checks = [
-        (tg["completed"], "trainguard completed"),
-        (tg.get("loss_vs_clean") is not None and abs(tg["loss_vs_clean"]) <= GOALS["loss_within"],
-         f"trainguard's final loss within {GOALS['loss_within']:.0%} of the clean run"),
-        (bool(judged) and not missed, f"every fault's own goal met ({len(judged) - len(missed)} of {len(judged)}"
-         + (f"; missed: {', '.join(missed)}" if missed else "") + ")"),
-        (not plain["completed"] or (plain.get("loss_vs_clean") or 0) > (tg.get("loss_vs_clean") or 0),
-         "plain DeepSpeed failed to complete or ended worse"),
-    ]
+    checks = [(tg["completed"], "trainguard completed"),
+              (tg.get("loss_vs_clean") is not None and abs(tg["loss_vs_clean"]) <= GOALS["loss_within"],
+               f"trainguard's final loss within {GOALS['loss_within']:.0%} of the clean run"),
+              (bool(judged) and not missed, f"every fault's own goal met ({len(judged) - len(missed)} of {len(judged)}"
+               + (f"; missed: {', '.join(missed)}" if missed else "") + ")"),
+              (not plain["completed"] or (plain.get("loss_vs_clean") or 0) > (tg.get("loss_vs_clean") or 0),
+               "plain DeepSpeed failed to complete or ended worse")]
     return all(ok for ok, _ in checks), [f"[{'x' if ok else ' '}] {what}" for ok, what in checks]
 
 
