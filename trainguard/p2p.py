@@ -48,10 +48,27 @@ def encode(obj: Any) -> bytes:
     try:
         torch.save({"obj": _mapped(obj, host), "accel": accel}, buf)
         data = buf.getvalue()
+        if len(data) > MAX_BYTES:  # (a micro-batch too large to send: its peer does not replay it)
+            return b""
         decode(data, torch.device("cpu"))
     except Exception:  # noqa: BLE001 - not a plain batch: it is not sent
         return b""
     return data
+
+
+MAX_BYTES = 1 << 30  # the most one payload may take (the receiver allocates what the sender announces)
+
+
+def received(data: bytes | None, device: torch.device) -> Any:
+    """A peer's payload decoded, or None when there is none or it does not decode -- on that rank alone, and never
+    an exception: the ranks go on to the collective that follows together (one rank raising here would leave the
+    others waiting for it until the collective timeout)."""
+    if not data:
+        return None
+    try:
+        return decode(data, device)
+    except Exception:  # noqa: BLE001 - a payload that does not decode is no payload
+        return None
 
 
 def decode(data: bytes, device: torch.device) -> Any:
@@ -80,6 +97,9 @@ def exchange(sends: dict[int, bytes], receives: Iterable[int], device: torch.dev
     _run([dist.P2POp(dist.isend, t, p, group) for p, t in sizes_out.items()]
          + [dist.P2POp(dist.irecv, t, p, group) for p, t in sizes_in.items()])
     bufs_out = {p: torch.frombuffer(bytearray(d), dtype=torch.uint8).to(device) for p, d in sends.items() if d}
+    too_big = {p: int(t.item()) for p, t in sizes_in.items() if int(t.item()) > MAX_BYTES}
+    if too_big:  # (encode never sends one: a sender that does is broken -- named, not allocated)
+        raise RuntimeError(f"peer payloads over {MAX_BYTES} bytes announced by ranks {too_big}: refused")
     bufs_in = {p: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for p, t in sizes_in.items()
                if int(t.item())}
     _run([dist.P2POp(dist.isend, t, p, group) for p, t in bufs_out.items()]

@@ -252,3 +252,20 @@ def test_a_signing_key_must_be_long_enough_and_checking_takes_any(tmp_path, monk
     assert main(["ckpt", "sign", str(tmp_path / "ck"), "--key-env", "TG_SHORT"]) == 2
     assert "at least 16" in capsys.readouterr().err
     assert main(["ckpt", "verify", str(tmp_path / "ck"), "--key-env", "TG_SHORT"]) in (0, 1)  # (checked, not refused)
+
+
+def test_a_load_through_a_file_object_reads_only_verified_bytes(tmp_path):
+    """Issue 35 item 7: ``verified_reads`` checked path arguments only; ``torch.load(open(p, "rb"))`` of a swapped
+    file ran its payload. A file object opened on a file of the checkpoint is read through the verified reader too."""
+    from trainguard.checkpoint.manifest import hash_files, list_files
+
+    d = tmp_path / "step00000001"
+    d.mkdir()
+    torch.save({"w": torch.ones(2)}, d / "state.pt")
+    Manifest(tag=d.name, step=1, files=hash_files(d, list_files(d))).write(d)
+    reader = VerifiedReader(d)
+    with verified_reads(reader), open(d / "state.pt", "rb") as f:
+        assert torch.equal(torch.load(f, weights_only=True)["w"], torch.ones(2))
+    torch.save({"w": torch.zeros(2)}, d / "state.pt")  # swapped after the check
+    with pytest.raises(CheckpointError, match="state.pt"), verified_reads(VerifiedReader(d)), open(d / "state.pt", "rb") as f:
+        torch.load(f, weights_only=True)

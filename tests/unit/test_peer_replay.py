@@ -175,3 +175,19 @@ def test_the_payload_is_plain_and_comes_back_on_the_receivers_device():
     import pickle
     with pytest.raises(Exception):  # a pickle that would run code is refused by the weights-only load
         p2p.decode(pickle.dumps({"obj": Mine(), "accel": []}), torch.device("cpu"))
+
+
+def test_a_payload_that_does_not_decode_is_no_payload_and_a_huge_one_is_never_sent(monkeypatch):
+    """Issue 35 item 7: one rank's decode error left the others waiting for the collective timeout; a peer's size
+    was uncapped. A payload that does not decode is none (every rank goes on to the all-gather); one over the cap is
+    not sent; an announced size over it is refused by name, never allocated."""
+    import collections
+    import pickle
+
+    code = pickle.dumps({"obj": collections.Counter("ab"), "accel": []})  # (not weights-only loadable)
+    assert p2p.received(code, torch.device("cpu")) is None
+    assert p2p.received(b"\x00garbage", torch.device("cpu")) is None and p2p.received(b"", torch.device("cpu")) is None
+    ok = p2p.encode((torch.ones(4),))
+    assert torch.equal(p2p.received(ok, torch.device("cpu"))[0], torch.ones(4))
+    monkeypatch.setattr(p2p, "MAX_BYTES", len(ok) - 1)
+    assert p2p.encode((torch.ones(4),)) == b""

@@ -1,6 +1,7 @@
 """Loads that deserialise only bytes this rank checked (issue 25 item 7), whoever opens the files.
 
-A framework's loader opens a checkpoint's files by path, by itself: DeepSpeed's ``torch.load`` of each
+A framework's loader opens a checkpoint's files by path (or a file object opened on one), by itself: DeepSpeed's
+``torch.load`` of each
 ``mp_rank_*`` / ZeRO file and of a universal checkpoint's per-parameter files, megatron's
 ``dist_checkpointing`` through torch.distributed.checkpoint's ``FileSystem.create_stream`` (its ``.metadata``
 is a pickle, its ``*.distcp`` files hold the tensors) and, on older releases, ``torch.load`` of
@@ -67,7 +68,8 @@ def verified_reads(reader):
     real_stream = filesystem.FileSystem.create_stream
 
     def load(f, *args, **kwargs):
-        full = inside(f)
+        # a path, or a file object opened on one (``torch.load(open(p, "rb"))``: its name says which file)
+        full = inside(f) or (inside(getattr(f, "name", None)) if hasattr(f, "read") else None)
         return real_load(io.BytesIO(data(full)) if full else f, *args, **kwargs)
 
     @contextlib.contextmanager

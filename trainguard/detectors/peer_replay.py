@@ -149,7 +149,7 @@ class PeerReplay:
         # adapter measured it; else its own replay, made the same way as its peer's (megatron: eval mode)
         own = _measured(batch.value) if payload and batch.value is not None else \
             self._replay(ctx, mine_in if payload else None, step)
-        theirs = self._replay(ctx, p2p.decode(got[pred], ctx.device) if got.get(pred) else None, step)
+        theirs = self._replay(ctx, p2p.received(got.get(pred), ctx.device), step)
         table = self.transport.all_gather([*own, *theirs], ctx.device, ctx.group)
         own_of = {r: (row[0], row[1]) for r, row in enumerate(table)}
         peer_of = {r: (row[2], row[3]) for r, row in enumerate(table)}
@@ -191,8 +191,8 @@ class PeerReplay:
         mine_in = (ctx.batch.inputs, ctx.batch.rng) if payload else None
         for d in dps:
             owner = by_dp.get(d)
-            inputs = mine_in if owner == ctx.rank else (
-                p2p.decode(got[owner], ctx.device) if owner is not None and got.get(owner) else None)
+            inputs = mine_in if owner == ctx.rank else p2p.received(got.get(owner) if owner is not None else None,
+                                                                    ctx.device)
             row += self._replay(ctx, inputs, step)
         table = self.transport.all_gather(row, ctx.device, ctx.group)
         for o, p in found:
