@@ -394,6 +394,29 @@ def test_megatron_lms_exit_signal_handler_saves_and_ends_the_run_cleanly(tmp_pat
                for e in run.events("checkpoint_saved"))  # (dir/.first's included: checkpoint.first_step)
 
 
+def test_a_rotated_key_stops_the_resume_after_megatron_lms_load_and_moves_nothing(tmp_path, release, monkeypatch):
+    """Issue 35 item 4, as a user meets it: Megatron-LM's --load brings its checkpoint of iteration 8 and trainguard's
+    snapshot of 9 is newer -- but the key was rotated, so it fails its signature. The run stops naming it, and not
+    one snapshot is moved (before: every one went to .abandoned/ and the run went on from Megatron-LM's older
+    step). (The newest release only: the resume's choice is trainguard's.)"""
+    newest_only(release)
+    mck, snaps = tmp_path / "megatron-ckpt", tmp_path / "snapshots"
+    ckpt = {"dir": str(snaps), "every_steps": 3, "hmac_key_env": "TG_LM_KEY"}
+    monkeypatch.setenv("TG_LM_KEY", "the-first-key-0123456789")
+    first = launch(release, tmp_path, "first", "tp", {"allow_faults": True, "checkpoint": ckpt, "faults": [
+        {"type": "kill_rank", "step": 11, "rank": 1}]}, ["--save", str(mck), "--save-interval", "4"])
+    assert first.rc != 0 and max(first.iterations) == 10, first.log[-2000:]  # (killed in 11, no restart)
+    listing = sorted(str(p.relative_to(snaps)) for p in snaps.rglob("*"))
+    assert "step00000009/manifest.hmac" in listing
+    monkeypatch.setenv("TG_LM_KEY", "a-rotated-key-0123456789")
+    again = launch(release, tmp_path, "again", "tp", {"checkpoint": ckpt}, ["--save", str(mck), "--load", str(mck),
+                                                                           "--save-interval", "4"])
+    assert again.rc != 0 and "at iteration 8" in again.log  # (Megatron-LM's own load came first)
+    assert "none can be loaded" in again.log and "step00000009" in again.log and "HMAC" in again.log, again.log[-3000:]
+    assert not again.iterations or max(again.iterations) <= 8  # (not one iteration trained past it)
+    assert sorted(str(p.relative_to(snaps)) for p in snaps.rglob("*")) == listing  # nothing moved or deleted
+
+
 def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path, release):
     """One process, no process group yet: Megatron-LM's argument parser rejects the block, naming the key."""
     out = tmp_path / "bad"
