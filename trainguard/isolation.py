@@ -144,3 +144,18 @@ def world() -> int:
 def barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+def all_true(flag: bool) -> bool:
+    """Every rank's ``flag``, and-ed: one small all-reduce (MIN) on the collective's device -- cheap enough to run
+    each step while something is pending (an object gather pickles, and on NCCL syncs the host twice)."""
+    if not _distributed():
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def distributed() -> bool:
+    """Whether a default process group is up."""
+    return _distributed()

@@ -1,6 +1,8 @@
 """Silent data corruption (issue 26, the replica check): one flipped bit in one data-parallel replica's
 weights, under torchrun with real DeepSpeed engines at ZeRO-0 (every rank keeps and steps its own full
 parameters, so nothing else ever reconciles them)."""
+from pathlib import Path
+
 import pytest
 
 from tests.dist.conftest import make_config
@@ -107,3 +109,15 @@ def test_a_device_that_computes_wrong_is_named_by_its_peers_replays(tmp_path):
     assert s["ranks"] == [1] and "compute_mismatch" in s["detail"]["why"]
     assert json.loads((out / "suspect_hosts.json").read_text())["hosts"] == [s["detail"]["host"]]
     assert len({r["param_sha256"] for r in results}) == 1 and all(r["global_steps"] == 16 for r in results)
+    # the step was not applied (issue 36 item 4: the record's action alone cannot show it -- the gradients are
+    # all-reduced, so the replicas end equal either way): every rank counts it skipped, and the same faulted run
+    # without the peer replay, which applies rank 1's wrong computation, ends with other weights
+    assert all(r["guard_skipped_steps"] == 1 and r["skipped_steps"] >= 1 for r in results), results
+    off = json.loads(Path(cfg).read_text())
+    off["trainguard"]["detectors"]["peer_replay"]["enabled"] = False
+    (tmp_path / "off").mkdir()
+    (tmp_path / "off" / "ds_config.json").write_text(json.dumps(off))
+    rc, applied = run_worker(tmp_path / "off" / "ds_config.json", tmp_path / "off" / "run", 16, nproc=3, timeout=240,
+                             extra=["--dropout", "0.1"])
+    assert rc == 0 and all(r["guard_skipped_steps"] == 0 for r in applied)
+    assert {r["param_sha256"] for r in applied} != {r["param_sha256"] for r in results}

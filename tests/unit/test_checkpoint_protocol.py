@@ -269,3 +269,30 @@ def test_a_load_through_a_file_object_reads_only_verified_bytes(tmp_path):
     torch.save({"w": torch.zeros(2)}, d / "state.pt")  # swapped after the check
     with pytest.raises(CheckpointError, match="state.pt"), verified_reads(VerifiedReader(d)), open(d / "state.pt", "rb") as f:
         torch.load(f, weights_only=True)
+
+
+def test_a_load_right_after_an_async_save_loads_that_save(tmp_path, monkeypatch):
+    """save_checkpoint then load_checkpoint with no step between (evaluating the final save): the background save is
+    committed first -- the load does not take the previous checkpoint, or find none."""
+    fw, cp, _ = _manager(tmp_path, monkeypatch, **{"async": True})
+    root = Path(cp.cfg.dir)
+    fw.steps = 7
+    tag = cp.save(root)
+    fw.steps = 0
+    assert cp.load(root) == tag and fw.steps == 7
+
+
+def test_a_planted_abandoned_link_is_refused_and_nothing_moves_through_it(tmp_path, monkeypatch):
+    """A rollback sets the abandoned trajectory's checkpoints aside in .abandoned/: never through a link planted
+    there (they would move into a folder someone else owns)."""
+    fw, cp, _ = _manager(tmp_path, monkeypatch)
+    root = Path(cp.cfg.dir)
+    for step in (5, 10):
+        fw.steps = step
+        cp.save(root)
+    elsewhere = tmp_path / "theirs"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, root / ".abandoned")
+    with pytest.raises(CheckpointError, match="symlink"):
+        cp.abandon_after(root, 5)
+    assert list(elsewhere.iterdir()) == [] and CheckpointLayout(root).tags() == ["step00000005", "step00000010"]

@@ -24,7 +24,7 @@ import torch
 from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
 from trainguard.checkpoint.layout import CheckpointError
 from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0, gather_objects, rank
+from trainguard.isolation import all_true, broadcast_from_rank0, distributed, gather_objects, rank
 
 MAX_QUIET_FAILURES = 3  # background saves failed in a row before an error is logged (the newest good one ages)
 
@@ -97,7 +97,7 @@ class AsyncSave:
         self.failed_in_a_row = 0
 
     def start(self, job: BackgroundWrite, info: dict) -> None:
-        """Every rank: ``info`` -- tag, root, staging_root, nonce, step, blocking_s, t0."""
+        """Every rank: ``info`` -- tag, root, staging_root, nonce, step, blocking_s, t0, world."""
         self.job, self.info = job, info
 
     def tag(self) -> str | None:
@@ -111,22 +111,30 @@ class AsyncSave:
             return
         if wait:
             job.join()
-        if not all(gather_objects(job.done())):
+        info = self.info
+        if info["world"] > 1 and not distributed():  # (its ranks can no longer agree: never committed alone)
+            self.job = None
+            self._failed(info, "the process group was destroyed before this save was committed (destroy the engine, "
+                         "or end the run, before destroy_process_group); its files stay in staging, which no resume "
+                         "loads", keep=True)
+            return
+        if not all_true(job.done()):  # (one small all-reduce a step while a save is in flight)
             return
         self.job = None
-        info = self.info
         outcome = gather_objects((f"{type(job.error).__name__}: {job.error}" if job.error else None, job.table))
         failed = [(r, e) for r, (e, _) in enumerate(outcome) if e]
         error = f"rank {failed[0][0]} could not write its part: {failed[0][1]}" if failed else None
         if error is None and rank() == 0:
             try:
                 self._commit(info, [t for _, t in outcome])
-            except (OSError, CheckpointError) as e:
+            except Exception as e:  # noqa: BLE001 - (never before the broadcast: the other ranks wait for it)
                 error = f"{type(e).__name__}: {e}"
         error = broadcast_from_rank0(error)
         if error is not None:
             self._failed(info, error)
             return
+        if rank() == 0:
+            self.cp.saver.retain(info["root"])
         self.failed_in_a_row = 0
         self.cp.emit(info["step"], Record.CHECKPOINT_SAVED, {
             "tag": info["tag"], "dir": str(info["root"]), "bytes_this_rank": job.bytes, "async": True,
@@ -147,13 +155,13 @@ class AsyncSave:
             raise CheckpointError(f"{why}; not committed")
         self.cp.commit(info["root"], info["tag"], info["staging_root"], info["nonce"], info["step"], merged)
 
-    def _failed(self, info: dict, error: str) -> None:
+    def _failed(self, info: dict, error: str, keep: bool = False) -> None:
         """The checkpoint stays invisible (its staging removed); training goes on; after a few in a row, an error
         in the log: the newest committed checkpoint is getting older with every step."""
         import shutil
 
         self.failed_in_a_row += 1
-        if rank() == 0:
+        if rank() == 0 and not keep:
             shutil.rmtree(info["staging_root"], ignore_errors=True)
         self.cp.emit(info["step"], Record.CHECKPOINT_FAILED, {"tag": info["tag"], "dir": str(info["root"]),
                                                               "error": error, "failures_in_a_row": self.failed_in_a_row})

@@ -20,7 +20,7 @@ from pathlib import Path
 from trainguard.checkpoint.commit import commit_staged
 from trainguard.checkpoint.layout import CheckpointError
 from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
-from trainguard.checkpoint.private import UnsafeFolder, own_dir
+from trainguard.checkpoint.private import own_dir
 from trainguard.isolation import broadcast_from_rank0, rank
 
 CACHE = ".universal"
@@ -56,7 +56,7 @@ def converted(cp, root: Path, tag: str, man: Manifest, digest: str, reader: Veri
                 if why is not None:
                     error = f"the conversion {target} cannot be loaded: {why}"
                 pinned = manifest_digest(target)
-        except (OSError, UnsafeFolder) as e:
+        except Exception as e:  # noqa: BLE001 - (never before the broadcast: the other ranks wait for it)
             error = f"the conversion of {root / tag} failed: {type(e).__name__}: {e}"
     error, pinned = broadcast_from_rank0((error, pinned))
     if error:

@@ -70,11 +70,12 @@ def refresh_first(cp) -> None:
 def first_target(cp) -> tuple[Path | None, str | None, str]:
     """The first step's checkpoint, verified, when it fits the run (every rank learns)."""
     root = first_root(cp)
+    floor = cp.not_before(root) if root is not None else 0  # (every rank: a collective)
     choice = None
     if rank() == 0:
         try:  # (rank 0 never raises before the broadcast: the others would wait for it)
             choice = (None, "no checkpoint of the first step", []) if root is None or not root.exists() else \
-                choose_rollback(root, 1, "latest_valid", cp.not_before(root), inclusive=True, key=cp.key)
+                choose_rollback(root, 1, "latest_valid", floor, inclusive=True, key=cp.key)
         except OSError as e:
             choice = (None, f"the first step's checkpoint could not be listed: {e}", [])
     tag, why, bad = broadcast_from_rank0(choice)

@@ -80,6 +80,22 @@ def on_progress(fn) -> None:
     _progress = fn
 
 
+def beat_from_training_thread(heart) -> None:
+    """Hashing and verifying beat ``heart`` per chunk, in the phase the rank is in -- from the calling (training)
+    thread only: a background writer's progress would hide a training thread that really hangs."""
+    import threading
+
+    if heart is None:
+        return
+    main = threading.get_ident()
+
+    def beat() -> None:
+        if threading.get_ident() == main:
+            heart.beat(heart.phase)
+
+    on_progress(beat)
+
+
 def progressed() -> None:
     if _progress is not None:
         _progress()

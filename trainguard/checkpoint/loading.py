@@ -29,6 +29,7 @@ def load(cp, root, tag: str | None = None, mode: str = "latest_valid", purpose: 
     (:class:`VerifiedReader`; the adapter routes its framework's reads through it). ``purpose="rollback"``
     (in-process): the framework's state and RNG come back, the guard's statistics and budgets stay as they are
     now -- the run moves on, it does not relive. Returns what the adapter's load returns, or ``NOTHING``."""
+    cp.wait_pending()  # (a save still being written in the background is committed first: it may be the one asked for)
     root = Path(root)
     cp.heart.beat("checkpoint")
     if tag is not None and disk_tag(tag)[1]:  # a rollback target in memory

@@ -16,20 +16,18 @@ does the rest, the same way for every framework.
 from __future__ import annotations
 
 import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint import auth, first, loading, resume
 from trainguard.checkpoint.first import FIRST, FIRST_KEPT
-from trainguard.checkpoint.fsio import atomic_write_json
+from trainguard.checkpoint.fsio import atomic_write_json, beat_from_training_thread
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import STABLE, STAGING, TRAJECTORY, CheckpointLayout
+from trainguard.checkpoint.layout import STABLE, TRAJECTORY, CheckpointError
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.pacing import SnapshotPacer
-from trainguard.checkpoint.retention import to_delete
+from trainguard.checkpoint.retention import apply as apply_retention
 from trainguard.checkpoint.rollback import abandon_after, choose_rollback, fitting_after
 from trainguard.checkpoint.saving import Saver
 from trainguard.checkpoint.runid import RUN_ID
@@ -60,7 +58,7 @@ class CheckpointManager:
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
         self._first_dropped = False            # the first step's checkpoint was removed (checkpoint.first_step)
-        self._progress_from_training_thread()
+        beat_from_training_thread(heart)  # (hashing and verifying are progress: trainguard.checkpoint.fsio)
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
         self.snapshots = None                  # trainguard.checkpoint.memory_tier.MemoryTier (use_memory_tier)
         self.last_skipped: list[dict] = []     # what the last choice passed over, and why
@@ -70,6 +68,12 @@ class CheckpointManager:
         # tier writes the run marker at initialize): (it existed, it held the run marker)
         root = Path(self.cfg.dir) if self.cfg.dir else None
         self._found = (root.is_dir(), (root / RUN_ID).is_file()) if root is not None and rank() == 0 else None
+        if self.key is not None and self._found and self._found[0] and os.stat(root).st_mode & 0o022:
+            import logging  # (docs/checkpoints.md's threat model: who can rename in it can swap a folder in use)
+
+            logging.getLogger("trainguard").warning("trainguard: checkpoint.dir %s is writable by other users (mode "
+                                                    "%o): signed checkpoints need it writable by the job's user only "
+                                                    "(chmod go-w)", root, os.stat(root).st_mode & 0o777)
         source = state.shard_source() if self.cfg.snapshot.every_steps else None
         if source is not None:  # (every rank together)
             from trainguard.checkpoint.memory_tier import MemoryTier
@@ -124,31 +128,16 @@ class CheckpointManager:
         elif self.pacer.due(step):
             self.snapshot()  # (the in-memory tier: not where a disk checkpoint was just taken)
         faults = self.guard.faults if self.guard is not None and self.block.faults else None
+        if faults is not None and c.dir and any(f.type == "corrupt_checkpoint" and f.active(step) for f in
+                                                self.block.faults):
+            self.wait_pending()  # every rank (a collective): the newest committed one, a save of this very step too
         if faults is not None and c.dir and faults.checkpoint_due(step):
             from trainguard.checkpoint.damage import corrupt_newest_checkpoint
 
-            self.wait_pending()  # (the newest committed one: a save of this very step is committed first)
             path = corrupt_newest_checkpoint(c.dir)
             self.guard.emit(step, Record.FAULT_INJECTED, [rank()], None, {
                 "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": rank()}], "file": path},
                 rank_local=True)
-
-    def _progress_from_training_thread(self) -> None:
-        """Hashing and verifying beat the heartbeat per chunk, in the phase the rank is in -- from the training
-        thread only: a background writer's progress would hide a training thread that really hangs."""
-        import threading
-
-        from trainguard.checkpoint.fsio import on_progress
-
-        heart, main = self.heart, threading.get_ident()
-        if heart is None:
-            return
-
-        def beat() -> None:
-            if threading.get_ident() == main:
-                heart.beat(heart.phase)
-
-        on_progress(beat)
 
     # ------------------------------------------------------------------ the first step's checkpoint
 
@@ -193,16 +182,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
     def retention(self, root: Path) -> None:
-        """Rank 0, after a commit: doomed checkpoints are renamed into staging (gone from the
-        listing at once), then deleted -- a crash never leaves a half-deleted one that looks committed."""
-        layout = CheckpointLayout(root)
-        tags = layout.tags()
-        stable = {t for t in tags if (layout.tag_dir(t) / STABLE).exists()}
-        for t in to_delete(tags, stable, self.cfg.keep_last, self.cfg.keep_stable):
-            trash = layout.root / STAGING / f"deleted.{t}.{uuid.uuid4().hex[:6]}"
-            trash.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(layout.tag_dir(t), trash)
-            shutil.rmtree(trash, ignore_errors=True)
+        """Rank 0, after a commit: ``keep_last`` and ``keep_stable`` (trainguard.checkpoint.retention.apply)."""
+        apply_retention(root, self.cfg.keep_last, self.cfg.keep_stable)
 
     # ------------------------------------------------------------------ resume
 
@@ -223,15 +204,15 @@ class CheckpointManager:
         """Rank 0 chooses on disk (trainguard.checkpoint.rollback.choose_rollback), every rank learns; then the
         newest valid tier: a snapshot in memory when one is newer than the disk's choice (in "stable" mode, one
         this process saw become stable: ``stable_after`` clean steps after it)."""
-        choice = choose_rollback(root, onset, mode, self.not_before(root), inclusive, key=self.key) \
-            if rank() == 0 else None
+        floor = self.not_before(root)
+        choice = choose_rollback(root, onset, mode, floor, inclusive, key=self.key) if rank() == 0 else None
         tag, why, bad = broadcast_from_rank0(choice)
         for b in bad:
             self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)
         if self.snapshots is None:
             return tag, why
         only = {disk_tag(t)[0] for t in self.stable_snapshots} if mode == "stable" else None
-        found = self.snapshots.choose(lo=max(self.disk_step(root, tag) + 1, self.not_before(root)),
+        found = self.snapshots.choose(lo=max(self.disk_step(root, tag) + 1, floor),
                                       hi=onset + (1 if inclusive else 0), only=only)
         if found is None:
             return tag, why
@@ -240,14 +221,23 @@ class CheckpointManager:
     def abandon_after(self, root: Path, step: int) -> list[str]:
         """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside (and its
         snapshots in memory dropped)."""
-        moved = abandon_after(root, step) if rank() == 0 else None
+        outcome = None
+        if rank() == 0:
+            try:
+                outcome = (abandon_after(root, step), None)
+            except Exception as e:  # noqa: BLE001 - (never before the broadcast: the others wait for it)
+                outcome = ([], f"{type(e).__name__}: {e}")
         self.health.watching = [w for w in self.health.watching if w.step <= step]
         self.stable_snapshots = {t for t in self.stable_snapshots if snapshot_step(t) <= step}
         self.pacer.rewind(step)
         if self.snapshots is not None:
             self.snapshots.wait()
             self.snapshots.store.drop_after(step)
-        return broadcast_from_rank0(moved)
+        moved, error = broadcast_from_rank0(outcome)
+        if error:
+            raise CheckpointError(f"trainguard: the checkpoints after step {step} in {root} could not be set aside: "
+                                  f"{error}")
+        return moved
 
     @staticmethod
     def disk_step(root: Path, tag: str | None) -> int:
@@ -293,11 +283,17 @@ class CheckpointManager:
         return self.state.step()
 
     def not_before(self, root: Path) -> int:
-        """Checkpoints older than this step do not fit the run any more (0: all fit): those of another precision,
-        where the framework cannot load them (after a bf16 fallback)."""
+        """Every rank: checkpoints older than this step do not fit the run any more (0: all fit) -- those of another
+        precision, where the framework cannot load them (after a bf16 fallback); read by rank 0, learnt by all."""
         if not self.state.precision_bound():
             return 0
-        return fitting_after(root, "precision", self.state.layout().get("precision"))
+        floor = None
+        if rank() == 0:
+            try:
+                floor = fitting_after(root, "precision", self.state.layout().get("precision"))
+            except Exception:  # noqa: BLE001 - (never before the broadcast: the others wait for it) every one verifies
+                floor = 0
+        return broadcast_from_rank0(floor)
 
     def after_precision_change(self) -> None:
         """After the bf16 fallback (the driver calls it): snapshots of the old precision dropped where they would not

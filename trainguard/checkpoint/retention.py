@@ -2,9 +2,31 @@
 newest ``keep_stable`` stable ones, and always keeping the newest ``keep_last``."""
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
+from pathlib import Path
+
 
 def to_delete(tags_oldest_first: list[str], stable: set[str], keep_last: int, keep_stable: int) -> list[str]:
     keep = set(tags_oldest_first[-keep_last:]) if keep_last > 0 else set()
     stable_order = [t for t in tags_oldest_first if t in stable]
     keep |= set(stable_order[-keep_stable:]) if keep_stable > 0 else set()
     return [t for t in tags_oldest_first if t not in keep]
+
+
+def apply(root: Path, keep_last: int, keep_stable: int) -> list[str]:
+    """Rank 0, after a commit: the doomed checkpoints renamed into staging (gone from the listing at once), then
+    deleted -- a crash never leaves a half-deleted one that looks committed. Returns their tags."""
+    from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointLayout
+    from trainguard.checkpoint.private import own_dir
+
+    layout = CheckpointLayout(root)
+    tags = layout.tags()
+    stable = {t for t in tags if (layout.tag_dir(t) / STABLE).exists()}
+    doomed = to_delete(tags, stable, keep_last, keep_stable)
+    for t in doomed:
+        trash = own_dir(layout.root / STAGING) / f"deleted.{t}.{uuid.uuid4().hex[:6]}"
+        os.replace(layout.tag_dir(t), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed

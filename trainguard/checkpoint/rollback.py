@@ -22,7 +22,8 @@ def fitting_after(root: Path, key: str, value) -> int:
     floor = 0
     for tag, step in layout.steps():
         try:
-            said = Manifest.read(layout.tag_dir(tag)).layout.get(key, value)
+            had = Manifest.read(layout.tag_dir(tag)).layout  # (DeepSpeed's manifests before stop 42 say "dtype")
+            said = had.get(key, had.get("dtype", value) if key == "precision" else value)
         except Exception:  # (unreadable: choose_rollback verifies it and reports it)
             continue
         if said != value:
@@ -70,8 +71,9 @@ def abandon_after(root: Path, step: int) -> list[str]:
     moved = []
     for tag, saved_at in layout.steps():
         if saved_at > step:
-            dest = root / ".abandoned" / f"{tag}.{uuid.uuid4().hex[:6]}"
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            from trainguard.checkpoint.private import own_dir
+
+            dest = own_dir(root / ".abandoned") / f"{tag}.{uuid.uuid4().hex[:6]}"  # (never a planted link)
             os.replace(layout.tag_dir(tag), dest)
             moved.append(tag)
     if moved:

@@ -24,8 +24,8 @@ def agreed_run_id(checkpoint_dir: str | os.PathLike) -> str:
     if rank() == 0:
         try:
             outcome = (run_id(checkpoint_dir), None)
-        except CheckpointError as e:
-            outcome = (None, str(e))
+        except Exception as e:  # noqa: BLE001 - (never before the broadcast: the others wait for it)
+            outcome = (None, f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e))
     rid, error = broadcast_from_rank0(outcome)
     if error:
         raise CheckpointError(error)

@@ -24,7 +24,7 @@ from trainguard.checkpoint.commit import as_written, commit_staged
 from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, STAGING, CheckpointError, step_tag, validate_tag
 from trainguard.checkpoint.manifest import Manifest
-from trainguard.checkpoint.private import UnsafeFolder, own_dir
+from trainguard.checkpoint.private import own_dir
 from trainguard.config import config_hash
 from trainguard.events import Record
 from trainguard.isolation import barrier, broadcast_from_rank0, gather_objects, rank, world
@@ -55,6 +55,7 @@ class Saver:
         self.pending.poll(wait=True)  # a new save waits for the previous one
         state = cp.state
         if cp.cfg.async_:
+            cp.heart.beat("checkpoint")  # (the watchdog: the host copy of a large model is progress too)
             t0 = time.perf_counter()
             tag = validate_tag(tag if tag is not None else step_tag(state.step()))
             nonce, staging_root = self.staging(Path(root), tag)
@@ -71,12 +72,16 @@ class Saver:
         if rank() == 0:
             nonce = f"{tag}.{uuid.uuid4().hex[:10]}"
             try:
-                root.mkdir(parents=True, exist_ok=True)
+                if root.name.startswith("."):  # (one of trainguard's own folders in checkpoint.dir: .first)
+                    root.parent.mkdir(parents=True, exist_ok=True)
+                    own_dir(root)
+                else:
+                    root.mkdir(parents=True, exist_ok=True)
                 staging_root = own_dir(own_dir(root / STAGING) / nonce, fresh=True)
                 own_dir(staging_root / tag, fresh=True)
                 own_dir(staging_root / tag / SIDECAR, fresh=True)
                 outcome = (nonce, None)
-            except (OSError, UnsafeFolder) as e:
+            except Exception as e:  # noqa: BLE001 - (never before the broadcast: the other ranks wait for it)
                 outcome = (nonce, f"{type(e).__name__}: {e}")
         nonce, error = broadcast_from_rank0(outcome)
         if error:
@@ -104,29 +109,36 @@ class Saver:
         nonce, staging_root = self.staging(root, tag)
         staged = staging_root / tag
         barrier()
-        own = dict(write(staged, tag))
-        if sidecar is not None:
-            own[f"{SIDECAR}/rank{rank()}.pt"] = save_hashed(sidecar(), staged / SIDECAR / f"rank{rank()}.pt")
-        if rank() == 0 and cp.guard is not None:
-            own[f"{SIDECAR}/{GUARD_STATE}"] = write_json_hashed(staged / SIDECAR / GUARD_STATE, cp.guard.state_dict())
-        barrier()
+        own = dict(write(staged, tag))  # (the framework's save, with its own collectives)
+        mine = None
+        try:  # trainguard's own files: a rank that cannot write them fails the save on every rank, named
+            if sidecar is not None:
+                own[f"{SIDECAR}/rank{rank()}.pt"] = save_hashed(sidecar(), staged / SIDECAR / f"rank{rank()}.pt")
+            if rank() == 0 and cp.guard is not None:
+                own[f"{SIDECAR}/{GUARD_STATE}"] = write_json_hashed(staged / SIDECAR / GUARD_STATE,
+                                                                    cp.guard.state_dict())
+        except Exception as e:  # noqa: BLE001
+            mine = f"rank {rank()} could not write its part: {type(e).__name__}: {e}"
         hashed: dict = {}
-        for part in gather_objects(own):
+        parts = gather_objects((mine, own))
+        for _, part in parts:
             hashed.update(part)
         late: list[str] = []
-        error = None
-        if rank() == 0:
+        error = next((e for e, _ in parts if e), None)
+        if rank() == 0 and error is None:
             try:
                 error = as_written(staged, hashed, late)
                 if error is None:
                     self.commit(root, tag, staging_root, nonce, step, hashed)
-            except (OSError, CheckpointError) as e:
+            except Exception as e:  # noqa: BLE001 - (never before the broadcast: the other ranks wait for it)
                 error = f"{type(e).__name__}: {e}"
         error = broadcast_from_rank0(error)  # (every rank raises together: none waits for a commit that failed)
         if error is not None:
             if rank() == 0:
                 self._discard_now(staging_root)
             raise CheckpointError(f"checkpoint {tag} in {root} was not committed: {error}")
+        if rank() == 0:
+            self.retain(root)
         cp.saved(root, tag, step)
         seconds = time.perf_counter() - t0
         cp.overhead(seconds)
@@ -156,14 +168,24 @@ class Saver:
         fail = faults.write_error(step) if faults is not None else None
         self.pending.start(BackgroundWrite(staged, writes, json_writes, fail=fail), {
             "tag": tag, "root": root, "staging_root": staging_root, "nonce": nonce, "step": step,
-            "blocking_s": blocking, "t0": t0})
+            "blocking_s": blocking, "t0": t0, "world": world()})
         cp.saved(root, tag, step)
         return tag
 
     def commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
-        """Rank 0, once every file is written and hashed: the commit, then retention."""
+        """Rank 0, once every file is written and hashed: the commit (retention follows: :meth:`retain`)."""
         commit_staged(root, staging_root, nonce, self.manifest(tag, step, files), key=self.cp.key)
-        self.cp.retention(root)
+
+    def retain(self, root: Path) -> None:
+        """Rank 0, after a commit every rank knows of: retention. Its failure loses no checkpoint (one too many is
+        kept): logged, never a failed save."""
+        try:
+            self.cp.retention(root)
+        except OSError as e:
+            import logging
+
+            logging.getLogger("trainguard").warning("trainguard: retention in %s failed (%s: %s); the older "
+                                                    "checkpoints stay", root, type(e).__name__, e)
 
     # ------------------------------------------------------------------ what a checkpoint says of itself
     def manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import fcntl
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -35,8 +35,20 @@ class WriteHashes:
         self.table: dict[str, dict] = {}
         self.rewritten: set[str] = set()   # written with a seek back: hashed at the commit instead
         self._pid = os.getpid()
-        self._read, self._write = os.pipe()  # (a forked writer's reports)
-        fcntl.fcntl(self._read, fcntl.F_SETFL, os.O_NONBLOCK)
+        self._read, self._write = os.pipe()  # (a forked writer's reports, drained as they come: never a full pipe)
+        self._reports = bytearray()
+        self._drain = threading.Thread(target=self._drained, name="trainguard-write-hashes", daemon=True)
+        self._drain.start()
+
+    def _drained(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._read, 1 << 16)
+            except OSError:
+                return
+            if not chunk:  # (every write end closed: this process's at collect(), the children's at their exit)
+                return
+            self._reports += chunk
 
     def inside(self, path) -> str | None:
         if not isinstance(path, (str, os.PathLike)):
@@ -47,8 +59,8 @@ class WriteHashes:
     def record(self, rel: str, digest: str | None, size: int) -> None:
         if os.getpid() == self._pid:
             self._put(rel, digest, size)
-        else:  # a forked writer: one line per file, shorter than PIPE_BUF (written whole)
-            os.write(self._write, f"{rel}\t{digest or ''}\t{size}\n".encode())
+        else:  # a forked writer: one JSON line per file, shorter than PIPE_BUF (written whole)
+            os.write(self._write, (json.dumps([rel, digest, size]) + "\n").encode())
 
     def _put(self, rel: str, digest: str | None, size: int) -> None:
         if digest:
@@ -69,25 +81,20 @@ class WriteHashes:
             if b is not None:
                 self.rewritten.add(b)
 
-    def collect(self) -> None:
+    def collect(self, within: float = 30.0) -> None:
         """The forked writers' reports (they have exited: the framework's save returned)."""
-        data = b""
-        while True:
-            try:
-                chunk = os.read(self._read, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            data += chunk
-        for line in data.decode().splitlines():
-            rel, digest, size = line.split("\t")
+        os.close(self._write)
+        self._write = -1
+        self._drain.join(within)
+        for line in bytes(self._reports).decode().splitlines():
+            rel, digest, size = json.loads(line)
             self._put(rel, digest or None, int(size))
 
     def close(self) -> None:
-        for fd in (self._read, self._write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in (self._write, self._read):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 class _Hashing:
@@ -103,6 +110,8 @@ class _Hashing:
         else:
             data = memoryview(b).cast("B")
         n = self._f.write(b)
+        if isinstance(n, int) and not isinstance(b, str) and n < len(data):
+            data = data[:n]  # (a raw file's short write: the rest is the writer's to write again)
         if not self._seekback:
             self._h.update(data)
             self._size += len(data)
