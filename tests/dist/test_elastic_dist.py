@@ -114,6 +114,24 @@ def test_a_killed_rank_comes_back_from_its_nodes_memory(tmp_path, torchrun, unin
     assert not list((tmp_path / "shm").rglob("manifest.json"))  # the end of the run freed the node memory
 
 
+def test_a_corrupted_newest_checkpoint_costs_nothing_when_node_memory_is_newer(tmp_path, torchrun, uninterrupted):
+    """What the fire drill claims for its corrupted checkpoint (issue 36 item 1), in CI's selection: the newest disk
+    checkpoint (15) is corrupted after step 18 and rank 1 is killed at the start of 19. The restart names the
+    corrupted one (checkpoint_invalid, the file), passes over it, loads the newer snapshot from node memory -- so
+    the corruption costs no step beyond the kill's -- and ends exactly where the uninterrupted run ends."""
+    faults = [{"type": "corrupt_checkpoint", "step": 18, "rank": 0}, {"type": "kill_rank", "step": 19, "rank": 1}]
+    (tmp_path / "k").mkdir()
+    cfg = make_config(tmp_path / "k", block=snapshot_block(tmp_path, "corrupt"), faults=faults, bf16={"enabled": True})
+    run = torchrun(cfg, STEPS, launcher=RESTART, out_name="corrupt").ok()
+    (bad,) = [e for e in events(run, "checkpoint_invalid") if e["detail"].get("tag") == "step00000015"]
+    assert bad["detail"]["bad_file"] and "sha256" in bad["detail"]["reason"], bad
+    (resume,) = events(run, "resume")
+    assert resume["detail"]["tier"] == "memory" and 16 <= resume["detail"]["step"] <= 18, resume["detail"]
+    assert [x["tag"] for x in resume["detail"]["fell_back_past"]] == ["step00000015"]
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == \
+        uninterrupted.results[0]["param_sha256"]
+
+
 def test_a_node_lost_with_its_memory_comes_back_from_its_peers_copy(tmp_path, torchrun, uninterrupted, monkeypatch):
     """Two simulated nodes of one rank each: rank 1 is killed and its node's memory is gone (the job is
     resubmitted on a new node); rank 1's shard comes back from the copy rank 0 keeps on the other node. (Killed
