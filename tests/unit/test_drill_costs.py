@@ -94,3 +94,21 @@ def test_the_drills_verdict_is_the_per_fault_goals_the_loss_and_plains_outcome_n
     assert not ok and "missed: kill_rank@300" in " ".join(lines)
     ok, _ = verdict(rows, [])  # (no fault judged: no verdict of success)
     assert not ok
+
+
+def test_a_step_is_counted_in_one_row_only_a_kill_that_met_a_corrupted_checkpoint():
+    """Issue 36 item 1: the corrupted checkpoint's 10 steps were counted in its own row and again inside the kill's
+    (the rows added up to more than the run lost). The kill's row now holds its own loss; the corruption's, its."""
+    # a kill at the start of step 23, the restart passing over the corrupted disk checkpoint of 20 to the one of 10
+    progress = lines((0, 1, 22, 0.0, set()), (1, 11, 30, 40.0, set()))
+    events = [{"event": "fault_injected", "time": 20.5, "step": 21,
+               "detail": {"faults": [{"type": "corrupt_checkpoint", "step": 21}]}},
+              {"event": "restart", "time": 39.0, "step": 10, "detail": {"attempt": 1, "downtime_s": 3.0}},
+              {"event": "checkpoint_invalid", "time": 39.5, "step": 10, "detail": {"tag": "step00000020"}},
+              {"event": "resume", "time": 39.6, "step": 10, "detail": {"step": 10, "tag": "step00000010"}}]
+    kill = fault_cost({"type": "kill_rank", "step": 23, "rank": 1}, progress, events, 1.0)
+    corrupt = fault_cost({"type": "corrupt_checkpoint", "step": 21}, progress, events, 1.0)
+    assert corrupt["steps_lost"] == 10 and kill["corruption_steps"] == 10
+    # executed: 22 (first attempt) + 20 (11..30) = 42 steps for 30; lost 12 in all: 2 the kill's, 10 the corruption's
+    assert kill["steps_lost"] == 2 and kill["steps_lost"] + corrupt["steps_lost"] == 12, (kill, corrupt)
+    assert goal(kill, {"type": "kill_rank", "step": 23}, 5, 2.0, 5.5)[0] is not None
