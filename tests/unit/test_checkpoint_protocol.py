@@ -95,6 +95,7 @@ class ConvertingState(TorchState):
     checkpoint): the converter copies the folder, and records what it read."""
 
     read: list[bytes] = []
+    folders: list[int] = []  # the mode of the folder the converter writes its output into
 
     def layout(self):
         return {**super().layout(), "dp": self.fw.dp}
@@ -104,6 +105,7 @@ class ConvertingState(TorchState):
 
     def convert(self, source, out):
         ConvertingState.read.append((source / "state.pt").read_bytes())
+        ConvertingState.folders.append(out.parent.stat().st_mode & 0o777)
         shutil.copytree(source, out)
         return None
 
@@ -156,6 +158,8 @@ def test_a_cached_conversion_loads_only_when_bound_to_its_source(tmp_path, monke
     cp.resume_on_start()
     assert fw.steps == 20 and float(fw.model[0].weight[0, 0]) == 20.0  # the newest's state, converted anew
     assert len(ConvertingState.read) == 1
+    # the converter's output is hashed from disk once it exits, in a folder no other user can write: 0700, the job's
+    assert ConvertingState.folders[-1] == 0o700
     assert bound(forged, d_new, new, 20) is None and verify(forged, key=cp.key).ok
 
 
