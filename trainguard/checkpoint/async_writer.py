@@ -153,7 +153,7 @@ class AsyncSave:
         why = as_written(Path(info["staging_root"]) / info["tag"], merged)
         if why is not None:
             raise CheckpointError(f"{why}; not committed")
-        self.cp.commit(info["root"], info["tag"], info["staging_root"], info["nonce"], info["step"], merged)
+        self.cp.saver.commit(info["root"], info["tag"], info["staging_root"], info["nonce"], info["step"], merged)
 
     def _failed(self, info: dict, error: str, keep: bool = False) -> None:
         """The checkpoint stays invisible (its staging removed); training goes on; after a few in a row, an error

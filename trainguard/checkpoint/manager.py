@@ -145,8 +145,6 @@ class CheckpointManager:
 
 
 
-
-
     # ------------------------------------------------------------------ the first step's (trainguard.checkpoint.first)
     def first_target(self) -> tuple[Path | None, str | None, str]:
         """The first step's checkpoint, verified, when it fits the run (every rank learns): (root, tag, why)."""
@@ -186,8 +184,6 @@ class CheckpointManager:
         apply_retention(root, self.cfg.keep_last, self.cfg.keep_stable)
 
     # ------------------------------------------------------------------ resume
-
-
 
 
 
@@ -267,16 +263,11 @@ class CheckpointManager:
         self.roots[tag] = root
         self.health.saved(tag, step)
 
-    def commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
-        self.saver.commit(root, tag, staging_root, nonce, step, files)
-
 
     # ------------------------------------------------------------------ the load (every adapter)
 
 
-
     # ------------------------------------------------------------------ loading the framework's state
-
 
 
     def step_count(self) -> int:

@@ -91,9 +91,7 @@ class Saver:
     def _discard(self, staging_root: Path) -> None:
         barrier()
         if rank() == 0:
-            import shutil
-
-            shutil.rmtree(staging_root, ignore_errors=True)
+            self._discard_now(staging_root)
 
     def save_staged(self, root: str | os.PathLike, write: Callable[[Path, str], dict], tag: str | None = None,
                     fmt: str | None = None, sidecar: Callable[[], dict] | None = None) -> str:
