@@ -1,7 +1,8 @@
 """Attribution: from every rank's gathered values to the culprit ranks and their samples.
 
-Pure functions over the object gather the guard takes on anomaly steps (``everyone``: one dict per
-rank with ``sample_ids``, ``position``, ``localized``, ...) and the ranks' coordinates.
+Pure functions over the object gather the guard takes on anomaly steps (``everyone``: ``{rank: its dict}`` with
+``sample_ids``, ``position``, ``localized``, ... -- every rank's, or at scale the named ranks'; trainguard.agreement)
+and the ranks' coordinates.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def argmax(values: Sequence[float | None]) -> int:
     return arg
 
 
-def culprit_samples(decision, everyone: list[dict] | None) -> dict[int, list[int]]:
+def culprit_samples(decision, everyone: dict[int, dict] | None) -> dict[int, list[int]]:
     """Dirty-data isolation: the samples of the culprit ranks only (another rank's batch was
     fine, even though the all-reduce would have carried the damage to it)."""
     from trainguard.policy import DATA_OR_WEIGHTS, anomaly_class
@@ -32,10 +33,10 @@ def culprit_samples(decision, everyone: list[dict] | None) -> dict[int, list[int
     ranks = {r for v in decision.verdicts if anomaly_class(v) in DATA_OR_WEIGHTS for r in v.ranks}
     # a per-sample replay (trainguard.replay) narrowed a rank's batch to the samples to blame
     return {r: list((everyone[r].get("narrowed") or {}).get("ids") or everyone[r]["sample_ids"])
-            for r in sorted(ranks) if r < len(everyone)}
+            for r in sorted(ranks) if r in everyone}
 
 
-def narrow_to_origin(v: Verdict, everyone: list[dict], coords: Sequence[RankCoords]) -> Verdict:
+def narrow_to_origin(v: Verdict, everyone: dict[int, dict], coords: Sequence[RankCoords]) -> Verdict:
     """Non-finite values spread inside a model-parallel group (the ranks that share a data-parallel
     index): down the pipeline in the forward (stage 0's NaN is stage 1's NaN loss), back up it in
     the backward (stage 1's NaN loss is stage 0's NaN gradients), and across a tensor-parallel
@@ -55,7 +56,7 @@ def narrow_to_origin(v: Verdict, everyone: list[dict], coords: Sequence[RankCoor
     for members in groups.values():
         orders = {}
         for r in members:
-            loc = everyone[r].get("localized") if r < len(everyone) else None
+            loc = everyone.get(r, {}).get("localized")
             if loc and loc.get("origin_order") is not None:
                 orders[r] = tuple(loc["origin_order"])
         if orders:

@@ -260,11 +260,11 @@ def zero_adam_moments(optimizer) -> int:
     return n
 
 
-def health_loss(obs) -> float | None:
+def health_loss(view) -> float | None:
     """The step's loss for checkpoint health: the mean over the ranks that have one (the last
     pipeline stage holds the loss under megatron), None when any of them is not finite."""
-    losses = [o.loss for o in obs if o.has_loss]
-    return sum(losses) / len(losses) if losses and all(math.isfinite(x) for x in losses) else None
+    mean = view.summary.loss_mean
+    return mean if math.isfinite(mean) else None
 
 
 def _lr(groups: list[dict]) -> float | None:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,8 +24,7 @@ from trainguard.checks import RunFacts, start_checks
 from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig, config_hash
 from trainguard.data import DataPosition
-from trainguard.detectors import RankObservation, Verdict, detect_nonfinite
-from trainguard.verdicts import PeerContext
+from trainguard.detectors import Verdict, detect_nonfinite
 from trainguard.detectors.activation import detect_activation
 from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
@@ -37,19 +35,21 @@ from trainguard.lrcut import LrHistory
 from trainguard.detectors.loss_trend import LossTrendDetector
 from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
-from trainguard.attribution import argmax, culprit_samples, merge_nonfinite, narrow_to_origin
+from trainguard.attribution import culprit_samples, merge_nonfinite, narrow_to_origin
 from trainguard.eventlog import EventLog
 from trainguard.errors import ConfigError, TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.incidents import Incidents
-from trainguard.isolation import FIELDS, F, RankCoords, agree, gather_objects, observations
+from trainguard.agreement import Agreement, StepView
+from trainguard.isolation import FIELDS, F, RankCoords
 from trainguard.metricline import DeferredLine, step_line
-from trainguard.policy import DATA_OR_WEIGHTS, Decision, Policy, anomaly_class
+from trainguard.policy import Decision, Policy, anomaly_class
 from trainguard.plugins import DETECTORS, Detector, build
-from trainguard.probes import EntropyProbe, RangeProbe, select_modules
-from trainguard.replay import MicroBatch, ReplayBook, judge_loss, loggable, narrow, weights_verdict
+from trainguard.probes import SampledProbes
+from trainguard.replay import MicroBatch, judge_loss
+from trainguard.replays import Replays
 from trainguard.steptime import StepTimer
 from trainguard.tally import StepTally
 from trainguard.suspects import SuspectWatch
@@ -74,7 +74,8 @@ class StepGuard:
     def __init__(self, cfg: TrainguardConfig, rank: int, world: int, group=None,
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
                  replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False,
-                 replay_peers: Sequence[int] | None = None, peer_replay: Callable[[Any, int], tuple] | None = None):
+                 replay_peers: Sequence[int] | None = None, peer_replay: Callable[[Any, int], tuple] | None = None,
+                 collective=None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
@@ -96,19 +97,17 @@ class StepGuard:
         self.registered = [(reg, reg.build(getattr(cfg.detectors, reg.key), self.device)) for reg in REGISTERED
                            if getattr(cfg.detectors, reg.key).enabled]
         self.localize = localize
-        self.replay = replay if cfg.recovery.replay_check else None
-        # (inputs, seed) -> (loss, output digest): a micro-batch replayed for a peer (detectors.peer_replay)
-        self.peer_replay = peer_replay if any(hasattr(det, "exchange") for _, det in self.registered) else None
-        if self.peer_replay is None and any(hasattr(det, "exchange") for _, det in self.registered):
+        exchanging = any(hasattr(det, "exchange") for _, det in self.registered)
+        if peer_replay is None and exchanging:
             raise ConfigError([("trainguard.detectors.peer_replay.enabled",
                                 "true needs an adapter that replays a micro-batch (DeepSpeed; megatron-core: "
                                 "install(..., replayer=Replayer(...)), as Megatron-LM's loop does); set false")])
-        self.narrow_rows = narrow_rows and replay is not None and cfg.recovery.narrow_samples
-        self.replay_peers = set(replay_peers) if replay_peers is not None else {rank}
-        self.book = ReplayBook()   # this step's micro-batches and the last healthy one (adapters that replay)
-        self._weights: dict | None = None  # the last anomaly step's weights check
-        self.range_probe: RangeProbe | None = None
-        self.entropy_probe: EntropyProbe | None = None
+        self.replays = Replays(replay if cfg.recovery.replay_check else None, peer_replay if exchanging else None,
+                               narrow_rows and replay is not None and cfg.recovery.narrow_samples,
+                               set(replay_peers) if replay_peers is not None else {rank}, self._healthy_loss,
+                               cfg.recovery.enabled)
+        self.book = self.replays.book  # this step's micro-batches and the last healthy one (what an adapter replays)
+        self.probes = SampledProbes(cfg.detectors)  # activation range, attention entropy: on their sampled steps
         self.coords: list[RankCoords] = []
         self.events = EventLog(rank)
         self.skipped_steps = 0      # steps the guard skipped (the framework's own count is separate)
@@ -118,13 +117,16 @@ class StepGuard:
         self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
         self.culprit_samples: dict[int, list[int]] = {}
         self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self.coords_of, world)
-        self._everyone: list[dict] | None = None  # the last anomaly step's object gather
+        self._everyone: dict[int, dict] | None = None  # the last anomaly step's object gather ({rank: values})
         self._probe_values: dict = {}
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
         self.straggler = StragglerDetector(cfg.detectors.straggler)
         self.incidents = Incidents(cfg.metrics.incident_gap) if cfg.metrics.incident_gap else None
-        self._pinned: torch.Tensor | None = None  # (the AGREE row's host side, on a GPU)
+        # the step's collectives (trainguard.agreement: every rank's rows up to 64 ranks, a fixed-size summary above)
+        self.agreement = Agreement(rank, world, self.device, group, collective, extra=COLUMNS)
+        # your detectors that read every rank's rows (without ``needs = "summary"``): the rows travel every step
+        self.rows_every_step = [type(d).__name__ for d in self.custom if getattr(d, "needs", "rows") != "summary"]
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -140,35 +142,14 @@ class StepGuard:
         to the registered detectors."""
         for _, det in self.registered:
             det.attach_model(model)
-        d = self.cfg.detectors
-        if d.activation_range.enabled:
-            self.range_probe = RangeProbe(select_modules(model, d.activation_range.modules))
-        if d.attention_entropy.enabled:
-            mods = select_modules(model, d.attention_entropy.modules, leaves_by_default=False)
-            self.entropy_probe = EntropyProbe(mods) if mods else None
+        self.probes.attach(model)
 
     def sampled(self, step: int) -> list[str]:
-        d = self.cfg.detectors
-        out = []
-        if self.range_probe is not None and step % d.activation_range.every == 0:
-            out.append("activation_range")
-        if self.entropy_probe is not None and step % d.attention_entropy.every == 0:
-            out.append("attention_entropy")
-        return out
+        return self.probes.sampled(step)
 
-    @contextmanager
-    def probing(self, step: int) -> Iterator[None]:
+    def probing(self, step: int):
         """Around the model's forward: opens the probes on sampled steps, else does nothing."""
-        which = self.sampled(step)
-        if not which:
-            yield
-            return
-        with ExitStack() as stack:
-            if "activation_range" in which:
-                stack.enter_context(self.range_probe.watch())
-            if "attention_entropy" in which:
-                stack.enter_context(self.entropy_probe.watch())
-            yield
+        return self.probes.probing(step)
 
     def clip_limit(self) -> float | None:
         """The max-norm to hand the framework for the coming step (None: leave it)."""
@@ -187,15 +168,16 @@ class StepGuard:
         """BEGIN: coordinates of every rank are known; open the logs; record the run's identity;
         run the start-of-run checks."""
         self.coords = list(coords)
+        self.suspects.begin(self.coords)
         self.events.open(self.cfg)
         if self.rank == 0:
             self.emit(0, Record.RUN_START, range(self.world), None, {
                 "trainguard": __version__, "config_hash": config_hash(self.cfg),
                 "world": self.world, "coords": [c.as_dict() for c in self.coords],
                 "faults": [f.model_dump() for f in self.cfg.faults],
-                "probes": {"activation_modules": len(self.range_probe.modules) if self.range_probe else 0,
-                           "attention_modules": [n for n, _ in self.entropy_probe.modules]
-                           if self.entropy_probe else []}, **framework})
+                "probes": self.probes.describe(),
+                "agree": {"way": self.agreement.way, "bytes_per_step": self.agreement.bytes_per_step,
+                          "rows_every_step": self.rows_every_step}, **framework})
         if facts is not None:
             for v in start_checks(facts, self.cfg):
                 self.emit(0, Record(v.anomaly), [], "warn", v.detail)
@@ -224,9 +206,9 @@ class StepGuard:
         self.tally.grad(grad)  # (one reduction kernel per gradient; combined once, at AGREE)
 
     def on_agree(self, step: int, loss_scale: float = 1.0, grad_divisor: float = 1.0,
-                 dynamic_scale: bool = False) -> list[RankObservation]:
-        """AGREE: the one collective. Every rank calls it at every optimizer step. ``dynamic_scale``:
-        an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
+                 dynamic_scale: bool = False) -> StepView:
+        """AGREE: the step's collectives (trainguard.agreement). Every rank calls it at every optimizer step.
+        ``dynamic_scale``: an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
         host = [0.0] * len(FIELDS) + [float("nan")] * len(COLUMNS)  # the host-known fields, in one small copy
         tally = self.tally
         host[F["micro_batches"]] = tally.micro
@@ -239,7 +221,7 @@ class StepGuard:
         pending = self.deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
-        row = self._row(host)
+        row = self.agreement.row(host)
         if tally.acc is not None:  # device-side values: copied, never read on the host here
             row[F["loss_sum"]] = tally.acc[0]
             row[F["loss_nonfinite"]] = tally.acc[1]
@@ -256,47 +238,39 @@ class StepGuard:
             if value is not None:  # (a device value: copied, never read here)
                 row[COLUMN_AT[reg.column]] = value.to(self.device, torch.float64) if isinstance(value, torch.Tensor) \
                     else float(value)
-        table = agree(row, self.group)
-        obs = observations(table, loss_scale=loss_scale, grad_divisor=grad_divisor, extra=COLUMNS)
+        view = self.agreement.agree(row, loss_scale, grad_divisor, want_rows=self._wants_rows(step))
         self._scaled = dynamic_scale
-        self.deferred.flush(obs[0].prev_grad_norm, sum(o.prev_applied_sq for o in obs))
-        return obs
+        self.deferred.flush(view.summary.prev_grad_norm, view.summary.prev_applied_sq)
+        return view
 
-    def _row(self, host: list) -> torch.Tensor:
-        """The host-known fields as this step's AGREE row on the collective's device. On a GPU through a
-        pinned buffer, copied without blocking: a copy from pageable memory would wait for the whole backward
-        (a second host sync per step, measured on an H200). The buffer is rewritten only after the previous
-        step's table was read on the host, by which time its copy has run."""
-        if self.device.type != "cuda":
-            return torch.tensor(host, dtype=torch.float64, device=self.device)
-        if self._pinned is None or self._pinned.numel() != len(host):
-            self._pinned = torch.empty(len(host), dtype=torch.float64, pin_memory=True)
-        self._pinned.copy_(torch.tensor(host, dtype=torch.float64))
-        return self._pinned.to(self.device, non_blocking=True)
+    def _wants_rows(self, step: int) -> bool:
+        """Whether this step needs every rank's row (the summary way gathers it only then): a sampled check that
+        compares every rank, or a detector of yours that reads the rows."""
+        return bool(self.rows_every_step) or any(getattr(det, "sampled", lambda s: False)(step)
+                                                 for _, det in self.registered)
 
-    def on_decide(self, step: int, obs: list[RankObservation]) -> Decision:
-        """DECIDE: pure detectors -> policy -> one action, identical on every rank."""
-        # (the LR the detectors read comes from the table, never this rank's own: under pipeline parallelism a
-        # stage's first param group may hold another LR, and the ranks would classify differently)
-        self.lr_agreed = obs[0].lr if obs and math.isfinite(obs[0].lr) else None
+    def on_decide(self, step: int, obs: StepView) -> Decision:
+        """DECIDE: pure detectors -> policy -> one action, identical on every rank. The detectors read the step's
+        summary (trainguard.reduced); the rows of the ranks it names, when it names any."""
+        s = obs.summary
+        # (the LR the detectors read is rank 0's, never this rank's own: under pipeline parallelism a stage's first
+        # param group may hold another LR, and the ranks would classify differently)
+        self.lr_agreed = s.lr if math.isfinite(s.lr) else None
         verdicts: list[Verdict] = []
-        nonfinite = detect_nonfinite(obs, scaled=self._scaled) if self.checking else None
+        nonfinite = detect_nonfinite(list(obs), scaled=self._scaled) if self.checking and s.bad else None
         spikes: list[Verdict] = []
         if nonfinite is None:
-            norms = [o.grad_norm for o in obs]
-            proxy = math.sqrt(sum(n * n for n in norms) / len(norms)) if all(n is not None for n in norms) else None
             if self.cfg.detectors.grad_norm.enabled:
                 rising_before = self.grad_norm.trend()
                 loss_up = not self.cfg.detectors.loss_trend.enabled or self.loss_trend.standing_above(0.05)
-                spikes += self.grad_norm.observe(step, proxy, ranks=[argmax(norms)], loss_up=loss_up)
+                spikes += self.grad_norm.observe(step, s.grad_proxy, ranks=[s.grad_rank], loss_up=loss_up)
             else:
                 rising_before = None
-            with_loss = [o.loss for o in obs if o.has_loss]
-            mean_loss = sum(with_loss) / len(with_loss) if with_loss else float("nan")
+            mean_loss = s.loss_mean
             lr_ratio = self._lr_ratio(step)
             if self.cfg.detectors.loss_spike.enabled:
                 v = self.loss_spike.observe(step, mean_loss, rising_before, self.grad_norm.last_z,
-                                            ranks=[argmax([o.loss for o in obs])], lr_ratio=lr_ratio)
+                                            ranks=[s.loss_rank], lr_ratio=lr_ratio)
                 if v is not None:
                     spikes.append(v)
         localized = None
@@ -304,29 +278,29 @@ class StepGuard:
                 and self.localize is not None:
             localized = self.localize()  # every rank replays together (ZeRO-3 / TP forwards are collective)
         sampled = self.sampled(step)
-        activation = self.range_probe.collect() if "activation_range" in sampled else None
-        entropy = self.entropy_probe.collect() if "attention_entropy" in sampled else None
-        deciding = self._replay_decides(nonfinite, spikes)
-        replayed, narrowed = self._replays(deciding)
+        activation, entropy = self.probes.collect(sampled)
+        deciding = self.replays.deciding(nonfinite, spikes)
+        replayed, narrowed = self.replays.run(deciding)
 
         everyone = None
-        if nonfinite or spikes or sampled or any(o.samples_rejected for o in obs):
-            # one object gather, taken by every rank: all of these conditions are the same everywhere
-            everyone = gather_objects({"sample_ids": self.tally.sample_ids, "rejected": self.tally.rejected,
-                                       "position": self.tally.where(),
-                                       "localized": localized, "activation": activation, "entropy": entropy,
-                                       "replayed": replayed, "narrowed": narrowed}, self.group)
+        if nonfinite or spikes or sampled or s.samples_rejected:
+            # one object gather, taken by every rank: all of these conditions are the same everywhere. From every
+            # rank where every rank's values count (a probe, the weights check), else from the ranks named
+            named = None if sampled or deciding else sorted(
+                {r for v in ([nonfinite] if nonfinite else []) + spikes for r in v.ranks}
+                | {o.rank for o in obs if o.samples_rejected})
+            everyone = self.agreement.objects({"sample_ids": self.tally.sample_ids, "rejected": self.tally.rejected,
+                                               "position": self.tally.where(), "localized": localized,
+                                               "activation": activation, "entropy": entropy, "replayed": replayed,
+                                               "narrowed": narrowed, "micro_batches": self.tally.micro}, named)
         if nonfinite is not None and everyone:
             nonfinite = narrow_to_origin(nonfinite, everyone, self.coords)
-        self._weights = None
         if everyone and deciding:
-            losses = [e["replayed"] for e in everyone]
-            self._weights = {"verdict": weights_verdict(losses, self._healthy_loss),
-                             "replayed_losses": [loggable(x) for x in losses]}
+            self.replays.judge(everyone)
         if nonfinite is None:
-            spikes = self._trend(step, obs, spikes, mean_loss)
+            spikes = self._trend(step, s.loss_rank, spikes, mean_loss)
         if everyone and activation is not None:
-            found = detect_activation({r: e["activation"] or {} for r, e in enumerate(everyone)},
+            found = detect_activation({r: e["activation"] or {} for r, e in everyone.items()},
                                       self.cfg.detectors.activation_range)
             for v in found:
                 if v.anomaly == "nonfinite":
@@ -334,21 +308,29 @@ class StepGuard:
                 else:
                     spikes.append(v)
         if everyone and entropy is not None:
-            spikes += detect_attention(step, {r: e["entropy"] or {} for r, e in enumerate(everyone)},
+            spikes += detect_attention(step, {r: e["entropy"] or {} for r, e in everyone.items()},
                                        self.cfg.detectors.attention_entropy)
         if nonfinite is not None:
             verdicts.append(nonfinite)
         verdicts += spikes
-        self._exchange(step, obs, deciding, everyone)
+        if self.replays.peer_replay is not None:  # (detectors.peer_replay replays for its peers, every rank alike)
+            ctx = self.replays.peer_context(self.rank, self.coords, self.device, self.group, deciding, everyone,
+                                            {o.rank: o.loss for o in obs} if obs.full else
+                                            {s.loss_rank: s.loss_max.value})
+            for _, det in self.registered:
+                if hasattr(det, "exchange"):
+                    det.exchange(step, ctx)
+        rows = list(obs)  # (every rank's on the steps a sampled check runs: trainguard.agreement)
         for _, det in self.registered:
-            found = det.observe(step, obs, self.coords)
+            found = det.observe(step, rows, self.coords)
             if found and hasattr(det, "explain"):  # (every rank alike: the verdicts come from the gathered table)
                 det.explain(step, found, self.group)
             for v in found:  # (a detector that names a rank for sure: its host goes to suspect_hosts.json)
                 for r in v.ranks if v.detail.get("suspect") else ():
                     self.suspects.suspect(step, r, f"{v.anomaly}: {v.detail['suspect']}", self.emit)
             verdicts += found
-        custom = [v for det in self.custom for v in det.observe(step, obs)]
+        custom = [v for det in self.custom
+                  for v in det.observe(step, s if getattr(det, "needs", "rows") == "summary" else rows)]
         rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
         lr_cut = None
         if self.cfg.recovery.lr_cut == "evidence":
@@ -361,8 +343,7 @@ class StepGuard:
         self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
         # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host;
         # judged on anomaly steps only -- each judgement sorts the loss window)
-        unhealthy = [o.rank for o in obs if o.has_loss and not (o.loss_finite and self._healthy_loss(o.loss))] \
-            if verdicts else []
+        unhealthy = self._unhealthy(obs) if verdicts else []
         self.suspects.observe(step, self.culprit_samples, self.emit, failing=unhealthy)
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
@@ -381,8 +362,7 @@ class StepGuard:
             self._alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
 
-    def _trend(self, step: int, obs: list[RankObservation], spikes: list[Verdict],
-               mean_loss: float) -> list[Verdict]:
+    def _trend(self, step: int, loss_rank: int, spikes: list[Verdict], mean_loss: float) -> list[Verdict]:
         """After the weights check: a step whose loss burst the weights do not explain was a bad batch -- its loss
         and gradient norm are no evidence about the LR (they leave the gradient's creep and surge count, and the
         loss trend does not see them); any other step's loss goes to the loss trend (trainguard.detectors.
@@ -393,7 +373,7 @@ class StepGuard:
             return spikes
         if self.cfg.detectors.loss_trend.enabled:
             v = self.loss_trend.observe(step, mean_loss, self.lr_agreed, self.grad_norm.ratio_since,
-                                        ranks=[argmax([o.loss for o in obs])])
+                                        ranks=[loss_rank])
             if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
                 spikes = spikes + [v]
         return spikes
@@ -406,71 +386,50 @@ class StepGuard:
         before = self.lr_history.at(step - LR_LOOKBACK)
         return self.lr_agreed / before if before else None
 
-    # ------------------------------------------------------------------ replays (trainguard.replay)
+    # ------------------------------------------------------------------ replays (trainguard.replays)
     @property
     def wants_batches(self) -> bool:
         """Whether the adapter should hand its training micro-batches to :meth:`record_micro_batch`."""
-        return self.replay is not None or self.peer_replay is not None
-
-    def _exchange(self, step: int, obs: list[RankObservation], deciding: list[Verdict], everyone) -> None:
-        """The registered detectors that replay for a peer (detectors.peer_replay), on every rank at DECIDE."""
-        if self.peer_replay is None:
-            return
-        # a spike neither the data nor the weights explain: the weights replay healthy and no sample is to blame
-        # (one micro-batch on the culprit: the one replayed is then the one that spiked)
-        unexplained = ()
-        if deciding and self.weights == "healthy" and not any((e or {}).get("narrowed") for e in everyone or []):
-            unexplained = sorted({r for v in deciding for r in v.ranks if r < len(obs) and obs[r].micro_batches == 1})
-        ctx = PeerContext(rank=self.rank, coords=self.coords, device=self.device, group=self.group,
-                          batch=self.book.step[-1] if self.book.step else None, replay=self.peer_replay,
-                          healthy=self._healthy_loss, unexplained=unexplained, step_loss=[o.loss for o in obs])
-        for _, det in self.registered:
-            if hasattr(det, "exchange"):
-                det.exchange(step, ctx)
+        return self.replays.wants_batches
 
     def peer_sampled(self, step: int) -> bool:
         """Whether a peer replays this step's last micro-batch (detectors.peer_replay): the adapter may then keep
         the random-number state its training forward starts from and that forward's values (:meth:`measured`)."""
-        return self.peer_replay is not None and any(getattr(det, "sampled", lambda s: False)(step)
-                                                    for _, det in self.registered)
+        return self.replays.peer_replay is not None and any(getattr(det, "sampled", lambda s: False)(step)
+                                                            for _, det in self.registered)
 
     def measured(self, rng: Any, value: Any) -> None:
         """The last recorded micro-batch's RNG state before its training forward, and that forward's (loss, output
         digest) as device values (read at DECIDE of a sampled step only)."""
-        if self.book.step:
-            self.book.step[-1].rng, self.book.step[-1].value = rng, value
+        self.replays.measured(rng, value)
 
     def record_micro_batch(self, inputs: Any, rows: int | None) -> None:
         """The adapter hands each training micro-batch it can replay (after BATCH named its samples)."""
-        self.book.record(MicroBatch(inputs, self.tally.take_ids(), rows))
+        self.replays.record(inputs, self.tally.take_ids(), rows)
 
     @property
     def weights(self) -> str | None:
         """This step's weights check: "healthy" (the data was to blame), "damaged", or None (none made)."""
-        return self._weights["verdict"] if self._weights else None
-
-    def _replay_decides(self, nonfinite: Verdict | None, spikes: list[Verdict]) -> list[Verdict]:
-        """The verdicts a replay decides (trainguard.policy.DATA_OR_WEIGHTS), when one can be made: the
-        same on every rank (they come from the gathered table)."""
-        if self.replay is None or not self.cfg.recovery.enabled:
-            return []
-        return [v for v in ([nonfinite] if nonfinite else []) + spikes if anomaly_class(v) in DATA_OR_WEIGHTS]
+        return self.replays.weights
 
     def _healthy_loss(self, loss: float) -> bool:
         w = self.loss_spike.window
         robust_z = w.robust_z if len(w) >= self.cfg.detectors.loss_spike.min_history else None
         return judge_loss(loss, robust_z, self.cfg.detectors.loss_spike.z)
 
-    def _replays(self, deciding: list[Verdict]) -> tuple[float | None, dict | None]:
-        """Every rank replays its last healthy micro-batch (together: a ZeRO-3 forward is collective);
-        a culprit rank (with its replay peers) also replays its step's samples one by one."""
-        if not deciding:
-            return None, None
-        replayed = self.replay(self.book.healthy, None) if self.book.healthy is not None else None
-        narrowed = None
-        if self.narrow_rows and any(self.replay_peers.intersection(v.ranks) for v in deciding) and self.book.step:
-            narrowed = narrow(self.book.step, self.replay, self._healthy_loss)
-        return replayed, narrowed
+    def _unhealthy(self, obs: StepView) -> list[int]:
+        """The ranks whose own loss was not healthy this step (the suspects' evidence of a shared failure): from the
+        rows where every rank's are here, else from the table's loss columns, judged the same way at once."""
+        if obs.full:
+            return [o.rank for o in obs if o.has_loss and not (o.loss_finite and self._healthy_loss(o.loss))]
+        micro = obs.column("micro_batches")
+        has = micro > 0
+        loss = obs.column("loss_sum") / torch.where(has, micro, torch.ones_like(micro))
+        bad = ~torch.isfinite(loss) | (obs.column("loss_nonfinite") > 0)
+        w = self.loss_spike.window
+        if len(w) >= self.cfg.detectors.loss_spike.min_history:
+            bad = bad | ((loss - w.median()) / w.scale() > self.cfg.detectors.loss_spike.z)
+        return torch.nonzero(has & bad).flatten().tolist()
 
     def on_step(self, step: int, decision: Decision, applied: bool,
                 scaler: ScalerState | None = None) -> Decision | None:
@@ -500,7 +459,7 @@ class StepGuard:
                        {"reason": "the framework skipped this step itself (e.g. fp16 loss-scale overflow "
                                   "found after the reduction)"})
 
-    def on_end(self, step: int, obs: list[RankObservation], metrics: dict[str, Any]) -> None:
+    def on_end(self, step: int, obs: StepView, metrics: dict[str, Any]) -> None:
         """END: the metric line(s) of this step, written once the framework's global gradient norm
         arrives with the next table (``metrics["grad_norm"]`` may be a device tensor)."""
         self.last_step = step
@@ -510,7 +469,7 @@ class StepGuard:
         due = self.line_due(step)
         line = step_line(obs, metrics, self.loss_spike.window.median() if len(self.loss_spike.window) else None,
                          self.skipped_steps, self.straggler.last, self._probe_values)
-        me = obs[self.rank] if self.rank < len(obs) else None
+        me = obs.own
         rank_line = None
         if me is not None and self.events.rank_log is not None:
             rank_line = {"rank": self.rank, "local_loss": me.loss, "local_grad_norm": me.grad_norm,
@@ -545,9 +504,10 @@ class StepGuard:
         """The adapter's forward returned (each micro-batch; the last one of the step counts)."""
         self.timer.mark()
 
-    def _log_stragglers(self, step: int, obs: list[RankObservation]) -> None:
+    def _log_stragglers(self, step: int, obs: StepView) -> None:
         """Alerts only: a slow rank is named, the ladders do not act on it."""
-        for v in self.straggler.observe(step, obs):
+        found = self.straggler.observe(step, list(obs)) if obs.full else self.straggler.observe_reduced(step, obs.summary)
+        for v in found:
             (r,) = v.ranks
             coords = self.coords_of(r)
             self._alert(step, Record.STRAGGLER, [r], {"coords": coords, "host": coords.get("host"), **v.detail})
@@ -555,19 +515,21 @@ class StepGuard:
             self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
                                   self.emit)
 
-    def _log_faults(self, step: int, obs: list[RankObservation]) -> None:
-        rec = records.faults_fired(step, obs, self.cfg.faults)
+    def _log_faults(self, step: int, obs: StepView) -> None:
+        if not obs.summary.faults_fired:
+            return
+        rec = records.faults_fired(step, list(obs), self.cfg.faults)
         if rec is not None:
             self.emit(step, *rec, rank_local=self.rank in rec[1])
 
-    def _log_rejections(self, step: int, everyone: list[dict]) -> None:
+    def _log_rejections(self, step: int, everyone: dict[int, dict]) -> None:
         rec = records.rejections(everyone, self.coords_of, self.cfg.sanitize.action)
         if rec is not None:
             self.emit(step, *rec, rank_local=self.rank in rec[1])
 
-    def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: list[dict] | None) -> None:
+    def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: dict[int, dict] | None) -> None:
         record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self.coords_of,
-                                                                self.skipped_steps, self._weights)
+                                                                self.skipped_steps, self.replays.check)
         if action == ALERT and anomaly_class(v) is None:  # (a ladder class's verdict is written every time)
             self._alert(step, record, ranks, detail, **extra)
         else:
@@ -596,7 +558,7 @@ class StepGuard:
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
-        report = records.abort_report(step, decision, self._everyone or [{}] * self.world, self.coords_of,
+        report = records.abort_report(step, decision, self._everyone or {}, self.coords_of,
                                       self.skipped_steps, self.policy)
         self.emit(step, Record.ABORT, sorted({r for v in decision.verdicts for r in v.ranks}), Action.ABORT.value,
                   report)
@@ -634,6 +596,6 @@ def _check_events_match() -> None:  # used by tests: one on_<event> method per E
         raise AssertionError(f"StepGuard and Event disagree: missing {missing}, extra {extra}")
 
 
-def by_rank(everyone: list[dict] | None, key: str) -> dict[int, dict]:
+def by_rank(everyone: dict[int, dict] | None, key: str) -> dict[int, dict]:
     """``{rank: its sampled values}`` from the gathered objects (ranks that sampled nothing left out)."""
-    return {r: e[key] for r, e in enumerate(everyone or []) if e.get(key)}
+    return {r: e[key] for r, e in (everyone or {}).items() if e.get(key)}

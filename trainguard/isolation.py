@@ -1,16 +1,18 @@
-"""Per-rank flag vectors -> one collective -> every rank holds every rank's observation.
+"""Per-rank flag vectors, the collectives that combine them, and every rank's coordinates.
 
-The AGREE collective is an all-reduce (SUM) of a ``[world, FIELDS]`` float64 tensor in which each
-rank has filled only its own row. It works on every backend (gloo has no all_gather_into_tensor on
-every version), moves ``world * len(FIELDS) * 8`` bytes (64 KB at 1,000 ranks), and, because the
-result is bit-identical everywhere, every rank reaches the same verdict without a second round.
-NaN and Inf survive the sum in their own row (other ranks contribute exact zeros there).
+A rank's AGREE row is ``FIELDS`` (then the registered detectors' columns). The table of every rank's row is
+an all-reduce (SUM) of a ``[world, n]`` float64 tensor in which each rank filled only its own row: it works
+on every backend (gloo has no all_gather_into_tensor on every version), and, because the result is
+bit-identical everywhere, every rank reaches the same verdict without a second round. NaN and Inf survive
+the sum in their own row (other ranks contribute exact zeros there). It moves ``world * n * 8`` bytes, so
+trainguard.agreement takes it every step only up to 64 ranks; above, a healthy step reduces a fixed-size
+summary instead (trainguard.reduced).
 """
 from __future__ import annotations
 
 import math
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -39,7 +41,7 @@ class RankCoords:
     ep: int = 0      # expert-parallel rank (megatron)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return dict(self.__dict__)  # (flat fields: dataclasses.asdict's deep copy costs ~35 us a rank)
 
 
 def gather_coords(dp: int, tp: int, pp: int, local_rank: int, group=None, cp: int = 0,
@@ -54,30 +56,61 @@ def gather_coords(dp: int, tp: int, pp: int, local_rank: int, group=None, cp: in
     return list(out)
 
 
-def agree(row: torch.Tensor, group=None) -> list[list[float]]:
-    """The one per-step collective. ``row`` is this rank's ``[len(FIELDS)]`` float64 vector on the
-    device the collective backend wants. Returns the table as host floats (the one host sync)."""
-    if not _distributed():
-        return [row.tolist()]
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    table = torch.zeros(world, row.numel(), dtype=torch.float64, device=row.device)
-    table[rank].copy_(row)
-    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
-    return table.tolist()  # the single host synchronisation of a healthy step
+class TorchCollective:
+    """The AGREE collectives over torch.distributed (``group`` None: the world); a simulation
+    (bench/scale.py) hands :class:`trainguard.agreement.Agreement` another object with these three methods."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def table(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's row: an all-reduce (SUM) of a ``[world, n]`` float64 table in which each rank filled its
+        own row (exact: every other rank adds zeros). Left on the device."""
+        if not _distributed():
+            return row.reshape(1, -1)
+        world = dist.get_world_size(self.group)
+        table = torch.zeros(world, row.numel(), dtype=torch.float64, device=row.device)
+        table[dist.get_rank(self.group)].copy_(row)
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
+        return table
+
+    def reduce(self, sums: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-size summary (trainguard.reduced): SUM of the float64 sums, MAX of the int64 keys."""
+        if _distributed():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self.group)
+        return sums, keys
+
+    def objects(self, obj, ranks: Sequence[int] | None = None) -> dict:
+        """``{rank: its obj}``: every rank's (``ranks`` None: one object all-gather) or only the named ranks'
+        (one object broadcast from each: the others' unpickling does not grow with the world)."""
+        if not _distributed():
+            return {0: obj}
+        if ranks is None:
+            return dict(enumerate(gather_objects(obj, self.group)))
+        me = dist.get_rank(self.group)
+        out = {}
+        for r in sorted(set(ranks)):
+            box = [obj if r == me else None]
+            src = dist.get_global_rank(self.group, r) if self.group is not None else r
+            dist.broadcast_object_list(box, src=src, group=self.group)
+            out[r] = box[0]
+        return out
 
 
 def observations(table: Sequence[Sequence[float]], loss_scale: float = 1.0,
-                 grad_divisor: float = 1.0, extra: Sequence[str] = ()) -> list[RankObservation]:
+                 grad_divisor: float = 1.0, extra: Sequence[str] = (),
+                 ranks: Sequence[int] | None = None) -> list[RankObservation]:
     """Turn the gathered table into per-rank observations.
 
     ``grad_sq`` holds squared norms of the gradients as autograd produced them: scaled by the fp16
     loss scale and divided by the gradient-accumulation steps. ``loss_scale`` and ``grad_divisor``
     undo that so the reported local norm is comparable to DeepSpeed's global one. ``extra``: the names of
-    the columns after FIELDS (the registered detectors', trainguard.detectors.registry), in order.
+    the columns after FIELDS (the registered detectors', trainguard.detectors.registry), in order. ``ranks``:
+    whose rows ``table`` holds (default: every rank's, in rank order).
     """
     out = []
-    for rank, row in enumerate(table):
+    for rank, row in zip(ranks if ranks is not None else range(len(table)), table):
         micro = int(row[F["micro_batches"]])
         loss = row[F["loss_sum"]] / micro if micro else float("nan")
         grad_norm = None

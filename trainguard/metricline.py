@@ -15,19 +15,31 @@ import math
 from typing import Any
 
 
-def step_line(obs, metrics: dict, loss_median: float | None, guard_skipped: int, straggler_ratio: dict | None,
+def step_line(view, metrics: dict, loss_median: float | None, guard_skipped: int, straggler_ratio: dict | None,
               probes: dict) -> dict:
     """Rank 0's metric line of a step (before its framework norm arrives): the mean loss over the ranks that
-    have one (NaN when any is not finite), every rank's local loss, norm, clock and compute time, the
-    straggler ratios, and the sampled probes' values merged over ranks (their extremes) and by rank."""
-    with_loss = [o for o in obs if o.has_loss]
-    finite = [o.loss for o in with_loss if math.isfinite(o.loss)]
-    loss = (sum(finite) / len(finite)) if len(finite) == len(with_loss) and finite else float("nan")
-    line = {"loss": loss, "loss_median": loss_median, **metrics, "guard_skipped_steps": guard_skipped,
-            "local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs],
-            "clocks": [o.clock for o in obs], "compute_s": [o.compute_s for o in obs]}
-    if straggler_ratio:
-        line["straggler_ratio"] = [straggler_ratio.get(o.rank) for o in obs]
+    have one (NaN when any is not finite), every rank's local loss, norm, clock and compute time -- or, where
+    the step's rows did not travel (``view``: trainguard.agreement.StepView; above 64 ranks), their extremes
+    with the rank that holds each --, the straggler ratios, and the sampled probes' values merged over ranks
+    (their extremes) and by rank."""
+    s = view.summary
+    line = {"loss": s.loss_mean, "loss_median": loss_median, **metrics, "guard_skipped_steps": guard_skipped}
+    if view.full:
+        obs = list(view)
+        with_loss = [o for o in obs if o.has_loss]
+        finite = [o.loss for o in with_loss if math.isfinite(o.loss)]
+        line["loss"] = (sum(finite) / len(finite)) if len(finite) == len(with_loss) and finite else float("nan")
+        line.update({"local_losses": [o.loss for o in obs], "local_grad_norms": [o.grad_norm for o in obs],
+                     "clocks": [o.clock for o in obs], "compute_s": [o.compute_s for o in obs]})
+        if straggler_ratio:
+            line["straggler_ratio"] = [straggler_ratio.get(o.rank) for o in obs]
+    else:
+        line.update({"local_loss_max": s.loss_max.as_list(), "local_grad_norm_max": s.grad_norm_max.as_list(),
+                     "compute_s_max": s.compute_max.as_list(), "compute_s_min": s.compute_min.as_list(),
+                     "compute_s_mean": s.compute_mean, "clock_min": s.clock_min.as_list(),
+                     "clock_max": s.clock_max.as_list()})
+        if straggler_ratio:
+            line["straggler_ratio_by_rank"] = {str(r): v for r, v in sorted(straggler_ratio.items())}
     if probes.get("entropy"):  # {rank: {layer: {"ratio": [per head], "entropy": [...]}}}
         ent = probes["entropy"]
         line["attention_entropy_ratio"] = merged(ent, lambda v: v["ratio"], min)

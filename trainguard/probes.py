@@ -14,7 +14,7 @@ around a *replay* of the last micro-batch after a non-finite verdict (localisati
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
@@ -207,3 +207,48 @@ def preserved_rng(devices=()) -> Iterator[None]:
     """A replay must not consume the training run's random numbers (dropout)."""
     with torch.random.fork_rng(devices=list(devices), enabled=True):
         yield
+
+
+class SampledProbes:
+    """The model's activation-range and attention-entropy probes (``detectors``: the config's section), opened
+    around the forward of their sampled steps only."""
+
+    def __init__(self, detectors):
+        self.d = detectors
+        self.range: RangeProbe | None = None
+        self.entropy: EntropyProbe | None = None
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Choose the modules they watch (hooks are added only on sampled steps)."""
+        if self.d.activation_range.enabled:
+            self.range = RangeProbe(select_modules(model, self.d.activation_range.modules))
+        if self.d.attention_entropy.enabled:
+            mods = select_modules(model, self.d.attention_entropy.modules, leaves_by_default=False)
+            self.entropy = EntropyProbe(mods) if mods else None
+
+    def sampled(self, step: int) -> list[str]:
+        out = []
+        if self.range is not None and step % self.d.activation_range.every == 0:
+            out.append("activation_range")
+        if self.entropy is not None and step % self.d.attention_entropy.every == 0:
+            out.append("attention_entropy")
+        return out
+
+    @contextmanager
+    def probing(self, step: int) -> Iterator[None]:
+        which = self.sampled(step)
+        with ExitStack() as stack:
+            if "activation_range" in which:
+                stack.enter_context(self.range.watch())
+            if "attention_entropy" in which:
+                stack.enter_context(self.entropy.watch())
+            yield
+
+    def collect(self, sampled: list[str]) -> tuple[Any, Any]:
+        """At DECIDE of a sampled step: (activation values, entropy values), None where not sampled."""
+        return (self.range.collect() if "activation_range" in sampled else None,
+                self.entropy.collect() if "attention_entropy" in sampled else None)
+
+    def describe(self) -> dict:
+        return {"activation_modules": len(self.range.modules) if self.range else 0,
+                "attention_modules": [n for n, _ in self.entropy.modules] if self.entropy else []}

@@ -19,16 +19,16 @@ def faults_fired(step: int, obs: Sequence[RankObservation], faults) -> tuple | N
     return Record.FAULT_INJECTED, fired_ranks, None, {"faults": specs}
 
 
-def rejections(everyone: list[dict], coords_of: Callable[[int], dict], action: str) -> tuple | None:
+def rejections(everyone: dict[int, dict], coords_of: Callable[[int], dict], action: str) -> tuple | None:
     per_rank = {str(r): {"rejected": [{"sample_id": i, "problems": p} for i, p in e["rejected"]],
                          "coords": coords_of(r)}
-                for r, e in enumerate(everyone) if e["rejected"]}
+                for r, e in sorted(everyone.items()) if e["rejected"]}
     if not per_rank:
         return None
     return Record.SAMPLES_REJECTED, sorted(int(r) for r in per_rank), action, {"per_rank": per_rank}
 
 
-def verdict(v: Verdict, decision, everyone: list[dict] | None, coords_of: Callable[[int], dict],
+def verdict(v: Verdict, decision, everyone: dict[int, dict] | None, coords_of: Callable[[int], dict],
             skipped_steps: int, weights: dict | None = None) -> tuple:
     """Name the culprits with their coordinates, host, samples and (non-finite) first bad module.
     ``weights``: the step's replay of a healthy micro-batch (trainguard.replay), for the classes it
@@ -42,8 +42,8 @@ def verdict(v: Verdict, decision, everyone: list[dict] | None, coords_of: Callab
         raw = v.detail.get("per_rank", {}).get(r, {}) if isinstance(v.detail.get("per_rank"), dict) else {}
         d = {"values": raw} if isinstance(raw, list) else dict(raw)
         d["coords"] = coords_of(r)
-        if everyone:
-            e = everyone[r]
+        e = (everyone or {}).get(r)
+        if e is not None:
             d.update({"sample_ids": e["sample_ids"], "position": e["position"]})
             if e.get("narrowed") and anomaly_class(v) in DATA_OR_WEIGHTS:
                 d.update({"sample_ids": e["narrowed"]["ids"], "batch_sample_ids": e["sample_ids"],
@@ -65,13 +65,13 @@ def verdict(v: Verdict, decision, everyone: list[dict] | None, coords_of: Callab
     extra = {}
     if is_nonfinite:
         detail["reason"] = decision.reason
-        if everyone and not any(e["sample_ids"] for e in everyone):
+        if everyone and not any(e["sample_ids"] for e in everyone.values()):
             detail["sample_ids_note"] = NO_SAMPLE_IDS
         extra["skipped_steps"] = skipped_steps + (decision.action in (Action.SKIP_STEP, Action.ROLLBACK))
     return Record(v.anomaly), list(v.ranks), action, detail, extra
 
 
-def abort_report(step: int, decision, everyone: list[dict], coords_of: Callable[[int], dict], skipped_steps: int,
+def abort_report(step: int, decision, everyone: dict[int, dict], coords_of: Callable[[int], dict], skipped_steps: int,
                  policy) -> dict:
     """The report every rank raises with (TrainguardAbort) and the log keeps."""
     culprits = sorted({r for v in decision.verdicts for r in v.ranks})
@@ -79,7 +79,7 @@ def abort_report(step: int, decision, everyone: list[dict], coords_of: Callable[
             "verdicts": [{"detector": v.detector, "anomaly": v.anomaly, "ranks": list(v.ranks),
                           "detail": v.detail} for v in decision.verdicts],
             "coords": {str(r): coords_of(r) for r in culprits},
-            "samples": {str(r): {k: (everyone[r] if r < len(everyone) else {}).get(k)
+            "samples": {str(r): {k: everyone.get(r, {}).get(k)
                                  for k in ("sample_ids", "position")} for r in culprits},
             "tried": {"skipped_steps": skipped_steps, "rollbacks": policy.tried, "lr_factor": policy.lr_factor,
                       "consecutive_nonfinite": policy.consecutive_nonfinite,

@@ -36,9 +36,12 @@ class RollingWindow:
         perfectly flat history does not turn every wiggle into an infinite z."""
         if not self.values:
             return 0.0
+        return (x - self.median()) / self.scale(floor)
+
+    def scale(self, floor: float = 1e-8) -> float:
+        """The MAD, floored (see :meth:`robust_z`)."""
         m = self.median()
-        scale = max(self.mad(), abs(m) * 1e-3, floor)
-        return (x - m) / scale
+        return max(self.mad(), abs(m) * 1e-3, floor)
 
     def slope(self, last: int | None = None, log: bool = False) -> float:
         """Least-squares slope per step of the last ``last`` values (of log values if ``log``)."""

@@ -28,6 +28,8 @@ class SuspectWatch:
         self.seen: dict[int, list] = {}    # rank -> [(step, sample ids)] it was the culprit
         self.suspected: set[int] = set()
         self.last_failure: dict = {}       # data-parallel replica -> the last step it held a culprit
+        self.replicas: int | None = None   # how many data-parallel replicas the world has
+        self.dp_of: list[int] | None = None
 
     def observe(self, step: int, culprits: dict[int, list[int]], emit, failing=()) -> None:
         """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit.
@@ -40,13 +42,16 @@ class SuspectWatch:
         fails again and again while the other replicas stay healthy. ``failing``: the ranks whose own values were not
         healthy this step beside the culprits (a loss spike names the rank with the highest loss; a stretch of bad
         data reaches every rank)."""
+        if not culprits and not failing:
+            return  # (a healthy step: nothing to count, and nothing here may cost more in a bigger world)
         if self.world > 1:
             # (by data-parallel replica: under tensor/pipeline parallelism one origin per model-parallel group is named)
-            replicas = {self._replica(r) for r in range(self.world)}
+            if self.replicas is None:  # (known at BEGIN from the coordinates: see :meth:`begin`)
+                self.replicas = len({self._replica(r) for r in range(self.world)})
             failing = {self._replica(r) for r in [*culprits, *failing]}
             for rep in failing:
                 self.last_failure[rep] = step
-            if not culprits or (len(replicas) > 1 and failing >= replicas):
+            if not culprits or (self.replicas > 1 and len(failing) >= self.replicas):
                 return
         for r, ids in culprits.items():
             others = [s for rep, s in self.last_failure.items() if rep != self._replica(r)]
@@ -66,7 +71,14 @@ class SuspectWatch:
         self.last_failure = {rep: min(s, to_step) for rep, s in self.last_failure.items()}
 
     def _replica(self, r: int):
+        if self.dp_of is not None:
+            return self.dp_of[r] if r < len(self.dp_of) else r
         return self.coords_of(r).get("dp", r)
+
+    def begin(self, coords) -> None:
+        """Every rank's coordinates (trainguard.isolation.RankCoords), once: each rank's data-parallel replica."""
+        self.dp_of = [c.dp for c in coords]
+        self.replicas = len(set(self.dp_of)) if self.dp_of else None
 
     def suspect(self, step: int, r: int, why: str | None, emit, occurrences: list[int] | None = None) -> None:
         """Name rank ``r`` suspect, once: the record, and its host in the file. ``why``: a reason other than

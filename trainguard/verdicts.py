@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ class PeerContext:
     replay: Callable[[Any, int], tuple]  # ((inputs, rng), seed) -> (loss or None, digest or None), forward-only
     healthy: Callable[[float], bool]     # the loss-spike detector's judgement of a loss
     unexplained: Sequence[int] = field(default_factory=tuple)  # culprits of a spike neither data nor weights explain
-    step_loss: Sequence[float] = field(default_factory=tuple)  # every rank's training loss of the step
+    step_loss: Mapping[int, float] = field(default_factory=dict)  # {rank: its training loss of the step}: every
+    # rank's where the step's rows are (trainguard.agreement), else the rank with the highest
 
 
 @dataclass(frozen=True)

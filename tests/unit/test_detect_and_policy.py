@@ -123,8 +123,8 @@ def test_origin_within_model_parallel_groups():
     coords = [RankCoords(rank=r, dp=r // 2, tp=0, pp=r % 2, host="h", local_rank=r) for r in range(4)]
     per_rank = {0: {"origin": "gradients"}, 1: {"origin": "loss"}, 2: {"origin": "loss"}, 3: {"origin": "loss"}}
     v = Verdict("nonfinite", "nonfinite", (0, 1, 2, 3), {"per_rank": per_rank})
-    everyone = [{"localized": {"origin_order": [0, 7]}}, {"localized": {"origin_order": [1, 2]}},
-                {"localized": None}, {"localized": {"module": "x", "order": 3}}]  # DeepSpeed's own "order": ignored
+    everyone = dict(enumerate([{"localized": {"origin_order": [0, 7]}}, {"localized": {"origin_order": [1, 2]}},
+                               {"localized": None}, {"localized": {"module": "x", "order": 3}}]))  # DeepSpeed's "order": ignored
     out = narrow_to_origin(v, everyone, coords)
     # group dp=0: stage 0's module came first -> rank 0; group dp=1: no module orders -> the loss ranks (2, 3)
     assert out.ranks == (0, 2, 3) and out.detail["affected_ranks"] == [0, 1, 2, 3]

@@ -85,7 +85,7 @@ def run_world(n, wrong=(), step=10, every=5, unexplained=(), step_loss=None, rto
             mb.value = measured(r, inputs)
         ctx = PeerContext(rank=r, coords=cs, device=torch.device("cpu"), group=None, batch=mb,
                           replay=replayer(r in wrong), healthy=lambda loss: loss < 5.0, unexplained=unexplained,
-                          step_loss=step_loss or [1.0] * n)
+                          step_loss=dict(enumerate(step_loss or [1.0] * n)))
         det.exchange(step, ctx)
         found[r] = det.observe(step, [], cs)
 

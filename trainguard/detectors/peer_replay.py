@@ -167,7 +167,7 @@ class PeerReplay:
             if same(own_of[c], peer_of[p], rtol) and loss == loss and ctx.healthy(loss):
                 named.setdefault(c, []).append({
                     "why": "its training forward computed a loss that its own replay and its peer's do not reproduce",
-                    "owner": c, "replayer": p, "step_loss": _num(ctx.step_loss[c]) if c < len(ctx.step_loss) else None,
+                    "owner": c, "replayer": p, "step_loss": _num(ctx.step_loss.get(c)),
                     "replayed_loss": _num(loss), "group": list(g), "majority": True})
         if named:
             suspect = all(e["majority"] for evid in named.values() for e in evid)

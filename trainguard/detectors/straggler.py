@@ -2,7 +2,8 @@
 rank's own compute time (``RankObservation.compute_s``, from the AGREE table: no extra sync) over
 the median rank's; a rank whose median ratio over the last ``window`` steps exceeds ``slower_by``
 is named -- once per episode, with how much slower and for how long. Noise on a busy machine moves
-single steps, not a window's median.
+single steps, not a window's median. Above 64 ranks, where every rank's time does not travel each step, the
+same rule runs on the step's slowest rank against the mean (:meth:`StragglerDetector.observe_reduced`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class StragglerDetector:
         self.since: dict[int, int] = {}      # rank -> first step of its current slow episode
         self.named: set[int] = set()         # ranks reported in their current episode
         self.last: dict[int, float] = {}     # rank -> its window's median ratio (for the metrics)
+        self._slowest: deque = deque(maxlen=cfg.window)  # (rank, ratio to the mean) of each step: the reduced view
 
     def observe(self, step: int, obs: list[RankObservation]) -> list[Verdict]:
         times = [o.compute_s for o in obs]
@@ -53,6 +55,38 @@ class StragglerDetector:
             elif ratio < 1.0 + (self.cfg.slower_by - 1.0) / 2:  # (hysteresis: the episode is over)
                 self.since.pop(o.rank, None)
                 self.named.discard(o.rank)
+        return out
+
+    def observe_reduced(self, step: int, summary) -> list[Verdict]:
+        """Above 64 ranks the rows do not travel on a healthy step (trainguard.agreement): each step brings the
+        slowest rank and the mean time over the ranks (``summary``: trainguard.reduced.Summary). A rank's window
+        then holds its ratio to the mean on the steps it was the slowest and 1.0 on the others, so a rank is named
+        when it was the slowest in more than half the window by more than ``slower_by`` (its window's median). Two
+        stragglers at once: the slower is named first; the other once the first is gone."""
+        mid, slow = summary.compute_mean, summary.compute_max
+        if summary.world < 2 or mid is None or slow.rank is None or mid < self.cfg.min_step_s:
+            return []
+        self._slowest.append((slow.rank, slow.value / mid if mid > 0 else 1.0))
+        out = []
+        for r in {slow.rank} | set(self.since) | set(self.last):
+            ratios = [x for q, x in self._slowest if q == r]
+            window = ratios + [1.0] * (len(self._slowest) - len(ratios))
+            if len(window) < self.cfg.window:
+                continue
+            ratio = _median(window)
+            self.last[r] = ratio
+            if ratio > self.cfg.slower_by:
+                first = self.since.setdefault(r, step - self.cfg.window + 1)
+                if r not in self.named:
+                    self.named.add(r)
+                    out.append(Verdict("straggler", "straggler", (r,), {
+                        "slower_by": round(ratio, 3), "compute_s": round(slow.value, 6) if r == slow.rank else None,
+                        "mean_rank_s": round(mid, 6), "since_step": first, "for_steps": step - first + 1,
+                        "window": self.cfg.window, "limit": self.cfg.slower_by, "view": "slowest rank vs the mean"}))
+            elif ratio < 1.0 + (self.cfg.slower_by - 1.0) / 2:
+                self.since.pop(r, None)
+                self.named.discard(r)
+                self.last.pop(r, None)
         return out
 
     def persisting(self, step: int) -> list[int]:
