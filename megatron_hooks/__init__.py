@@ -372,7 +372,7 @@ class MegatronGuard:
             self.applied_grad.remove()
         self.applied_grad = self._applied_grad_meter()
         self.grad_scaler = None  # bf16: no loss scale to watch
-        self.guard.loss_scale.reset()
+        self.guard.scaler_reset()
         if self.faults is not None:
             self.faults.precision = "bf16"
         return {"from": "fp16", "to": "bf16", "at_step": self.iteration, **detail}

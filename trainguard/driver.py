@@ -147,7 +147,7 @@ class StepDriver:
         if tag is None:
             if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
                 guard.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
-                guard.grad_norm.reset_trend()  # (what goes on at the lowered LR is a new episode)
+                guard.lr_lowered()
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
             guard.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
             guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
@@ -172,14 +172,7 @@ class StepDriver:
                                                            "anomaly": decision.anomaly}, scale=scale,
                                  until=goes_on + rc.lr_cooldown_steps)
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
-        guard.grad_norm.reset_trend()
-        if restart:  # (back to the first step: the loss and norm windows describe a later stage of training)
-            guard.loss_spike.reset()
-            guard.grad_norm.reset()
-        guard.loss_trend.rolled_back(to_step)
-        guard.rewound(step, to_step)
-        if self.cfg.faults:
-            guard.faults.rolled_back()
+        guard.rewound(step, to_step, restart=restart)
         guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {
             "to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
             "onset_step": decision.onset_step, "skip_batches": skip if data is not None else 0,
@@ -201,7 +194,7 @@ class StepDriver:
     def scale_remedy(self, step: int, decision: Decision, rolled_back: bool) -> dict:
         """The loss_scale rung's remedy: reset the scale, also raise its floor, or continue in bf16."""
         fw, guard = self.fw, self.guard
-        guard.loss_scale.reset()
+        guard.scaler_reset()
         if decision.remedy is Remedy.BF16_FALLBACK:
             if fw.checkpointer is not None:
                 fw.checkpointer.wait_pending()
@@ -212,7 +205,7 @@ class StepDriver:
                                                  decision.verdicts)) from None
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}
-            guard.grad_norm.reset()  # (a new gradient-norm distribution from here)
+            guard.precision_changed()
             guard.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
             guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
             if fw.checkpointer is not None:

@@ -5,8 +5,8 @@ moments of its framework's loop and carries out the action it gets back from ``o
 guard never imports a framework and never touches an optimizer.
 
 Cost on a healthy, unsampled step: a few device-side ops per micro-batch (loss flag) and per
-parameter gradient (a norm added into one scalar), one all-reduce of ``world x 8`` float64 values,
-and one host synchronisation to read it. The framework's global gradient norm of a step rides in
+parameter gradient (a norm added into one scalar), the step's agreement (trainguard.agreement: every
+rank's row up to 64 ranks, a fixed-size summary above), and one host synchronisation to read it. The framework's global gradient norm of a step rides in
 the *next* step's table (so reading it costs no second sync), which is why a metric line is written
 one step late. Sampled steps (probes), anomaly steps and steps where the sanitiser set samples aside
 add one object gather (sample ids, probe statistics, localisation).
@@ -36,12 +36,10 @@ from trainguard.detectors.loss_trend import LossTrendDetector
 from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import culprit_samples, merge_nonfinite, narrow_to_origin
-from trainguard.eventlog import EventLog
 from trainguard.errors import ConfigError, TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
-from trainguard.incidents import Incidents
 from trainguard.agreement import Agreement, StepView
 from trainguard.isolation import FIELDS, F, RankCoords
 from trainguard.metricline import DeferredLine, step_line
@@ -50,6 +48,7 @@ from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import SampledProbes
 from trainguard.replay import MicroBatch, judge_loss
 from trainguard.replays import Replays
+from trainguard.steplog import StepLog
 from trainguard.steptime import StepTimer
 from trainguard.tally import StepTally
 from trainguard.suspects import SuspectWatch
@@ -109,7 +108,8 @@ class StepGuard:
         self.book = self.replays.book  # this step's micro-batches and the last healthy one (what an adapter replays)
         self.probes = SampledProbes(cfg.detectors)  # activation range, attention entropy: on their sampled steps
         self.coords: list[RankCoords] = []
-        self.events = EventLog(rank)
+        self.log = StepLog(rank, cfg, self.coords_of)  # records and incidents (trainguard.steplog)
+        self.events = self.log.events
         self.skipped_steps = 0      # steps the guard skipped (the framework's own count is separate)
         self.last_decision: Decision | None = None
         self.last_step = 0
@@ -122,7 +122,6 @@ class StepGuard:
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
         self.straggler = StragglerDetector(cfg.detectors.straggler)
-        self.incidents = Incidents(cfg.metrics.incident_gap) if cfg.metrics.incident_gap else None
         # the step's collectives (trainguard.agreement: every rank's rows up to 64 ranks, a fixed-size summary above)
         self.agreement = Agreement(rank, world, self.device, group, collective, extra=COLUMNS)
         # your detectors that read every rank's rows (without ``needs = "summary"``): the rows travel every step
@@ -161,7 +160,7 @@ class StepGuard:
     def emit(self, step: int, record: Record, ranks=(), action: str | None = None, detail: dict | None = None,
              rank_local: bool = False, **extra) -> None:
         """Write one record (trainguard.eventlog.EventLog.emit): the one way anything is logged."""
-        self.events.emit(step, record, ranks, action, detail, rank_local=rank_local, **extra)
+        self.log.emit(step, record, ranks, action, detail, rank_local=rank_local, **extra)
 
     # ------------------------------------------------------------------ loop points
     def on_begin(self, coords: Sequence[RankCoords], framework: dict[str, Any], facts: RunFacts | None = None) -> None:
@@ -351,15 +350,16 @@ class StepGuard:
         # every rank's sampled values (they came with the gather above: no extra synchronisation)
         self._probe_values = {"activation": by_rank(everyone, "activation") if activation is not None else None,
                               "entropy": by_rank(everyone, "entropy") if entropy is not None else None}
-        self._log_faults(step, obs)
+        if s.faults_fired:
+            self.log.faults(step, list(obs))
         if everyone:
-            self._log_rejections(step, everyone)
+            self.log.rejections(step, everyone)
         for v in verdicts:
-            self._log_verdict(step, v, decision, everyone)
+            self.log.verdict(step, v, decision, everyone, self.skipped_steps, self.replays.check)
         if self.cfg.detectors.straggler.enabled:
             self._log_stragglers(step, obs)
         for v in custom:  # your detectors alert; the ladders act on the built-in classes only
-            self._alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
+            self.log.alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
 
     def _trend(self, step: int, loss_rank: int, spikes: list[Verdict], mean_loss: float) -> list[Verdict]:
@@ -445,7 +445,7 @@ class StepGuard:
         if verdict is None:
             return None
         scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self.lr_history.rising_into)
-        self._log_verdict(step, verdict, scale_decision, None)
+        self.log.verdict(step, verdict, scale_decision, None, self.skipped_steps, self.replays.check)
         return scale_decision
 
     def _check_applied(self, step: int, decision: Decision, applied: bool) -> None:
@@ -481,7 +481,7 @@ class StepGuard:
         self.last_metrics = line
         self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm, applied_sq)
         self._probe_values = {}
-        self._close_incidents(step)
+        self.log.close_incidents(step)
         self._reset_step()
         self.timer.start()  # (the next step's own time counts from here)
 
@@ -493,7 +493,7 @@ class StepGuard:
     def on_close(self, totals: dict[str, Any] | None = None) -> None:
         """CLOSE: the last metric line, totals, then close the files."""
         self.deferred.close(self.world)
-        self._close_incidents(self.last_step, at_end=True)
+        self.log.close_incidents(self.last_step, at_end=True)
         self.emit(self.last_step, Record.RUN_END, range(self.world), None,
                   {"guard_skipped_steps": self.skipped_steps,
                    "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
@@ -505,56 +505,38 @@ class StepGuard:
         self.timer.mark()
 
     def _log_stragglers(self, step: int, obs: StepView) -> None:
-        """Alerts only: a slow rank is named, the ladders do not act on it."""
-        found = self.straggler.observe(step, list(obs)) if obs.full else self.straggler.observe_reduced(step, obs.summary)
-        for v in found:
-            (r,) = v.ranks
-            coords = self.coords_of(r)
-            self._alert(step, Record.STRAGGLER, [r], {"coords": coords, "host": coords.get("host"), **v.detail})
+        self.log.stragglers(step, self.straggler.observe(step, list(obs)) if obs.full else
+                            self.straggler.observe_reduced(step, obs.summary))
         for r in self.straggler.persisting(step):
             self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
                                   self.emit)
 
-    def _log_faults(self, step: int, obs: StepView) -> None:
-        if not obs.summary.faults_fired:
-            return
-        rec = records.faults_fired(step, list(obs), self.cfg.faults)
-        if rec is not None:
-            self.emit(step, *rec, rank_local=self.rank in rec[1])
-
-    def _log_rejections(self, step: int, everyone: dict[int, dict]) -> None:
-        rec = records.rejections(everyone, self.coords_of, self.cfg.sanitize.action)
-        if rec is not None:
-            self.emit(step, *rec, rank_local=self.rank in rec[1])
-
-    def _log_verdict(self, step: int, v: Verdict, decision: Decision, everyone: dict[int, dict] | None) -> None:
-        record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self.coords_of,
-                                                                self.skipped_steps, self.replays.check)
-        if action == ALERT and anomaly_class(v) is None:  # (a ladder class's verdict is written every time)
-            self._alert(step, record, ranks, detail, **extra)
-        else:
-            self.emit(step, record, ranks, action, detail, rank_local=self.rank in ranks, **extra)
-
-    def _alert(self, step: int, record: Record, ranks, detail: dict, **extra) -> None:
-        """An alert (no ladder acts on it): written when it opens an incident, else folded into the open one
-        (trainguard.incidents)."""
-        if self.incidents is not None:
-            incident = self.incidents.admit(step, record.value, ranks, detail)
-            if incident is None:
-                return
-            detail = {**detail, "incident": incident}
-        self.emit(step, record, ranks, ALERT, detail, rank_local=self.rank in ranks, **extra)
-
-    def _close_incidents(self, step: int, at_end: bool = False, why: str | None = None) -> None:
-        for inc in self.incidents.expire(step, at_end, why) if self.incidents is not None else ():
-            self.emit(step, Record.INCIDENT_CLOSED, inc["ranks"], None, inc)
-
-    def rewound(self, step: int, to_step: int) -> None:
+    def rewound(self, step: int, to_step: int, restart: bool = False) -> None:
         """A rollback from ``step`` took the step counter back to ``to_step``: what counts steps across it starts
-        again (open incidents closed; the suspects' record of shared failures kept no later than ``to_step``)."""
-        self._close_incidents(step, why="rollback")
+        again (open incidents closed; the suspects' record of shared failures kept no later than ``to_step``; the
+        gradient's episode, and after a ``restart`` from the run's first step the loss and norm windows, which
+        describe a later stage of training; an LR ramp fault that began is spent)."""
+        self.log.close_incidents(step, why="rollback")
         self.suspects.rewound(to_step)
         self.lr_history.rewound(to_step)
+        self.grad_norm.reset_trend()
+        if restart:
+            self.loss_spike.reset()
+            self.grad_norm.reset()
+        self.loss_trend.rolled_back(to_step)
+        self.faults.rolled_back()
+
+    def lr_lowered(self) -> None:
+        """The LR was lowered in place: what goes on at the lowered LR is a new episode of the gradient's trend."""
+        self.grad_norm.reset_trend()
+
+    def scaler_reset(self) -> None:
+        """The fp16 loss scale was reset or is gone (bf16): the loss-scale watch starts again."""
+        self.loss_scale.reset()
+
+    def precision_changed(self) -> None:
+        """The run goes on in another precision: a new gradient-norm distribution from here."""
+        self.grad_norm.reset()
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""

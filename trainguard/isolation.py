@@ -189,6 +189,16 @@ def all_true(flag: bool) -> bool:
     return bool(t.item())
 
 
+def maxima(values: Sequence[float]) -> list[float]:
+    """Every rank's ``values``, element-wise maxima (a minimum: negate it): one small all-reduce (MAX), whatever the
+    world's size."""
+    if not _distributed():
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def distributed() -> bool:
     """Whether a default process group is up."""
     return _distributed()

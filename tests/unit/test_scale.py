@@ -111,3 +111,28 @@ def test_the_simulated_world_names_the_same_rank_either_way(tmp_path, world):
     """The table way (what every world ran before) and the summary way name the same rank, samples and module."""
     for way in ("table", "summary"):
         scale.run(world, way, 8, tmp_path)  # (raises when the rank is not named as it should be)
+
+
+def test_above_64_ranks_the_straggler_is_the_slowest_rank_against_the_mean():
+    """The reduced view (detectors.straggler above 64 ranks): a rank the slowest by 2x for most of its window is
+    named once, with since when; the healthy steps before it name nobody, and noise that moves the slowest rank
+    from step to step names nobody either."""
+    from trainguard.config import StragglerConfig
+    from trainguard.detectors.straggler import StragglerDetector
+    from trainguard.reduced import Extreme
+
+    det = StragglerDetector(StragglerConfig(window=10))
+    rng = random.Random(1)
+
+    def step(s, slow_rank, slow_s):
+        summary = Summary.of_rows([])  # (an empty world: then the fields below)
+        summary = summary.__class__(**{**summary.__dict__, "world": 1000, "compute_mean": 0.1,
+                                       "compute_max": Extreme(slow_s, slow_rank)})
+        return det.observe_reduced(s, summary)
+
+    found = [v for s in range(1, 200) for v in step(s, rng.randrange(1000), 0.1 * rng.uniform(1.05, 1.4))]
+    assert found == []  # (a different rank is the slowest each step: nobody is slow for long)
+    found = [(s, v) for s in range(200, 230) for v in step(s, 417, 0.2)]
+    assert len(found) == 1
+    s, v = found[0]
+    assert v.ranks == (417,) and v.detail["slower_by"] == 2.0 and s <= 200 + 10 and v.detail["since_step"] >= 200 - 10

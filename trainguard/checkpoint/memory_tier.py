@@ -28,7 +28,7 @@ from trainguard.checkpoint.runid import agreed_run_id
 from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice
 from trainguard.errors import ConfigError
 from trainguard.events import Record
-from trainguard.isolation import gather_objects
+from trainguard.isolation import gather_objects, maxima
 from trainguard.isolation import rank as _rank
 from trainguard.protocols import ShardSource
 
@@ -127,10 +127,13 @@ class MemoryTier:
         mean step, agreed by every rank (the largest cost, the shortest step), set the interval to
         the next one (trainguard.checkpoint.pacing). Returns the interval."""
         pacer = self.cp.pacer
-        everyone = gather_objects(pacer.figures()) if pacer.paced else [None]
-        if any(x is None for x in everyone):
+        if not pacer.paced:
             return pacer.taken(step)
-        return pacer.taken(step, max(c for c, _ in everyone), min(s for _, s in everyone))
+        mine = pacer.figures()  # (cost, mean step) or None; one all-reduce of three numbers, whatever the world
+        missing, cost, neg_step = maxima([1.0, 0.0, 0.0] if mine is None else [0.0, mine[0], -mine[1]])
+        if missing:
+            return pacer.taken(step)
+        return pacer.taken(step, cost, -neg_step)
 
     def _exchange(self, payload: bytes) -> None:
         """The writer thread, on every rank of a job that spans nodes: send this shard to the peer (an
