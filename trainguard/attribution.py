@@ -80,3 +80,8 @@ def merge_nonfinite(a: Verdict | None, b: Verdict) -> Verdict:
     for r, d in b.detail.get("per_rank", {}).items():
         per_rank[r] = {**d, **per_rank.get(r, {})}
     return Verdict(a.detector, a.anomaly, tuple(sorted(set(a.ranks) | set(b.ranks))), {**a.detail, "per_rank": per_rank})
+
+
+def by_rank(everyone: dict[int, dict] | None, key: str) -> dict[int, dict]:
+    """``{rank: its sampled values}`` from the gathered objects (ranks that sampled nothing left out)."""
+    return {r: e[key] for r, e in (everyone or {}).items() if e.get(key)}

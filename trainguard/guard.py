@@ -35,7 +35,7 @@ from trainguard.lrcut import LrHistory
 from trainguard.detectors.loss_trend import LossTrendDetector
 from trainguard.detectors.registry import COLUMNS, REGISTERED
 from trainguard.detectors.straggler import StragglerDetector
-from trainguard.attribution import culprit_samples, merge_nonfinite, narrow_to_origin
+from trainguard.attribution import by_rank, culprit_samples, merge_nonfinite, narrow_to_origin
 from trainguard.errors import ConfigError, TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
@@ -124,8 +124,10 @@ class StepGuard:
         self.straggler = StragglerDetector(cfg.detectors.straggler)
         # the step's collectives (trainguard.agreement: every rank's rows up to 64 ranks, a fixed-size summary above)
         self.agreement = Agreement(rank, world, self.device, group, collective, extra=COLUMNS)
-        # your detectors that read every rank's rows (without ``needs = "summary"``): the rows travel every step
-        self.rows_every_step = [type(d).__name__ for d in self.custom if getattr(d, "needs", "rows") != "summary"]
+        # the detectors that read every rank's rows each step: yours without ``needs = "summary"``, a registered one
+        # with a column but no ``sampled`` (trainguard.detectors.registry)
+        self.rows_every_step = [type(d).__name__ for d in self.custom if getattr(d, "needs", "rows") != "summary"] + \
+            [reg.key for reg, det in self.registered if reg.column and not hasattr(det, "sampled")]
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -577,7 +579,3 @@ def _check_events_match() -> None:  # used by tests: one on_<event> method per E
     if missing or extra:
         raise AssertionError(f"StepGuard and Event disagree: missing {missing}, extra {extra}")
 
-
-def by_rank(everyone: dict[int, dict] | None, key: str) -> dict[int, dict]:
-    """``{rank: its sampled values}`` from the gathered objects (ranks that sampled nothing left out)."""
-    return {r: e[key] for r, e in (everyone or {}).items() if e.get(key)}

@@ -136,3 +136,29 @@ def test_above_64_ranks_the_straggler_is_the_slowest_rank_against_the_mean():
     assert len(found) == 1
     s, v = found[0]
     assert v.ranks == (417,) and v.detail["slower_by"] == 2.0 and s <= 200 + 10 and v.detail["since_step"] >= 200 - 10
+
+
+def test_a_sampled_check_has_every_ranks_row_on_its_steps_only(tmp_path, monkeypatch):
+    """The replica check above 64 ranks: every rank's digest travels on its check steps (the rows are gathered), on
+    no other step; a registered detector with a column but no ``sampled`` has the rows every step."""
+    from trainguard.config import parse_block
+    from trainguard.guard import StepGuard
+
+    monkeypatch.setenv("TRAINGUARD_TABLE_UP_TO", "0")  # (one rank, on the summary way)
+    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl")}, "checks": {"enabled": False},
+                       "detectors": {"replica_check": {"enabled": True, "every_steps": 5}}})
+    guard = StepGuard(cfg, 0, 1)
+    guard.attach_model(torch.nn.Linear(3, 3))
+    assert guard.agreement.way == "summary" and guard.rows_every_step == []
+    full = {}
+    for step in range(1, 11):
+        guard.on_loss(step, torch.tensor(1.0))
+        view = guard.on_agree(step)
+        full[step] = view.full
+        guard.on_decide(step, view)
+        guard.on_end(step, view, {"grad_norm": None})
+    assert [s for s, f in full.items() if f] == [5, 10]
+    from trainguard.detectors.replica import ReplicaCheck
+
+    monkeypatch.delattr(ReplicaCheck, "sampled")
+    assert StepGuard(cfg, 0, 1).rows_every_step == ["replica_check"]

@@ -38,8 +38,14 @@ class LadderDetector(Protocol):
         """This rank's value for the column at AGREE of ``step``: a 0-dim tensor on the collective's device, a
         float, or None (nothing this step: NaN in the table). Called only when the registration has a column."""
 
+    def sampled(self, step: int) -> bool:
+        """Whether every rank's row must travel this step (the same answer on every rank). Above 64 ranks a healthy
+        step reduces a fixed-size summary instead of the rows (trainguard.agreement): ``observe`` sees every rank's
+        row only on the steps this says; a detector with a column and no ``sampled`` has the rows every step."""
+
     def observe(self, step: int, obs: Sequence[RankObservation], coords: Sequence) -> list[Verdict]:
-        """Every rank's row (``obs[r].extra[column]``) and coordinates in, verdicts out. Pure."""
+        """The gathered rows (``obs[r].extra[column]``: every rank's on a ``sampled`` step) and every rank's
+        coordinates in, verdicts out. Pure."""
 
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...

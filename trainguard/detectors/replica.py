@@ -55,8 +55,12 @@ class ReplicaCheck:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
 
+    def sampled(self, step: int) -> bool:
+        """A check step: every rank's digest must travel (trainguard.agreement gathers the rows then)."""
+        return step % self.cfg.every_steps == 0
+
     def local(self, step: int):
-        return digest(self.params) if step % self.cfg.every_steps == 0 and self.params else None
+        return digest(self.params) if self.sampled(step) and self.params else None
 
     def observe(self, step: int, obs: Sequence[RankObservation], coords: Sequence) -> list[Verdict]:
         values = {o.rank: o.extra.get("replica_digest", float("nan")) for o in obs}
