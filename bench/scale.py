@@ -172,7 +172,13 @@ def main(argv=None) -> int:
           f"<= {GOALS['bytes']} B reduced per rank, anomalous <= {GOALS['anomalous_ms']} ms: "
           + ("met" if not missed else "MISSED: " + "; ".join(missed)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"goals": GOALS, "rows": rows}, indent=1))
+        import datetime
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(),
+                                               "commit": commit.stdout.strip() or None, "goals": GOALS,
+                                               "met": not missed, "rows": rows}, indent=1))
     return 1 if missed and not args.no_check else 0
 
 
