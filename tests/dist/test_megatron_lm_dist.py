@@ -261,10 +261,11 @@ def test_one_bad_sample_is_named_alone_and_skipped_and_damaged_weights_roll_back
     replay of its rows (the whole model-parallel group together) names that one sample by the global index
     Megatron-LM's sampler gave it (4 x 8 + 1 = 33). At 9 the weights are damaged in memory: the replay is no
     longer healthy, so it rolls back at once (the default ladder would only skip the first non-finite
-    iteration), to the snapshot of 6 (the skipped bad sample did not spoil it), naming no sample. (The newest
-    release only, for the suite's time: the replay path is trainguard's.)"""
-    newest_only(release, "the replay path is trainguard's, through the forward-only schedule of both releases (the "
-                         "older release runs the NaN, rollback and SIGKILL-restart tests)")
+    iteration), to the snapshot of 6 (the skipped bad sample did not spoil it), naming no sample. (The older
+    release with pipeline parallelism only, for the suite's time: the replay path is trainguard's, through each
+    release's own forward-only schedule.)"""
+    if release.name != "core_v0.19.0" and layout == "tp":
+        pytest.skip("the older release replays through its forward-only schedule at PP=2 here; TP=2 on the newest")
     faults = [{"type": "nan_batch", "step": 5, "rank": 0, "sample": 1},
               {"type": "nan_weights", "step": 9, "rank": 1, "param": "decoder.layers.0.mlp.linear_fc1.weight"}]
     block = {"allow_faults": True, "faults": faults, "recovery": {"ladder_window": 3},  # (5 is out of 9's window)
