@@ -74,7 +74,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
         "--distributed-backend gloo --eval-iters 0 --eval-interval 1000 --log-interval 1 "
         "--ckpt-format torch_dist").split()
-LAYOUT = {"tp": ["--tensor-model-parallel-size", "2"], "pp": ["--pipeline-model-parallel-size", "2"]}
+LAYOUT = {"tp": ["--tensor-model-parallel-size", "2"], "pp": ["--pipeline-model-parallel-size", "2"], "dp": []}
 ITERS = 12
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?learning rate: ([-+.0-9E]+) \|"
                   r"(?:.*?lm loss: ([-+.0-9E]+) \|)?.*?number of skipped iterations:\s+(\d+)")
@@ -250,6 +250,25 @@ def test_tp_skips_then_rolls_back_keeping_iteration_consumed_samples_and_lr(tmp_
         ["step00000001", "step00000003", "step00000006", "step00000009", "step00000012"]  # (1: dir/.first)
     first, last = float(run.iterations[1]["loss"]), float(run.iterations[ITERS]["loss"])
     assert math.isfinite(last) and last < first - 0.1
+
+
+def test_megatron_lms_weight_hash_check_passes_across_a_rollback_at_dp2(tmp_path, release, plain):
+    """DP=2 (two replicas of the whole model), where Megatron-LM's --check-weight-hash-across-dp-replicas-interval
+    compares something (at DP=1 it cannot fail): rank 1's copy of a weight is damaged in memory at iteration 8, the
+    replay finds the weights damaged and rolls back at once to the snapshot of 6 -- every replica restored alike, so
+    the hashes Megatron-LM compares at 9 and 12 match. A rollback that left rank 1's replica as it was would fail its
+    check at 9. (The newest release only: the rollback is trainguard's.)"""
+    newest_only(release, "the rollback is trainguard's, the same on both")
+    block = {"allow_faults": True,
+             "faults": [{"type": "nan_weights", "step": 8, "rank": 1, "param": "decoder.layers.0.mlp.linear_fc1.weight"}],
+             "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3, "stable_after": 1}}
+    run = launch(release, tmp_path, "dp", "dp", block, ["--check-weight-hash-across-dp-replicas-interval", "3"]).ok()
+    (rb,) = run.events("rollback")
+    assert rb["step"] == 8 and rb["detail"]["to_step"] == 6, rb
+    assert "Weight hashes match after 9 iterations" in run.log and "Weight hashes match after 12 iterations" in run.log
+    nf = run.events("nonfinite")
+    assert nf and nf[0]["step"] == 8 and nf[0]["ranks"] == [1] and nf[0]["detail"]["per_rank"]["1"]["coords"]["dp"] == 1
+    same_schedule(run, plain, range(1, ITERS + 1))
 
 
 @pytest.mark.parametrize("layout", ["tp", "pp"])
