@@ -36,6 +36,21 @@ DIST = "dist"                        # dist_checkpointing's folder inside a tag
 CONFIG = "metadata.json"             # dist_checkpointing's config file in it (its backend and format)
 
 
+def finish_framework_async_saves() -> None:
+    """Megatron-LM's own asynchronous save, if one is in flight, is finalised first. Every dist_checkpointing save
+    in a process hands its write results through one process-wide queue (megatron.core's filesystem_async
+    ``_results_queue``): a snapshot saved while Megatron-LM's save of an earlier iteration is still writing takes
+    that save's results and leaves it ours, and Megatron-LM then writes a ``.metadata`` describing our files into
+    its checkpoint (measured: Megatron-LM's --async-save checkpoint of iteration 5 unreadable after a trainguard
+    snapshot at 6). Megatron-LM's queue is the same on every rank (its own check), so every rank waits alike."""
+    import sys
+
+    lm = sys.modules.get("megatron.training.async_utils")
+    if lm is None or lm.is_empty_async_queue():
+        return
+    lm.maybe_finalize_async_save(blocking=True)
+
+
 class MegatronState:
     """trainguard.protocols.State over megatron-core model chunks and optimizer (``mg``: megatron_hooks.MegatronGuard)."""
 
@@ -117,6 +132,7 @@ class MegatronState:
 
         if dist.get_rank() == 0:
             (staged / DIST).mkdir()
+        finish_framework_async_saves()
         dist.barrier()
         with hashed_writes(staged) as hashes:
             dist_checkpointing.save(self._sharded(), str(staged / DIST))

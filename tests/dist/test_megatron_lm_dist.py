@@ -353,15 +353,17 @@ def resumed_from_memory(run, peer_copy):
 def test_a_killed_rank_comes_back_from_node_memory_losing_at_most_one_iteration(tmp_path, release, plain):
     """The in-memory tier on Megatron-LM (issue 23 item 3): every iteration each rank's own shard (model
     slices, optimizer and main parameters, grad scaler, RNG, Megatron-LM's loop state) goes to node memory
-    with no collective; rank 1 is SIGKILLed in iteration 9 and torchrun restarts the job, which resumes from
-    node memory -- newer than the disk's snapshot (6) and Megatron-LM's --load (5) -- and goes on exactly as
-    the uninterrupted run. (The newest release only: the tier is trainguard's, the same on both.)"""
+    with no collective, beside Megatron-LM's own asynchronous saves (--async-save); rank 1 is SIGKILLed in iteration 9
+    and torchrun restarts the job, which resumes from node memory -- newer than the disk's snapshot (6) and
+    Megatron-LM's --load (5) -- and goes on exactly as the uninterrupted run. (The newest release only: the tier is
+    trainguard's, the same on both.)"""
     newest_only(release)
     mck = tmp_path / "megatron-ckpt"
     run = launch(release, tmp_path, "tier", "tp", tier_block(tmp_path),
-                 ["--save", str(mck), "--load", str(mck), "--save-interval", "5"],
+                 ["--save", str(mck), "--load", str(mck), "--save-interval", "5", *release.async_save],
                  torchrun=["--max-restarts=1", "--monitor-interval=0.5"]).ok()
     assert "successfully loaded checkpoint from" in run.log and "at iteration 5" in run.log  # Megatron-LM's, first
+    assert "Async Caller Started" in run.log  # (Megatron-LM's own saves beside the tier were asynchronous)
     saved = run.events("snapshot_saved")
     assert saved and all(e["detail"]["bytes"] > 0 for e in saved)
     step = resumed_from_memory(run, [])
@@ -392,7 +394,6 @@ def test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy(
         assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
 
 
-@pytest.mark.long  # (~34 s: a row of docs/megatron.md's flag table; Megatron-LM's own signal handler)
 def test_megatron_lms_exit_signal_handler_saves_and_ends_the_run_cleanly(tmp_path, release):
     """Megatron-LM's --exit-signal-handler beside the block (docs/megatron.md): a SIGTERM to every rank
     (a scheduler's preemption notice) after iteration 4 makes Megatron-LM save its checkpoint at the end of
