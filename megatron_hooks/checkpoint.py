@@ -6,18 +6,12 @@ manifest and layout as every adapter's (trainguard.checkpoint).
     ckpt.save("ckpt", data_state={"consumed": n})  # every rank; returns the tag
     state = ckpt.load("ckpt")                      # every rank: the newest that verifies; your data_state
 
-A snapshot holds: the sharded model and optimizer state (``sharded_state_dict`` of each model
-chunk and of the optimizer, written by dist_checkpointing's own writer), and per rank a sidecar
-with every RNG (python, numpy, torch, CUDA) *and megatron's tensor-parallel RNG tracker states*,
-the iteration and your ``data_state``; rank 0 adds the guard's state. The commit: staging
-directory, files hashed, manifest last, rename, ``latest`` -- so a crash leaves either the old
-snapshot or the new one, never half of one. A load verifies the sha256 of every file first and
-falls back past a bad snapshot (``checkpoint_invalid``); then every rank reads each file it loads once
-and checks it against that manifest before dist_checkpointing deserialises it (its pickled
-``.metadata`` and ``.distcp`` files through torch.distributed.checkpoint's file streams:
-trainguard.checkpoint.verified_io). dist_checkpointing reshards on load: a
-TP=2 snapshot loads into TP=1; the RNG sidecars then do not map rank to rank, and are skipped
-(the resume event says so).
+A snapshot holds: the sharded model and optimizer state (``sharded_state_dict`` of each model chunk and of the
+optimizer, written by dist_checkpointing's own writer), and per rank a sidecar with every RNG *and megatron's
+tensor-parallel RNG tracker states*, the iteration and your ``data_state``; rank 0 adds the guard's state. The
+commit and the verified load are the core's (trainguard.checkpoint): dist_checkpointing deserialises only bytes
+checked against the manifest. It reshards on load (a TP=2 snapshot loads into TP=1; the RNG sidecars then do not
+map rank to rank and are skipped: the resume event says so).
 """
 from __future__ import annotations
 
@@ -37,18 +31,12 @@ CONFIG = "metadata.json"             # dist_checkpointing's config file in it (i
 
 
 def finish_framework_async_saves() -> None:
-    """Megatron-LM's own asynchronous save, if one is in flight, is finalised first. Every dist_checkpointing save
-    in a process hands its write results through one process-wide queue (megatron.core's filesystem_async
-    ``_results_queue``): a snapshot saved while Megatron-LM's save of an earlier iteration is still writing takes
-    that save's results and leaves it ours, and Megatron-LM then writes a ``.metadata`` describing our files into
-    its checkpoint (measured: Megatron-LM's --async-save checkpoint of iteration 5 unreadable after a trainguard
-    snapshot at 6). Megatron-LM's queue is the same on every rank (its own check), so every rank waits alike."""
-    import sys
-
-    lm = sys.modules.get("megatron.training.async_utils")
-    if lm is None or lm.is_empty_async_queue():
-        return
-    lm.maybe_finalize_async_save(blocking=True)
+    """Megatron-LM's asynchronous save in flight is finalised first: every dist_checkpointing save of a process hands
+    its write results through one queue (filesystem_async's), and a snapshot saved meanwhile swapped results with it
+    (Megatron-LM's checkpoint then unreadable: docs/megatron.md). Its queue is the same on every rank."""
+    lm = __import__("sys").modules.get("megatron.training.async_utils")
+    if lm is not None and not lm.is_empty_async_queue():
+        lm.maybe_finalize_async_save(blocking=True)
 
 
 class MegatronState:

@@ -7,14 +7,10 @@ scripts of a Megatron-LM checkout), guarded by one argument:
 ``megatron.training``, :func:`install_entry` wraps three of its functions in place (the user's
 script is never copied or edited):
 
-- ``arguments.add_megatron_arguments``: adds ``--trainguard-config FILE`` (validated at parse time:
-  a bad key stops the launch before any process group exists);
-- ``training.setup_model_and_optimizer``: after Megatron-LM built the model chunks, the optimizer
-  and the LR scheduler and ran its own ``--load``, :func:`megatron_hooks.install` guards them;
-- ``training.train``: its ``forward_step_func`` tells the guard each micro-batch's sample positions;
-  when ``train`` returns, the guard closes (``run_end``).
-
-Without ``--trainguard-config`` nothing changes. What the guard and Megatron-LM each own:
+``arguments.add_megatron_arguments`` (adds ``--trainguard-config FILE``, validated at parse time),
+``training.setup_model_and_optimizer`` (after Megatron-LM's own ``--load``, :func:`megatron_hooks.install` guards
+the model chunks, optimizer and scheduler) and ``training.train`` (its ``forward_step_func`` names each
+micro-batch's samples; the guard closes when it returns). Without the argument nothing changes. Who owns what:
 
 - **NaN/Inf**: Megatron-LM's ``check_for_nan_in_loss_and_grad`` (on by default) makes its rerun
   state machine rerun the step and exit 16/17 *before* ``optimizer.step()``. With the guard's

@@ -9,7 +9,7 @@ parameter gradient (a norm added into one scalar), the step's agreement (traingu
 rank's row up to 64 ranks, a fixed-size summary above), and one host synchronisation to read it. The framework's global gradient norm of a step rides in
 the *next* step's table (so reading it costs no second sync), which is why a metric line is written
 one step late. Sampled steps (probes), anomaly steps and steps where the sanitiser set samples aside
-add one object gather (sample ids, probe statistics, localisation).
+add one object gather (sample ids, probe statistics, localisation; above 64 ranks from the named ranks only).
 """
 from __future__ import annotations
 
@@ -507,8 +507,8 @@ class StepGuard:
         self.timer.mark()
 
     def _log_stragglers(self, step: int, obs: StepView) -> None:
-        self.log.stragglers(step, self.straggler.observe(step, list(obs)) if obs.full else
-                            self.straggler.observe_reduced(step, obs.summary))
+        self.log.stragglers(step, self.straggler.observe_reduced(step, obs.summary) if self.agreement.summary_way
+                            else self.straggler.observe(step, list(obs)))  # (one view per run, whatever the step)
         for r in self.straggler.persisting(step):
             self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
                                   self.emit)

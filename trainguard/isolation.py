@@ -56,6 +56,9 @@ def gather_coords(dp: int, tp: int, pp: int, local_rank: int, group=None, cp: in
     return list(out)
 
 
+FEW = 64  # named ranks up to which their objects come one broadcast each; above, one all-gather
+
+
 class TorchCollective:
     """The AGREE collectives over torch.distributed (``group`` None: the world); a simulation
     (bench/scale.py) hands :class:`trainguard.agreement.Agreement` another object with these three methods."""
@@ -85,9 +88,10 @@ class TorchCollective:
         """``{rank: its obj}``: every rank's (``ranks`` None: one object all-gather) or only the named ranks'
         (one object broadcast from each: the others' unpickling does not grow with the world)."""
         if not _distributed():
-            return {0: obj}
-        if ranks is None:
-            return dict(enumerate(gather_objects(obj, self.group)))
+            return {0: obj} if ranks is None or 0 in ranks else {}
+        if ranks is None or len(set(ranks)) > FEW:  # (many named -- every rank's fp16 overflow --: one gather)
+            every = dict(enumerate(gather_objects(obj, self.group)))
+            return every if ranks is None else {r: every[r] for r in sorted(set(ranks)) if r in every}
         me = dist.get_rank(self.group)
         out = {}
         for r in sorted(set(ranks)):

@@ -96,8 +96,8 @@ def decode(key: int, bits: int) -> tuple[float, int | None]:
         return math.nan, None
     mask = (1 << bits) - 1
     rank = mask - (key & mask)
-    v = key & ~mask
-    v = v ^ _FLIP if v < 0 else v
+    # (the encoding cleared the low bits of the ordered key; for a negative value that set them in its bits: back)
+    v = (key | mask) ^ _FLIP if key < 0 else key & ~mask
     return struct.unpack("<d", struct.pack("<q", v))[0], rank
 
 

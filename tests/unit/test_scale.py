@@ -71,6 +71,8 @@ def test_an_extremes_key_keeps_order_sign_and_the_lowest_rank_on_a_tie():
     assert rank == 6 and math.isclose(top, 1e300, rel_tol=2 ** -40)  # (the key keeps 52 - bits of the mantissa)
     assert decode(int(k[[2, 3]].max()), bits) == (2.0, 2)           # a tie: the lowest rank, as argmax names it
     assert decode(int(k[[0, 7]].max()), bits)[1] == 0               # -3.5 > -1e300
+    neg = keys(torch.tensor([[float("-inf")], [-2.5]], dtype=torch.float64), torch.arange(2), bits)[:, 0]
+    assert decode(int(neg[0]), bits) == (float("-inf"), 0) and decode(int(neg[1]), bits) == (-2.5, 1)
     nan, nobody = decode(int(k[5]), bits)
     assert math.isnan(nan) and nobody is None                       # NaN is never an extreme
 
@@ -162,3 +164,24 @@ def test_a_sampled_check_has_every_ranks_row_on_its_steps_only(tmp_path, monkeyp
 
     monkeypatch.delattr(ReplicaCheck, "sampled")
     assert StepGuard(cfg, 0, 1).rows_every_step == ["replica_check"]
+
+
+def test_above_64_ranks_prometheus_gets_the_oldest_heartbeat_and_the_followed_stragglers():
+    """The alert rules' series from a summary-way line: the oldest clock as rank "oldest"'s heartbeat, the slowest
+    time, and the straggler ratio of the ranks the detector follows -- a rank it stops following leaves the gauge."""
+    pytest.importorskip("prometheus_client")
+    from trainguard.metrics.prometheus import PrometheusSink
+
+    sink = PrometheusSink(port=0, addr="127.0.0.1")
+    try:
+        sink.metric(5, {"loss": 1.0, "clock_min": [1000.5, 17], "compute_s_max": [0.3, 4],
+                        "straggler_ratio_by_rank": {"4": 1.9}})
+        get = sink.registry.get_sample_value
+        assert get("trainguard_heartbeat_timestamp_seconds", {"rank": "oldest"}) == 1000.5
+        assert get("trainguard_step_compute_seconds", {"rank": "max"}) == 0.3
+        assert get("trainguard_straggler_ratio", {"rank": "4"}) == 1.9
+        sink.metric(6, {"loss": 1.0, "clock_min": [1001.5, 3], "compute_s_max": [0.1, 9], "straggler_ratio_by_rank": {}})
+        assert get("trainguard_heartbeat_timestamp_seconds", {"rank": "oldest"}) == 1001.5
+        assert get("trainguard_straggler_ratio", {"rank": "4"}) is None
+    finally:
+        sink.close()

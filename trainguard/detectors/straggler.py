@@ -68,7 +68,10 @@ class StragglerDetector:
             return []
         self._slowest.append((slow.rank, slow.value / mid if mid > 0 else 1.0))
         out = []
-        for r in {slow.rank} | set(self.since) | set(self.last):
+        recent = {q for q, _ in self._slowest}
+        for r in [r for r in self.last if r not in recent]:  # (bounded by the window: never every rank)
+            self.last.pop(r)
+        for r in recent | set(self.since):
             ratios = [x for q, x in self._slowest if q == r]
             window = ratios + [1.0] * (len(self._slowest) - len(ratios))
             if len(window) < self.cfg.window:

@@ -64,6 +64,26 @@ class PrometheusSink:
         self.server, self.thread = pc.start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
         self._seen = {"executed_steps": 0, "not_applied_steps": 0}
+        self._followed: set[str] = set()  # (above 64 ranks: the ranks whose straggler ratio is exported)
+
+    def _summary(self, values: dict[str, Any]) -> None:
+        """Above 64 ranks a line carries extremes, not every rank's values (docs/detection.md, "At scale"): the
+        oldest clock is the heartbeat of ``rank="oldest"`` (every rank reached the step's exchange by then), the
+        slowest rank's time ``rank="max"``, and the straggler ratio of each rank the detector follows (a rank it
+        stops following leaves the gauge)."""
+        oldest, slowest = values.get("clock_min"), values.get("compute_s_max")
+        if oldest:
+            self._set(self.heartbeat.labels(rank="oldest"), oldest[0])
+        if slowest:
+            self._set(self.compute.labels(rank="max"), slowest[0])
+        followed = values.get("straggler_ratio_by_rank")
+        if followed is not None or oldest:
+            followed = followed or {}
+            for rank in self._followed - set(followed):
+                self.straggler.remove(rank)
+            for rank, v in followed.items():
+                self._set(self.straggler.labels(rank=rank), v)
+            self._followed = set(followed)
 
     @staticmethod
     def _set(gauge, value) -> None:
@@ -86,6 +106,7 @@ class PrometheusSink:
         for key, gauge in (("compute_s", self.compute), ("straggler_ratio", self.straggler)):
             for rank, v in enumerate(values.get(key) or []):
                 self._set(gauge.labels(rank=str(rank)), v)
+        self._summary(values)
         # counters from the line's monotonic counts (the framework's skipped_steps goes back on a rollback)
         for key, counter in (("executed_steps", self.steps), ("not_applied_steps", self.skipped)):
             n = values.get(key)
