@@ -15,9 +15,12 @@
    projection x (1 + ``--eps``); ``detectors.peer_replay`` every ``--every`` steps. A trial counts when a
    ``compute_mismatch`` names exactly that rank on that step.
 4. False verdicts on megatron-core (DDP, DP=2, the replayer): ``--healthy`` iterations with both checks on every
-   iteration (``--megatron 0`` leaves it out; it needs megatron-core).
+   iteration (``--megatron 0`` leaves it out; it needs megatron-core); and in Megatron-LM's own loop (its
+   pretrain_gpt.py, DP=2: ``--megatron-lm 0`` leaves it out; it needs ../shared/third_party's checkout).
+   Part 2 runs fp32 at ZeRO 0, 1, 2 and bf16 at ZeRO-2 (the shipped config's), all with dropout 0.1.
 
     python bench/sdc_trials.py [--flips 20] [--computes 20] [--eps 1e-3] [--every 5] [--healthy 1000] [--out DIR]
+                               [--json bench/results/sdc-DATE.json]
 
 Prints one line per part and exits 0 when every fault was found and its rank named and there was no false
 verdict.
@@ -66,18 +69,18 @@ def detection(out: Path, flips: int, every: int, seed: int) -> tuple[int, int, l
 
 
 def false_verdicts(out: Path, healthy: int) -> dict:
+    """fp32 at ZeRO 0, 1 and 2, and bf16 at ZeRO-2 (what configs/ turns both checks on in), dropout 0.1."""
     counts = {}
-    for stage in (0, 1, 2):
-        d = out / f"zero{stage}"
+    for stage, dtype in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")):
+        d = out / f"zero{stage}-{dtype}"
         d.mkdir(parents=True, exist_ok=True)
         block = {"checks": {"enabled": False}, "detectors": {"replica_check": {"enabled": True, "every_steps": 1},
                                                              "peer_replay": {"enabled": True, "every_steps": 1}}}
         rc, _ = run_worker(_config(d / "ds_config.json", block, stage), d / "run", healthy, nproc=2, timeout=3600,
-                           extra=["--dropout", "0.1"])
+                           extra=["--dropout", "0.1", "--dtype", dtype])
         events = read(d / "run" / "trainguard.jsonl")
-        counts[stage] = {"rc": rc, "false_verdicts": sum(1 for e in events
-                                                      if e.get("event") in ("replica_mismatch", "compute_mismatch")),
-                         "checks": healthy}
+        counts[f"zero{stage}-{dtype}"] = {"rc": rc, "checks": healthy, "false_verdicts": sum(
+            1 for e in events if e.get("event") in ("replica_mismatch", "compute_mismatch"))}
     return counts
 
 
@@ -116,6 +119,22 @@ def megatron_false_verdicts(out: Path, healthy: int) -> dict:
             "false_verdicts": sum(1 for e in events if e.get("event") in ("replica_mismatch", "compute_mismatch"))}
 
 
+def megatron_lm_false_verdicts(out: Path, iterations: int) -> dict:
+    """Megatron-LM's own loop (its unmodified pretrain_gpt.py under ``trainguard run``, DP=2 with dropout, the launch
+    the tests use): both checks every iteration."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.dist.test_megatron_lm_dist import Release, launch
+
+    block = {"checks": {"enabled": False},
+             "detectors": {"replica_check": {"enabled": True, "every_steps": 1},
+                           "peer_replay": {"enabled": True, "every_steps": 1}}}
+    out.mkdir(parents=True, exist_ok=True)
+    run = launch(Release("core_v0.19.0"), out, "run", "dp", block, ["--train-iters", str(iterations)],
+                 timeout=3600)
+    verdicts = [e for e in run.lines if e.get("event") in ("replica_mismatch", "compute_mismatch")]
+    return {"rc": run.rc, "iterations": max(run.iterations, default=0), "false_verdicts": len(verdicts)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flips", type=int, default=20)
@@ -125,7 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eps", type=float, default=1e-3)
     ap.add_argument("--megatron", type=int, default=1, help="1: the megatron-core false-verdict part too")
     ap.add_argument("--seed", type=int, default=26)
+    ap.add_argument("--megatron-lm", type=int, default=1, help="1: Megatron-LM's loop too (needs ../shared/third_party)")
     ap.add_argument("--out", default="trainguard-sdc")
+    ap.add_argument("--json", default=None, help="keep every part's figures, with the date and commit, in this file")
     args = ap.parse_args(argv)
     out = Path(args.out)
     rc, hits, rows = detection(out / "flips", args.flips, args.every, args.seed)
@@ -139,9 +160,23 @@ def main(argv=None) -> int:
                       "every_steps": args.every, "rows": crows}))
     mega = megatron_false_verdicts(out / "megatron", args.healthy) if args.megatron and args.healthy else {}
     print(json.dumps({"part": "megatron_false_verdicts", **mega}))
+    lm = megatron_lm_false_verdicts(out / "megatron-lm", args.healthy) if args.megatron_lm and args.healthy else {}
+    print(json.dumps({"part": "megatron_lm_false_verdicts", **lm}))
     ok = rc == 0 and hits == args.flips and all(v["rc"] == 0 and v["false_verdicts"] == 0 for v in healthy.values())
     ok = ok and crc == 0 and chits == args.computes and not any("false_verdicts_at" in r for r in crows)
-    ok = ok and (not mega or (mega["rc"] == 0 and mega["false_verdicts"] == 0))
+    ok = ok and all(not m or (m["rc"] == 0 and m["false_verdicts"] == 0) for m in (mega, lm))
+    if args.json:
+        import datetime
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                                capture_output=True, text=True).stdout.strip()
+        Path(args.json).write_text(json.dumps({
+            "date": datetime.date.today().isoformat(), "commit": commit or None, "args": vars(args), "met": ok,
+            "detection": {"rc": rc, "flips": args.flips, "found_and_named": hits, "trials": rows},
+            "false_verdicts": healthy, "computes": {"rc": crc, "trials": args.computes, "named": chits, "rows": crows},
+            "megatron_false_verdicts": mega, "megatron_lm_false_verdicts": lm}, indent=1))
+    print("goals: " + ("met" if ok else "MISSED"))
     return 0 if ok else 1
 
 
