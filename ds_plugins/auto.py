@@ -215,8 +215,8 @@ def _verified_hf_checkpoint(output_dir: str, mode: str, key: bytes | None = None
     import os
     import re
 
-    from trainguard.checkpoint.layout import STABLE, CheckpointError, CheckpointLayout
-    from trainguard.checkpoint.manifest import verify
+    from trainguard.checkpoint.layout import CheckpointError
+    from trainguard.checkpoint.resume import first_resumable
     from trainguard.isolation import broadcast_from_rank0
 
     def choose():
@@ -224,20 +224,8 @@ def _verified_hf_checkpoint(output_dir: str, mode: str, key: bytes | None = None
             return None, []
         found = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
                        if (m := re.fullmatch(r"checkpoint-(\d+)", name)))
-        refused = []
-        for _, name in reversed(found):
-            layout = CheckpointLayout(os.path.join(output_dir, name))
-            tags = layout.tags()
-            if not tags:
-                continue
-            res = verify(layout.tag_dir(tags[-1]), key=key)
-            if not res.ok:
-                refused.append(f"{name}/{tags[-1]}: {res.bad_file}: {res.reason}")
-            elif mode == "stable" and not (layout.tag_dir(tags[-1]) / STABLE).exists():
-                refused.append(f"{name}/{tags[-1]}: not stable")
-            else:
-                return os.path.join(output_dir, name), refused
-        return None, refused
+        root, refused = first_resumable([os.path.join(output_dir, name) for _, name in reversed(found)], mode, key)
+        return (str(root) if root is not None else None), refused
 
     import torch.distributed as dist
 

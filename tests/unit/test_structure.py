@@ -23,7 +23,7 @@ MODULE_DEBTS = {
     "trainguard/policy.py": 322, "trainguard/watchdog.py": 456, "ds_plugins/engine.py": 417,
     "megatron_hooks/__init__.py": 420,
 }
-PACKAGE_DEBTS = {"ds_plugins": 1948, "megatron_hooks": 1634}
+PACKAGE_DEBTS = {"ds_plugins": 1936, "megatron_hooks": 1634}
 
 
 def _lines(path: Path) -> int:

@@ -179,3 +179,24 @@ def refusal(cp, root: Path, tags: list[str], skipped: list[dict]) -> str:
             f"(checkpoint.resume={cp.cfg.resume!r}); nothing was moved or deleted:\n" + "\n".join(lines) +
             f"\nTo resume, {hint}; `trainguard ckpt verify {root}` shows each one. To start afresh instead "
             "(these are then set aside in .abandoned/, kept), set checkpoint.resume to \"none\".")
+
+
+def first_resumable(roots, mode: str, key: bytes | None = None) -> tuple[Path | None, list[str]]:
+    """Of checkpoint roots, newest first (a trainer's ``checkpoint-N`` folders), the first whose newest checkpoint
+    verifies against its manifest -- and is stable, in "stable" mode -- with why each before it was refused; roots
+    holding no checkpoint are passed over. (None, refusals): none qualifies -- the caller fails closed when some
+    were refused."""
+    refused = []
+    for root in map(Path, roots):
+        layout = CheckpointLayout(root)
+        tags = layout.tags()
+        if not tags:
+            continue
+        res = verify(layout.tag_dir(tags[-1]), key=key)
+        if not res.ok:
+            refused.append(f"{root.name}/{tags[-1]}: {res.bad_file}: {res.reason}")
+        elif mode == "stable" and not (layout.tag_dir(tags[-1]) / STABLE).exists():
+            refused.append(f"{root.name}/{tags[-1]}: not stable")
+        else:
+            return root, refused
+    return None, refused
