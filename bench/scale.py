@@ -172,13 +172,9 @@ def main(argv=None) -> int:
           f"<= {GOALS['bytes']} B reduced per rank, anomalous <= {GOALS['anomalous_ms']} ms: "
           + ("met" if not missed else "MISSED: " + "; ".join(missed)))
     if args.json:
-        import datetime
-        import subprocess
+        from bench._results import keep
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(),
-                                               "commit": commit.stdout.strip() or None, "goals": GOALS,
-                                               "met": not missed, "rows": rows}, indent=1))
+        keep(args.json, {"goals": GOALS, "met": not missed, "rows": rows})
     return 1 if missed and not args.no_check else 0
 
 

@@ -166,16 +166,14 @@ def main(argv=None) -> int:
     ok = ok and crc == 0 and chits == args.computes and not any("false_verdicts_at" in r for r in crows)
     ok = ok and all(not m or (m["rc"] == 0 and m["false_verdicts"] == 0) for m in (mega, lm))
     if args.json:
-        import datetime
-        import subprocess
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from bench._results import keep
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                                capture_output=True, text=True).stdout.strip()
-        Path(args.json).write_text(json.dumps({
-            "date": datetime.date.today().isoformat(), "commit": commit or None, "args": vars(args), "met": ok,
+        keep(args.json, {
+            "args": vars(args), "met": ok,
             "detection": {"rc": rc, "flips": args.flips, "found_and_named": hits, "trials": rows},
             "false_verdicts": healthy, "computes": {"rc": crc, "trials": args.computes, "named": chits, "rows": crows},
-            "megatron_false_verdicts": mega, "megatron_lm_false_verdicts": lm}, indent=1))
+            "megatron_false_verdicts": mega, "megatron_lm_false_verdicts": lm})
     print("goals: " + ("met" if ok else "MISSED"))
     return 0 if ok else 1
 
