@@ -42,20 +42,28 @@ class StragglerDetector:
             window.append(o.compute_s / mid if mid > 0 else 1.0)
             if len(window) < self.cfg.window:
                 continue
-            ratio = _median(window)
-            self.last[o.rank] = ratio
-            if ratio > self.cfg.slower_by:
-                first = self.since.setdefault(o.rank, step - self.cfg.window + 1)
-                if o.rank not in self.named:
-                    self.named.add(o.rank)
-                    out.append(Verdict("straggler", "straggler", (o.rank,), {
-                        "slower_by": round(ratio, 3), "compute_s": round(o.compute_s, 6),
-                        "median_rank_s": round(mid, 6), "since_step": first, "for_steps": step - first + 1,
-                        "window": self.cfg.window, "limit": self.cfg.slower_by}))
-            elif ratio < 1.0 + (self.cfg.slower_by - 1.0) / 2:  # (hysteresis: the episode is over)
-                self.since.pop(o.rank, None)
-                self.named.discard(o.rank)
+            found, _ = self._episode(step, o.rank, _median(window),
+                                     {"compute_s": round(o.compute_s, 6), "median_rank_s": round(mid, 6)})
+            out += [found] if found else []
         return out
+
+    def _episode(self, step: int, rank: int, ratio: float, measured: dict, after: dict | None = None):
+        """One rank's windowed ratio against ``slower_by`` (both views): ``(verdict, over)`` -- a verdict when it
+        opens the rank's episode (once per episode), ``over`` when the episode ended (hysteresis)."""
+        self.last[rank] = ratio
+        if ratio > self.cfg.slower_by:
+            first = self.since.setdefault(rank, step - self.cfg.window + 1)
+            if rank in self.named:
+                return None, False
+            self.named.add(rank)
+            return Verdict("straggler", "straggler", (rank,), {
+                "slower_by": round(ratio, 3), **measured, "since_step": first, "for_steps": step - first + 1,
+                "window": self.cfg.window, "limit": self.cfg.slower_by, **(after or {})}), False
+        if ratio < 1.0 + (self.cfg.slower_by - 1.0) / 2:  # (hysteresis: the episode is over)
+            self.since.pop(rank, None)
+            self.named.discard(rank)
+            return None, True
+        return None, False
 
     def observe_reduced(self, step: int, summary) -> list[Verdict]:
         """Above 64 ranks the rows do not travel on a healthy step (trainguard.agreement): each step brings the
@@ -76,19 +84,12 @@ class StragglerDetector:
             window = ratios + [1.0] * (len(self._slowest) - len(ratios))
             if len(window) < self.cfg.window:
                 continue
-            ratio = _median(window)
-            self.last[r] = ratio
-            if ratio > self.cfg.slower_by:
-                first = self.since.setdefault(r, step - self.cfg.window + 1)
-                if r not in self.named:
-                    self.named.add(r)
-                    out.append(Verdict("straggler", "straggler", (r,), {
-                        "slower_by": round(ratio, 3), "compute_s": round(slow.value, 6) if r == slow.rank else None,
-                        "mean_rank_s": round(mid, 6), "since_step": first, "for_steps": step - first + 1,
-                        "window": self.cfg.window, "limit": self.cfg.slower_by, "view": "slowest rank vs the mean"}))
-            elif ratio < 1.0 + (self.cfg.slower_by - 1.0) / 2:
-                self.since.pop(r, None)
-                self.named.discard(r)
+            found, over = self._episode(
+                step, r, _median(window),
+                {"compute_s": round(slow.value, 6) if r == slow.rank else None, "mean_rank_s": round(mid, 6)},
+                {"view": "slowest rank vs the mean"})
+            out += [found] if found else []
+            if over:
                 self.last.pop(r, None)
         return out
 
