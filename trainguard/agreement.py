@@ -59,12 +59,12 @@ class StepView:
     def __getitem__(self, rank: int) -> RankObservation:
         return self.rows[rank]
 
-    def column(self, name: str) -> torch.Tensor:
-        """Every rank's value of one AGREE field as a host tensor ``[world]``; takes the table now if this step did
-        not (a collective: call it on every rank alike)."""
+    def rows_table(self) -> torch.Tensor:
+        """Every rank's row as a host tensor ``[world, columns]``; takes the table now if this step did not (a
+        collective: call it on every rank alike)."""
         if self.table is None:
             self.table = self.fetch()
-        return self.table[:, F[name]].cpu()
+        return self.table.cpu()
 
 
 class Agreement:

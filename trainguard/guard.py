@@ -41,6 +41,7 @@ from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.agreement import Agreement, StepView
+from trainguard.reduced import losses
 from trainguard.isolation import FIELDS, F, RankCoords
 from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import Decision, Policy, anomaly_class
@@ -424,10 +425,8 @@ class StepGuard:
         rows where every rank's are here, else from the table's loss columns, judged the same way at once."""
         if obs.full:
             return [o.rank for o in obs if o.has_loss and not (o.loss_finite and self._healthy_loss(o.loss))]
-        micro = obs.column("micro_batches")
-        has = micro > 0
-        loss = obs.column("loss_sum") / torch.where(has, micro, torch.ones_like(micro))
-        bad = ~torch.isfinite(loss) | (obs.column("loss_nonfinite") > 0)
+        has, loss, ok = losses(obs.rows_table())
+        bad = ~ok
         w = self.loss_spike.window
         if len(w) >= self.cfg.detectors.loss_spike.min_history:
             bad = bad | ((loss - w.median()) / w.scale() > self.cfg.detectors.loss_spike.z)

@@ -52,10 +52,7 @@ def contribution(rows: torch.Tensor, ranks: torch.Tensor, loss_scale: float, gra
     """``rows`` ``[n, >= len(FIELDS)]`` float64 (one rank's row: ``n = 1``), ``ranks`` ``[n]`` int64 -> their
     sums ``[n, len(SUMS)]`` float64 and keys ``[n, len(EXTREMES)]`` int64, computed on the rows' device (no host
     sync). Summing and maxing over ``n`` gives the reduced vectors (what a simulation of many ranks does)."""
-    micro = rows[:, F["micro_batches"]]
-    has_loss = micro > 0
-    loss = rows[:, F["loss_sum"]] / torch.where(has_loss, micro, torch.ones_like(micro))
-    loss_ok = torch.isfinite(loss) & (rows[:, F["loss_nonfinite"]] == 0)
+    has_loss, loss, loss_ok = losses(rows)
     loss_bad = has_loss & ~loss_ok
     checked = rows[:, F["grad_checked"]] > 0
     sq = rows[:, F["grad_sq"]]
@@ -79,6 +76,14 @@ def contribution(rows: torch.Tensor, ranks: torch.Tensor, loss_scale: float, gra
                           torch.where(compute_ok, compute, nan), torch.where(compute_ok, -compute, nan),
                           clock, -clock], dim=1)
     return sums, keys(values, ranks, bits)
+
+
+def losses(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's (has a loss, its mean loss over its micro-batches, that loss is finite and none was flagged)."""
+    micro = rows[:, F["micro_batches"]]
+    has_loss = micro > 0
+    loss = rows[:, F["loss_sum"]] / torch.where(has_loss, micro, torch.ones_like(micro))
+    return has_loss, loss, torch.isfinite(loss) & (rows[:, F["loss_nonfinite"]] == 0)
 
 
 def keys(values: torch.Tensor, ranks: torch.Tensor, bits: int) -> torch.Tensor:
