@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from trainguard import config as tg_config
-from trainguard.data import TrackedLoader
+from trainguard.ports import TrackedLoader
 from trainguard.bootstrap import attempt_store
 from trainguard.errors import ConfigError, TrainguardAbort, TrainguardError
 
@@ -65,7 +65,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if block is None or not block.enabled:
         return deepspeed.initialize(**kwargs)
     from ds_plugins.capabilities import REFUSED
-    from trainguard.support import check_supported
+    from trainguard.ports import check_supported
 
     # what the block may ask for depends on whose loader feeds the engine (ds_plugins/capabilities.py)
     check_supported(block, "ds_plugins" if training_data is not None else
@@ -167,7 +167,7 @@ def attach(engine, block: dict | tg_config.TrainguardConfig):
     from ds_plugins.engine import attach as _attach
 
     from ds_plugins.capabilities import REFUSED
-    from trainguard.support import check_supported
+    from trainguard.ports import check_supported
 
     cfg = block if isinstance(block, tg_config.TrainguardConfig) else tg_config.parse_block(block)
     check_supported(cfg, "ds_plugins/own", REFUSED)  # (your loader: no sanitiser, data position or skipping)
@@ -186,8 +186,7 @@ def check_releases(block, framework: bool) -> dict:
     block that cannot run on that release is refused by name."""
     import sys
 
-    from trainguard import releases
-    from trainguard.support import check_release
+    from trainguard.ports import check_release, releases
 
     found = {"deepspeed": _deepspeed().__version__}
     if framework:  # (the frameworks on the call stack: a loop of yours that imports transformers for a model is yours)

@@ -175,7 +175,7 @@ def _patch_trainer(module) -> None:
         def train(self, resume_from_checkpoint=None, *args, **kwargs):
             block = _block_of_args(self.args)
             if block is not None and block.checkpoint.resume != "none" and resume_from_checkpoint in (None, True):
-                from trainguard.checkpoint.auth import key_from
+                from trainguard.ports import key_from
 
                 chosen = _verified_hf_checkpoint(self.args.output_dir, block.checkpoint.resume,
                                                  key_from(block.checkpoint))
@@ -215,9 +215,7 @@ def _verified_hf_checkpoint(output_dir: str, mode: str, key: bytes | None = None
     import os
     import re
 
-    from trainguard.checkpoint.layout import CheckpointError
-    from trainguard.checkpoint.resume import first_resumable
-    from trainguard.isolation import broadcast_from_rank0
+    from trainguard.ports import broadcast_from_rank0, CheckpointError, first_resumable
 
     def choose():
         if not os.path.isdir(output_dir):

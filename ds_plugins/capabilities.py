@@ -5,7 +5,7 @@ Trainer / Accelerate: their loader, tagged -- ds_plugins/loaders.py) and ``ds_pl
 training_data: your loader, which trainguard never sees)."""
 from __future__ import annotations
 
-from trainguard.support import Refusal
+from trainguard.ports import Refusal
 
 VARIANTS = ("ds_plugins", "ds_plugins/framework", "ds_plugins/own")
 

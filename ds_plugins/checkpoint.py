@@ -15,12 +15,8 @@ import sys
 from pathlib import Path
 
 from ds_plugins.engines import _Capture, _Hashing
-from trainguard import __version__, releases
-from trainguard.checkpoint.async_writer import snapshot
-from trainguard.checkpoint.layout import CheckpointError
-from trainguard.checkpoint.verified_io import verified_reads
+from trainguard.ports import CheckpointError, CORE_VERSION, host_copy, releases, verified_reads, world
 from trainguard.errors import UnsupportedSetup
-from trainguard.isolation import world
 
 
 class DeepSpeedState:
@@ -63,7 +59,7 @@ class DeepSpeedState:
     # ------------------------------------------------------------------ save
     def _client_state(self, tag: str, client_state: dict | None) -> dict:
         cs = dict(client_state or {})
-        cs["trainguard"] = {"tag": tag, "step": self.engine.global_steps, "version": __version__}
+        cs["trainguard"] = {"tag": tag, "step": self.engine.global_steps, "version": CORE_VERSION}
         return cs
 
     def write(self, staged: Path, tag: str, client_state: dict | None = None) -> dict:
@@ -82,7 +78,7 @@ class DeepSpeedState:
     def capture(self, staging_root: Path, tag: str, client_state: dict | None = None) -> list:
         """An async save's blocking part: DeepSpeed's save with its checkpoint engine capturing host copies."""
         eng = self.engine
-        capture = _Capture(eng.checkpoint_engine, snapshot)
+        capture = _Capture(eng.checkpoint_engine, host_copy)
         original, eng.checkpoint_engine = eng.checkpoint_engine, capture
         try:
             self._base_save(eng, str(staging_root), tag=tag, client_state=self._client_state(tag, client_state),

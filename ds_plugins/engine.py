@@ -22,16 +22,13 @@ from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import ScalerView
 from ds_plugins.replay import Replays, output_value, rng_state, rows_of
 from ds_plugins.skip import find_strategy, forced_skip
-from trainguard.checks import RunFacts
+from trainguard.ports import (
+    collective_device, DataPosition, gather_coords, PoisonFirstLeaf, RunFacts, StepOutcome, zero_adam_moments,
+)
 from trainguard.config import TrainguardConfig
-from trainguard.data import DataPosition
-from trainguard.driver import zero_adam_moments
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
-from trainguard.faults import PoisonFirstLeaf
-from trainguard.protocols import StepOutcome
 from trainguard.session import GuardSession
-from trainguard.isolation import collective_device, gather_coords
 
 _GUARDED_CLASSES: dict[type, type] = {}
 
@@ -128,11 +125,9 @@ class EngineGuard:
         self._hook_engine()
         if self.guard is not None:
             from ds_plugins.checkpoint import DeepSpeedState
-            from trainguard.checkpoint.manager import CheckpointManager
 
             base = _plain_class(type(engine))
-            self.checkpointer = CheckpointManager(cfg, self.guard, self.heart,
-                                                  DeepSpeedState(self, base.save_checkpoint, base.load_checkpoint))
+            self.checkpointer = s.checkpoints(DeepSpeedState(self, base.save_checkpoint, base.load_checkpoint))
             s.begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
 
     @property
@@ -179,7 +174,7 @@ class EngineGuard:
 
     def _run_facts(self, client_scheduler) -> RunFacts:
         eng = self.engine
-        from trainguard.checks import bf16_supported
+        from trainguard.ports import bf16_supported
 
         bf16 = bf16_supported()
         sched_cfg = eng.config.get("scheduler") if isinstance(getattr(eng, "config", None), dict) else None
@@ -216,13 +211,13 @@ class EngineGuard:
         self.after_load()
 
     def _install_grad_hooks(self) -> None:
-        from trainguard import gradhooks
+        from trainguard.ports import install_grad_hooks
 
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
         clamp = self.guard is not None and self.guard.clipper.value_bound() is not None
-        self._hooks += gradhooks.install(named, self.faults, self.step_number, self._on_grad if check else None,
+        self._hooks += install_grad_hooks(named, self.faults, self.step_number, self._on_grad if check else None,
                                          [self._clamp_grad] if clamp else [])  # (clipping by value: last)
 
     def _on_grad(self, grad):
@@ -400,7 +395,7 @@ def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_sch
 def _applied_grad_meter(engine):
     """A meter on the torch optimizer DeepSpeed steps after clipping (ZeRO's inner optimizer over the
     fp32 partitions; at ZeRO-0 fp32 the optimizer itself, on the full reduced gradients)."""
-    from trainguard.appliedgrad import AppliedGradMeter
+    from trainguard.ports import AppliedGradMeter
 
     inner = engine.optimizer
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) and inner.optimizer is not inner:

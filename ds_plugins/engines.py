@@ -3,7 +3,7 @@
 trainguard.checkpoint.verified_io: each file read once and checked against the verified manifest first.)"""
 from __future__ import annotations
 
-from trainguard.checkpoint.fsio import save_hashed
+from trainguard.ports import save_hashed
 
 
 class _Hashing:

@@ -114,9 +114,9 @@ class TaggingCollate:
         rejected: list = []
         cfg = self.sanitize_cfg
         if cfg is not None:
-            from trainguard.sanitize import active, sanitize
+            from trainguard.ports import sanitize, sanitizing
 
-            if active(cfg):
+            if sanitizing(cfg):
                 ids, samples, rejected = sanitize(ids, samples, cfg)
                 if not samples:  # a framework's loader cannot fetch replacements: nothing left to train on
                     raise EmptyBatch(rejected)

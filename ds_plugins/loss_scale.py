@@ -12,7 +12,7 @@ again after every load (the adapter does).
 """
 from __future__ import annotations
 
-from trainguard.verdicts import ScalerState
+from trainguard.ports import ScalerState
 
 
 class ScalerView:

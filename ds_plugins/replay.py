@@ -9,8 +9,7 @@ import contextlib
 
 import torch
 
-from trainguard.faults import PoisonFirstLeaf
-from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
+from trainguard.ports import FiniteWatch, first_nonfinite, PoisonFirstLeaf, preserved_rng
 
 
 class Replays:
@@ -136,7 +135,7 @@ def set_rng_state(state: dict) -> None:
 def output_value(out) -> tuple:
     """(the loss, the digest of every floating tensor) of a model's output, as device values (no host sync), or
     None where the output holds none (trainguard.detectors.replica.digest: its bits summed as integers)."""
-    from trainguard.detectors.replica import digest
+    from trainguard.ports import digest
 
     loss = _loss_tensor(out)
     floats = []

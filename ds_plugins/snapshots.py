@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard import __version__
-from trainguard.checkpoint.async_writer import snapshot as host_copy
+from trainguard.ports import CORE_VERSION, host_copy
 
 __all__ = ["DeepSpeedShard"]
 
@@ -49,7 +48,7 @@ class DeepSpeedShard:
         engine_before, eng.checkpoint_engine = eng.checkpoint_engine, capture
         writer_before, eng.save_non_zero_checkpoint = eng.save_non_zero_checkpoint, True  # each shard loads alone
         try:
-            cs = {"trainguard": {"tag": tag, "step": step, "version": __version__, "tier": "memory"}}
+            cs = {"trainguard": {"tag": tag, "step": step, "version": CORE_VERSION, "tier": "memory"}}
             eng._save_checkpoint(str(staging_root), tag, client_state=cs)  # (writes zero_to_fp32.py: node memory)
             if eng.save_zero_checkpoint:
                 eng._save_zero_checkpoint(str(staging_root), tag)

@@ -54,17 +54,13 @@ import torch
 import torch.distributed as dist
 
 from trainguard import config as tg_config
-from trainguard import releases
-from trainguard.checks import RunFacts, bf16_supported
-from trainguard.driver import zero_adam_moments
+from trainguard.ports import (
+    bf16_supported, check_supported, collective_device, gather_coords, OutputFlags, PoisonFirstLeaf, releases,
+    RunFacts, StepOutcome, zero_adam_moments,
+)
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly
-from trainguard.faults import PoisonFirstLeaf
-from trainguard.localize import OutputFlags
-from trainguard.isolation import collective_device, gather_coords
-from trainguard.protocols import StepOutcome
 from trainguard.session import GuardSession
-from trainguard.support import check_supported
 
 from megatron_hooks import versions
 from megatron_hooks.capabilities import REFUSED
@@ -84,7 +80,6 @@ class MegatronGuard:
         from megatron.core import parallel_state as ps
 
         from megatron_hooks.checkpoint import MegatronState
-        from trainguard.checkpoint.manager import CheckpointManager
 
         self.chunks = list(chunks)
         self.optimizer = optimizer
@@ -133,7 +128,7 @@ class MegatronGuard:
         optimizer.step = self.step  # the instance's step: the guard decides first
         if self.guard is None:
             return
-        self.checkpointer = CheckpointManager(cfg, self.guard, self.heart, MegatronState(self))
+        self.checkpointer = s.checkpoints(MegatronState(self))
         self.guard.clipper.framework_max_norm = self._clip_grad()
         self.applied_grad = self._applied_grad_meter()
         if cfg.clipping.mode == "norm":
@@ -175,12 +170,12 @@ class MegatronGuard:
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
-        from trainguard import gradhooks
+        from trainguard.ports import install_grad_hooks
 
         named = [(n, p) for c in self.chunks for n, p in _unwrap(c).named_parameters() if p.requires_grad]
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
-        self._hooks += gradhooks.install(named, self.faults, self.step_number, self._on_grad if check else None)
+        self._hooks += install_grad_hooks(named, self.faults, self.step_number, self._on_grad if check else None)
         for chunk in self.chunks:
             inner = _unwrap(chunk)
             self._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))
@@ -296,7 +291,7 @@ class MegatronGuard:
         over megatron's own list for the norm (shared and tensor-parallel duplicates left out); without
         the distributed optimizer every data-parallel replica holds the same gradients."""
         from megatron.core import parallel_state as ps
-        from trainguard.appliedgrad import AppliedGradMeter
+        from trainguard.ports import AppliedGradMeter
 
         from megatron_hooks.checkpoint import _distributed
 
@@ -406,7 +401,7 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = tg_config.block_of(config, "megatron_hooks.install")
     check_supported(cfg, "megatron_hooks", REFUSED)  # a key set here that megatron cannot honour: refused, by name
-    from trainguard.support import check_release
+    from trainguard.ports import check_release
 
     check_release(cfg, "megatron-core", megatron.core.__version__)  # (a key this release cannot run: refused)
     if replayer is None:

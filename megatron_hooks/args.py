@@ -7,7 +7,7 @@ from pathlib import Path
 from megatron_hooks import versions
 from megatron_hooks.capabilities import REFUSED
 from trainguard import config as tg_config
-from trainguard.support import check_supported
+from trainguard.ports import check_supported
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

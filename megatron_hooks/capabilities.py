@@ -2,7 +2,7 @@
 entry point; ``install`` and Megatron-LM's ``--trainguard-config`` refuse a key set here by name)."""
 from __future__ import annotations
 
-from trainguard.support import Refusal
+from trainguard.ports import Refusal
 
 VARIANTS = ("megatron_hooks",)
 

@@ -20,9 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainguard.checkpoint.layout import STAGING, CheckpointError
-from trainguard.checkpoint.verified_io import verified_reads
-from trainguard.checkpoint.write_hashes import hashed_writes
+from trainguard.ports import CheckpointError, hashed_writes, STAGING, verified_reads
 from trainguard.events import Record
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)

@@ -42,7 +42,7 @@ from pathlib import Path
 from megatron_hooks.capabilities import LM_FLAGS_REFUSED
 from trainguard import config as tg_config
 from trainguard.bootstrap import wrap_once
-from trainguard.data import DataPosition
+from trainguard.ports import DataPosition
 from trainguard.errors import ConfigError
 from trainguard.events import Record
 

@@ -52,7 +52,7 @@ class _GradScaler:
         return bool(self.scalers)
 
     def state(self):
-        from trainguard.verdicts import ScalerState
+        from trainguard.ports import ScalerState
 
         g = self.scalers[0]
         self.last_scale = float(g.scale)  # (one host read)

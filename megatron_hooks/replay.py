@@ -131,6 +131,6 @@ class Replayer:
 
 
 def _device() -> torch.device:
-    from trainguard.isolation import collective_device
+    from trainguard.ports import collective_device
 
     return torch.device(collective_device())

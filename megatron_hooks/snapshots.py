@@ -14,9 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainguard.checkpoint.async_writer import snapshot as host_copy
-from trainguard.checkpoint.verified_io import load_weights
-from trainguard.isolation import rank as _rank
+from trainguard.ports import host_copy, load_weights, rank as _rank
 
 __all__ = ["MegatronShard", "SHARD"]
 

@@ -8,7 +8,7 @@ The adapter reaches into megatron-core's optimizers, DDP buffers, schedules and 
 too) runs anyway, and the ``run_start`` record says the version."""
 from __future__ import annotations
 
-from trainguard import releases
+from trainguard.ports import releases
 from trainguard.errors import UnsupportedSetup
 
 __all__ = ["check", "UnsupportedSetup"]

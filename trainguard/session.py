@@ -59,6 +59,14 @@ class GuardSession:
         self.closed = False
 
     # ------------------------------------------------------------------ BEGIN
+    def checkpoints(self, state):
+        """The core's checkpoint protocol (trainguard.checkpoint.manager: staging, hashes, manifest, signature,
+        commit, the memory tier, the conversion cache, sidecars) over the adapter's ``state``
+        (trainguard.protocols.State). The adapter keeps it as ``fw.checkpointer``."""
+        from trainguard.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager(self.cfg, self.guard, self.heart, state)
+
     def begin(self, coords, framework: dict[str, Any], facts=None) -> None:
         """BEGIN: every rank's coordinates, the run_start record, the start-of-run checks."""
         if self.guard is not None:

@@ -9,18 +9,14 @@ import re
 
 import torch
 
-from trainguard import gradhooks
-from trainguard.checkpoint.async_writer import snapshot
-from trainguard.checkpoint.fsio import save_hashed
-from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.verified_io import verified_reads
+# (the fake framework imports what an adapter may: tests/unit/test_structure.py holds this module to it)
 from trainguard.config import parse_block
-from trainguard.verdicts import ScalerState
-from trainguard.driver import zero_adam_moments
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event
-from trainguard.isolation import RankCoords
-from trainguard.protocols import Framework, StepOutcome
+from trainguard.ports import (
+    Framework, gather_coords, host_copy, install_grad_hooks, save_hashed, ScalerState, StepOutcome, verified_reads,
+    zero_adam_moments,
+)
 from trainguard.session import GuardSession
 
 BASE = {"checks": {"enabled": False}, "allow_faults": True,
@@ -81,7 +77,7 @@ class TorchState:
         return {"state.pt": save_hashed(self._state(), staged / "state.pt")}  # (hashed as written)
 
     def capture(self, staging_root, tag, **kw):
-        return [(snapshot(self._state()), staging_root / tag / "state.pt")]
+        return [(host_copy(self._state()), staging_root / tag / "state.pt")]
 
     def sidecar(self, **kw):
         return {}
@@ -202,13 +198,13 @@ def run(tmp_path, block, steps, fp16=False):
     session = GuardSession(fw, cfg, 0, 1)
     seen: list[Event] = []
     _recorded(session.guard, seen)
-    fw.checkpointer = CheckpointManager(fw.cfg, session.guard, session.heart, TorchState(fw))
+    fw.checkpointer = session.checkpoints(TorchState(fw))
     fw.faults = session.faults
     if session.faults is not None:
         session.faults.precision = fw.precision
-    session.hooks += gradhooks.install(list(fw.model.named_parameters()), session.faults, lambda: fw.steps + 1,
+    session.hooks += install_grad_hooks(list(fw.model.named_parameters()), session.faults, lambda: fw.steps + 1,
                                        session.backward)
-    session.begin([RankCoords(rank=0, dp=0, tp=0, pp=0, host="local", local_rank=0)], {"framework": "torch"})
+    session.begin(gather_coords(dp=0, tp=0, pp=0, local_rank=0), {"framework": "torch"})
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(steps)]
     ended = None

@@ -18,27 +18,8 @@ import torch
 
 from trainguard.verdicts import RankObservation, Verdict
 from trainguard.detectors.registry import Registration
-from trainguard.bits import INT as _INT
-from trainguard.bits import as_ints
+from trainguard.bits import digest
 from trainguard.events import Anomaly
-
-MOD = 2 ** 52
-
-
-def digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parameters' bits as integers, summed modulo 2**52, as a 0-dim float64 tensor on their device (no
-    host sync). Tensors whose storage is not plain (ZeRO-3's empty placeholders) add nothing."""
-    total = None
-    for p in params:
-        t = p.detach()
-        if not t.numel() or t.element_size() not in _INT:
-            continue
-        s = as_ints(t.contiguous()).sum(dtype=torch.int64).remainder(MOD)
-        total = s if total is None else (total + s).remainder(MOD)
-    if total is None:
-        return torch.zeros((), dtype=torch.float64)
-    return total.to(torch.float64)
-
 
 class ReplicaCheck:
     name = "replica_check"

@@ -1,0 +1,58 @@
+"""What an adapter implements, and the core's parts it implements it with -- the adapters' one door into the core.
+
+An adapter (``ds_plugins``, ``megatron_hooks``, a third one: docs/extending.md) imports from six core modules only:
+this one, :mod:`trainguard.session` (the run on one rank: the lifecycle and the loop points), :mod:`trainguard.config`
+(the block, parsed once), :mod:`trainguard.errors`, :mod:`trainguard.events` (the names of actions and records) and
+:mod:`trainguard.bootstrap` (the zero-code entry). tests/unit/test_structure.py holds both adapters to that list, so
+the core's modules can move behind these names without an adapter noticing.
+
+The ports (:mod:`trainguard.protocols`): :class:`Framework` (the step, the scaler, the LR, the moments, the precision
+switch), :class:`State` (the framework's state: write staged bytes and return their hashes, load through a verified
+reader, say its layout) and :class:`ShardSource` (one rank's shard for the memory tier), :class:`Loop` (a loop that
+owns its iteration). The parts, one group per port:
+"""
+from __future__ import annotations
+
+from trainguard import __version__ as CORE_VERSION
+from trainguard import releases
+from trainguard.protocols import DataControl, Framework, Loop, ScalerControl, ShardSource, State, StepOutcome
+from trainguard.verdicts import ScalerState
+
+# the model: the gradient and output hooks, the poison of a batch fault, what a replay keeps, the applied gradient
+from trainguard.appliedgrad import AppliedGradMeter
+from trainguard.bits import digest
+from trainguard.driver import zero_adam_moments
+from trainguard.faults import PoisonFirstLeaf
+from trainguard.gradhooks import install as install_grad_hooks
+from trainguard.localize import OutputFlags
+from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
+
+# the state: staged writes with their hashes, verified reads, the host copy of the memory tier, which folder resumes
+from trainguard.checkpoint.async_writer import snapshot as host_copy
+from trainguard.checkpoint.auth import key_from
+from trainguard.checkpoint.fsio import save_hashed
+from trainguard.checkpoint.layout import STAGING, CheckpointError
+from trainguard.checkpoint.resume import first_resumable
+from trainguard.checkpoint.verified_io import load_weights, verified_reads
+from trainguard.checkpoint.write_hashes import hashed_writes
+
+# the data: the position of a loader, the sanitiser
+from trainguard.data import DataPosition, TrackedLoader
+from trainguard.sanitize import active as sanitizing
+from trainguard.sanitize import sanitize
+
+# where the run is: ranks, the device collectives run on
+from trainguard.isolation import broadcast_from_rank0, collective_device, gather_coords, rank, world
+
+# what a run may ask of this adapter (its capabilities, declared once) and of this release
+from trainguard.checks import RunFacts, bf16_supported
+from trainguard.support import Refusal, check_release, check_supported
+
+__all__ = [
+    "CORE_VERSION", "releases", "DataControl", "Framework", "Loop", "ScalerControl", "ShardSource", "State",
+    "StepOutcome", "ScalerState", "AppliedGradMeter", "digest", "zero_adam_moments", "PoisonFirstLeaf",
+    "install_grad_hooks", "OutputFlags", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
+    "save_hashed", "STAGING", "CheckpointError", "first_resumable", "load_weights", "verified_reads", "hashed_writes",
+    "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
+    "gather_coords", "rank", "world", "RunFacts", "bf16_supported", "Refusal", "check_release", "check_supported",
+]
