@@ -24,30 +24,25 @@ from trainguard.checks import RunFacts, start_checks
 from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig, config_hash
 from trainguard.data import DataPosition
-from trainguard.detectors import Verdict, detect_nonfinite
-from trainguard.detectors.activation import detect_activation
-from trainguard.detectors.attention import detect_attention
-from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_scale import LossScaleWatch
 from trainguard.verdicts import ScalerState
-from trainguard.detectors.loss_spike import LR_LOOKBACK, LossSpikeDetector
+from trainguard.detectors.loss_spike import LR_LOOKBACK
 from trainguard.lrcut import LrHistory
-from trainguard.detectors.loss_trend import LossTrendDetector
-from trainguard.detectors.registry import COLUMNS, REGISTERED
+from trainguard.detectors.registry import Decide, columns, registered
+from trainguard.detectors.spikes import Spikes
 from trainguard.detectors.straggler import StragglerDetector
-from trainguard.attribution import by_rank, culprit_samples, merge_nonfinite, narrow_to_origin
+from trainguard.attribution import by_rank, culprit_samples
 from trainguard.errors import ConfigError, TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.agreement import Agreement, StepView
-from trainguard.reduced import losses
 from trainguard.isolation import FIELDS, F, RankCoords
 from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import Decision, Policy, anomaly_class
 from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import SampledProbes
-from trainguard.replay import MicroBatch, judge_loss
+from trainguard.replay import MicroBatch
 from trainguard.replays import Replays
 from trainguard.steplog import StepLog
 from trainguard.steptime import StepTimer
@@ -55,7 +50,6 @@ from trainguard.tally import StepTally
 from trainguard.suspects import SuspectWatch
 
 ALERT = records.ALERT
-COLUMN_AT = {name: len(FIELDS) + i for i, name in enumerate(COLUMNS)}  # the registered detectors' AGREE columns
 
 
 class StepGuard:
@@ -81,9 +75,6 @@ class StepGuard:
         self.rank, self.world, self.group = rank, world, group
         self.policy = Policy(cfg.detectors.nonfinite, cfg.recovery)
         self.faults = FaultInjector(cfg.faults, rank)
-        self.loss_spike = LossSpikeDetector(cfg.detectors.loss_spike)
-        self.grad_norm = GradNormDetector(cfg.detectors.grad_norm)
-        self.loss_trend = LossTrendDetector(cfg.detectors.loss_trend)
         self.lr_now: float | None = None  # this rank's LR of the coming update (the driver sets it before AGREE)
         self.lr_agreed: float | None = None  # rank 0's, from the AGREE table: what every rank's detectors read
         self.lr_history = LrHistory()     # the LR each recent step used (rank 0's): the LR cut's evidence
@@ -93,9 +84,13 @@ class StepGuard:
         self.clipper = Clipper(cfg.clipping)
         self.custom = [build(spec, DETECTORS, Detector, f"trainguard.detectors.custom[{i}]")
                        for i, spec in enumerate(cfg.detectors.custom)]
-        # the registered ladder detectors (trainguard.detectors.registry): one shape, one table column each
-        self.registered = [(reg, reg.build(getattr(cfg.detectors, reg.key), self.device)) for reg in REGISTERED
-                           if getattr(cfg.detectors, reg.key).enabled]
+        # every detector that feeds the ladders (trainguard.detectors.registry), in its turn; the statistics' windows
+        # also answer the guard's questions (a healthy loss, the loss median, a rise's onset)
+        self.registered = [(reg, reg.build(getattr(cfg.detectors, reg.key) if reg.key else cfg.detectors, self.device))
+                           for reg in registered() if reg.key is None or getattr(cfg.detectors, reg.key).enabled]
+        self.stats = next(det for _, det in self.registered if isinstance(det, Spikes))
+        self.columns = columns()
+        self.column_at = {name: len(FIELDS) + i for i, name in enumerate(self.columns)}  # their AGREE columns
         self.localize = localize
         exchanging = any(hasattr(det, "exchange") for _, det in self.registered)
         if peer_replay is None and exchanging:
@@ -104,7 +99,7 @@ class StepGuard:
                                 "install(..., replayer=Replayer(...)), as Megatron-LM's loop does); set false")])
         self.replays = Replays(replay if cfg.recovery.replay_check else None, peer_replay if exchanging else None,
                                narrow_rows and replay is not None and cfg.recovery.narrow_samples,
-                               set(replay_peers) if replay_peers is not None else {rank}, self._healthy_loss,
+                               set(replay_peers) if replay_peers is not None else {rank}, self.stats.healthy_loss,
                                cfg.recovery.enabled)
         self.book = self.replays.book  # this step's micro-batches and the last healthy one (what an adapter replays)
         self.probes = SampledProbes(cfg.detectors)  # activation range, attention entropy: on their sampled steps
@@ -124,7 +119,7 @@ class StepGuard:
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
         self.straggler = StragglerDetector(cfg.detectors.straggler)
         # the step's collectives (trainguard.agreement: every rank's rows up to 64 ranks, a fixed-size summary above)
-        self.agreement = Agreement(rank, world, self.device, group, collective, extra=COLUMNS)
+        self.agreement = Agreement(rank, world, self.device, group, collective, extra=self.columns)
         # the detectors that read every rank's rows each step: yours without ``needs = "summary"``, a registered one
         # with a column but no ``sampled`` (trainguard.detectors.registry)
         self.rows_every_step = [type(d).__name__ for d in self.custom if getattr(d, "needs", "rows") != "summary"] + \
@@ -143,7 +138,8 @@ class StepGuard:
         """Choose the modules the sampled probes watch (hooks are added only on sampled steps); hand the model
         to the registered detectors."""
         for _, det in self.registered:
-            det.attach_model(model)
+            if hasattr(det, "attach_model"):
+                det.attach_model(model)
         self.probes.attach(model)
 
     def sampled(self, step: int) -> list[str]:
@@ -211,7 +207,7 @@ class StepGuard:
                  dynamic_scale: bool = False) -> StepView:
         """AGREE: the step's collectives (trainguard.agreement). Every rank calls it at every optimizer step.
         ``dynamic_scale``: an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
-        host = [0.0] * len(FIELDS) + [float("nan")] * len(COLUMNS)  # the host-known fields, in one small copy
+        host = [0.0] * len(FIELDS) + [float("nan")] * len(self.columns)  # the host-known fields, in one small copy
         tally = self.tally
         host[F["micro_batches"]] = tally.micro
         host[F["grad_checked"]] = tally.grad_hooks
@@ -238,7 +234,7 @@ class StepGuard:
         for reg, det in self.registered:
             value = det.local(step) if reg.column else None
             if value is not None:  # (a device value: copied, never read here)
-                row[COLUMN_AT[reg.column]] = value.to(self.device, torch.float64) if isinstance(value, torch.Tensor) \
+                row[self.column_at[reg.column]] = value.to(self.device, torch.float64) if isinstance(value, torch.Tensor) \
                     else float(value)
         view = self.agreement.agree(row, loss_scale, grad_divisor, want_rows=self._wants_rows(step))
         self._scaled = dynamic_scale
@@ -252,29 +248,18 @@ class StepGuard:
                                                  for _, det in self.registered)
 
     def on_decide(self, step: int, obs: StepView) -> Decision:
-        """DECIDE: pure detectors -> policy -> one action, identical on every rank. The detectors read the step's
-        summary (trainguard.reduced); the rows of the ranks it names, when it names any."""
+        """DECIDE: pure detectors -> policy -> one action, identical on every rank. The registered detectors
+        (trainguard.detectors.registry) read the step's summary (trainguard.reduced), the rows where they travelled,
+        and -- after the one object gather of an anomaly or sampled step -- the named ranks' objects."""
         s = obs.summary
         # (the LR the detectors read is rank 0's, never this rank's own: under pipeline parallelism a stage's first
         # param group may hold another LR, and the ranks would classify differently)
         self.lr_agreed = s.lr if math.isfinite(s.lr) else None
-        verdicts: list[Verdict] = []
-        nonfinite = detect_nonfinite(list(obs), scaled=self._scaled) if self.checking and s.bad else None
-        spikes: list[Verdict] = []
-        if nonfinite is None:
-            if self.cfg.detectors.grad_norm.enabled:
-                rising_before = self.grad_norm.trend()
-                loss_up = not self.cfg.detectors.loss_trend.enabled or self.loss_trend.standing_above(0.05)
-                spikes += self.grad_norm.observe(step, s.grad_proxy, ranks=[s.grad_rank], loss_up=loss_up)
-            else:
-                rising_before = None
-            mean_loss = s.loss_mean
-            lr_ratio = self._lr_ratio(step)
-            if self.cfg.detectors.loss_spike.enabled:
-                v = self.loss_spike.observe(step, mean_loss, rising_before, self.grad_norm.last_z,
-                                            ranks=[s.loss_rank], lr_ratio=lr_ratio)
-                if v is not None:
-                    spikes.append(v)
+        ctx = Decide(obs, self.coords, scaled=self._scaled, lr=self.lr_agreed, lr_ratio=lambda: self._lr_ratio(step))
+        for _, det in self.registered:  # before the gather: what the agreement shows
+            if hasattr(det, "early"):
+                ctx.found += det.early(step, ctx)
+        nonfinite, spikes = ctx.nonfinite, list(ctx.found)
         localized = None
         if nonfinite is not None and nonfinite.anomaly == "nonfinite" and self.cfg.detectors.localize.enabled \
                 and self.localize is not None:
@@ -295,45 +280,29 @@ class StepGuard:
                                                "position": self.tally.where(), "localized": localized,
                                                "activation": activation, "entropy": entropy, "replayed": replayed,
                                                "narrowed": narrowed, "micro_batches": self.tally.micro}, named)
-        if nonfinite is not None and everyone:
-            nonfinite = narrow_to_origin(nonfinite, everyone, self.coords)
         if everyone and deciding:
             self.replays.judge(everyone)
-        if nonfinite is None:
-            spikes = self._trend(step, s.loss_rank, spikes, mean_loss)
-        if everyone and activation is not None:
-            found = detect_activation({r: e["activation"] or {} for r, e in everyone.items()},
-                                      self.cfg.detectors.activation_range)
-            for v in found:
-                if v.anomaly == "nonfinite":
-                    nonfinite = merge_nonfinite(nonfinite, v)
-                else:
-                    spikes.append(v)
-        if everyone and entropy is not None:
-            spikes += detect_attention(step, {r: e["entropy"] or {} for r, e in everyone.items()},
-                                       self.cfg.detectors.attention_entropy)
-        if nonfinite is not None:
-            verdicts.append(nonfinite)
-        verdicts += spikes
-        if self.replays.peer_replay is not None:  # (detectors.peer_replay replays for its peers, every rank alike)
-            ctx = self.replays.peer_context(self.rank, self.coords, self.device, self.group, deciding, everyone,
-                                            {o.rank: o.loss for o in obs} if obs.full else
-                                            {s.loss_rank: s.loss_max.value})
-            for _, det in self.registered:
-                if hasattr(det, "exchange"):
-                    det.exchange(step, ctx)
-        rows = list(obs)  # (every rank's on the steps a sampled check runs: trainguard.agreement)
-        for _, det in self.registered:
-            found = det.observe(step, rows, self.coords)
+        ctx.everyone, ctx.weights, ctx.probed = everyone, self.weights, {"activation": activation, "entropy": entropy}
+        peer = None
+        for _, det in self.registered:  # after it: the named ranks' objects, the weights check, the probes
+            if not hasattr(det, "observe"):
+                continue
+            if hasattr(det, "exchange"):  # (detectors.peer_replay replays for its peers, every rank alike)
+                peer = peer or self.replays.peer_context(self.rank, self.coords, self.device, self.group, deciding,
+                                                         everyone, {o.rank: o.loss for o in obs} if obs.full else
+                                                         {s.loss_rank: s.loss_max.value})
+                det.exchange(step, peer)
+            found = det.observe(step, ctx)
             if found and hasattr(det, "explain"):  # (every rank alike: the verdicts come from the gathered table)
                 det.explain(step, found, self.group)
             for v in found:  # (a detector that names a rank for sure: its host goes to suspect_hosts.json)
                 for r in v.ranks if v.detail.get("suspect") else ():
                     self.suspects.suspect(step, r, f"{v.anomaly}: {v.detail['suspect']}", self.emit)
-            verdicts += found
+            ctx.found += found
+        verdicts = ([ctx.nonfinite] if ctx.nonfinite is not None else []) + ctx.found
         custom = [v for det in self.custom
-                  for v in det.observe(step, s if getattr(det, "needs", "rows") == "summary" else rows)]
-        rise_onset = self.grad_norm.onset(step) if self.grad_norm.in_rise else None
+                  for v in det.observe(step, s if getattr(det, "needs", "rows") == "summary" else ctx.rows)]
+        rise_onset = self.stats.rise_onset(step)
         lr_cut = None
         if self.cfg.recovery.lr_cut == "evidence":
             def lr_cut(onset: int) -> tuple[float, str, bool]:
@@ -345,7 +314,7 @@ class StepGuard:
         self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
         # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host;
         # judged on anomaly steps only -- each judgement sorts the loss window)
-        unhealthy = self._unhealthy(obs) if verdicts else []
+        unhealthy = self.stats.unhealthy(obs) if verdicts else []
         self.suspects.observe(step, self.culprit_samples, self.emit, failing=unhealthy)
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
@@ -364,22 +333,6 @@ class StepGuard:
         for v in custom:  # your detectors alert; the ladders act on the built-in classes only
             self.log.alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
-
-    def _trend(self, step: int, loss_rank: int, spikes: list[Verdict], mean_loss: float) -> list[Verdict]:
-        """After the weights check: a step whose loss burst the weights do not explain was a bad batch -- its loss
-        and gradient norm are no evidence about the LR (they leave the gradient's creep and surge count, and the
-        loss trend does not see them); any other step's loss goes to the loss trend (trainguard.detectors.
-        loss_trend)."""
-        if any(v.anomaly == "instant_burst" for v in spikes) and self.weights != "damaged":
-            if self.grad_norm.blame_data(step):
-                spikes = [v for v in spikes if not (v.detector == "grad_norm" and v.anomaly == "slow_rise")]
-            return spikes
-        if self.cfg.detectors.loss_trend.enabled:
-            v = self.loss_trend.observe(step, mean_loss, self.lr_agreed, self.grad_norm.ratio_since,
-                                        ranks=[loss_rank])
-            if v is not None and not any(s.anomaly == v.anomaly for s in spikes):  # (one record per class)
-                spikes = spikes + [v]
-        return spikes
 
     def _lr_ratio(self, step: int) -> float | None:
         """The LR of this step over the LR ``LR_LOOKBACK`` steps before (None: unknown)."""
@@ -414,23 +367,6 @@ class StepGuard:
     def weights(self) -> str | None:
         """This step's weights check: "healthy" (the data was to blame), "damaged", or None (none made)."""
         return self.replays.weights
-
-    def _healthy_loss(self, loss: float) -> bool:
-        w = self.loss_spike.window
-        robust_z = w.robust_z if len(w) >= self.cfg.detectors.loss_spike.min_history else None
-        return judge_loss(loss, robust_z, self.cfg.detectors.loss_spike.z)
-
-    def _unhealthy(self, obs: StepView) -> list[int]:
-        """The ranks whose own loss was not healthy this step (the suspects' evidence of a shared failure): from the
-        rows where every rank's are here, else from the table's loss columns, judged the same way at once."""
-        if obs.full:
-            return [o.rank for o in obs if o.has_loss and not (o.loss_finite and self._healthy_loss(o.loss))]
-        has, loss, ok = losses(obs.rows_table())
-        bad = ~ok
-        w = self.loss_spike.window
-        if len(w) >= self.cfg.detectors.loss_spike.min_history:
-            bad = bad | ((loss - w.median()) / w.scale() > self.cfg.detectors.loss_spike.z)
-        return torch.nonzero(has & bad).flatten().tolist()
 
     def on_step(self, step: int, decision: Decision, applied: bool,
                 scaler: ScalerState | None = None) -> Decision | None:
@@ -468,7 +404,7 @@ class StepGuard:
         limit = metrics.pop("clip_limit", None)
         applied_sq = metrics.pop("applied_grad_sq", None)
         due = self.line_due(step)
-        line = step_line(obs, metrics, self.loss_spike.window.median() if len(self.loss_spike.window) else None,
+        line = step_line(obs, metrics, self.stats.loss_median(),
                          self.skipped_steps, self.straggler.last, self._probe_values)
         me = obs.own
         rank_line = None
@@ -520,16 +456,14 @@ class StepGuard:
         self.log.close_incidents(step, why="rollback")
         self.suspects.rewound(to_step)
         self.lr_history.rewound(to_step)
-        self.grad_norm.reset_trend()
-        if restart:
-            self.loss_spike.reset()
-            self.grad_norm.reset()
-        self.loss_trend.rolled_back(to_step)
+        for _, det in self.registered:
+            if hasattr(det, "rewound"):
+                det.rewound(step, to_step, restart)
         self.faults.rolled_back()
 
     def lr_lowered(self) -> None:
         """The LR was lowered in place: what goes on at the lowered LR is a new episode of the gradient's trend."""
-        self.grad_norm.reset_trend()
+        self._tell("lr_lowered")
 
     def scaler_reset(self) -> None:
         """The fp16 loss scale was reset or is gone (bf16): the loss-scale watch starts again."""
@@ -537,7 +471,12 @@ class StepGuard:
 
     def precision_changed(self) -> None:
         """The run goes on in another precision: a new gradient-norm distribution from here."""
-        self.grad_norm.reset()
+        self._tell("precision_changed")
+
+    def _tell(self, what: str) -> None:
+        for _, det in self.registered:
+            if hasattr(det, what):
+                getattr(det, what)()
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
@@ -550,25 +489,22 @@ class StepGuard:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
-                "loss_spike": self.loss_spike.state_dict(), "grad_norm": self.grad_norm.state_dict(),
-                "loss_trend": self.loss_trend.state_dict(), "lr_history": self.lr_history.state_dict(),
+                **self.stats.state_dict(), "lr_history": self.lr_history.state_dict(),  # (loss_spike, ...: as before)
                 "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict(),
-                "detectors": {reg.key: det.state_dict() for reg, det in self.registered}}
+                "detectors": {reg.key: det.state_dict() for reg, det in self.registered
+                              if reg.key and hasattr(det, "state_dict")}}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = int(state["skipped_steps"])
         self.policy.load_state_dict(state["policy"])
-        self.loss_spike.load_state_dict(state["loss_spike"])
-        self.grad_norm.load_state_dict(state["grad_norm"])
-        if "loss_trend" in state:
-            self.loss_trend.load_state_dict(state["loss_trend"])
+        self.stats.load_state_dict(state)
         if "lr_history" in state:
             self.lr_history.load_state_dict(state["lr_history"])
         self.clipper.load_state_dict(state["clipper"])
         if "goodput" in state:
             self.goodput.load_state_dict(state["goodput"])
         for reg, det in self.registered:
-            if reg.key in state.get("detectors", {}):
+            if reg.key and reg.key in state.get("detectors", {}):
                 det.load_state_dict(state["detectors"][reg.key])
 
 

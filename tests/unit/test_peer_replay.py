@@ -10,6 +10,7 @@ from trainguard import p2p
 from trainguard.config import PeerReplayConfig
 from trainguard.verdicts import PeerContext
 from trainguard.detectors.peer_replay import PeerReplay, arbitrate, pairs, replica_groups, same
+from trainguard.detectors.registry import Decide
 from trainguard.faults import OutputPoison
 from trainguard.isolation import RankCoords
 from trainguard.replay import MicroBatch
@@ -87,7 +88,7 @@ def run_world(n, wrong=(), step=10, every=5, unexplained=(), step_loss=None, rto
                           replay=replayer(r in wrong), healthy=lambda loss: loss < 5.0, unexplained=unexplained,
                           step_loss=dict(enumerate(step_loss or [1.0] * n)))
         det.exchange(step, ctx)
-        found[r] = det.observe(step, [], cs)
+        found[r] = det.observe(step, Decide([], cs))
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
     for t in threads:

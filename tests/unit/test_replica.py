@@ -4,7 +4,7 @@ import torch
 
 from trainguard.config import NonfiniteConfig, ReplicaCheckConfig, RecoveryConfig, parse_block
 from trainguard.verdicts import RankObservation
-from trainguard.detectors.registry import COLUMNS, registrations
+from trainguard.detectors.registry import Decide, columns, registrations
 from trainguard.detectors.replica import ReplicaCheck, digest
 from trainguard.events import Action, Anomaly, Record
 from trainguard.faults import flip_bit
@@ -35,26 +35,26 @@ def _coords(tp):
 
 def test_the_minority_of_a_replica_group_is_named_and_without_a_majority_the_whole_group():
     det = ReplicaCheck(ReplicaCheckConfig(enabled=True, every_steps=5))
-    assert det.observe(5, _obs([7.0, 7.0, 7.0]), _coords([0, 0, 0])) == [] and det.agreed_at == 5
-    assert det.observe(7, _obs([7.0, 8.0, 7.0]), _coords([0, 0, 0])) == []  # (not a check step)
-    (v,) = det.observe(10, _obs([7.0, 9.0, 7.0]), _coords([0, 0, 0]))
+    assert det.observe(5, Decide(_obs([7.0, 7.0, 7.0]), _coords([0, 0, 0]))) == [] and det.agreed_at == 5
+    assert det.observe(7, Decide(_obs([7.0, 8.0, 7.0]), _coords([0, 0, 0]))) == []  # (not a check step)
+    (v,) = det.observe(10, Decide(_obs([7.0, 9.0, 7.0]), _coords([0, 0, 0])))
     assert v.anomaly is Anomaly.REPLICA_MISMATCH and v.ranks == (1,) and v.detail["majority"] and v.detail["suspect"]
     assert v.detail["onset_step"] == 5 and det.agreed_at == 5  # (no agreement at 10: it stays)
-    (v,) = det.observe(15, _obs([7.0, 9.0]), _coords([0, 0]))
+    (v,) = det.observe(15, Decide(_obs([7.0, 9.0]), _coords([0, 0])))
     assert v.ranks == (0, 1) and not v.detail["majority"] and v.detail["suspect"] is None
     # tensor parallel: ranks of different TP coordinates hold different shards -- compared within a group only
     tp = _coords([0, 1, 0, 1])
-    assert det.observe(20, _obs([1.0, 2.0, 1.0, 2.0]), tp) == []
-    (v,) = det.observe(25, _obs([1.0, 2.0, 1.0, 3.0]), tp)
+    assert det.observe(20, Decide(_obs([1.0, 2.0, 1.0, 2.0]), tp)) == []
+    (v,) = det.observe(25, Decide(_obs([1.0, 2.0, 1.0, 3.0]), tp))
     assert sorted(v.detail["group"]) == [1, 3] and v.ranks == (1, 3) and v.detail["onset_step"] == 20
 
 
 def test_a_registered_detectors_verdict_climbs_its_ladder_from_its_onset():
-    assert "replica_digest" in COLUMNS and any(r.key == "replica_check" for r in registrations())
+    assert "replica_digest" in columns() and any(r.key == "replica_check" for r in registrations())
     assert Record(Anomaly.REPLICA_MISMATCH.value) is Record.REPLICA_MISMATCH
     det = ReplicaCheck(ReplicaCheckConfig(enabled=True, every_steps=5))
-    det.observe(5, _obs([7.0, 7.0, 7.0]), _coords([0, 0, 0]))
-    verdicts = det.observe(10, _obs([7.0, 9.0, 7.0]), _coords([0, 0, 0]))
+    det.observe(5, Decide(_obs([7.0, 7.0, 7.0]), _coords([0, 0, 0])))
+    verdicts = det.observe(10, Decide(_obs([7.0, 9.0, 7.0]), _coords([0, 0, 0])))
     d = Policy(NonfiniteConfig(), RecoveryConfig()).decide(verdicts, 10)
     # the checkpoints from before the last agreeing check (5) are the clean ones
     assert d.action is Action.ROLLBACK and d.anomaly is Anomaly.REPLICA_MISMATCH and d.onset_step == 5
@@ -77,7 +77,7 @@ def test_a_rank_a_registered_detector_is_sure_of_has_its_host_written_for_the_ne
         def local(self, step):
             return None
 
-        def observe(self, step, obs, coords):
+        def observe(self, step, ctx):
             return [Verdict("replica_check", Anomaly.REPLICA_MISMATCH, (0,),
                             {"suspect": "weights differ from the majority of its replicas", "onset_step": 5})]
 

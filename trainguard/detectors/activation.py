@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+from trainguard.attribution import merge_nonfinite
 from trainguard.config import ActivationRangeConfig
+from trainguard.detectors.registry import Decide, Registration
 from trainguard.verdicts import Verdict
 
 
@@ -26,3 +28,25 @@ def detect_activation(per_rank: dict[int, dict[str, tuple[float, float]]], cfg: 
             "max_abs_limit": cfg.max_abs,
             "per_rank": {r: sorted(v, key=lambda d: -d["max_abs"])[:5] for r, v in large.items()}}))
     return out
+
+
+class ActivationRange:
+    """Registered: on a sampled step, every rank's module output ranges (gathered); a non-finite output joins the
+    step's non-finite finding."""
+
+    def __init__(self, cfg: ActivationRangeConfig, device=None):
+        self.cfg = cfg
+
+    def observe(self, step: int, ctx: Decide) -> list[Verdict]:
+        if not ctx.everyone or ctx.probed.get("activation") is None:
+            return []
+        out = []
+        for v in detect_activation({r: e["activation"] or {} for r, e in ctx.everyone.items()}, self.cfg):
+            if v.anomaly == "nonfinite":
+                ctx.nonfinite = merge_nonfinite(ctx.nonfinite, v)
+            else:
+                out.append(v)
+        return out
+
+
+REGISTRATION = Registration(key="activation_range", build=ActivationRange, order=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainguard.config import AttentionEntropyConfig
+from trainguard.detectors.registry import Decide, Registration
 from trainguard.verdicts import Verdict
 
 
@@ -26,3 +27,18 @@ def detect_attention(step: int, per_rank: dict[int, dict[str, dict]], cfg: Atten
         out.append(Verdict("attention_entropy", "entropy_saturation", tuple(sorted({c["rank"] for c in saturated})),
                            {"heads": saturated[:32], "count": len(saturated), "limit_ratio": cfg.saturation}))
     return out
+
+
+class AttentionEntropy:
+    """Registered: on a sampled step, every rank's attention heads' entropy (gathered)."""
+
+    def __init__(self, cfg: AttentionEntropyConfig, device=None):
+        self.cfg = cfg
+
+    def observe(self, step: int, ctx: Decide) -> list[Verdict]:
+        if not ctx.everyone or ctx.probed.get("entropy") is None:
+            return []
+        return detect_attention(step, {r: e["entropy"] or {} for r, e in ctx.everyone.items()}, self.cfg)
+
+
+REGISTRATION = Registration(key="attention_entropy", build=AttentionEntropy, order=40)

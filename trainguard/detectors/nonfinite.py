@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from trainguard.attribution import narrow_to_origin
+from trainguard.detectors.registry import Decide, Registration
 from trainguard.verdicts import RankObservation, Verdict
 from trainguard.events import Anomaly
 
@@ -38,3 +40,25 @@ def detect_nonfinite(observations: Sequence[RankObservation], scaled: bool = Fal
     overflow = scaled and all(c["origin"] == "gradients" for c in culprits.values())
     return Verdict(detector="nonfinite", anomaly=Anomaly.OVERFLOW if overflow else Anomaly.NONFINITE, ranks=tuple(sorted(culprits)),
                    detail={"per_rank": culprits})
+
+
+class NonfiniteCheck:
+    """Registered (first): the step's non-finite values, found from the rows (which travel on such a step) before
+    the gather -- it decides whether the step localises -- and narrowed after it, with every named rank's
+    localisation, to the rank(s) where they began (trainguard.attribution.narrow_to_origin)."""
+
+    def __init__(self, cfg, device=None):
+        self.cfg = cfg
+
+    def early(self, step: int, ctx: Decide) -> list[Verdict]:
+        if ctx.summary.bad:
+            ctx.nonfinite = detect_nonfinite(ctx.rows, scaled=ctx.scaled)
+        return []
+
+    def observe(self, step: int, ctx: Decide) -> list[Verdict]:
+        if ctx.nonfinite is not None and ctx.everyone:
+            ctx.nonfinite = narrow_to_origin(ctx.nonfinite, ctx.everyone, ctx.coords)
+        return []
+
+
+REGISTRATION = Registration(key="nonfinite", build=NonfiniteCheck, order=10)

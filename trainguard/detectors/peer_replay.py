@@ -36,8 +36,8 @@ from typing import Sequence
 import torch
 
 from trainguard import p2p
-from trainguard.verdicts import PeerContext, RankObservation, Verdict
-from trainguard.detectors.registry import Registration
+from trainguard.verdicts import PeerContext, Verdict
+from trainguard.detectors.registry import Decide, Registration
 from trainguard.events import Anomaly
 
 NAN = float("nan")
@@ -216,14 +216,14 @@ class PeerReplay:
         loss, digest = ctx.replay(inputs, step)
         return [NAN if loss is None else float(loss), NAN if digest is None else float(digest)]
 
-    def observe(self, step: int, obs: Sequence[RankObservation], coords: Sequence) -> list[Verdict]:
+    def observe(self, step: int, ctx: Decide) -> list[Verdict]:
         """The verdicts of this step's exchange -- none where the replica check found the named ranks' replicas
         holding different weights in this very table (then their outputs differ for that reason, and
         replica_mismatch names it)."""
         found, self.found = self.found, []
-        digests = {o.rank: o.extra.get("replica_digest", float("nan")) for o in obs}
+        digests = {o.rank: o.extra.get("replica_digest", float("nan")) for o in ctx.rows} if found else {}
         apart = set()
-        for g in replica_groups(coords) if found else ():
+        for g in replica_groups(ctx.coords) if found else ():
             values = {d for d in (digests.get(r, NAN) for r in g) if d == d}
             if len(values) > 1:
                 apart.update(g)

@@ -12,12 +12,11 @@ weights read then were the ones after the step before it, so the checkpoints up 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Sequence
 
 import torch
 
-from trainguard.verdicts import RankObservation, Verdict
-from trainguard.detectors.registry import Registration
+from trainguard.verdicts import Verdict
+from trainguard.detectors.registry import Decide, Registration
 from trainguard.bits import digest
 from trainguard.events import Anomaly
 
@@ -43,8 +42,9 @@ class ReplicaCheck:
     def local(self, step: int):
         return digest(self.params) if self.sampled(step) and self.params else None
 
-    def observe(self, step: int, obs: Sequence[RankObservation], coords: Sequence) -> list[Verdict]:
-        values = {o.rank: o.extra.get("replica_digest", float("nan")) for o in obs}
+    def observe(self, step: int, ctx: Decide) -> list[Verdict]:
+        coords = ctx.coords
+        values = {o.rank: o.extra.get("replica_digest", float("nan")) for o in ctx.rows}
         if step % self.cfg.every_steps or any(v != v for v in values.values()):  # (NaN: not a check step)
             return []
         groups: dict[tuple, list[int]] = defaultdict(list)
