@@ -106,9 +106,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         state.loader = loader
     # with checkpoint.dir: clear what a crash left in staging, resume from the newest checkpoint that
     # verifies (the checkpoint manager) -- except under a framework, whose resume it is (ds_plugins/auto.py)
-    if _entry != "auto" and block.checkpoint.dir and state.checkpointer is not None:
-        state.checkpointer.resume_on_start()
-    state.start_watchdog()
+    state.session.running(resume=_entry != "auto")
     return engine, opt, loader, scheduler
 
 

@@ -121,14 +121,13 @@ class EngineGuard:
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.guard is not None:
             self.guard.attach_model(engine.module)
-            self.guard.clipper.framework_max_norm = float(engine.gradient_clipping() or 0.0)
-        self._hook_engine()
+        self._hook_engine(framework_clip=float(engine.gradient_clipping() or 0.0))
         if self.guard is not None:
             from ds_plugins.checkpoint import DeepSpeedState
 
             base = _plain_class(type(engine))
-            self.checkpointer = s.checkpoints(DeepSpeedState(self, base.save_checkpoint, base.load_checkpoint))
-            s.begin(self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
+            self.checkpointer = s.start(DeepSpeedState(self, base.save_checkpoint, base.load_checkpoint),
+                                        self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
 
     @property
     def watchdog(self):
@@ -195,7 +194,7 @@ class EngineGuard:
         return RunFacts(dtype=self._dtype(), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
                         framework_clip=float(eng.gradient_clipping() or 0.0))
 
-    def _hook_engine(self) -> None:
+    def _hook_engine(self, framework_clip: float | None = None) -> None:
         """What the adapter puts on the engine: fault hooks, gradient hooks, the clip limit, the fp16
         scaler's arming. At attach, and again after the engine was rebuilt in place (bf16 fallback)."""
         if self.faults is not None:
@@ -206,8 +205,7 @@ class EngineGuard:
             self.applied_grad = _applied_grad_meter(self.engine)
             if self.applied_grad is not None:
                 self._hooks.append(self.applied_grad)
-        if self.guard is not None and self.cfg.clipping.mode == "norm":
-            self._set_clip(self.cfg.clipping.max_norm)
+        self.session.arm(framework_clip)
         self.after_load()
 
     def _install_grad_hooks(self) -> None:
@@ -358,8 +356,6 @@ class EngineGuard:
         return not (eng.zero_optimization() or eng.bfloat16_enabled() or eng.fp16_enabled())
 
     # ------------------------------------------------------------------ liveness and the end
-    def start_watchdog(self) -> None:
-        self.session.start_watchdog()
 
     def close(self) -> None:
         self.session.close({"deepspeed_skipped_steps": self.engine.skipped_steps,

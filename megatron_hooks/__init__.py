@@ -128,17 +128,14 @@ class MegatronGuard:
         optimizer.step = self.step  # the instance's step: the guard decides first
         if self.guard is None:
             return
-        self.checkpointer = s.checkpoints(MegatronState(self))
-        self.guard.clipper.framework_max_norm = self._clip_grad()
         self.applied_grad = self._applied_grad_meter()
-        if cfg.clipping.mode == "norm":
-            self.set_clip(cfg.clipping.max_norm)
+        s.arm(self._clip_grad())
         coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
                                pp=self.stage, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
                                cp=ps.get_context_parallel_rank(), ep=ps.get_expert_model_parallel_rank())
         import megatron.core
 
-        s.begin(coords, {
+        self.checkpointer = s.start(MegatronState(self), coords, {
             "framework": "megatron-core", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
             "releases": {"megatron-core": megatron.core.__version__},
             "untested_releases": [] if releases.supported("megatron-core", megatron.core.__version__)
@@ -153,10 +150,7 @@ class MegatronGuard:
                      warmup_steps=loop.warmup_steps() if loop is not None else -1,
                      scheduler=type(loop.scheduler).__name__ if loop is not None and loop.scheduler is not None else None,
                      framework_clip=self._clip_grad()))
-        if cfg.checkpoint.dir:  # the newest snapshot that verifies (or the newest stable one)
-            # (only a snapshot newer than the iteration the run is at: your own checkpoint may be newer)
-            self.resumed_data_state = self.checkpointer.resume_on_start(newer_than=start_iteration)
-        s.start_watchdog()
+        self.resumed_data_state = s.running(newer_than=start_iteration)  # (only a snapshot newer than your own)
 
     @property
     def watchdog(self):

@@ -6,8 +6,9 @@ heartbeat, the guard (detectors, policy, event log), the fault injector, the ste
 watchdog, and it is what the adapter's hooks call, in :class:`trainguard.events.Event`'s order::
 
     session = GuardSession(fw, cfg, rank, world, device=..., localize=..., replay=...)
-    session.begin(coords, framework_facts, run_facts)      # BEGIN (after fw.checkpointer is set)
-    session.start_watchdog()
+    ...  the adapter's hooks;  session.arm(framework_clip)    # the clipping, on the framework
+    fw.checkpointer = session.start(state, coords, framework_facts, run_facts)   # BEGIN
+    session.running(newer_than)                            # the resume (checkpoint.dir), the watchdog
     ...  per micro-batch:  session.batch(...); session.forward(step, inputs); session.loss(step, loss);
          per gradient:     session.backward(grad)             (a tensor hook)
     ...  per step:         session.step(base_step)            AGREE .. END, recovery (trainguard.driver)
@@ -59,18 +60,49 @@ class GuardSession:
         self.closed = False
 
     # ------------------------------------------------------------------ BEGIN
+    def arm(self, framework_clip: float | None = None) -> None:
+        """The guard's clipping on the framework, once its hooks are in: ``framework_clip`` (at start: what the
+        framework clips at before trainguard touches it, kept for the records) and, in ``clipping.mode: norm``, the
+        guard's max-norm handed to the framework (``fw.set_clip``) -- at start, and again after the framework was
+        rebuilt in place (a precision switch; ``framework_clip`` None then)."""
+        if self.guard is None:
+            return
+        if framework_clip is not None:
+            self.guard.clipper.framework_max_norm = framework_clip
+        if self.cfg.clipping.mode == "norm":
+            self.fw.set_clip(self.cfg.clipping.max_norm)
+
     def checkpoints(self, state):
         """The core's checkpoint protocol (trainguard.checkpoint.manager: staging, hashes, manifest, signature,
         commit, the memory tier, the conversion cache, sidecars) over the adapter's ``state``
-        (trainguard.protocols.State). The adapter keeps it as ``fw.checkpointer``."""
+        (trainguard.protocols.State)."""
         from trainguard.checkpoint.manager import CheckpointManager
 
         return CheckpointManager(self.cfg, self.guard, self.heart, state)
+
+    def start(self, state, coords, framework: dict[str, Any], facts=None):
+        """BEGIN, in the order every adapter needs: the checkpoint manager over ``state`` (returned: the adapter keeps
+        it as ``fw.checkpointer``, which BEGIN's records read), then every rank's coordinates, the run_start record
+        and the start-of-run checks (``facts``: trainguard.checks.RunFacts, read after :meth:`arm`)."""
+        self.fw.checkpointer = self.checkpoints(state)
+        self.begin(coords, framework, facts() if callable(facts) else facts)
+        return self.fw.checkpointer
 
     def begin(self, coords, framework: dict[str, Any], facts=None) -> None:
         """BEGIN: every rank's coordinates, the run_start record, the start-of-run checks."""
         if self.guard is not None:
             self.guard.on_begin(coords, framework, facts)
+
+    def running(self, newer_than: int = 0, resume: bool = True) -> Any:
+        """The end of BEGIN, once the adapter's data loader is in place: with ``checkpoint.dir``, what a crash left in
+        staging cleared and the newest checkpoint that verifies (or the newest stable one) loaded -- only one newer
+        than ``newer_than``, the step the run is at (a checkpoint of the user's own may be newer); ``resume=False``
+        where the resume is another's (a trainer's: ds_plugins/auto.py) -- then the watchdog. Returns the resumed
+        data state, or None."""
+        cp = getattr(self.fw, "checkpointer", None)
+        resumed = cp.resume_on_start(newer_than=newer_than) if resume and self.cfg.checkpoint.dir and cp else None
+        self.start_watchdog()
+        return resumed
 
     def start_watchdog(self) -> None:
         """Heartbeats and hang detection (distributed.watchdog), and the ``restart`` record of a

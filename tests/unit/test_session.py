@@ -198,13 +198,15 @@ def run(tmp_path, block, steps, fp16=False):
     session = GuardSession(fw, cfg, 0, 1)
     seen: list[Event] = []
     _recorded(session.guard, seen)
-    fw.checkpointer = session.checkpoints(TorchState(fw))
     fw.faults = session.faults
     if session.faults is not None:
         session.faults.precision = fw.precision
     session.hooks += install_grad_hooks(list(fw.model.named_parameters()), session.faults, lambda: fw.steps + 1,
                                        session.backward)
-    session.begin(gather_coords(dp=0, tp=0, pp=0, local_rank=0), {"framework": "torch"})
+    session.arm(framework_clip=0.0)  # (plain torch clips nothing of its own)
+    fw.checkpointer = session.start(TorchState(fw), gather_coords(dp=0, tp=0, pp=0, local_rank=0),
+                                    {"framework": "torch"})
+    session.running()  # (a fresh checkpoint folder: nothing to resume)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(steps)]
     ended = None
