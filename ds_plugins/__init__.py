@@ -18,7 +18,6 @@ import os
 from typing import Any
 
 from trainguard import config as tg_config
-from trainguard.ports import TrackedLoader
 from trainguard.bootstrap import attempt_store
 from trainguard.errors import ConfigError, TrainguardAbort, TrainguardError
 
@@ -95,6 +94,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     loader = None
     if training_data is not None:
         import torch.distributed as dist
+
+        from trainguard.ports import TrackedLoader  # (here: `import ds_plugins`, at DeepSpeed's import, stays light)
 
         group = getattr(engine, "data_parallel_group", None)
         dp_rank = dist.get_rank(group) if dist.is_initialized() else 0

@@ -134,7 +134,7 @@ def set_rng_state(state: dict) -> None:
 
 def output_value(out) -> tuple:
     """(the loss, the digest of every floating tensor) of a model's output, as device values (no host sync), or
-    None where the output holds none (trainguard.detectors.replica.digest: its bits summed as integers)."""
+    None where the output holds none (trainguard.bits.digest: its bits summed as integers)."""
     from trainguard.ports import digest
 
     loss = _loss_tensor(out)

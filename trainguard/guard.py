@@ -285,14 +285,12 @@ class StepGuard:
         ctx.everyone, ctx.weights, ctx.probed = everyone, self.weights, {"activation": activation, "entropy": entropy}
         peer = None
         for _, det in self.registered:  # after it: the named ranks' objects, the weights check, the probes
-            if not hasattr(det, "observe"):
-                continue
             if hasattr(det, "exchange"):  # (detectors.peer_replay replays for its peers, every rank alike)
                 peer = peer or self.replays.peer_context(self.rank, self.coords, self.device, self.group, deciding,
                                                          everyone, {o.rank: o.loss for o in obs} if obs.full else
                                                          {s.loss_rank: s.loss_max.value})
                 det.exchange(step, peer)
-            found = det.observe(step, ctx)
+            found = det.observe(step, ctx) if hasattr(det, "observe") else []
             if found and hasattr(det, "explain"):  # (every rank alike: the verdicts come from the gathered table)
                 det.explain(step, found, self.group)
             for v in found:  # (a detector that names a rank for sure: its host goes to suspect_hosts.json)
@@ -504,7 +502,7 @@ class StepGuard:
         if "goodput" in state:
             self.goodput.load_state_dict(state["goodput"])
         for reg, det in self.registered:
-            if reg.key and reg.key in state.get("detectors", {}):
+            if reg.key and reg.key in state.get("detectors", {}) and hasattr(det, "load_state_dict"):
                 det.load_state_dict(state["detectors"][reg.key])
 
 
