@@ -609,7 +609,7 @@ def test_each_rank_loads_only_bytes_that_match_the_manifest_rank_0_verified(tmp_
     trainguard.checkpoint.verified_io) pins the manifest rank 0 verified by its digest, then hands over only
     bytes it read once and matched against it."""
     from trainguard.checkpoint.auth import sign
-    from trainguard.checkpoint.manifest import VerifiedReader, manifest_digest
+    from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
 
     d = _committed(tmp_path / "ck", "step00000001", 1)
     sign(d, b"k")
@@ -647,7 +647,9 @@ def test_a_frameworks_own_loads_deserialise_only_verified_bytes(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest
+    from trainguard.checkpoint.manifest import Manifest, hash_files, list_files
+
+    from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
     from trainguard.checkpoint.verified_io import verified_reads
 
     d = tmp_path / "ck" / "step00000010"

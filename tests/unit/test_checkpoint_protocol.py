@@ -15,7 +15,8 @@ from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.checkpoint.conversion import CACHE, bound, converted
 from trainguard.checkpoint.layout import CheckpointError, CheckpointLayout
 from trainguard.checkpoint.manager import CheckpointManager
-from trainguard.checkpoint.manifest import Manifest, VerifiedReader, manifest_digest, verify
+from trainguard.checkpoint.manifest import Manifest, verify
+from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
 from trainguard.config import parse_block
 from trainguard.events import Record
 from trainguard.session import GuardSession

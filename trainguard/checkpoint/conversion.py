@@ -19,7 +19,8 @@ from pathlib import Path
 
 from trainguard.checkpoint.commit import commit_staged
 from trainguard.checkpoint.layout import CheckpointError
-from trainguard.checkpoint.manifest import Manifest, VerifiedReader, hash_files, list_files, manifest_digest, verify
+from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
+from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
 from trainguard.checkpoint.private import own_dir
 from trainguard.isolation import broadcast_from_rank0, rank
 

@@ -14,7 +14,8 @@ from typing import Any
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.health import ResumeCheck
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, TRAJECTORY, CheckpointLayout
-from trainguard.checkpoint.manifest import Manifest, VerifiedReader, manifest_digest
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.checkpoint.verified_io import load_weights
 from trainguard.data import merge_positions

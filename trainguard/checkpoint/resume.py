@@ -11,7 +11,8 @@ from typing import Any
 from trainguard.attempt import restart_attempt
 from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout
-from trainguard.checkpoint.manifest import manifest_digest, verify
+from trainguard.checkpoint.manifest import verify
+from trainguard.checkpoint.reader import manifest_digest
 from trainguard.checkpoint.runid import RUN_ID, agreed_run_id
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, rank

@@ -6,7 +6,7 @@ A framework's loader opens a checkpoint's files by path (or a file object opened
 ``dist_checkpointing`` through torch.distributed.checkpoint's ``FileSystem.create_stream`` (its ``.metadata``
 is a pickle, its ``*.distcp`` files hold the tensors) and, on older releases, ``torch.load`` of
 ``common.pt``. While :func:`verified_reads` is open, every such read of a file inside the checkpoint's
-folder goes through a :class:`trainguard.checkpoint.manifest.VerifiedReader`: the file is read once, its
+folder goes through a :class:`trainguard.checkpoint.reader.VerifiedReader`: the file is read once, its
 size and sha256 compared with the manifest rank 0 verified (pinned by its digest), and the loader gets
 those bytes from memory -- never the path again, so a file swapped after the check is never loaded, and
 a file the manifest does not list is refused before it is read. Reads outside the folder pass through.
