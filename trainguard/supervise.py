@@ -1,0 +1,96 @@
+"""One rank's supervisor: the training process runs as its child, so that a dead training process does not end
+the job, and a hot spare takes its rank (issue 38, first part: the launch and the world; the adapters' restore is
+to come).
+
+    torchrun --nproc-per-node 5 -m trainguard.supervise --spares 1 -- train.py --your-args
+
+torchrun (its agent) stops every worker as soon as one exits, whatever ``--max-restarts`` says -- measured: the
+survivors got SIGTERM within milliseconds of one worker's SIGKILL. Its workers are these supervisors: a training
+process that dies leaves its supervisor running, and the job with it. Of torchrun's ``N + S`` workers, the last
+``S`` are spares: their training processes start like the others (imports done, the model's code loaded) and wait
+at the process group's creation (:mod:`trainguard.world`) until a rank is handed to them.
+
+When a training process dies (a signal, an exit code other than 0), its supervisor -- the one process that knows
+it for sure -- hands its rank to the next spare and opens the next *generation* on torchrun's store: the survivors,
+whose collectives failed, form the world again on that generation's store prefix, with the spare in the dead
+rank's place, and their processes go on (their pids unchanged). With no spare left, the supervisor exits with the
+training process's code: torchrun stops the job and restarts it whole (``--max-restarts``), as without
+supervision -- and says so.
+
+The supervisor stays until the job's training processes have all finished (each says so on the store), then exits
+0. torchrun's SIGTERM or SIGINT (the job stopped) goes on to its training process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+from trainguard.world import ROLE, SPARE, Ledger
+
+
+def _say(rank: int, text: str) -> None:
+    print(f"[trainguard.supervise rank {rank}] {text}", file=sys.stderr, flush=True)
+
+
+def child_env(env: dict, rank: int, world: int, spares: int) -> dict:
+    """The training process's environment: an active rank keeps its rank in a world of the active ranks; a spare
+    has no rank until one is handed over."""
+    active = world - spares
+    out = {**env, "WORLD_SIZE": str(active), "TRAINGUARD_SPARES": str(spares)}
+    if rank < active:
+        out.update({ROLE: "active", "RANK": str(rank)})
+    else:
+        out.update({ROLE: "spare", SPARE: str(rank - active), "RANK": "-1"})
+    return out
+
+
+def _command(cmd: list[str]) -> list[str]:
+    if not cmd:
+        raise SystemExit("trainguard.supervise: no training command after --")
+    return [sys.executable, *cmd] if cmd[0].endswith(".py") or cmd[0] == "-m" else cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainguard.supervise")
+    parser.add_argument("--spares", type=int, default=0, help="how many of torchrun's workers wait as hot spares")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training script and its arguments")
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise SystemExit(f"trainguard.supervise runs as torchrun's worker: {', '.join(missing)} not set")
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if not 0 <= args.spares < world:
+        raise SystemExit(f"trainguard.supervise: --spares {args.spares} leaves no active rank of {world}")
+    active = world - args.spares
+    ledger = Ledger.connect(env)
+    child = subprocess.Popen(_command(cmd), env=child_env(dict(env), rank, world, args.spares))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (the job stopped: so does the training process)
+        signal.signal(sig, lambda s, _f: (child.send_signal(s), sys.exit(128 + s)))
+    rc = child.wait()
+    if rc == 0:
+        return 0
+    holds = rank if rank < active else ledger.assigned(rank - active)
+    how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+    if holds is None:  # (a spare that never held a rank: nothing to hand over)
+        _say(rank, f"spare's training process (pid {child.pid}) ended with {how} before it held a rank")
+        ledger.wait_finished(active)
+        return 0
+    handed = ledger.hand_over(holds, args.spares, f"pid {child.pid}, {how}")
+    if handed is None:
+        _say(rank, f"rank {holds}'s training process (pid {child.pid}) ended with {how} and no spare is left: the "
+                   "whole job stops and restarts (torchrun --max-restarts)")
+        return rc if rc > 0 else 128 - rc
+    spare, generation = handed
+    _say(rank, f"rank {holds}'s training process (pid {child.pid}) ended with {how}: spare {spare} takes rank "
+               f"{holds}, generation {generation}")
+    ledger.wait_finished(active)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

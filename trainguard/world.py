@@ -1,0 +1,130 @@
+"""A supervised training process's place in the job (trainguard.supervise): its rank, its generation, forming the
+world again after a rank died.
+
+The job's facts live on torchrun's store (its agent hosts it: it outlives every worker), under this restart
+attempt's prefix -- the :class:`Ledger`: the current generation, the spares handed out and to which rank, the
+training processes that finished. Generation ``g``'s process group is formed on the prefix ``gen<g>``, so the
+world formed again never meets the addresses the last one left.
+
+A survivor whose collective failed calls :meth:`World.reform` once nothing holds the old groups any more (the
+framework's state dropped -- it is restored from a snapshot after -- and the exception handled: a traceback holds
+the failed work, and with it the group's sockets). Destroying its groups closes its sockets, so a peer still
+waiting on this rank fails at once (measured on gloo: ~20 ms), not at its collective's timeout; gloo cannot abort
+a collective otherwise. It then waits for the next generation -- opened by the dead rank's supervisor, with a
+spare in its place -- and forms the world again with the same rank.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL_S = 0.005
+ROLE, SPARE = "TRAINGUARD_ROLE", "TRAINGUARD_SPARE"  # a training process's place, from its supervisor
+
+
+class Ledger:
+    """The job's facts on torchrun's store (every supervisor and training process sees the same)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    @classmethod
+    def connect(cls, env=os.environ, timeout_s: float = 300.0) -> "Ledger":
+        if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+            raise RuntimeError("a supervised job runs under torchrun, whose agent hosts the store that outlives any "
+                               "worker (TORCHELASTIC_USE_AGENT_STORE is not true)")
+        base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=timeout_s))
+        return cls(dist.PrefixStore(f"trainguard/inprocess/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                    base))
+
+    def generation(self) -> int:
+        return self.store.add("gen", 0)
+
+    def hand_over(self, rank: int, spares: int, why: str) -> tuple[int, int] | None:
+        """From the dead rank's supervisor: the next spare takes ``rank`` in a new generation. Returns (the spare,
+        the generation), or None with no spare left."""
+        taken = self.store.add("spares_used", 1)
+        if taken > spares:
+            self.store.set("no_spare", f"{rank}: {why}")
+            return None
+        generation = self.store.add("gen", 1)
+        self.store.set(f"failed/{generation}", f"{rank}: {why}; at {time.time()!r}")
+        self.store.set(f"spare/{taken - 1}", f"{rank}:{generation}")
+        return taken - 1, generation
+
+    def assigned(self, spare: int) -> int | None:
+        """The rank a spare holds (None: none yet)."""
+        key = f"assigned/{spare}"
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def finished(self) -> int:
+        return self.store.add("finished", 0)
+
+    def wait_finished(self, active: int) -> None:
+        while self.finished() < active:
+            time.sleep(0.2)
+
+
+class World:
+    """This training process's place: ``rank`` (None for a spare not yet needed) in a world of ``size``."""
+
+    def __init__(self, env=os.environ, backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)):
+        self.role = env[ROLE]
+        self.size = int(env["WORLD_SIZE"])
+        self.rank: int | None = int(env["RANK"]) if self.role == "active" else None
+        self.spare = int(env[SPARE]) if self.role == "spare" else None
+        self.backend, self.timeout = backend, timeout
+        self.ledger = Ledger.connect(env)
+        self.generation = 0
+        self.formed_in: float | None = None  # seconds from the failure to the world formed again (the last time)
+
+    @staticmethod
+    def supervised(env=os.environ) -> bool:
+        return ROLE in env
+
+    def join(self) -> int | None:
+        """Form the world: an active rank at once (generation 0); a spare once a rank is handed to it -- or None
+        when the job's training processes all finished without it."""
+        if self.role == "spare":
+            key = f"spare/{self.spare}"
+            while not self.ledger.store.check([key]):
+                if self.ledger.finished() >= self.size:
+                    return None
+                time.sleep(POLL_S)
+            rank, generation = map(int, self.ledger.store.get(key).decode().split(":"))
+            self.ledger.store.set(f"assigned/{self.spare}", str(rank))
+            self.rank, self.generation = rank, generation
+        self._form()
+        return self.rank
+
+    def reform(self, wait_s: float = 60.0) -> float:
+        """After a collective failed: every group destroyed (its sockets closed), the next generation awaited, the
+        world formed again with this rank. Returns the seconds it took. Raises TimeoutError when no generation
+        opens within ``wait_s`` (no rank died: the failure was something else, or a hung rank is still alive)."""
+        start = time.monotonic()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # (what still held the groups: their sockets close now)
+        deadline = start + wait_s
+        while self.ledger.generation() <= self.generation:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: a collective failed and no rank was replaced within {wait_s:.0f}"
+                                   " s (no supervisor opened a new generation)")
+            time.sleep(POLL_S)
+        self.generation = self.ledger.generation()
+        self._form()
+        self.formed_in = time.monotonic() - start
+        return self.formed_in
+
+    def finished(self) -> None:
+        """This training process is done (the supervisors wait for every active rank's)."""
+        self.ledger.store.add("finished", 1)
+
+    def _form(self) -> None:
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{self.generation}", self.ledger.store),
+                                rank=self.rank, world_size=self.size, timeout=self.timeout)
