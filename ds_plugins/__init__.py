@@ -76,12 +76,31 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is not None or config_params is not None:
         kwargs["config"], kwargs["config_params"] = ds_dict, None
     kwargs["training_data"] = None
-    _process_group(deepspeed, block, kwargs)
+    world = _process_group(deepspeed, block, kwargs)
     recipe = None
     if isinstance(ds_dict, dict):  # what a bf16 fallback needs to build the engine again
         from ds_plugins.precision import recipe_for
 
         recipe = recipe_for(ds_dict, optimizer, lr_scheduler, mpu)
+
+    def rebuild(module, loader):
+        """A survivor's engine, built again on the new world the way the spare builds its first (ds_plugins.inprocess)."""
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        again = dict(kwargs, model=module, model_parameters=trainable, lr_scheduler=recipe.lr_scheduler,
+                     optimizer=recipe.optimizer(trainable) if recipe.optimizer else None)
+        engine, _, _, _, state = _build(deepspeed, again, block, recipe, lr_scheduler, _entry, None, collate_fn,
+                                        world, rebuild, loader)
+        return engine, state
+
+    engine, opt, loader, scheduler, _ = _build(deepspeed, kwargs, block, recipe, lr_scheduler, _entry, training_data,
+                                               collate_fn, world, rebuild if world is not None and recipe else None)
+    return engine, opt, loader, scheduler
+
+
+def _build(deepspeed, kwargs, block, recipe, lr_scheduler, _entry, training_data, collate_fn, world, rebuild,
+           loader=None):
+    """The engine, guarded, its loader and the resume -- at the start, and on a survivor after a rank was replaced
+    (``loader``: the user's, carried on)."""
     engine, opt, _, scheduler = deepspeed.initialize(**kwargs)
 
     from ds_plugins.engine import attach
@@ -91,7 +110,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                    else "the framework's")
     state.recipe = recipe
     state.entry = _entry
-    loader = None
+    state.world, state.rebuild = world, rebuild
+    if loader is not None:  # (the user's loader goes on, reporting to the new guard)
+        loader.listener = state.on_batch
+        loader.sample_hook = state.sample_hook if state.faults is not None else None
+        state.loader = loader
     if training_data is not None:
         import torch.distributed as dist
 
@@ -108,10 +131,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # with checkpoint.dir: clear what a crash left in staging, resume from the newest checkpoint that
     # verifies (the checkpoint manager) -- except under a framework, whose resume it is (ds_plugins/auto.py)
     state.session.running(resume=_entry != "auto")
-    return engine, opt, loader, scheduler
+    return engine, opt, loader, scheduler, state
 
 
-def _process_group(deepspeed, block, kwargs) -> None:
+def _process_group(deepspeed, block, kwargs):
     """The default process group, created by trainguard before DeepSpeed builds its own groups.
 
     ``distributed.collective_timeout_s``: every group honours it. Groups created without an
@@ -120,7 +143,10 @@ def _process_group(deepspeed, block, kwargs) -> None:
 
     ``distributed.fresh_store_per_attempt`` (under torchrun): the group is created on
     ``PrefixStore("trainguard/attempt_<TORCHELASTIC_RESTART_COUNT>", store)``, so that workers of
-    a restart attempt never meet keys (gloo peer addresses) left by the attempt before."""
+    a restart attempt never meet keys (gloo peer addresses) left by the attempt before.
+
+    Under ``trainguard.supervise`` the world is trainguard's (ds_plugins.inprocess): returned, to be formed again
+    when a rank dies."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -132,6 +158,12 @@ def _process_group(deepspeed, block, kwargs) -> None:
         c10d.default_pg_timeout = td
         if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
             c10d.default_pg_nccl_timeout = td
+    from trainguard.ports import World
+
+    if World.supervised() and not dist.is_initialized():
+        from ds_plugins.inprocess import form_world
+
+        return form_world(_backend(), td or c10d.default_pg_timeout)
     if dist.is_initialized():
         if td is not None:
             import warnings

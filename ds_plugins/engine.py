@@ -20,10 +20,11 @@ from ds_plugins import RELEASES
 from ds_plugins.loaders import UNTAGGED as _UNTAGGED
 from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import ScalerView
-from ds_plugins.replay import Replays, output_value, rng_state, rows_of
+from ds_plugins.replay import Replays
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.ports import (
-    collective_device, DataPosition, gather_coords, PoisonFirstLeaf, RunFacts, StepOutcome, zero_adam_moments,
+    collective_device, DataPosition, gather_coords, output_value, PoisonFirstLeaf, rng_state, rows_of, RunFacts,
+    StepOutcome, surviving, zero_adam_moments,
 )
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
@@ -53,18 +54,25 @@ def _guarded_class(base: type) -> type:
         """DeepSpeed engine with trainguard's loop points (see trainguard.events.Event)."""
 
         def forward(self, *inputs, **kwargs):
-            return self._trainguard.forward(super().forward, inputs, kwargs)
+            tg = self._trainguard
+            return tg.surviving(lambda: tg.forward(super(Guarded, self).forward, inputs, kwargs),
+                                lambda: torch.zeros((), requires_grad=True))
 
         def backward(self, loss, *args, **kwargs):
             tg = self._trainguard
+            if tg.discard:  # (the rest of a step a replaced rank interrupted: the engine was rebuilt since)
+                return None
             loss = tg.on_loss(self.global_steps + 1, loss)
-            return super().backward(loss, *args, **kwargs)
+            return tg.surviving(lambda: super(Guarded, self).backward(loss, *args, **kwargs))
 
         def step(self, *args, **kwargs):
             tg = self._trainguard
+            if tg.discard:
+                tg.discard = False
+                return None
             if not self.is_gradient_accumulation_boundary():
-                return super().step(*args, **kwargs)
-            return tg.guarded_step(lambda: base.step(self, *args, **kwargs))
+                return tg.surviving(lambda: super(Guarded, self).step(*args, **kwargs), discard=False)
+            return tg.surviving(lambda: tg.guarded_step(lambda: base.step(self, *args, **kwargs)), discard=False)
 
         def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DS's signature
                             exclude_frozen_parameters=False):
@@ -97,6 +105,10 @@ def _guarded_class(base: type) -> type:
 
 class EngineGuard:
     """The adapter's state on one rank: the core guard plus what only DeepSpeed knows."""
+
+    world = None     # trainguard.world.World under trainguard.supervise: a rank that dies is replaced in-process
+    rebuild = None   # (module, loader) -> (engine, its EngineGuard): the build again on a new world (ds_plugins)
+    discard = False  # the rest of a step a rank's replacement interrupted does nothing
 
     def __init__(self, engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None):
         self.engine = engine
@@ -132,6 +144,13 @@ class EngineGuard:
     @property
     def watchdog(self):
         return self.session.watchdog
+
+    def surviving(self, call, stale=lambda: None, discard: bool = True):
+        """``call()``, a rank's death survived (trainguard.replacement; ds_plugins.inprocess)."""
+        from ds_plugins.inprocess import replace_lost_rank
+
+        return surviving(self.world if self.rebuild else None, call,
+                         lambda why: replace_lost_rank(self, why, discard), stale)
 
     def after_load(self) -> None:
         """After initialize and after every checkpoint load: the guard owns the fp16 scaler's floor."""

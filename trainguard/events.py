@@ -147,6 +147,7 @@ class Record(str, enum.Enum):
     RESUME_DISCONTINUITY = "resume_discontinuity"  # ... and did not
     HANG_DETECTED = "hang_detected"            # the watchdog: a rank stopped making progress
     RESTART = "restart"                        # a restarted attempt resumed (downtime, previous heartbeats)
+    RANK_REPLACED = "rank_replaced"            # a dead rank's place taken by a spare, the survivors' processes kept
     HANDOVER = "handover"            # a framework's own check handed to trainguard (Megatron-LM's NaN check)
     RUN_END = "run_end"              # totals
 

@@ -25,6 +25,7 @@ from trainguard.driver import zero_adam_moments
 from trainguard.faults import PoisonFirstLeaf
 from trainguard.gradhooks import install as install_grad_hooks
 from trainguard.localize import OutputFlags
+from trainguard.outputs import finite_proxy, output_value, rng_state, row_of, rows_of, scalar_loss, set_rng_state
 from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
 
 # the state: staged writes with their hashes, verified reads, the host copy of the memory tier, which folder resumes
@@ -41,8 +42,10 @@ from trainguard.data import DataPosition, TrackedLoader
 from trainguard.sanitize import active as sanitizing
 from trainguard.sanitize import sanitize
 
-# where the run is: ranks, the device collectives run on
+# where the run is: ranks, the device collectives run on, the world a supervised job forms again (trainguard.world)
 from trainguard.isolation import broadcast_from_rank0, collective_device, gather_coords, rank, world
+from trainguard.world import World
+from trainguard.replacement import replace_rank, surviving
 
 # what a run may ask of this adapter (its capabilities, declared once) and of this release
 from trainguard.checks import RunFacts, bf16_supported
@@ -51,8 +54,9 @@ from trainguard.support import Refusal, check_release, check_supported
 __all__ = [
     "CORE_VERSION", "releases", "DataControl", "Framework", "Loop", "ScalerControl", "ShardSource", "State",
     "StepOutcome", "ScalerState", "AppliedGradMeter", "digest", "zero_adam_moments", "PoisonFirstLeaf",
-    "install_grad_hooks", "OutputFlags", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
+    "install_grad_hooks", "OutputFlags", "finite_proxy", "output_value", "rng_state", "row_of", "rows_of",
+    "scalar_loss", "set_rng_state", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
     "save_hashed", "STAGING", "CheckpointError", "first_resumable", "load_weights", "verified_reads", "hashed_writes",
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
-    "gather_coords", "rank", "world", "RunFacts", "bf16_supported", "Refusal", "check_release", "check_supported",
+    "gather_coords", "rank", "world", "World", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal", "check_release", "check_supported",
 ]

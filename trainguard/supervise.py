@@ -17,8 +17,8 @@ rank's place, and their processes go on (their pids unchanged). With no spare le
 training process's code: torchrun stops the job and restarts it whole (``--max-restarts``), as without
 supervision -- and says so.
 
-The supervisor stays until the job's training processes have all finished (each says so on the store), then exits
-0. torchrun's SIGTERM or SIGINT (the job stopped) goes on to its training process.
+The supervisor stays until every rank's training process has finished (exited 0: its supervisor says so on the
+store), then exits 0. torchrun's SIGTERM or SIGINT (the job stopped) goes on to its training process.
 """
 from __future__ import annotations
 
@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # (the job stopped: so does the training process)
         signal.signal(sig, lambda s, _f: (child.send_signal(s), sys.exit(128 + s)))
     rc = child.wait()
-    if rc == 0:
-        return 0
     holds = rank if rank < active else ledger.assigned(rank - active)
+    if rc == 0:
+        if holds is not None:  # (a training process that held a rank finished: the job waits for every rank's)
+            ledger.store.add("finished", 1)
+        return 0
     how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
     if holds is None:  # (a spare that never held a rank: nothing to hand over)
         _say(rank, f"spare's training process (pid {child.pid}) ended with {how} before it held a rank")

@@ -57,6 +57,13 @@ class Ledger:
         self.store.set(f"spare/{taken - 1}", f"{rank}:{generation}")
         return taken - 1, generation
 
+    def failure(self, generation: int) -> tuple[int, str, float]:
+        """(the rank that died, why, when) -- what opened ``generation``."""
+        text = self.store.get(f"failed/{generation}").decode()
+        rank, rest = text.split(": ", 1)
+        why, at = rest.rsplit("; at ", 1)
+        return int(rank), why, float(at)
+
     def assigned(self, spare: int) -> int | None:
         """The rank a spare holds (None: none yet)."""
         key = f"assigned/{spare}"
@@ -102,6 +109,16 @@ class World:
         self._form()
         return self.rank
 
+    def replaced(self, wait_s: float = 10.0) -> bool:
+        """Whether a new generation opened (a rank died and its supervisor handed its rank over) within ``wait_s``:
+        asked before a survivor lets go of anything, so that a failure that was not a death is raised as it was."""
+        deadline = time.monotonic() + wait_s
+        while self.ledger.generation() <= self.generation:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
+
     def reform(self, wait_s: float = 60.0) -> float:
         """After a collective failed: every group destroyed (its sockets closed), the next generation awaited, the
         world formed again with this rank. Returns the seconds it took. Raises TimeoutError when no generation
@@ -121,10 +138,7 @@ class World:
         self.formed_in = time.monotonic() - start
         return self.formed_in
 
-    def finished(self) -> None:
-        """This training process is done (the supervisors wait for every active rank's)."""
-        self.ledger.store.add("finished", 1)
-
     def _form(self) -> None:
+        os.environ["TRAINGUARD_GENERATION"] = str(self.generation)  # (trainguard.attempt: faults of one attempt)
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{self.generation}", self.ledger.store),
                                 rank=self.rank, world_size=self.size, timeout=self.timeout)

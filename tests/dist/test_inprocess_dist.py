@@ -1,15 +1,21 @@
-"""Issue 38, first part: the launch and the world. Under torchrun, each worker is a supervisor (trainguard.supervise)
+"""Issue 38: a dead rank replaced in the same job. Under torchrun, each worker is a supervisor (trainguard.supervise)
 whose child is the training process; a SIGKILLed training process leaves the job running, a hot spare takes its
 rank, the survivors form the world again (trainguard.world) and go on in the same processes. With no spare left,
 the job falls back to torchrun's whole-job restart and says so. Plain torch.distributed on gloo
-(tests/support/inprocess_worker.py); the adapters' restore from node memory is the next part."""
+(tests/support/inprocess_worker.py), then DeepSpeed's own loop (ds_plugins.initialize; ds_plugins/inprocess.py):
+the engine rebuilt on the survivors and resumed from node memory with the spare, bit-identical to a clean run."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.dist.conftest import BASE
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "inprocess_worker.py"
 EXPECTED = [180.0] * 4  # 30 steps of (1 + 2 + 3): whatever was killed, every rank ends where a clean run ends
@@ -56,3 +62,78 @@ def test_a_spare_never_needed_ends_with_the_job(tmp_path):
     ends = {r: _read(tmp_path, f"end_rank{r}.json") for r in range(2)}
     assert all(e["x"] == [90.0] * 4 and e["generation"] == 0 for e in ends.values()), ends  # 30 steps of (1 + 2)
     assert not list(tmp_path.glob("*spare*"))
+
+
+STEPS = 20
+KILL = [{"type": "kill_rank", "step": 9, "rank": 1}]  # (attempt 0, generation 0 only: the spare gets past it)
+
+
+def _ds_config(tmp: Path, name: str, faults=()) -> Path:
+    cfg = copy.deepcopy(BASE)
+    cfg["bf16"] = {"enabled": True}
+    cfg["trainguard"].update({
+        "allow_faults": True, "faults": list(faults),
+        "checkpoint": {"dir": str(tmp / name / "ck"), "every_steps": 5, "stable_after": 2,
+                       "snapshot": {"every_steps": 2, "dir": str(tmp / name / "shm")}},
+        "distributed": {"collective_timeout_s": 120, "watchdog": {"interval_s": 0.5, "hang_timeout_s": 10}}})
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _deepspeed(tmp: Path, name: str, nproc: int, supervise=None, max_restarts=0, faults=()) -> tuple:
+    from trainguard.demo.run import run_bounded, torchrun_env
+
+    out = tmp / name / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    worker = ["-m", "trainguard.demo.worker", "--config", str(_ds_config(tmp, name, faults)), "--steps", str(STEPS),
+              "--out", str(out)]
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
+    cmd = head + (["-m", "trainguard.supervise", "--spares", str(supervise), "--"] if supervise is not None else []) \
+        + worker
+    with open(out / "torchrun.log", "w") as log:
+        rc, _, _ = run_bounded(cmd, 240, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env())
+    results = [json.loads(p.read_text()) if (p := out / f"result.rank{r}.json").exists() else None
+               for r in range(3)]
+    events = [json.loads(x) for x in (out / "trainguard.jsonl").read_text().splitlines()] \
+        if (out / "trainguard.jsonl").exists() else []
+    return rc, results, out, [e for e in events if e.get("type") == "event"]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """Three ranks of the demo, never interrupted: what every replaced run must end at."""
+    tmp = tmp_path_factory.mktemp("clean")
+    rc, results, out, _ = _deepspeed(tmp, "clean", 3)
+    assert rc == 0 and all(results), (out / "torchrun.log").read_text()[-3000:]
+    return results
+
+
+def test_deepspeed_a_killed_rank_is_replaced_by_a_spare_and_ends_bit_identical(tmp_path, clean):
+    """ZeRO-2 bf16 on 3 ranks and a spare: rank 1 SIGKILLed at step 9. The survivors rebuild their engines and resume
+    with the spare from the newest snapshot in node memory; nobody restarts; the final parameters are a clean run's."""
+    rc, results, out, events = _deepspeed(tmp_path, "replaced", 4, supervise=1, faults=KILL)
+    log = (out / "torchrun.log").read_text()
+    assert rc == 0 and all(results), log[-3000:]
+    assert "spare 0 takes rank 1, generation 1" in log
+    assert [r["param_sha256"] for r in results] == [c["param_sha256"] for c in clean]
+    assert all(r["global_steps"] == STEPS for r in results)
+    starts = {r: (out / f"starts.rank{r}.txt").read_text().splitlines() for r in range(3)}
+    assert len(starts[0]) == len(starts[2]) == 1 and len(starts[1]) == 2, starts  # only rank 1 began again: the spare
+    (rep,) = [e for e in events if e["event"] == "rank_replaced"]
+    d = rep["detail"]
+    assert d["rank"] == 1 and "signal 9" in d["why"] and d["generation"] == 1 and rep["ranks"] == [1]
+    assert 6 <= d["resumed_at_step"] <= 8 and d["interrupted_at_step"] == 9  # at most one snapshot interval lost
+    assert d["fault_to_world_s"] < 10 and d["rebuilt_s"] < 30, d
+    assert results[1]["first_step"] == d["resumed_at_step"]  # the spare began where the survivors went back to
+
+
+def test_deepspeed_with_no_spare_left_the_whole_job_restarts_from_node_memory(tmp_path, clean):
+    rc, results, out, events = _deepspeed(tmp_path, "nospare", 3, supervise=0, max_restarts=1, faults=KILL)
+    log = (out / "torchrun.log").read_text()
+    assert rc == 0 and all(results), log[-3000:]
+    assert "no spare is left: the whole job stops and restarts" in log
+    assert [r["param_sha256"] for r in results] == [c["param_sha256"] for c in clean]
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert restart["detail"]["attempt"] == 1 and not [e for e in events if e["event"] == "rank_replaced"]

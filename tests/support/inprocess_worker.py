@@ -69,4 +69,3 @@ while step < STEPS:
     "pid": os.getpid(), "role": world.role, "generation": world.generation, "x": x.tolist(), "step": step,
     "reformed_s": reformed, "attempt": ATTEMPT}))
 dist.destroy_process_group()
-world.finished()

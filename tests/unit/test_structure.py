@@ -20,10 +20,12 @@ MODULE_DEBTS = {
     "trainguard/checkpoint/manager.py": 319,
     "trainguard/checkpoint/snapshots.py": 345, "trainguard/config.py": 802, "trainguard/demo/run.py": 332,
     "trainguard/drill/__init__.py": 327, "trainguard/faults.py": 405, "trainguard/guard.py": 516,
-    "trainguard/policy.py": 322, "trainguard/watchdog.py": 456, "ds_plugins/engine.py": 408,
+    "trainguard/policy.py": 322, "trainguard/watchdog.py": 456, "ds_plugins/engine.py": 427,
     "megatron_hooks/__init__.py": 409,
 }
-PACKAGE_DEBTS = {"ds_plugins": 1917, "megatron_hooks": 1619}
+# (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~100 lines, where
+# 80 lines of model-output helpers went to the core -- trainguard/outputs.py -- in the same change)
+PACKAGE_DEBTS = {"ds_plugins": 1941, "megatron_hooks": 1619}
 
 
 def _lines(path: Path) -> int:

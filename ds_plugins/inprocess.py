@@ -1,0 +1,65 @@
+"""DeepSpeed's part in a dead rank's replacement in the same job (issue 38; trainguard.supervise, trainguard.world,
+trainguard.replacement).
+
+Under ``trainguard.supervise`` ``ds_plugins.initialize`` forms the world (a spare waits there, warm, until a rank is
+handed to it). On a survivor whose collective failed because a rank died, DeepSpeed's engine is retired -- its
+hooks, the gradients the interrupted backward accumulated, its state and DeepSpeed's group globals let go -- and,
+once the world is formed again, built again through ``ds_plugins.initialize``'s own build, as the spare builds its
+first: the same ``deepspeed.initialize``, ``attach`` and resume from node memory. The user's engine object becomes
+the new engine (one shared ``__dict__``, as after a bf16 fallback) and the user's loader goes on from the restored
+data position; the interrupted step's remaining calls do nothing.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def form_world(backend: str, timeout):
+    """The default group of a supervised job. A spare imports, while it waits, what a first deepspeed.initialize
+    imports on the way (measured on CPU: torch._dynamo behind the optimizer's constructor, ~1.3 s; DeepSpeed's
+    Muon module); one the job never needed ends here."""
+    import importlib
+
+    from trainguard.ports import World
+
+    world = World(backend=backend, timeout=timeout)
+    for name in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer") if world.role == "spare" else ():
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - another release without it: nothing to warm
+            pass
+    if world.join() is None:
+        sys.exit(0)
+    return world
+
+
+def replace_lost_rank(state, why: str, discard: bool) -> None:
+    """On a survivor (``state``: its ds_plugins.engine.EngineGuard), with trainguard.replacement.replace_rank."""
+    from deepspeed.utils import groups
+
+    from ds_plugins.precision import _retire
+    from trainguard.ports import replace_rank
+
+    engine, loader = state.engine, state.loader
+    module, interrupted = engine.module, engine.global_steps + 1
+
+    def teardown():
+        _retire(engine)
+        for p in module.parameters():  # (what the interrupted backward accumulated would join the next step's)
+            p.grad = None
+        object.__setattr__(engine, "__dict__", {})  # the old engine, its optimizer and their groups, let go
+        for name, value in list(vars(groups).items()):  # DeepSpeed's module-level groups, built anew
+            if isinstance(value, torch.distributed.ProcessGroup):
+                setattr(groups, name, None)
+            elif isinstance(value, dict) and any(isinstance(v, torch.distributed.ProcessGroup) for v in value.values()):
+                value.clear()
+
+    def rebuild():
+        new_engine, new_state = state.rebuild(module, loader)
+        object.__setattr__(engine, "__dict__", new_engine.__dict__)
+        new_state.engine, new_state.discard = engine, discard  # (the user's object: a next replacement retires it)
+        return new_state.session, engine.global_steps, interrupted
+
+    replace_rank(state.world, state.session, why, teardown, rebuild)
