@@ -55,3 +55,28 @@ def replace_rank(world, session, why: str, teardown: Callable[[], None], rebuild
           f"(generation {world.generation}), resumed at step {step} {built:.3f} s later", file=sys.stderr,
           flush=True)
     return detail
+
+
+def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
+    """The watchdog's hung ranks in a supervised job (on every live rank; trainguard.watchdog): their processes end --
+    killed on this host at once, by their supervisors elsewhere -- and spares take their places, instead of every
+    rank exiting for a restart. Asked once per watchdog. False: not supervised."""
+    from trainguard.world import Ledger, World
+
+    if not World.supervised():
+        return False
+    if getattr(watchdog, "replacing", False):
+        return True
+    watchdog.replacing = True
+    w, live = watchdog.cfg.distributed.watchdog, [r for r in range(watchdog.world) if r not in verdict.culprits]
+    first = bool(live) and watchdog.rank == live[0]
+    watchdog.guard.emit(watchdog.heart.step, Record.HANG_DETECTED, verdict.culprits, "replace", {
+        "culprits": [dict(c, coords=watchdog.guard.coords_of(c["rank"])) for c in verdict.describe()],
+        "why": verdict.why, "hang_timeout_s": w.hang_timeout_s, "detected_by": watchdog.rank},
+        rank_local=True, to_run_log=first, takeover=first)
+    if first:
+        ledger = Ledger.connect()
+        for r in verdict.culprits:
+            ledger.request_kill(r)
+    kill_local()
+    return True

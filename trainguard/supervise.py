@@ -10,6 +10,9 @@ process that dies leaves its supervisor running, and the job with it. Of torchru
 ``S`` are spares: their training processes start like the others (imports done, the model's code loaded) and wait
 at the process group's creation (:mod:`trainguard.world`) until a rank is handed to them.
 
+A hung training process (SIGSTOP, a stuck device) is named by the watchdog of the live ranks, which, in a supervised
+job, asks for its end instead of exiting: its supervisor kills it, and it is a dead one.
+
 When a training process dies (a signal, an exit code other than 0), its supervisor -- the one process that knows
 it for sure -- hands its rank to the next spare and opens the next *generation* on torchrun's store: the survivors,
 whose collectives failed, form the world again on that generation's store prefix, with the spare in the dead
@@ -27,8 +30,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from trainguard.world import ROLE, SPARE, Ledger
+
+POLL_S = 0.2
 
 
 def _say(rank: int, text: str) -> None:
@@ -71,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     child = subprocess.Popen(_command(cmd), env=child_env(dict(env), rank, world, args.spares))
     for sig in (signal.SIGTERM, signal.SIGINT):  # (the job stopped: so does the training process)
         signal.signal(sig, lambda s, _f: (child.send_signal(s), sys.exit(128 + s)))
-    rc = child.wait()
+    while (rc := child.poll()) is None:  # (a watchdog that found this rank hung asks for its process's end)
+        holds = rank if rank < active else ledger.assigned(rank - active)
+        if holds is not None and ledger.kill_requested(holds):
+            _say(rank, f"rank {holds}'s training process (pid {child.pid}) was found hung: killed for a spare")
+            child.kill()
+        time.sleep(POLL_S)
     holds = rank if rank < active else ledger.assigned(rank - active)
     if rc == 0:
         if holds is not None:  # (a training process that held a rank finished: the job waits for every rank's)

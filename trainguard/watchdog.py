@@ -9,12 +9,10 @@ with its own publish time, and reads everyone else's.
 A rank is *hung* when its last progress is older than ``hang_timeout_s``. Every rank waiting in a
 collective for a hung peer stops progressing too, so :func:`find_hung` names the culprit by what
 distinguishes it: its publisher went silent (the process is stopped or dead), else it is behind
-in steps, else it is the one *not* waiting in a collective. Then the monitor (on every live rank)
-dumps its own Python stacks (faulthandler) and asks hung ranks on its host to dump theirs
-(SIGUSR1), writes ``hang_detected`` naming rank, host, phase and step, optionally kills the hung
-local ranks (a stopped process would otherwise hold the launcher for its SIGTERM grace), and ends
-its process with ``exit_code``, so that the launcher restarts the job (see the README's
-"Restarts and exit codes").
+in steps, else it is the one *not* waiting in a collective. Then the monitor (on every live rank) dumps its stacks
+and asks hung local ranks for theirs (SIGUSR1), writes ``hang_detected``, kills the hung local ranks (a stopped
+process holds the launcher for its SIGTERM grace) and exits with ``exit_code`` for the launcher's restart -- or,
+under trainguard.supervise, has the hung ranks killed for spares and goes on (trainguard.replacement).
 
 Framework-free: the adapter supplies the board and says when phases change.
 """
@@ -34,6 +32,7 @@ from typing import Callable
 
 from trainguard.attempt import restart_attempt
 from trainguard.events import Phase, Record
+from trainguard.replacement import replacing_hung
 
 PHASES = tuple(p.value for p in Phase)
 
@@ -411,10 +410,11 @@ class Watchdog:
     def on_hang(self, verdict: HangVerdict) -> None:
         """On the monitor thread of every live rank: stacks, the record, then exit for a restart -- under a
         deadline armed before any of that I/O (arm_exit_deadline)."""
-        w = self.cfg.distributed.watchdog
-        stacks = self.stacks_dir()
+        w, stacks = self.cfg.distributed.watchdog, self.stacks_dir()
         if self.rank in verdict.culprits and len(verdict.culprits) < self.world:
             return  # a culprit that can still think leaves the decision to the others
+        if replacing_hung(self, verdict, lambda: signal_local(verdict, self.heart.host, signal.SIGKILL)):
+            return  # (trainguard.supervise: spares take the hung ranks' places, nobody exits)
         arm_exit_deadline(w.exit_code)
         culprits = [dict(c, coords=self.guard.coords_of(c["rank"])) for c in verdict.describe()]
         detail = {"culprits": culprits, "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,

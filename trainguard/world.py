@@ -64,6 +64,14 @@ class Ledger:
         why, at = rest.rsplit("; at ", 1)
         return int(rank), why, float(at)
 
+    def request_kill(self, rank: int) -> None:
+        """From a watchdog that found ``rank`` hung: its supervisor kills its training process (of this generation:
+        never the spare that takes the rank after)."""
+        self.store.set(f"kill/{rank}/{self.generation()}", "1")
+
+    def kill_requested(self, rank: int) -> bool:
+        return self.store.check([f"kill/{rank}/{self.generation()}"])
+
     def assigned(self, spare: int) -> int | None:
         """The rank a spare holds (None: none yet)."""
         key = f"assigned/{spare}"

@@ -137,3 +137,19 @@ def test_deepspeed_with_no_spare_left_the_whole_job_restarts_from_node_memory(tm
     assert [r["param_sha256"] for r in results] == [c["param_sha256"] for c in clean]
     (restart,) = [e for e in events if e["event"] == "restart"]
     assert restart["detail"]["attempt"] == 1 and not [e for e in events if e["event"] == "rank_replaced"]
+
+
+def test_deepspeed_a_hung_rank_is_named_killed_and_replaced_by_a_spare(tmp_path, clean):
+    """Rank 1 SIGSTOPped at step 9: the survivors' watchdogs name it after hang_timeout_s and, the job being
+    supervised, have its process killed instead of exiting; a spare takes rank 1 and the run ends as a clean one."""
+    rc, results, out, events = _deepspeed(tmp_path, "hung", 4, supervise=1,
+                                          faults=[{"type": "hang_rank", "step": 9, "rank": 1}])
+    log = (out / "torchrun.log").read_text()
+    assert rc == 0 and all(results), log[-3000:]
+    (hang,) = [e for e in events if e["event"] == "hang_detected"]
+    assert hang["ranks"] == [1] and hang["action"] == "replace"
+    (rep,) = [e for e in events if e["event"] == "rank_replaced"]
+    assert rep["detail"]["rank"] == 1 and "signal 9" in rep["detail"]["why"]
+    assert [r["param_sha256"] for r in results] == [c["param_sha256"] for c in clean]
+    starts = {r: (out / f"starts.rank{r}.txt").read_text().splitlines() for r in range(3)}
+    assert len(starts[0]) == len(starts[2]) == 1 and len(starts[1]) == 2, starts
