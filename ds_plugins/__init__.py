@@ -77,6 +77,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         kwargs["config"], kwargs["config_params"] = ds_dict, None
     kwargs["training_data"] = None
     world = _process_group(deepspeed, block, kwargs)
+    if world is not None and model_parameters is not None:  # (kept: a survivor builds again with the same groups)
+        kwargs["model_parameters"] = list(model_parameters)
     recipe = None
     if isinstance(ds_dict, dict):  # what a bf16 fallback needs to build the engine again
         from ds_plugins.precision import recipe_for
@@ -86,14 +88,26 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     def rebuild(module, loader):
         """A survivor's engine, built again on the new world the way the spare builds its first (ds_plugins.inprocess)."""
         trainable = [p for p in module.parameters() if p.requires_grad]
-        again = dict(kwargs, model=module, model_parameters=trainable, lr_scheduler=recipe.lr_scheduler,
+        again = dict(kwargs, model=module, lr_scheduler=recipe.lr_scheduler,
                      optimizer=recipe.optimizer(trainable) if recipe.optimizer else None)
+        if again.get("model_parameters") is None:
+            again["model_parameters"] = trainable
         engine, _, _, _, state = _build(deepspeed, again, block, recipe, lr_scheduler, _entry, None, collate_fn,
                                         world, rebuild, loader)
         return engine, state
 
-    engine, opt, loader, scheduler, _ = _build(deepspeed, kwargs, block, recipe, lr_scheduler, _entry, training_data,
-                                               collate_fn, world, rebuild if world is not None and recipe else None)
+    engine, opt, loader, scheduler, state = _build(deepspeed, kwargs, block, recipe, lr_scheduler, _entry,
+                                                   training_data, collate_fn, world, rebuild if world else None)
+    if world is not None:
+        from ds_plugins.inprocess import why_not
+
+        off = why_not(recipe, engine)
+        if off:  # (a death is then not survived: the survivors exit with the error, torchrun restarts the job)
+            state.rebuild = None
+            import warnings
+
+            warnings.warn(f"trainguard.supervise: a dead rank cannot be replaced in this job ({off}); it restarts "
+                          "whole instead", stacklevel=2)
     return engine, opt, loader, scheduler
 
 

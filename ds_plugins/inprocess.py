@@ -22,8 +22,14 @@ def form_world(backend: str, timeout):
     Muon module); one the job never needed ends here."""
     import importlib
 
+    from trainguard.errors import UnsupportedSetup
     from trainguard.ports import World
 
+    if backend != "gloo":
+        raise UnsupportedSetup(f"trainguard.supervise replaces a dead rank in the same job on gloo only, for now (this "
+                               f"job's backend: {backend}): NCCL's watchdog aborts a survivor's process when a peer "
+                               "dies. Launch without trainguard.supervise: a dead rank restarts the job (torchrun "
+                               "--max-restarts), which resumes from node memory")
     world = World(backend=backend, timeout=timeout)
     for name in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer") if world.role == "spare" else ():
         try:
@@ -33,6 +39,17 @@ def form_world(backend: str, timeout):
     if world.join() is None:
         sys.exit(0)
     return world
+
+
+def why_not(recipe, engine) -> str | None:
+    """Why a survivor cannot build this engine again as the spare builds its first (None: it can)."""
+    if recipe is None or recipe.why_not:
+        return recipe.why_not if recipe is not None else "the DeepSpeed config was not a dict trainguard read"
+    if recipe.mpu is not None:
+        return "an mpu of yours holds the model-parallel groups, which die with the world"
+    if engine.zero_optimization_stage() == 3:
+        return "ZeRO-3 partitions the parameters on the old world's groups"
+    return None
 
 
 def replace_lost_rank(state, why: str, discard: bool) -> None:

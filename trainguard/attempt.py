@@ -1,14 +1,14 @@
 """Which attempt of the job this process belongs to: 0 for the first; torchrun's restarts within an allocation
-(``TORCHELASTIC_RESTART_COUNT``) plus the scheduler's requeues of the job (``SLURM_RESTART_COUNT``) plus the
-world formed again in the same job after a rank died (``TRAINGUARD_GENERATION``, trainguard.world). A restarted
+(``TORCHELASTIC_RESTART_COUNT``) plus the scheduler's requeues of the job (``SLURM_RESTART_COUNT``). Within an
+attempt, :func:`generation` counts the worlds formed again after a rank was replaced in the same job
+(trainguard.world); a process fault fires in the first only, like a restarted attempt's spare getting past it. A restarted
 attempt resumes (trainguard.checkpoint.manager), writes the ``restart`` record (trainguard.watchdog), and
 faults meant for one attempt fire only in it (trainguard.faults)."""
 from __future__ import annotations
 
 import os
 
-SOURCES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "TRAINGUARD_GENERATION")  # (the last: a rank
-# replaced in the same job, trainguard.world)
+SOURCES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
 def restart_attempt() -> int:
@@ -19,3 +19,11 @@ def restart_attempt() -> int:
         except ValueError:
             continue
     return total
+
+
+def generation() -> int:
+    """The world's generation in a supervised job (trainguard.world): 0 until a rank was replaced."""
+    try:
+        return max(0, int(os.environ.get("TRAINGUARD_GENERATION", "0") or 0))
+    except ValueError:
+        return 0

@@ -45,7 +45,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from trainguard.attempt import restart_attempt
+from trainguard.attempt import generation, restart_attempt
 from trainguard.config import FaultSpec
 
 
@@ -214,7 +214,7 @@ class FaultInjector:
         self._slow(step)
         attempt = restart_attempt()
         for kind, sig in (("kill_rank", signal.SIGKILL), ("hang_rank", signal.SIGSTOP)):
-            if any(f.attempt == attempt for f in self._due(kind, step)):
+            if generation() == 0 and any(f.attempt == attempt for f in self._due(kind, step)):
                 self._fire(step, kind)
                 os.kill(os.getpid(), sig)
 

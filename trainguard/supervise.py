@@ -13,12 +13,14 @@ at the process group's creation (:mod:`trainguard.world`) until a rank is handed
 A hung training process (SIGSTOP, a stuck device) is named by the watchdog of the live ranks, which, in a supervised
 job, asks for its end instead of exiting: its supervisor kills it, and it is a dead one.
 
-When a training process dies (a signal, an exit code other than 0), its supervisor -- the one process that knows
+When a training process is killed (a signal: SIGKILL by the OOM killer or a watchdog, a segfault), its supervisor -- the one process that knows
 it for sure -- hands its rank to the next spare and opens the next *generation* on torchrun's store: the survivors,
 whose collectives failed, form the world again on that generation's store prefix, with the spare in the dead
 rank's place, and their processes go on (their pids unchanged). With no spare left, the supervisor exits with the
 training process's code: torchrun stops the job and restarts it whole (``--max-restarts``), as without
-supervision -- and says so.
+supervision -- and says so. A training process that exits by itself with a code other than 0 (an abort, an error,
+the watchdog's exit for a restart) is not replaced: a spare would meet the same; nor is one that dies once ranks
+have begun to finish.
 
 The supervisor stays until every rank's training process has finished (exited 0: its supervisor says so on the
 store), then exits 0. torchrun's SIGTERM or SIGINT (the job stopped) goes on to its training process.
@@ -35,6 +37,7 @@ import time
 from trainguard.world import ROLE, SPARE, Ledger
 
 POLL_S = 0.2
+STOP_GRACE_S = 20.0  # (below torchrun's 30 s SIGTERM grace)
 
 
 def _say(rank: int, text: str) -> None:
@@ -74,36 +77,55 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"trainguard.supervise: --spares {args.spares} leaves no active rank of {world}")
     active = world - args.spares
     ledger = Ledger.connect(env)
+    child = None
+
+    def stop(sig, _frame):  # (the job stopped: so does the training process -- waited for, then killed)
+        if child is not None:
+            child.send_signal(sig)
+            try:
+                child.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        sys.exit(128 + sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     child = subprocess.Popen(_command(cmd), env=child_env(dict(env), rank, world, args.spares))
-    for sig in (signal.SIGTERM, signal.SIGINT):  # (the job stopped: so does the training process)
-        signal.signal(sig, lambda s, _f: (child.send_signal(s), sys.exit(128 + s)))
+    spare = rank - active if rank >= active else None
     while (rc := child.poll()) is None:  # (a watchdog that found this rank hung asks for its process's end)
-        holds = rank if rank < active else ledger.assigned(rank - active)
+        holds = rank if spare is None else ledger.handed(spare)
         if holds is not None and ledger.kill_requested(holds):
             _say(rank, f"rank {holds}'s training process (pid {child.pid}) was found hung: killed for a spare")
             child.kill()
         time.sleep(POLL_S)
-    holds = rank if rank < active else ledger.assigned(rank - active)
+    holds = rank if spare is None else ledger.handed(spare)
     if rc == 0:
         if holds is not None:  # (a training process that held a rank finished: the job waits for every rank's)
             ledger.store.add("finished", 1)
         return 0
-    how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-    if holds is None:  # (a spare that never held a rank: nothing to hand over)
-        _say(rank, f"spare's training process (pid {child.pid}) ended with {how} before it held a rank")
+    if holds is None:  # (a spare that never held a rank: out of the pool, nothing to hand over)
+        ledger.spare_lost(spare)
+        _say(rank, f"spare {spare}'s training process (pid {child.pid}) ended with {_how(rc)} before it held a rank")
         ledger.wait_finished(active)
         return 0
-    handed = ledger.hand_over(holds, args.spares, f"pid {child.pid}, {how}")
-    if handed is None:
-        _say(rank, f"rank {holds}'s training process (pid {child.pid}) ended with {how} and no spare is left: the "
-                   "whole job stops and restarts (torchrun --max-restarts)")
+    if rc > 0 or ledger.finished():
+        # (it exited by itself -- an abort, an error, the watchdog's exit for a restart --, or the job is ending:
+        # a spare would meet the same; torchrun stops or restarts the job, as without supervision)
         return rc if rc > 0 else 128 - rc
-    spare, generation = handed
-    _say(rank, f"rank {holds}'s training process (pid {child.pid}) ended with {how}: spare {spare} takes rank "
+    handed = ledger.hand_over(holds, args.spares, f"pid {child.pid}, {_how(rc)}")
+    if handed is None:
+        _say(rank, f"rank {holds}'s training process (pid {child.pid}) ended with {_how(rc)} and no spare is left: "
+                   "the whole job stops and restarts (torchrun --max-restarts)")
+        return 128 - rc
+    taken, generation = handed
+    _say(rank, f"rank {holds}'s training process (pid {child.pid}) ended with {_how(rc)}: spare {taken} takes rank "
                f"{holds}, generation {generation}")
     ledger.wait_finished(active)
     return 0
 
+
+def _how(rc: int) -> str:
+    return f"signal {-rc}" if rc < 0 else f"exit code {rc}"
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -49,6 +49,8 @@ class Ledger:
         """From the dead rank's supervisor: the next spare takes ``rank`` in a new generation. Returns (the spare,
         the generation), or None with no spare left."""
         taken = self.store.add("spares_used", 1)
+        while taken <= spares and self.store.check([f"spare_lost/{taken - 1}"]):  # (its process died waiting)
+            taken = self.store.add("spares_used", 1)
         if taken > spares:
             self.store.set("no_spare", f"{rank}: {why}")
             return None
@@ -72,10 +74,14 @@ class Ledger:
     def kill_requested(self, rank: int) -> bool:
         return self.store.check([f"kill/{rank}/{self.generation()}"])
 
-    def assigned(self, spare: int) -> int | None:
-        """The rank a spare holds (None: none yet)."""
-        key = f"assigned/{spare}"
-        return int(self.store.get(key)) if self.store.check([key]) else None
+    def handed(self, spare: int) -> int | None:
+        """The rank handed to a spare (None: none yet) -- from the moment it is handed, joined or not."""
+        key = f"spare/{spare}"
+        return int(self.store.get(key).decode().split(":")[0]) if self.store.check([key]) else None
+
+    def spare_lost(self, spare: int) -> None:
+        """A spare's process died before any rank was handed to it: never handed one."""
+        self.store.set(f"spare_lost/{spare}", "1")
 
     def finished(self) -> int:
         return self.store.add("finished", 0)
@@ -112,12 +118,11 @@ class World:
                     return None
                 time.sleep(POLL_S)
             rank, generation = map(int, self.ledger.store.get(key).decode().split(":"))
-            self.ledger.store.set(f"assigned/{self.spare}", str(rank))
             self.rank, self.generation = rank, generation
         self._form()
         return self.rank
 
-    def replaced(self, wait_s: float = 10.0) -> bool:
+    def replaced(self, wait_s: float = 2.0) -> bool:
         """Whether a new generation opened (a rank died and its supervisor handed its rank over) within ``wait_s``:
         asked before a survivor lets go of anything, so that a failure that was not a death is raised as it was."""
         deadline = time.monotonic() + wait_s

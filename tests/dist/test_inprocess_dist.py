@@ -125,7 +125,8 @@ def test_deepspeed_a_killed_rank_is_replaced_by_a_spare_and_ends_bit_identical(t
     d = rep["detail"]
     assert d["rank"] == 1 and "signal 9" in d["why"] and d["generation"] == 1 and rep["ranks"] == [1]
     assert 6 <= d["resumed_at_step"] <= 8 and d["interrupted_at_step"] == 9  # at most one snapshot interval lost
-    assert d["fault_to_world_s"] < 10 and d["rebuilt_s"] < 30, d
+    # (typically 0.2 s and 0.7-1.9 s; bounded below the collective timeout for a busy machine)
+    assert d["fault_to_world_s"] < 30 and d["rebuilt_s"] < 90, d
     assert results[1]["first_step"] == d["resumed_at_step"]  # the spare began where the survivors went back to
 
 

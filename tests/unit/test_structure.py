@@ -23,9 +23,9 @@ MODULE_DEBTS = {
     "trainguard/policy.py": 322, "trainguard/watchdog.py": 456, "ds_plugins/engine.py": 427,
     "megatron_hooks/__init__.py": 409,
 }
-# (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~100 lines, where
-# 80 lines of model-output helpers went to the core -- trainguard/outputs.py -- in the same change)
-PACKAGE_DEBTS = {"ds_plugins": 1941, "megatron_hooks": 1619}
+# (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~130 lines with
+# its refusals, where 80 lines of model-output helpers went to the core -- trainguard/outputs.py -- in the same change)
+PACKAGE_DEBTS = {"ds_plugins": 1972, "megatron_hooks": 1619}
 
 
 def _lines(path: Path) -> int:
