@@ -74,14 +74,14 @@ def progress(out: Path) -> list[tuple[int, int, float]]:
     return rows
 
 
-def training_pid(job: subprocess.Popen, rank: int) -> int | None:
-    """The demo worker process holding ``rank`` (its environment says RANK; a spare's says -1)."""
+def training_pid(out: Path, rank: int) -> int | None:
+    """The demo worker process of this trial holding ``rank`` (its environment says RANK; a spare's says -1)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"trainguard.demo.worker" not in cmd or b"trainguard.supervise" in cmd or os.getsid(int(pid)) != job.pid:
+            if str(out / "run").encode() not in cmd or b"trainguard.supervise" in cmd or b"torch.distributed.run" in cmd:
                 continue
             env = dict(x.split(b"=", 1) for x in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in x)
         except (OSError, ValueError):
@@ -99,7 +99,7 @@ def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, st
         rows = progress(out)
         if killed_at is None and rows and rows[-1][1] >= step:
             time.sleep(fraction * step_s)
-            pid = training_pid(job, rank)
+            pid = training_pid(out, rank)
             if pid is not None:
                 last_before = progress(out)[-1][1]
                 killed_at = time.time()

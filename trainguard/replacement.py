@@ -68,6 +68,18 @@ def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
     if getattr(watchdog, "replacing", False):
         return True
     watchdog.replacing = True
+    import os
+
+    from trainguard.attempt import generation
+
+    ledger = Ledger.connect()
+    if ledger.generation() > generation():
+        # the world moved on without this rank: a replacement is under way (the others, rebuilding, are silent),
+        # and this rank is still blocked in the old world (bench/kill_anywhere.py met it once in 4 draws). Gloo
+        # cannot abort that wait: the process ends, as if killed, and a spare -- or the job's restart -- takes it
+        print(f"[trainguard rank {watchdog.rank}] blocked in generation {generation()} while the world formed "
+              f"generation {ledger.generation()}: this process ends for a spare", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), 9)
     w, live = watchdog.cfg.distributed.watchdog, [r for r in range(watchdog.world) if r not in verdict.culprits]
     first = bool(live) and watchdog.rank == live[0]
     watchdog.guard.emit(watchdog.heart.step, Record.HANG_DETECTED, verdict.culprits, "replace", {
@@ -75,7 +87,6 @@ def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
         "why": verdict.why, "hang_timeout_s": w.hang_timeout_s, "detected_by": watchdog.rank},
         rank_local=True, to_run_log=first, takeover=first)
     if first:
-        ledger = Ledger.connect()
         for r in verdict.culprits:
             ledger.request_kill(r)
     kill_local()
