@@ -78,7 +78,10 @@ def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
         # and this rank is still blocked in the old world (bench/kill_anywhere.py met it once in 4 draws). Gloo
         # cannot abort that wait: the process ends, as if killed, and a spare -- or the job's restart -- takes it
         print(f"[trainguard rank {watchdog.rank}] blocked in generation {generation()} while the world formed "
-              f"generation {ledger.generation()}: this process ends for a spare", file=sys.stderr, flush=True)
+              f"generation {ledger.generation()}: this process ends for a spare; its stacks:", file=sys.stderr, flush=True)
+        import faulthandler
+
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os.kill(os.getpid(), 9)
     w, live = watchdog.cfg.distributed.watchdog, [r for r in range(watchdog.world) if r not in verdict.culprits]
     first = bool(live) and watchdog.rank == live[0]
