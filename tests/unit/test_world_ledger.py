@@ -1,0 +1,54 @@
+"""The supervised job's ledger (trainguard.world.Ledger) and the training process's environment
+(trainguard.supervise.child_env), on a real TCPStore in this process: who gets a spare, in which generation, what a
+lost spare or an exhausted pool does, and that a kill asked for one generation never reaches the next."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainguard.supervise import child_env
+from trainguard.world import Ledger
+
+
+def _ledger() -> Ledger:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    return Ledger(dist.PrefixStore("test", store))
+
+
+def test_the_active_ranks_keep_theirs_and_a_spare_has_none():
+    env = {"RANK": "4", "WORLD_SIZE": "5", "MASTER_ADDR": "h"}
+    spare = child_env(env, 4, 5, 1)
+    assert spare["TRAINGUARD_ROLE"] == "spare" and spare["TRAINGUARD_SPARE"] == "0" and spare["RANK"] == "-1"
+    assert spare["WORLD_SIZE"] == "4"  # (the world of the active ranks)
+    active = child_env(env, 2, 5, 1)
+    assert active["TRAINGUARD_ROLE"] == "active" and active["RANK"] == "2" and active["WORLD_SIZE"] == "4"
+
+
+def test_spares_are_handed_out_in_turn_each_death_a_generation_until_none_is_left():
+    ledger = _ledger()
+    assert ledger.generation() == 0 and ledger.handed(0) is None
+    assert ledger.hand_over(1, spares=2, why="pid 7, signal 9") == (0, 1)
+    assert ledger.handed(0) == 1 and ledger.generation() == 1
+    rank, why, _ = ledger.failure(1)
+    assert rank == 1 and why == "pid 7, signal 9"
+    assert ledger.hand_over(3, spares=2, why="pid 8, signal 9") == (1, 2)
+    assert ledger.hand_over(0, spares=2, why="pid 9, signal 9") is None  # (none left: the whole-job restart)
+    assert ledger.generation() == 2
+
+
+def test_a_spare_lost_before_it_held_a_rank_is_never_handed_one():
+    ledger = _ledger()
+    ledger.spare_lost(0)
+    assert ledger.hand_over(2, spares=2, why="x") == (1, 1)  # spare 0 passed over
+    assert ledger.handed(0) is None and ledger.handed(1) == 2
+
+
+def test_a_kill_asked_in_one_generation_never_reaches_the_next():
+    """The watchdog asks for the hung rank's end in the generation it found it; the spare that takes the rank in the
+    next generation is not killed by that request."""
+    ledger = _ledger()
+    ledger.request_kill(1)
+    assert ledger.kill_requested(1) and not ledger.kill_requested(0)
+    ledger.hand_over(1, spares=1, why="killed")
+    assert not ledger.kill_requested(1)
