@@ -58,5 +58,6 @@ __all__ = [
     "scalar_loss", "set_rng_state", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
     "save_hashed", "STAGING", "CheckpointError", "first_resumable", "load_weights", "verified_reads", "hashed_writes",
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
-    "gather_coords", "rank", "world", "World", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal", "check_release", "check_supported",
+    "gather_coords", "rank", "world", "World", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
+    "check_release", "check_supported",
 ]

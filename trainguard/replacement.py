@@ -19,8 +19,9 @@ from trainguard.events import Record
 
 
 def surviving(world, call: Callable[[], Any], replace: Callable[[str], None], stale: Callable[[], Any] = lambda: None):
-    """``call()``; a failure a rank's death explains: ``replace(why)`` (an adapter: its part around :func:`replace_rank`), then ``stale()`` stands for what the
-    interrupted call would have returned (``world`` None: not supervised, ``call()`` alone)."""
+    """``call()``; a failure a rank's death explains: ``replace(why)`` (an adapter: its part around
+    :func:`replace_rank`), then ``stale()`` stands for what the interrupted call would have returned (``world``
+    None: not supervised, ``call()`` alone)."""
     if world is None:
         return call()
     err = None
@@ -78,7 +79,8 @@ def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
         # and this rank is still blocked in the old world (bench/kill_anywhere.py met it once in 4 draws). Gloo
         # cannot abort that wait: the process ends, as if killed, and a spare -- or the job's restart -- takes it
         print(f"[trainguard rank {watchdog.rank}] blocked in generation {generation()} while the world formed "
-              f"generation {ledger.generation()}: this process ends for a spare; its stacks:", file=sys.stderr, flush=True)
+              f"generation {ledger.generation()}: this process ends for a spare; its stacks:", file=sys.stderr,
+              flush=True)
         import faulthandler
 
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

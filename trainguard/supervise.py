@@ -1,6 +1,6 @@
 """One rank's supervisor: the training process runs as its child, so that a dead training process does not end
-the job, and a hot spare takes its rank (issue 38, first part: the launch and the world; the adapters' restore is
-to come).
+the job, and a hot spare takes its rank (issue 38: the launch and the world; DeepSpeed's part is
+ds_plugins/inprocess.py, the survivors' trainguard/replacement.py).
 
     torchrun --nproc-per-node 5 -m trainguard.supervise --spares 1 -- train.py --your-args
 
@@ -13,9 +13,9 @@ at the process group's creation (:mod:`trainguard.world`) until a rank is handed
 A hung training process (SIGSTOP, a stuck device) is named by the watchdog of the live ranks, which, in a supervised
 job, asks for its end instead of exiting: its supervisor kills it, and it is a dead one.
 
-When a training process is killed (a signal: SIGKILL by the OOM killer or a watchdog, a segfault), its supervisor -- the one process that knows
-it for sure -- hands its rank to the next spare and opens the next *generation* on torchrun's store: the survivors,
-whose collectives failed, form the world again on that generation's store prefix, with the spare in the dead
+When a training process is killed (a signal: SIGKILL by the OOM killer or a watchdog, a segfault), its supervisor
+-- the one process that knows it for sure -- hands its rank to the next spare and opens the next *generation* on
+torchrun's store: the survivors, whose collectives failed, form the world again on that generation's store prefix, with the spare in the dead
 rank's place, and their processes go on (their pids unchanged). With no spare left, the supervisor exits with the
 training process's code: torchrun stops the job and restarts it whole (``--max-restarts``), as without
 supervision -- and says so. A training process that exits by itself with a code other than 0 (an abort, an error,

@@ -102,7 +102,6 @@ class World:
         self.backend, self.timeout = backend, timeout
         self.ledger = Ledger.connect(env)
         self.generation = 0
-        self.formed_in: float | None = None  # seconds from the failure to the world formed again (the last time)
 
     @staticmethod
     def supervised(env=os.environ) -> bool:
@@ -148,8 +147,7 @@ class World:
             time.sleep(POLL_S)
         self.generation = self.ledger.generation()
         self._form()
-        self.formed_in = time.monotonic() - start
-        return self.formed_in
+        return time.monotonic() - start
 
     def _form(self) -> None:
         os.environ["TRAINGUARD_GENERATION"] = str(self.generation)  # (trainguard.attempt: faults of one attempt)
