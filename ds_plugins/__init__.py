@@ -77,8 +77,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         kwargs["config"], kwargs["config_params"] = ds_dict, None
     kwargs["training_data"] = None
     world = _process_group(deepspeed, block, kwargs)
-    if world is not None and model_parameters is not None:  # (kept: a survivor builds again with the same groups)
-        kwargs["model_parameters"] = list(model_parameters)
+    if world is not None:  # (kept: a survivor builds again with the same groups, on its parameters as they were)
+        from ds_plugins.inprocess import remember
+
+        remember(kwargs["model"])
+        if model_parameters is not None:
+            kwargs["model_parameters"] = list(model_parameters)
     recipe = None
     if isinstance(ds_dict, dict):  # what a bf16 fallback needs to build the engine again
         from ds_plugins.precision import recipe_for

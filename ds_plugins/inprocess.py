@@ -41,6 +41,15 @@ def form_world(backend: str, timeout):
     return world
 
 
+def remember(model) -> None:
+    """The attributes the user's parameters have before DeepSpeed's first build: a retired engine leaves no others
+    (DeepSpeed's own -- ``_dp_group``, ``_hp_mapping``, bound ``get_full_hp_*`` -- would hold the old world's data-
+    parallel group, its gloo sockets open, and a survivor blocked on this rank in that group waits for its timeout)."""
+    for p in model.parameters():
+        if not hasattr(p, "_trainguard_own"):
+            p._trainguard_own = frozenset(vars(p)) | {"_trainguard_own"}
+
+
 def why_not(recipe, engine) -> str | None:
     """Why a survivor cannot build this engine again as the spare builds its first (None: it can)."""
     if recipe is None or recipe.why_not:
@@ -66,6 +75,8 @@ def replace_lost_rank(state, why: str, discard: bool) -> None:
         _retire(engine)
         for p in module.parameters():  # (what the interrupted backward accumulated would join the next step's)
             p.grad = None
+            for k in [k for k in vars(p) if k not in getattr(p, "_trainguard_own", vars(p))]:
+                delattr(p, k)  # (DeepSpeed's: see remember)
         object.__setattr__(engine, "__dict__", {})  # the old engine, its optimizer and their groups, let go
         for name, value in list(vars(groups).items()):  # DeepSpeed's module-level groups, built anew
             if isinstance(value, torch.distributed.ProcessGroup):

@@ -49,7 +49,8 @@ def replace_rank(world, session, why: str, teardown: Callable[[], None], rebuild
     dead, died, at = world.ledger.failure(world.generation)
     detail = {"rank": dead, "why": died, "generation": world.generation, "survivor_error": why[:300],
               "fault_to_world_s": round(time.time() - at - built, 3), "reformed_s": round(formed, 3),
-              "rebuilt_s": round(built, 3), "resumed_at_step": step, "interrupted_at_step": interrupted}
+              "rebuilt_s": round(built, 3), "resumed_at_step": step, "interrupted_at_step": interrupted,
+              "sockets_left_open": len(world.left_open)}
     if new_session.guard is not None and world.rank == (1 if dead == 0 else 0):  # (the lowest survivor)
         new_session.guard.emit(step, Record.RANK_REPLACED, [dead], None, detail, takeover=world.rank != 0)
     print(f"[trainguard rank {world.rank}] rank {dead} died ({died}): the world formed again in {formed:.3f} s "

@@ -102,6 +102,8 @@ class World:
         self.backend, self.timeout = backend, timeout
         self.ledger = Ledger.connect(env)
         self.generation = 0
+        self.store_port, self.before = int(env["MASTER_PORT"]), set(tcp_sockets())  # (the store's connections)
+        self.left_open: list[str] = []  # sockets the last world opened that its destruction did not close
 
     @staticmethod
     def supervised(env=os.environ) -> bool:
@@ -139,6 +141,14 @@ class World:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()  # (what still held the groups: their sockets close now)
+        self.left_open = [i for i, port in tcp_sockets().items() if i not in self.before and port != self.store_port]
+        if self.left_open:
+            import sys
+
+            print(f"[trainguard rank {self.rank}] {len(self.left_open)} TCP sockets opened since the world formed are "
+                  "still open after its groups were destroyed: if they are its groups' (something still holds them), a "
+                  "rank waiting on this one in a collective waits for the collective's timeout", file=sys.stderr,
+                  flush=True)
         deadline = start + wait_s
         while self.ledger.generation() <= self.generation:
             if time.monotonic() > deadline:
@@ -153,3 +163,31 @@ class World:
         os.environ["TRAINGUARD_GENERATION"] = str(self.generation)  # (trainguard.attempt: faults of one attempt)
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{self.generation}", self.ledger.store),
                                 rank=self.rank, world_size=self.size, timeout=self.timeout)
+
+
+def tcp_sockets() -> dict[str, int]:
+    """This process's TCP sockets: inode -> the remote port (0: listening). Linux (/proc); elsewhere none."""
+    inodes = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return {}
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            col = row.split()  # sl, local, remote, state, queues, timer, retransmits, uid, timeout, inode
+            if len(col) > 9 and col[9] in inodes:
+                found[col[9]] = int(col[2].rsplit(":", 1)[1], 16)
+    return found
