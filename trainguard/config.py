@@ -574,6 +574,11 @@ class FaultSpec(_Section):
                                     "step slept, default 0.5).")
     head: int = Field(0, ge=0, description="attention_collapse: the head whose logits are scaled.")
     attempt: int = Field(0, ge=0, description="kill_rank, hang_rank: the restart attempt in which it fires.")
+    during: Literal["step", "snapshot"] = Field(
+        "step", description="kill_rank: where the rank dies. step: at the start of `step`. snapshot: in the writer "
+        "of the node-memory snapshot taken at the end of `step`, after its first file and before its commit (a node "
+        "lost mid-write: that snapshot must never be chosen); needs checkpoint.snapshot.every_steps, and fires only "
+        "where a snapshot is taken at `step`.")
 
     @model_validator(mode="after")
     def _fields_fit_the_type(self):
@@ -590,6 +595,8 @@ class FaultSpec(_Section):
                              f"'{self.type}'")
         if self.eps is not None and self.type != "sdc_compute":
             raise ValueError(f"'eps' applies only to type 'sdc_compute', not '{self.type}'")
+        if self.during != "step" and self.type != "kill_rank":
+            raise ValueError(f"'during' applies only to type 'kill_rank', not '{self.type}'")
         if self.factor is not None and self.type not in ("spike_batch", "lr_ramp", "attention_collapse", "slow_rank"):
             raise ValueError(f"'factor' does not apply to type '{self.type}'")
         return self
@@ -631,6 +638,9 @@ class TrainguardConfig(_Section):
     def _faults_need_permission(self):
         if self.faults and not self.allow_faults:
             raise ValueError(FAULTS_REFUSED)
+        if any(f.during == "snapshot" for f in self.faults) and not self.checkpoint.snapshot.every_steps:
+            raise ValueError("faults: kill_rank during 'snapshot' needs the in-memory tier "
+                             "(checkpoint.snapshot.every_steps)")
         return self
 
 

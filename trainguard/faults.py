@@ -26,7 +26,8 @@ fp16_overflow          BACKWARD     the same, on every step of its window while 
                                     no loss scale fixes (bf16 does)
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
 kill_rank, hang_rank   FORWARD      the process SIGKILLs / SIGSTOPs itself (restart attempt
-                                    ``attempt`` only: the restarted job must get past it)
+                                    ``attempt`` only: the restarted job must get past it);
+                                    kill_rank ``during: snapshot``: in the snapshot writer
 slow_rank              FORWARD      the rank sleeps ``factor`` x its previous step's time at
                                     the first forward of each step in [step, step+steps)
 corrupt_checkpoint     END          bytes flipped in the largest file of the newest committed
@@ -214,9 +215,18 @@ class FaultInjector:
         self._slow(step)
         attempt = restart_attempt()
         for kind, sig in (("kill_rank", signal.SIGKILL), ("hang_rank", signal.SIGSTOP)):
-            if generation() == 0 and any(f.attempt == attempt for f in self._due(kind, step)):
+            if generation() == 0 and any(f.attempt == attempt and f.during == "step" for f in self._due(kind, step)):
                 self._fire(step, kind)
                 os.kill(os.getpid(), sig)
+
+    def dies_writing_snapshot(self, step: int) -> bool:
+        """kill_rank during snapshot: whether this rank's writer of the snapshot of ``step`` ends the process after
+        its first file (trainguard.checkpoint.memory_tier)."""
+        due = [f for f in self._due("kill_rank", step) if f.during == "snapshot" and f.attempt == restart_attempt()]
+        if generation() != 0 or not due:
+            return False
+        self._fire(step, "kill_rank")
+        return True
 
     def _slow(self, step: int) -> None:
         """slow_rank: at the first forward of each step of its window, sleep ``factor`` (default 0.5) x the

@@ -11,7 +11,9 @@ peer copy -- is here. Loading a shard is the adapter's again (its own load from 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -106,8 +108,14 @@ class MemoryTier:
             return self._no_write(tag, step, t0, interval, failed=e)
         blocking = time.perf_counter() - t0
         self.cp.overhead(blocking)
-        self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval)
+        self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval,
+                         dies=self._dies(step))
         return tag
+
+    def _dies(self, step: int) -> bool:
+        g = self.cp.guard
+        return bool(self.cp.block.faults) and g is not None and g.faults is not None and \
+            g.faults.dies_writing_snapshot(step)
 
     def _take_nothing(self, t0: float) -> None:
         """The tier is off on this rank: the schedule is kept (the pace's all-gather, an empty message to the
@@ -232,10 +240,12 @@ class _Job:
     """One snapshot's background work on one rank: write, hash, commit, exchange."""
 
     def __init__(self, owner: MemoryTier, tag, step, staged, staging_root, nonce, writes, json_writes,
-                 manifest, blocking, interval, off: bool = False, failed: BaseException | None = None):
+                 manifest, blocking, interval, off: bool = False, failed: BaseException | None = None,
+                 dies: bool = False):
         self.owner, self.tag, self.step, self.blocking, self.interval = owner, tag, step, blocking, interval
         self.off = off  # nothing to write (the tier is off on this rank, or `failed`): only the peer exchange
         self.failed = failed  # the blocking part's error
+        self.dies = dies  # (the kill_rank fault during snapshot: the process dies after the first file)
         self.staged, self.staging_root, self.nonce = staged, staging_root, nonce
         self.writes, self.json_writes, self.manifest = writes, json_writes, manifest
         self.error: BaseException | None = None
@@ -255,6 +265,8 @@ class _Job:
             for state, path in self.writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 table[str(path.relative_to(self.staged))] = save_buffered(state, path)
+                if self.dies:
+                    os.kill(os.getpid(), signal.SIGKILL)
             for data, path in self.json_writes:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 table[str(path.relative_to(self.staged))] = write_json_hashed(path, data)
