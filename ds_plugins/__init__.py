@@ -78,9 +78,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     kwargs["training_data"] = None
     world = _process_group(deepspeed, block, kwargs)
     if world is not None:  # (kept: a survivor builds again with the same groups, on its parameters as they were)
-        from ds_plugins.inprocess import remember
+        from trainguard.ports import remember_attributes
 
-        remember(kwargs["model"])
+        remember_attributes(kwargs["model"])
         if model_parameters is not None:
             kwargs["model_parameters"] = list(model_parameters)
     recipe = None

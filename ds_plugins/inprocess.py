@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 
 
 def form_world(backend: str, timeout):
@@ -22,14 +21,9 @@ def form_world(backend: str, timeout):
     Muon module); one the job never needed ends here."""
     import importlib
 
-    from trainguard.errors import UnsupportedSetup
-    from trainguard.ports import World
+    from trainguard.ports import World, check_backend
 
-    if backend != "gloo":
-        raise UnsupportedSetup(f"trainguard.supervise replaces a dead rank in the same job on gloo only, for now (this "
-                               f"job's backend: {backend}): NCCL's watchdog aborts a survivor's process when a peer "
-                               "dies. Launch without trainguard.supervise: a dead rank restarts the job (torchrun "
-                               "--max-restarts), which resumes from node memory")
+    check_backend(backend)
     world = World(backend=backend, timeout=timeout)
     for name in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer") if world.role == "spare" else ():
         try:
@@ -39,15 +33,6 @@ def form_world(backend: str, timeout):
     if world.join() is None:
         sys.exit(0)
     return world
-
-
-def remember(model) -> None:
-    """The attributes the user's parameters have before DeepSpeed's first build: a retired engine leaves no others
-    (DeepSpeed's own -- ``_dp_group``, ``_hp_mapping``, bound ``get_full_hp_*`` -- would hold the old world's data-
-    parallel group, its gloo sockets open, and a survivor blocked on this rank in that group waits for its timeout)."""
-    for p in model.parameters():
-        if not hasattr(p, "_trainguard_own"):
-            p._trainguard_own = frozenset(vars(p)) | {"_trainguard_own"}
 
 
 def why_not(recipe, engine) -> str | None:
@@ -66,23 +51,15 @@ def replace_lost_rank(state, why: str, discard: bool) -> None:
     from deepspeed.utils import groups
 
     from ds_plugins.precision import _retire
-    from trainguard.ports import replace_rank
+    from trainguard.ports import forget_framework, replace_rank
 
     engine, loader = state.engine, state.loader
     module, interrupted = engine.module, engine.global_steps + 1
 
     def teardown():
         _retire(engine)
-        for p in module.parameters():  # (what the interrupted backward accumulated would join the next step's)
-            p.grad = None
-            for k in [k for k in vars(p) if k not in getattr(p, "_trainguard_own", vars(p))]:
-                delattr(p, k)  # (DeepSpeed's: see remember)
         object.__setattr__(engine, "__dict__", {})  # the old engine, its optimizer and their groups, let go
-        for name, value in list(vars(groups).items()):  # DeepSpeed's module-level groups, built anew
-            if isinstance(value, torch.distributed.ProcessGroup):
-                setattr(groups, name, None)
-            elif isinstance(value, dict) and any(isinstance(v, torch.distributed.ProcessGroup) for v in value.values()):
-                value.clear()
+        forget_framework(module, groups)  # (DeepSpeed's attributes on the parameters, its module-level groups)
 
     def rebuild():
         new_engine, new_state = state.rebuild(module, loader)

@@ -2,7 +2,7 @@
 entry point; ``install`` and Megatron-LM's ``--trainguard-config`` refuse a key set here by name)."""
 from __future__ import annotations
 
-from trainguard.ports import Refusal
+from trainguard.ports import Refusal, World
 
 VARIANTS = ("megatron_hooks",)
 
@@ -46,11 +46,12 @@ REFUSED: dict[str, dict[str, Refusal]] = {
 # Megatron-LM's own resilience features that trainguard cannot run beside (docs/megatron.md's table):
 # the flag, when it conflicts (given the parsed arguments and the block), why, and the trainguard key instead
 LM_FLAGS_REFUSED = [
-    ("--inprocess-restart", lambda a, cfg: bool(getattr(a, "inprocess_restart", False)),
-     "NVIDIA resiliency-ext's in-process restart re-enters pretrain() in the same process after a fault, while "
-     "trainguard's watchdog, heartbeats, snapshot writer and module hooks belong to the failed attempt's model",
-     "restart at the process level: trainguard run -- torchrun --max-restarts=N ... (trainguard.watchdog names "
-     "and ends a hung rank; the restart resumes from the newer of --load and trainguard.checkpoint.dir)"),
+    ("--inprocess-restart", lambda a, cfg: bool(getattr(a, "inprocess_restart", False)) and not World.supervised(),
+     "NVIDIA resiliency-ext's in-process restart (NCCL >= 2.26.2 and CUDA) re-enters pretrain() after aborting the "
+     "job's collectives, which trainguard's hooks, watchdog and snapshot writer have not been run under yet",
+     "trainguard's own in-process restart: torchrun --nproc-per-node N+S -m trainguard.supervise --spares S -- "
+     "pretrain_gpt.py ... (gloo; docs/liveness.md), or a restart at the process level: trainguard run -- torchrun "
+     "--max-restarts=N ... (the restart resumes from the newer of --load and trainguard.checkpoint.dir)"),
     ("--non-persistent-ckpt-type local", lambda a, cfg: getattr(a, "non_persistent_ckpt_type", None) == "local"
      and bool(cfg.checkpoint.dir),
      "Megatron-LM's local checkpoints (and their --replication) are a second fast tier beside trainguard's "

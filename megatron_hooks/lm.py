@@ -90,6 +90,9 @@ def install_entry() -> None:
         return guarded_train
 
     wrap_once(training, "train", make_train)
+    from megatron_hooks.inprocess import install  # (trainguard.supervise: pretrain() entered again after a death)
+
+    install()
 
 
 def _setup(setup, *args, **kwargs):

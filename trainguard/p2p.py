@@ -31,7 +31,7 @@ def _mapped(x: Any, fn) -> Any:
 
 
 def _safe_globals() -> list:
-    from trainguard.faults import OutputPoison  # (a micro-batch's own nan_batch poison travels with it)
+    from trainguard.poison import OutputPoison  # (a micro-batch's own nan_batch poison travels with it)
 
     return [OutputPoison]
 

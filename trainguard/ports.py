@@ -22,7 +22,7 @@ from trainguard.verdicts import ScalerState
 from trainguard.appliedgrad import AppliedGradMeter
 from trainguard.bits import digest
 from trainguard.driver import zero_adam_moments
-from trainguard.faults import PoisonFirstLeaf
+from trainguard.poison import PoisonFirstLeaf
 from trainguard.gradhooks import install as install_grad_hooks
 from trainguard.localize import OutputFlags
 from trainguard.outputs import finite_proxy, output_value, rng_state, row_of, rows_of, scalar_loss, set_rng_state
@@ -45,7 +45,9 @@ from trainguard.sanitize import sanitize
 # where the run is: ranks, the device collectives run on, the world a supervised job forms again (trainguard.world)
 from trainguard.isolation import broadcast_from_rank0, collective_device, gather_coords, rank, world
 from trainguard.world import World
-from trainguard.replacement import replace_rank, surviving
+from trainguard.replacement import (
+    check_backend, forget_framework, reentering, remember_attributes, replace_rank, surviving,
+)
 
 # what a run may ask of this adapter (its capabilities, declared once) and of this release
 from trainguard.checks import RunFacts, bf16_supported
@@ -58,6 +60,7 @@ __all__ = [
     "scalar_loss", "set_rng_state", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
     "save_hashed", "STAGING", "CheckpointError", "first_resumable", "load_weights", "verified_reads", "hashed_writes",
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
-    "gather_coords", "rank", "world", "World", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
+    "gather_coords", "rank", "world", "World", "check_backend", "forget_framework",
+    "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
     "check_release", "check_supported",
 ]

@@ -12,7 +12,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel
 
-from trainguard.config import BLOCK, PathStr, TrainguardConfig, _unwrap
+from trainguard.config import BLOCK, PathStr, TrainguardConfig
+from trainguard.config_problems import unwrap as _unwrap
 
 
 def json_schema() -> dict:

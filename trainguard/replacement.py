@@ -45,18 +45,118 @@ def replace_rank(world, session, why: str, teardown: Callable[[], None], rebuild
     gc.collect()  # (what still held the old groups: their sockets close, and a peer waiting on this rank fails now)
     formed = world.reform()
     new_session, step, interrupted = rebuild()
+    return _replaced(world, new_session, why, start, formed, step, interrupted)
+
+
+def _replaced(world, session, why: str, start: float, formed: float, step: int, interrupted: int | None) -> dict:
+    """The ``rank_replaced`` record (by the lowest survivor) and the line on stderr, once the new run resumed."""
     built = time.monotonic() - start - formed
     dead, died, at = world.ledger.failure(world.generation)
     detail = {"rank": dead, "why": died, "generation": world.generation, "survivor_error": why[:300],
               "fault_to_world_s": round(time.time() - at - built, 3), "reformed_s": round(formed, 3),
               "rebuilt_s": round(built, 3), "resumed_at_step": step, "interrupted_at_step": interrupted,
-              "sockets_left_open": len(world.left_open)}
-    if new_session.guard is not None and world.rank == (1 if dead == 0 else 0):  # (the lowest survivor)
-        new_session.guard.emit(step, Record.RANK_REPLACED, [dead], None, detail, takeover=world.rank != 0)
+              "connections_shut": world.severed, "connections_left_open": len(world.left_open)}
+    if session.guard is not None and world.rank == (1 if dead == 0 else 0):  # (the lowest survivor)
+        session.guard.emit(step, Record.RANK_REPLACED, [dead], None, detail, takeover=world.rank != 0)
     print(f"[trainguard rank {world.rank}] rank {dead} died ({died}): the world formed again in {formed:.3f} s "
           f"(generation {world.generation}), resumed at step {step} {built:.3f} s later", file=sys.stderr,
           flush=True)
     return detail
+
+
+def remember_attributes(model) -> None:
+    """The attributes ``model``'s parameters have before a framework's first build (:func:`forget_framework`)."""
+    for p in model.parameters():
+        if not hasattr(p, "_trainguard_own"):
+            p._trainguard_own = frozenset(vars(p)) | {"_trainguard_own"}
+
+
+def forget_framework(model=None, *modules) -> None:
+    """A survivor's teardown: the attributes a framework left on ``model``'s parameters since
+    :func:`remember_attributes` (DeepSpeed's ``_dp_group``, ``_hp_mapping``, bound ``get_full_hp_*``: they hold the old
+    world's groups, their gloo sockets open -- a survivor blocked on this rank then waits for its collective's
+    timeout) and their gradients (what an interrupted backward accumulated would join the next step's); and the
+    process groups ``modules`` keep in their globals (set None; dicts of them emptied)."""
+    import torch.distributed as dist
+
+    for p in model.parameters() if model is not None else ():
+        p.grad = None
+        for k in [k for k in vars(p) if k not in getattr(p, "_trainguard_own", vars(p))]:
+            delattr(p, k)
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, dist.ProcessGroup) or isinstance(value, (list, tuple)) and value and \
+                    all(isinstance(v, dist.ProcessGroup) for v in value):
+                setattr(module, name, None)
+            elif isinstance(value, dict) and any(isinstance(v, dist.ProcessGroup) for v in value.values()):
+                value.clear()
+
+
+def check_backend(backend: str) -> None:
+    """A dead rank is replaced in the same job on gloo only, for now."""
+    if backend != "gloo":
+        from trainguard.errors import UnsupportedSetup
+
+        raise UnsupportedSetup(f"trainguard.supervise replaces a dead rank in the same job on gloo only, for now (this "
+                               f"job's backend: {backend}): NCCL's watchdog aborts a survivor's process when a peer "
+                               "dies. Launch without trainguard.supervise: a dead rank restarts the job (torchrun "
+                               "--max-restarts), which resumes from node memory")
+
+
+_PENDING: dict = {}  # a re-entered training function's replacement, reported once its new run resumed
+
+
+def reentering(train: Callable, teardown: Callable[[], int | None], backend: str = "gloo", timeout=None) -> Callable:
+    """``train`` entered again in the same process after a rank died, for a framework whose own entry builds
+    everything (Megatron-LM's ``pretrain``: the shape of NVIDIA resiliency-ext's ``inprocess.Wrapper``, on
+    trainguard.world). The world is formed before the first entry (a spare waits there until a rank is handed to
+    it; ``RANK`` is set to its rank). When ``train`` raises because a rank died, ``teardown()`` lets go of the
+    framework's state and groups (it returns the step the run was in, or None), the world is formed again with the
+    spare, and ``train`` is entered again: it builds the framework on the new world and resumes from the newest
+    snapshot every rank holds, and the session reports ``rank_replaced`` once it resumed (:func:`running`). Any other
+    failure is raised as it was. ``timeout``: the world's collectives' (a timedelta; default 30 minutes)."""
+    import functools
+    import os
+
+    from trainguard.world import World
+
+    check_backend(backend)
+
+    @functools.wraps(train)
+    def run(*args, **kwargs):
+        world = World(backend=backend, **({"timeout": timeout} if timeout is not None else {}))
+        if world.join() is None:
+            sys.exit(0)  # a spare the job never needed
+        os.environ["RANK"] = str(world.rank)
+        while True:
+            why = None
+            try:
+                return train(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - a rank's death, or raised as it was
+                if not world.replaced():
+                    raise
+                why = f"{type(e).__name__}: {e}"
+            # (outside the except: its traceback held the failed work, and with it the old groups' sockets)
+            start = time.monotonic()
+            interrupted = teardown()
+            gc.collect()
+            formed = world.reform()
+            _PENDING.update(world=world, why=why, start=start, formed=formed, interrupted=interrupted)
+
+    return run
+
+
+def running(session, step: int) -> None:
+    """From a run's session once it resumed (trainguard.session), in a supervised job: the ports its groups listen on
+    published (trainguard.world.World.sever), and the replacement that re-entered it reported."""
+    from trainguard.world import World
+
+    if World.current is not None and World.current.rank is not None:
+        World.current.publish()
+    if _PENDING:
+        p = dict(_PENDING)
+        _PENDING.clear()
+        _replaced(p["world"], session, p["why"], p["start"], p["formed"], step, p["interrupted"])
 
 
 def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
@@ -77,11 +177,17 @@ def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
     ledger = Ledger.connect()
     if ledger.generation() > generation():
         # the world moved on without this rank: a replacement is under way (the others, rebuilding, are silent),
-        # and this rank is still blocked in the old world (bench/kill_anywhere.py met it once in 4 draws). Gloo
-        # cannot abort that wait: the process ends, as if killed, and a spare -- or the job's restart -- takes it
+        # and this rank is still blocked in the old world. Its groups' connections shut down, its collective fails
+        # and it joins the next generation like any survivor; where none could be (no world here), the process
+        # ends, as if killed, and a spare -- or the job's restart -- takes it
+        world = World.current
+        severed = world.sever() if world is not None else 0
         print(f"[trainguard rank {watchdog.rank}] blocked in generation {generation()} while the world formed "
-              f"generation {ledger.generation()}: this process ends for a spare; its stacks:", file=sys.stderr,
-              flush=True)
+              f"generation {ledger.generation()}: " + (f"{severed} connections of its groups shut down, its "
+              "collective fails and it joins the next generation" if severed else "this process ends for a spare; "
+              "its stacks:"), file=sys.stderr, flush=True)
+        if severed:
+            return True
         import faulthandler
 
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -101,6 +101,9 @@ class GuardSession:
         data state, or None."""
         cp = getattr(self.fw, "checkpointer", None)
         resumed = cp.resume_on_start(newer_than=newer_than) if resume and self.cfg.checkpoint.dir and cp else None
+        from trainguard.replacement import running
+
+        running(self, self.fw.completed_steps())  # (a supervised job: its groups' ports; a replacement to report)
         self.start_watchdog()
         return resumed
 
@@ -128,7 +131,7 @@ class GuardSession:
     def forward(self, step: int, inputs: Any, batch_faults: bool = True) -> tuple[Any, Any]:
         """FORWARD, before the model runs: the heartbeat, the process faults (kill, hang, slow), and -- with
         ``batch_faults`` -- the batch faults. Returns ``(inputs, poison)``: ``poison`` (or None) is what
-        :class:`trainguard.faults.PoisonFirstLeaf` puts into the first module's output."""
+        :class:`trainguard.poison.PoisonFirstLeaf` puts into the first module's output."""
         if self.guard is not None:
             self.guard.goodput.begin_step()
         self.beat(Phase.FORWARD, step)

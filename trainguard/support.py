@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel
 
+from trainguard.config_problems import unwrap
 from trainguard.errors import ConfigError
 
 GROUP = "trainguard.adapters"  # the entry points naming each installed adapter's declaration (setup.py)
@@ -46,13 +47,6 @@ def adapters() -> tuple[str, ...]:
     return tuple(declared())
 
 
-def _unwrap(annotation: Any) -> Any:
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) in (list, typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
-        return _unwrap(args[0])
-    return annotation
-
-
 def leaf_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
     """Every leaf key of the block, as ``section.key`` (list items as ``faults[].type``)."""
     if model is None:
@@ -62,7 +56,7 @@ def leaf_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[st
     out = []
     for name, field in model.model_fields.items():
         key = field.alias or name
-        inner = _unwrap(field.annotation)
+        inner = unwrap(field.annotation)
         if isinstance(inner, type) and issubclass(inner, BaseModel):
             sub = f"{prefix}{key}[]." if typing.get_origin(field.annotation) is list else f"{prefix}{key}."
             out += leaf_keys(inner, sub)

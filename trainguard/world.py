@@ -103,11 +103,49 @@ class World:
         self.ledger = Ledger.connect(env)
         self.generation = 0
         self.store_port, self.before = int(env["MASTER_PORT"]), set(tcp_sockets())  # (the store's connections)
-        self.left_open: list[str] = []  # sockets the last world opened that its destruction did not close
+        self.left_open: list[str] = []  # connections the last world opened that its destruction did not close
+        self.severed = 0  # connections of the last world's groups shut down before their destruction
+        World.current = self
+
+    current: "World | None" = None  # this process's (trainguard.replacement reads it from the watchdog)
 
     @staticmethod
     def supervised(env=os.environ) -> bool:
         return ROLE in env
+
+    def publish(self) -> None:
+        """Once the framework built its groups: the ports this rank's groups listen on, for :meth:`sever`."""
+        ports = sorted({local for i, (local, remote, _) in tcp_sockets().items() if i not in self.before and not remote})
+        self.ledger.store.set(f"listeners/{self.generation}/{self.rank}", ",".join(map(str, ports)))
+
+    def sever(self) -> int:
+        """Gloo cannot abort a collective: the connections of this generation's groups are shut down instead (both
+        ways), so that every collective in flight on them fails at once -- on this rank and on the peers that wait on
+        it -- and destroying the groups does not wait for one (a group's destruction waits for its work in flight).
+        A connection is the groups' when it is to a port a rank's groups listen on (:meth:`publish`) or was accepted
+        on one of this rank's; the store's and any other are left alone. Returns how many were shut down."""
+        import socket
+
+        ports = set()
+        for r in range(self.size):
+            key = f"listeners/{self.generation}/{r}"
+            if self.ledger.store.check([key]):
+                ports |= {int(p) for p in self.ledger.store.get(key).decode().split(",") if p}
+        found = tcp_sockets()
+        mine = {local for i, (local, remote, _) in found.items() if i not in self.before and not remote}
+        done = 0
+        for inode, fd in _fds().items():
+            local, remote, _ = found.get(inode, (0, 0, ""))
+            if inode in self.before or not remote or remote == self.store_port or \
+                    not (local in mine or remote in ports):
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as s:
+                    s.shutdown(socket.SHUT_RDWR)
+                done += 1
+            except OSError:
+                pass
+        return done
 
     def join(self) -> int | None:
         """Form the world: an active rank at once (generation 0); a spare once a rank is handed to it -- or None
@@ -138,17 +176,20 @@ class World:
         world formed again with this rank. Returns the seconds it took. Raises TimeoutError when no generation
         opens within ``wait_s`` (no rank died: the failure was something else, or a hung rank is still alive)."""
         start = time.monotonic()
+        self.severed = self.sever()
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()  # (what still held the groups: their sockets close now)
-        self.left_open = [i for i, port in tcp_sockets().items() if i not in self.before and port != self.store_port]
+        # (connections only: a listener left open waits for nobody)
+        self.left_open = [i for i, (_, remote, _) in tcp_sockets().items()
+                          if i not in self.before and remote not in (0, self.store_port)]
         if self.left_open:
             import sys
 
-            print(f"[trainguard rank {self.rank}] {len(self.left_open)} TCP sockets opened since the world formed are "
-                  "still open after its groups were destroyed: if they are its groups' (something still holds them), a "
-                  "rank waiting on this one in a collective waits for the collective's timeout", file=sys.stderr,
-                  flush=True)
+            print(f"[trainguard rank {self.rank}] {len(self.left_open)} TCP connections opened since the world formed "
+                  "are still open after its groups were destroyed: if they are its groups' (something still holds "
+                  "them), a rank waiting on this one in a collective waits for the collective's timeout",
+                  file=sys.stderr, flush=True)
         deadline = start + wait_s
         while self.ledger.generation() <= self.generation:
             if time.monotonic() > deadline:
@@ -165,20 +206,26 @@ class World:
                                 rank=self.rank, world_size=self.size, timeout=self.timeout)
 
 
-def tcp_sockets() -> dict[str, int]:
-    """This process's TCP sockets: inode -> the remote port (0: listening). Linux (/proc); elsewhere none."""
-    inodes = set()
+def _fds() -> dict[str, int]:
+    """This process's sockets: inode -> file descriptor (Linux: /proc; elsewhere none)."""
+    out = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
-        return {}
+        return out
     for fd in fds:
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
         if link.startswith("socket:["):
-            inodes.add(link[8:-1])
+            out[link[8:-1]] = int(fd)
+    return out
+
+
+def tcp_sockets() -> dict[str, tuple[int, int, str]]:
+    """This process's TCP sockets: inode -> (local port, remote port -- 0: listening --, state). Linux (/proc)."""
+    inodes = set(_fds())
     found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -189,5 +236,5 @@ def tcp_sockets() -> dict[str, int]:
         for row in rows:
             col = row.split()  # sl, local, remote, state, queues, timer, retransmits, uid, timeout, inode
             if len(col) > 9 and col[9] in inodes:
-                found[col[9]] = int(col[2].rsplit(":", 1)[1], 16)
+                found[col[9]] = (int(col[1].rsplit(":", 1)[1], 16), int(col[2].rsplit(":", 1)[1], 16), col[3])
     return found

@@ -43,7 +43,7 @@ def test_a_killed_rank_is_replaced_by_a_spare_and_the_survivors_keep_their_proce
     for r in (0, 2):  # the survivors: the same processes from start to end, the world formed again once
         assert ends[r]["pid"] == _read(tmp_path, f"start_rank{r}_active.json")["pid"] and ends[r]["role"] == "active"
         assert len(ends[r]["reformed_s"]) == 1 and ends[r]["reformed_s"][0] < 20, ends[r]
-        assert ends[r]["sockets_left_open"] == 0, ends[r]  # (the old world's gloo sockets closed)
+        assert ends[r]["connections_left_open"] == 0, ends[r]  # (the old world's gloo sockets closed)
     # rank 1 ended in the spare's process, not in the one that was killed
     assert ends[1]["role"] == "spare" and ends[1]["pid"] == _read(tmp_path, "start_rank1_spare.json")["pid"]
     assert ends[1]["pid"] != _read(tmp_path, "start_rank1_active.json")["pid"]
@@ -130,7 +130,8 @@ def test_deepspeed_a_killed_rank_is_replaced_by_a_spare_and_ends_bit_identical(t
     assert d["fault_to_world_s"] < 30 and d["rebuilt_s"] < 90, d
     # the old world's sockets all closed on the survivor (DeepSpeed's attributes on the parameters had held its
     # data-parallel group: a survivor blocked on this one in that group then waited for its timeout)
-    assert d["sockets_left_open"] == 0 and "still open after its groups were destroyed" not in log, d
+    assert d["connections_left_open"] == 0 and "still open after its groups were destroyed" not in log, d
+    assert d["connections_shut"] > 0, d  # (its groups' connections shut before their destruction: World.sever)
     assert results[1]["first_step"] == d["resumed_at_step"]  # the spare began where the survivors went back to
 
 

@@ -99,10 +99,12 @@ class LMRun:
         return self
 
 
-def launch(release, tmp_path, name, layout, block=None, more=(), torchrun=(), timeout=300, term_after=None) -> LMRun:
+def launch(release, tmp_path, name, layout, block=None, more=(), torchrun=(), timeout=300, term_after=None,
+           spares=0) -> LMRun:
     """Megatron-LM's pretrain_gpt.py for ITERS iterations on 2 ranks, from ``tmp_path/name``;
     ``block``: the trainguard block (its JSONL goes to ``name/trainguard.jsonl``); None: no argument.
-    ``term_after``: once Megatron-LM logged that iteration, every rank gets a SIGTERM (a preemption notice)."""
+    ``term_after``: once Megatron-LM logged that iteration, every rank gets a SIGTERM (a preemption notice).
+    ``spares``: under ``-m trainguard.supervise --spares N`` (2 + N of torchrun's workers)."""
     out = tmp_path / name
     out.mkdir()
     args = [*TINY, *LAYOUT[layout], "--train-iters", str(ITERS), *more]
@@ -110,8 +112,9 @@ def launch(release, tmp_path, name, layout, block=None, more=(), torchrun=(), ti
         cfg = out / "tg.json"
         cfg.write_text(json.dumps({"trainguard": {"metrics": {"jsonl": str(out / "trainguard.jsonl")}, **block}}))
         args += ["--trainguard-config", str(cfg)]
-    command = [str(BIN / LAUNCH[0]), *LAUNCH[1:4], str(BIN / "torchrun"), *LAUNCH[4:], *torchrun,
-               str(release.checkout / "pretrain_gpt.py"), *args]
+    supervise = ["-m", "trainguard.supervise", "--spares", str(spares), "--"] if spares else []
+    command = [str(BIN / LAUNCH[0]), *LAUNCH[1:4], str(BIN / "torchrun"), *LAUNCH[4:6], str(2 + spares), *torchrun,
+               *supervise, str(release.checkout / "pretrain_gpt.py"), *args]
     marker = f"{out}:{uuid.uuid4().hex}"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TRAINGUARD_TEST_ROOT=str(ROOT),
                PYTHONPATH=release.pythonpath(), TRAINGUARD_TEST_RUN=marker)
@@ -479,3 +482,27 @@ def test_resilience_flags_that_conflict_are_refused_at_argument_parsing(tmp_path
 def test_readme_shows_the_launch_line_the_tests_run():
     readme = (ROOT / "README.md").read_text()
     assert " ".join(LAUNCH) + " pretrain_gpt.py" in readme and "--trainguard-config tg.json" in readme
+
+
+def test_a_killed_rank_is_replaced_by_a_spare_and_pretrain_goes_on_in_the_survivors_processes(tmp_path, release,
+                                                                                                plain):
+    """Issue 38 on Megatron-LM's own loop: ``torchrun ... -m trainguard.supervise --spares 1 -- pretrain_gpt.py ...
+    --inprocess-restart``, TP=2 and a spare; rank 1 SIGKILLed in iteration 8. The survivor's pretrain() raises, lets
+    go of Megatron-LM's state and is entered again in the same process on the world formed again with the spare; both
+    resume from node memory (iteration 6) and the run ends as the one never interrupted. Both releases: core_v0.17.1's
+    pretrain() parses its arguments, core_v0.19's reads those the script parsed (kept across the re-entry)."""
+    block = {"allow_faults": True, "faults": [{"type": "kill_rank", "step": 8, "rank": 1}],
+             "checkpoint": {"dir": str(tmp_path / "snapshots"),
+                            "snapshot": {"every_steps": 2, "dir": str(tmp_path / "shm")}}}
+    run = launch(release, tmp_path, "replaced", "tp", block, ["--inprocess-restart"], spares=1,
+                 torchrun=["--max-restarts=0", "--monitor-interval=0.5"]).ok()
+    assert "spare 0 takes rank 1, generation 1" in run.log
+    (rep,) = run.events("rank_replaced")
+    d = rep["detail"]
+    assert d["rank"] == 1 and "signal 9" in d["why"] and d["generation"] == 1, d
+    assert d["resumed_at_step"] == 6 and d["interrupted_at_step"] == 8 and d["connections_left_open"] == 0, d
+    assert not run.events("restart")  # (no whole-job restart: the survivors' processes went on)
+    assert len(run.events("run_start")) == 2  # the first run, and the one entered again
+    same_schedule(run, plain, range(7, ITERS + 1))
+    for i in range(9, ITERS + 1):  # (the second iteration after a start averages its loss with the first's)
+        assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])

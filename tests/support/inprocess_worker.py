@@ -67,5 +67,5 @@ while step < STEPS:
     time.sleep(0.01)
 (OUT / f"end_rank{rank}.json").write_text(json.dumps({
     "pid": os.getpid(), "role": world.role, "generation": world.generation, "x": x.tolist(), "step": step,
-    "reformed_s": reformed, "attempt": ATTEMPT, "sockets_left_open": len(world.left_open)}))
+    "reformed_s": reformed, "attempt": ATTEMPT, "connections_left_open": len(world.left_open)}))
 dist.destroy_process_group()

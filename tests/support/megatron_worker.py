@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         guard = megatron_hooks.install([ddp], opt, block, guard_enabled=not args.no_guard,
                                        data_state=lambda: dict(loop), replayer=replayer)
         if guard.guard is None:
-            guard, faults_only = None, guard
+            guard, _faults_only = None, guard  # (kept: its fault hooks stay on the model)
 
     start, consumed = 0, 0
     state = guard.resumed_data_state if guard is not None else None  # checkpoint.dir: resumed at install

@@ -11,7 +11,7 @@ from trainguard.config import PeerReplayConfig
 from trainguard.verdicts import PeerContext
 from trainguard.detectors.peer_replay import PeerReplay, arbitrate, pairs, replica_groups, same
 from trainguard.detectors.registry import Decide
-from trainguard.faults import OutputPoison
+from trainguard.poison import OutputPoison
 from trainguard.isolation import RankCoords
 from trainguard.replay import MicroBatch
 

@@ -108,14 +108,10 @@ class MemoryTier:
             return self._no_write(tag, step, t0, interval, failed=e)
         blocking = time.perf_counter() - t0
         self.cp.overhead(blocking)
+        faults = getattr(self.cp.guard, "faults", None) if self.cp.block.faults else None
         self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval,
-                         dies=self._dies(step))
+                         dies=faults is not None and faults.dies_writing_snapshot(step))
         return tag
-
-    def _dies(self, step: int) -> bool:
-        g = self.cp.guard
-        return bool(self.cp.block.faults) and g is not None and g.faults is not None and \
-            g.faults.dies_writing_snapshot(step)
 
     def _take_nothing(self, t0: float) -> None:
         """The tier is off on this rank: the schedule is kept (the pace's all-gather, an empty message to the

@@ -1,0 +1,71 @@
+"""Megatron-LM's part in a dead rank's replacement in the same job (issue 38; trainguard.supervise, trainguard.world,
+trainguard.replacement.reentering).
+
+Megatron-LM's entry scripts hand ``pretrain`` to ``inprocess_restart.maybe_wrap_for_inprocess_restart`` (NVIDIA
+resiliency-ext's ``inprocess.Wrapper`` with ``--inprocess-restart``: NCCL >= 2.26.2 and CUDA, so not on gloo). Under
+``trainguard.supervise`` that wrapper is trainguard's, with or without the flag: the world formed before
+``pretrain`` (Megatron-LM then finds torch.distributed initialized and builds its groups on it; a spare waits there,
+warm, until a rank is handed to it), and on a survivor whose collective failed because a rank died, Megatron-LM's
+global state let go (its ``destroy_global_state``: arguments, microbatch calculator, model-parallel groups, rerun
+state machine; the guard's run, closed with node memory kept) and ``pretrain`` entered again on the world formed
+again: the same build as the spare's, resumed from the newest snapshot every rank holds.
+"""
+from __future__ import annotations
+
+
+def install() -> None:
+    """Megatron-LM's ``maybe_wrap_for_inprocess_restart`` wrapped (idempotent; a release without it: nothing)."""
+    try:
+        from megatron.training import inprocess_restart
+    except ImportError:
+        return
+    from trainguard.bootstrap import wrap_once
+
+    wrap_once(inprocess_restart, "maybe_wrap_for_inprocess_restart", wrap_pretrain)
+
+
+def wrap_pretrain(wrap):
+    """Megatron-LM's ``maybe_wrap_for_inprocess_restart``, trainguard's under trainguard.supervise (returns
+    ``(pretrain, store)`` as Megatron-LM's does; the store None: the world is formed already)."""
+    def maybe_wrap_for_inprocess_restart(pretrain):
+        from datetime import timedelta
+
+        from trainguard.errors import UnsupportedSetup
+        from trainguard.ports import World, reentering
+
+        if not World.supervised():
+            return wrap(pretrain)
+        from megatron.training import arguments
+
+        args = arguments.parse_args(ignore_unknown_args=True)
+        if not getattr(args, "trainguard_config", None):
+            raise UnsupportedSetup("trainguard.supervise runs Megatron-LM with --trainguard-config: a replaced rank "
+                                   "resumes from trainguard's snapshots (trainguard.checkpoint.snapshot)")
+        return reentering(pretrain, teardown, args.distributed_backend,
+                          timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10) or 10)), None
+
+    return maybe_wrap_for_inprocess_restart
+
+
+def teardown() -> int | None:
+    """A survivor's Megatron-LM let go before ``pretrain`` is entered again. Returns the iteration it was in."""
+    import inspect
+
+    from megatron.training import get_args, global_vars, training
+
+    from megatron_hooks import lm
+    from trainguard.ports import forget_framework
+
+    run, lm._RUN = lm._RUN, None
+    interrupted = run.guard.iteration + 1 if run is not None else None
+    if run is not None:
+        run.close(clean=False)  # (closed already where train() raised: the guard's run is not entered twice)
+    args = get_args()
+    training.destroy_global_state()
+    from megatron.core import parallel_state
+
+    forget_framework(None, parallel_state)  # (groups destroy_model_parallel leaves behind: their sockets)
+    if "cfg_container" in inspect.signature(training.pretrain).parameters:
+        # (core_v0.18+: the script parsed its arguments before pretrain(), which reads them from the globals)
+        global_vars.set_global_variables(args)
+    return interrupted
