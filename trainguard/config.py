@@ -465,6 +465,11 @@ class DistributedConfig(_Section):
         "restart attempt (TORCHELASTIC_RESTART_COUNT): restarted gloo workers otherwise often fail to connect "
         "through stale peer addresses.")
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    spares: int = Field(0, ge=0, description="Hot spares, for a job launched under trainguard.supervise (`torchrun "
+                        "--nproc-per-node N+S -m trainguard.supervise -- train.py ...`: the supervisor reads it from the "
+                        "config file on the command line; `--spares` there wins): the last S of torchrun's workers wait, "
+                        "warm, to take a dead rank's place in the same job (docs/liveness.md). Launched otherwise, a "
+                        "warning says it is not in effect (a dead rank restarts the job).")
 
 
 class ChecksConfig(_Section):

@@ -153,6 +153,12 @@ def running(session, step: int) -> None:
 
     if World.current is not None and World.current.rank is not None:
         World.current.publish()
+    elif session.cfg.distributed.spares and session.rank == 0 and not World.supervised():
+        import warnings
+
+        warnings.warn(f"trainguard.distributed.spares is {session.cfg.distributed.spares}, but this job was not "
+                      "launched under trainguard.supervise (torchrun ... -m trainguard.supervise -- your script): no "
+                      "spare waits, a dead rank restarts the job", stacklevel=2)
     if _PENDING:
         p = dict(_PENDING)
         _PENDING.clear()

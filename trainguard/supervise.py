@@ -4,6 +4,10 @@ ds_plugins/inprocess.py, the survivors' trainguard/replacement.py).
 
     torchrun --nproc-per-node 5 -m trainguard.supervise --spares 1 -- train.py --your-args
 
+(without ``--spares``: ``trainguard.distributed.spares`` of the config file the command names -- after
+``--deepspeed_config``, ``--deepspeed``, ``--config`` or ``--trainguard-config``, or any ``.json`` argument with a
+trainguard block.)
+
 torchrun (its agent) stops every worker as soon as one exits, whatever ``--max-restarts`` says -- measured: the
 survivors got SIGTERM within milliseconds of one worker's SIGKILL. Its workers are these supervisors: a training
 process that dies leaves its supervisor running, and the job with it. Of torchrun's ``N + S`` workers, the last
@@ -64,10 +68,13 @@ def _command(cmd: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainguard.supervise")
-    parser.add_argument("--spares", type=int, default=0, help="how many of torchrun's workers wait as hot spares")
+    parser.add_argument("--spares", type=int, default=None, help="how many of torchrun's workers wait as hot spares "
+                        "(default: trainguard.distributed.spares of the config file on the command line, else 0)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training script and its arguments")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.spares is None:
+        args.spares = spares_in(cmd)
     env = os.environ
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
@@ -121,6 +128,30 @@ def main(argv: list[str] | None = None) -> int:
     _say(rank, f"rank {holds}'s training process (pid {child.pid}) ended with {_how(rc)}: spare {taken} takes rank "
                f"{holds}, generation {generation}")
     ledger.wait_finished(active)
+    return 0
+
+
+CONFIG_FLAGS = ("--trainguard-config", "--deepspeed_config", "--deepspeed-config", "--deepspeed", "--config")
+
+
+def spares_in(cmd: list[str]) -> int:
+    """``trainguard.distributed.spares`` of the config the training command names (after one of CONFIG_FLAGS, or any
+    ``.json`` argument whose file has a trainguard block); 0 without one."""
+    from trainguard import config as tg_config
+    from trainguard.errors import ConfigError
+
+    for i, arg in enumerate(cmd):
+        flag, _, value = arg.partition("=")
+        path = value if flag in CONFIG_FLAGS and value else cmd[i + 1] if arg in CONFIG_FLAGS and i + 1 < len(cmd) \
+            else arg if arg.endswith(".json") else None
+        if not path or not os.path.isfile(path):
+            continue
+        try:
+            data = tg_config.read_json(path)
+        except ConfigError:
+            continue  # (not a config: a dataset's JSON, say)
+        if tg_config.BLOCK in data or flag == "--trainguard-config":  # (that one may hold the block itself)
+            return tg_config.block_of(data, path).distributed.spares  # (a bad block: its error, here too)
     return 0
 
 

@@ -52,3 +52,31 @@ def test_a_kill_asked_in_one_generation_never_reaches_the_next():
     assert ledger.kill_requested(1) and not ledger.kill_requested(0)
     ledger.hand_over(1, spares=1, why="killed")
     assert not ledger.kill_requested(1)
+
+
+def test_the_spares_come_from_the_launch_or_from_the_config_the_command_names(tmp_path):
+    """`--spares` on the launch line wins; without it, trainguard.distributed.spares of the config file the training
+    command names (a ds_config, or Megatron-LM's --trainguard-config holding the block itself); a JSON that is no
+    config is passed over; a bad block is an error naming its key, not 0."""
+    import json
+
+    import pytest
+
+    from trainguard.errors import ConfigError
+    from trainguard.supervise import spares_in
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "trainguard": {"distributed": {"spares": 2}}}))
+    block = tmp_path / "tg.json"
+    block.write_text(json.dumps({"distributed": {"spares": 1}}))
+    data = tmp_path / "data.json"
+    data.write_text("[1, 2, 3]")
+    assert spares_in(["train.py", "--deepspeed_config", str(ds)]) == 2
+    assert spares_in(["-m", "mod", f"--deepspeed_config={ds}"]) == 2
+    assert spares_in(["pretrain_gpt.py", "--data", str(data), "--trainguard-config", str(block)]) == 1
+    assert spares_in(["train.py", str(data), str(ds)]) == 2  # (any .json with a trainguard block)
+    assert spares_in(["train.py", "--lr", "1e-3"]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"trainguard": {"distributed": {"spares": -1}}}))
+    with pytest.raises(ConfigError, match="distributed.spares"):
+        spares_in(["train.py", "--deepspeed_config", str(bad)])
