@@ -126,13 +126,51 @@ def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, st
             "restarted_survivors": [r for r in range(RANKS) if r != rank and starts[r] > 1]}
 
 
+def summary(ts: list[dict]) -> dict:
+    times = sorted(t["fault_to_step_s"] for t in ts if t["fault_to_step_s"] is not None)
+    return {"trials": len(ts), "finished": sum(t["rc"] == 0 for t in ts),
+            "median_s": statistics.median(times) if times else None,
+            "p99_s": times[min(len(times) - 1, int(round(0.99 * (len(times) - 1))))] if times else None,
+            "max_steps_lost": max((t["steps_lost"] or 0) for t in ts) if ts else None,
+            "bit_identical": sum(t["bit_identical"] for t in ts), "in_process": sum(t["in_process"] for t in ts),
+            "fell_back_to_restart": sum(t["fell_back"] for t in ts),
+            "survivors_restarted": sum(bool(t["restarted_survivors"]) for t in ts)}
+
+
+def report(trials: list[dict], interval: int, json_path: str | None, **figures) -> int:
+    """The two summaries, their ratio and the issue's goals (``interval``: the snapshot interval, in steps); 0 when
+    every goal is met."""
+    sup, rst = summary([t for t in trials if t["supervised"]]), summary([t for t in trials if not t["supervised"]])
+    print(f"supervised (a spare):  {sup}")
+    print(f"torchrun restart:      {rst}")
+    if sup["median_s"] and rst["median_s"]:
+        print(f"median ratio supervised / restart: {sup['median_s'] / rst['median_s']:.2f}")
+    goals = {"median <= 2 s": (sup["median_s"] or 99) <= 2, "p99 <= 5 s": (sup["p99_s"] or 99) <= 5,
+             "<= one snapshot interval lost": (sup["max_steps_lost"] or 0) <= interval + 1,
+             "bit-identical": sup["bit_identical"] == sup["trials"],
+             "survivors never restarted": sup["survivors_restarted"] == 0}
+    for goal, met in goals.items():
+        print(f"  {'met   ' if met else 'MISSED'} {goal}")
+    if json_path:
+        from bench._results import keep
+
+        keep(json_path, {**figures, "supervised": sup, "restart": rst, "goals": goals, "trials": trials})
+    return 0 if all(goals.values()) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--restart-trials", type=int, default=None, help="of them, also under torchrun's restart")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--megatron-lm", action="store_true", help="Megatron-LM's pretrain_gpt.py at DP=2 instead "
+                    "(bench/kill_anywhere_megatron.py; needs ../shared's checkout, as its tests do)")
     args = ap.parse_args()
+    if args.megatron_lm:
+        from bench.kill_anywhere_megatron import main as megatron
+
+        return megatron(args)
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="kill-anywhere-"))
     clean = launch(tmp / "clean", supervised=False)
@@ -151,32 +189,7 @@ def main() -> int:
             trials.append(t)
             print(json.dumps({k: v for k, v in t.items() if k != "param_sha256"}), flush=True)
 
-    def summary(ts):
-        times = sorted(t["fault_to_step_s"] for t in ts if t["fault_to_step_s"] is not None)
-        return {"trials": len(ts), "finished": sum(t["rc"] == 0 for t in ts),
-                "median_s": statistics.median(times) if times else None,
-                "p99_s": times[min(len(times) - 1, int(round(0.99 * (len(times) - 1))))] if times else None,
-                "max_steps_lost": max((t["steps_lost"] or 0) for t in ts) if ts else None,
-                "bit_identical": sum(t["bit_identical"] for t in ts), "in_process": sum(t["in_process"] for t in ts),
-                "fell_back_to_restart": sum(t["fell_back"] for t in ts),
-                "survivors_restarted": sum(bool(t["restarted_survivors"]) for t in ts)}
-
-    sup, rst = summary([t for t in trials if t["supervised"]]), summary([t for t in trials if not t["supervised"]])
-    print(f"supervised (a spare):  {sup}")
-    print(f"torchrun restart:      {rst}")
-    if sup["median_s"] and rst["median_s"]:
-        print(f"median ratio supervised / restart: {sup['median_s'] / rst['median_s']:.2f}")
-    goals = {"median <= 2 s": (sup["median_s"] or 99) <= 2, "p99 <= 5 s": (sup["p99_s"] or 99) <= 5,
-             "<= one snapshot interval lost": (sup["max_steps_lost"] or 0) <= SNAPSHOT_EVERY + 1,
-             "bit-identical": sup["bit_identical"] == sup["trials"],
-             "survivors never restarted": sup["survivors_restarted"] == 0}
-    for goal, met in goals.items():
-        print(f"  {'met   ' if met else 'MISSED'} {goal}")
-    if args.json:
-        from bench._results import keep
-
-        keep(args.json, {"step_s": step_s, "supervised": sup, "restart": rst, "goals": goals, "trials": trials})
-    return 0 if all(goals.values()) else 1
+    return report(trials, SNAPSHOT_EVERY, args.json, step_s=step_s)
 
 
 if __name__ == "__main__":

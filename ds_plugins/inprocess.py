@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 
-
 def form_world(backend: str, timeout):
     """The default group of a supervised job. A spare imports, while it waits, what a first deepspeed.initialize
     imports on the way (measured on CPU: torch._dynamo behind the optimizer's constructor, ~1.3 s; DeepSpeed's

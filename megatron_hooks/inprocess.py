@@ -41,17 +41,37 @@ def wrap_pretrain(wrap):
         if not getattr(args, "trainguard_config", None):
             raise UnsupportedSetup("trainguard.supervise runs Megatron-LM with --trainguard-config: a replaced rank "
                                    "resumes from trainguard's snapshots (trainguard.checkpoint.snapshot)")
-        return reentering(pretrain, teardown, args.distributed_backend,
+        return reentering(_with_arguments_as_parsed(pretrain), teardown, args.distributed_backend,
                           timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10) or 10)), None
 
     return maybe_wrap_for_inprocess_restart
 
 
-def teardown() -> int | None:
-    """A survivor's Megatron-LM let go before ``pretrain`` is entered again. Returns the iteration it was in."""
+def _with_arguments_as_parsed(pretrain):
+    """core_v0.18+: the script parses its arguments before ``pretrain()``, which reads them from Megatron-LM's globals
+    and moves their counters on (consumed samples, iteration): each entry after the first starts from a copy of them
+    as they were at the first (core_v0.17's ``pretrain()`` parses them itself)."""
+    import copy
     import inspect
 
     from megatron.training import get_args, global_vars, training
+
+    parsed = []
+
+    def entered(*args, **kwargs):
+        if "cfg_container" in inspect.signature(training.pretrain).parameters:
+            if parsed:
+                global_vars.set_global_variables(copy.deepcopy(parsed[0]))
+            else:
+                parsed.append(copy.deepcopy(get_args()))
+        return pretrain(*args, **kwargs)
+
+    return entered
+
+
+def teardown() -> int | None:
+    """A survivor's Megatron-LM let go before ``pretrain`` is entered again. Returns the iteration it was in."""
+    from megatron.training import get_args, training
 
     from megatron_hooks import lm
     from trainguard.ports import forget_framework
@@ -61,11 +81,15 @@ def teardown() -> int | None:
     if run is not None:
         run.close(clean=False)  # (closed already where train() raised: the guard's run is not entered twice)
     args = get_args()
+    from megatron.training import async_utils
+
+    if hasattr(async_utils, "reset_persistent_async_worker"):  # (a save in flight belongs to the old world)
+        try:
+            async_utils.reset_persistent_async_worker(getattr(args, "async_strategy", "nvrx"))
+        except Exception:  # noqa: BLE001 - no async save ever started: nothing to reset
+            pass
     training.destroy_global_state()
     from megatron.core import parallel_state
 
     forget_framework(None, parallel_state)  # (groups destroy_model_parallel leaves behind: their sockets)
-    if "cfg_container" in inspect.signature(training.pretrain).parameters:
-        # (core_v0.18+: the script parsed its arguments before pretrain(), which reads them from the globals)
-        global_vars.set_global_variables(args)
     return interrupted

@@ -641,9 +641,13 @@ class TrainguardConfig(_Section):
     def _faults_need_permission(self):
         if self.faults and not self.allow_faults:
             raise ValueError(FAULTS_REFUSED)
-        if any(f.during == "snapshot" for f in self.faults) and not self.checkpoint.snapshot.every_steps:
-            raise ValueError("faults: kill_rank during 'snapshot' needs the in-memory tier "
-                             "(checkpoint.snapshot.every_steps)")
+        snap, disk = self.checkpoint.snapshot, self.checkpoint.every_steps
+        for f in (f for f in self.faults if f.during == "snapshot"):
+            if not snap.every_steps or snap.max_overhead is None and (f.step % snap.every_steps or disk and not
+                                                                       f.step % disk):
+                raise ValueError(f"faults: kill_rank during 'snapshot' at step {f.step} needs a snapshot taken there: "
+                                 "checkpoint.snapshot.every_steps dividing it, and no disk checkpoint at that step "
+                                 "(checkpoint.every_steps), which stands in for the snapshot")
         return self
 
 

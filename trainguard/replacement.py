@@ -40,6 +40,7 @@ def surviving(world, call: Callable[[], Any], replace: Callable[[str], None], st
 def replace_rank(world, session, why: str, teardown: Callable[[], None], rebuild: Callable[[], Any]) -> dict:
     """The survivor's part. ``rebuild()`` returns the new run's session and the step it resumed at."""
     start = time.monotonic()
+    world.sever()  # (first: a group destroyed in the teardown would wait for its work in flight)
     session.close({"interrupted": why[:200]}, clean=False)
     teardown()
     gc.collect()  # (what still held the old groups: their sockets close, and a peer waiting on this rank fails now)
@@ -103,7 +104,7 @@ def check_backend(backend: str) -> None:
                                "--max-restarts), which resumes from node memory")
 
 
-_PENDING: dict = {}  # a re-entered training function's replacement, reported once its new run resumed
+_PENDING: list[dict] = []  # a re-entered training function's replacements, reported once its new run resumed
 
 
 def reentering(train: Callable, teardown: Callable[[], int | None], backend: str = "gloo", timeout=None) -> Callable:
@@ -128,6 +129,10 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
         if world.join() is None:
             sys.exit(0)  # a spare the job never needed
         os.environ["RANK"] = str(world.rank)
+        import torch
+
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # (the framework finds the world formed:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))    # it skips its own set_device)
         while True:
             why = None
             try:
@@ -138,10 +143,11 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
                 why = f"{type(e).__name__}: {e}"
             # (outside the except: its traceback held the failed work, and with it the old groups' sockets)
             start = time.monotonic()
+            world.sever()  # (first: a group destroyed in the teardown would wait for its work in flight)
             interrupted = teardown()
             gc.collect()
             formed = world.reform()
-            _PENDING.update(world=world, why=why, start=start, formed=formed, interrupted=interrupted)
+            _PENDING.append(dict(world=world, why=why, start=start, formed=formed, interrupted=interrupted))
 
     return run
 
@@ -152,17 +158,30 @@ def running(session, step: int) -> None:
     from trainguard.world import World
 
     if World.current is not None and World.current.rank is not None:
-        World.current.publish()
+        World.current.publish(exclude=tuple(p for p in [session.cfg.metrics.prometheus_port] if p))
     elif session.cfg.distributed.spares and session.rank == 0 and not World.supervised():
         import warnings
 
         warnings.warn(f"trainguard.distributed.spares is {session.cfg.distributed.spares}, but this job was not "
                       "launched under trainguard.supervise (torchrun ... -m trainguard.supervise -- your script): no "
                       "spare waits, a dead rank restarts the job", stacklevel=2)
-    if _PENDING:
-        p = dict(_PENDING)
-        _PENDING.clear()
+    while _PENDING:
+        p = _PENDING.pop(0)
         _replaced(p["world"], session, p["why"], p["start"], p["formed"], step, p["interrupted"])
+
+
+def _end_if_left_behind(rank: int, gen: int) -> None:
+    """This process still in generation ``gen`` (its collective did not fail): its stacks, then its end."""
+    import faulthandler
+    import os
+
+    from trainguard.attempt import generation
+
+    if generation() == gen:
+        print(f"[trainguard rank {rank}] still in generation {gen} after its groups' connections were shut: this "
+              "process ends for a spare; its stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os.kill(os.getpid(), 9)
 
 
 def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
@@ -192,7 +211,14 @@ def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
               f"generation {ledger.generation()}: " + (f"{severed} connections of its groups shut down, its "
               "collective fails and it joins the next generation" if severed else "this process ends for a spare; "
               "its stacks:"), file=sys.stderr, flush=True)
-        if severed:
+        if severed:  # (and if this rank was stuck elsewhere, it ends after all -- as below -- for a spare)
+            import threading
+
+            gen = generation()
+            timer = threading.Timer(watchdog.cfg.distributed.watchdog.hang_timeout_s,
+                                    lambda: _end_if_left_behind(watchdog.rank, gen))
+            timer.daemon = True
+            timer.start()
             return True
         import faulthandler
 

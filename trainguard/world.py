@@ -103,8 +103,8 @@ class World:
         self.ledger = Ledger.connect(env)
         self.generation = 0
         self.store_port, self.before = int(env["MASTER_PORT"]), set(tcp_sockets())  # (the store's connections)
-        self.left_open: list[str] = []  # connections the last world opened that its destruction did not close
-        self.severed = 0  # connections of the last world's groups shut down before their destruction
+        self.left_open: list[str] = []  # its groups' connections the last world's destruction did not close
+        self.severed, self.severed_in, self.held = 0, -1, {}  # (sever: how many, in which generation, which)
         World.current = self
 
     current: "World | None" = None  # this process's (trainguard.replacement reads it from the watchdog)
@@ -113,38 +113,61 @@ class World:
     def supervised(env=os.environ) -> bool:
         return ROLE in env
 
-    def publish(self) -> None:
-        """Once the framework built its groups: the ports this rank's groups listen on, for :meth:`sever`."""
-        ports = sorted({local for i, (local, remote, _) in tcp_sockets().items() if i not in self.before and not remote})
-        self.ledger.store.set(f"listeners/{self.generation}/{self.rank}", ",".join(map(str, ports)))
+    def publish(self, exclude: tuple[int, ...] = ()) -> None:
+        """Once the framework built its groups: the addresses this rank's groups listen on (every listener this process
+        opened since it joined, but ``exclude``'s ports -- trainguard's metrics exporter), for :meth:`sever`."""
+        self.listening = {(a, p) for i, (a, p, _, rp, _) in tcp_sockets().items()
+                          if i not in self.before and not rp and p not in exclude}
+        self.ledger.store.set(f"listeners/{self.generation}/{self.rank}",
+                              ",".join(f"{a}|{p}" for a, p in sorted(self.listening)))
+
+    def groups_connections(self) -> dict[str, tuple]:
+        """This generation's group connections on this rank: to an address a rank's groups listen on, or accepted on
+        one of this rank's (the store's and any other are not)."""
+        keys = [f"listeners/{self.generation}/{r}" for r in range(self.size)]
+        store, published = self.ledger.store, set()
+        values = store.multi_get(keys) if store.check(keys) else \
+            [store.get(k) for k in keys if store.check([k])]  # (one round trip when every rank published)
+        for v in values:
+            published |= {(a, int(p)) for a, p in (x.split("|") for x in v.decode().split(",") if x)}
+        ports = {p for a, p in published if a in ("0.0.0.0", "::")}  # (a listener on every address: its port)
+        mine = {p for _, p in getattr(self, "listening", ())}
+        return {i: c for i, c in tcp_sockets().items() if i not in self.before and c[3] and
+                c[3] != self.store_port and (c[1] in mine or (c[2], c[3]) in published or c[3] in ports)}
 
     def sever(self) -> int:
-        """Gloo cannot abort a collective: the connections of this generation's groups are shut down instead (both
-        ways), so that every collective in flight on them fails at once -- on this rank and on the peers that wait on
-        it -- and destroying the groups does not wait for one (a group's destruction waits for its work in flight).
-        A connection is the groups' when it is to a port a rank's groups listen on (:meth:`publish`) or was accepted
-        on one of this rank's; the store's and any other are left alone. Returns how many were shut down."""
+        """Gloo cannot abort a collective: the connections of this generation's groups (:meth:`groups_connections`)
+        are shut down instead, both ways, so that every collective in flight on them fails at once -- on this rank and
+        on the peers that wait on it -- and destroying the groups does not wait for one (a group's destruction drains
+        its work in flight). Once per generation (again: the count of the first). Returns how many were shut."""
         import socket
+        import stat
 
-        ports = set()
-        for r in range(self.size):
-            key = f"listeners/{self.generation}/{r}"
-            if self.ledger.store.check([key]):
-                ports |= {int(p) for p in self.ledger.store.get(key).decode().split(",") if p}
-        found = tcp_sockets()
-        mine = {local for i, (local, remote, _) in found.items() if i not in self.before and not remote}
-        done = 0
-        for inode, fd in _fds().items():
-            local, remote, _ = found.get(inode, (0, 0, ""))
-            if inode in self.before or not remote or remote == self.store_port or \
-                    not (local in mine or remote in ports):
+        if self.severed_in == self.generation:
+            return self.severed
+        self.held = self.groups_connections()
+        fds, done = _fds(), 0
+        for inode in self.held:
+            fd = fds.get(inode)
+            if fd is None:
                 continue
             try:
-                with socket.socket(fileno=os.dup(fd)) as s:
-                    s.shutdown(socket.SHUT_RDWR)
-                done += 1
+                dup = os.dup(fd)
+            except OSError:
+                continue
+            try:  # (the descriptor may have been closed and reused since it was listed: the inode says)
+                st = os.fstat(dup)
+                if stat.S_ISSOCK(st.st_mode) and str(st.st_ino) == inode:
+                    with socket.socket(fileno=dup) as sock:
+                        dup = None
+                        sock.shutdown(socket.SHUT_RDWR)
+                        done += 1
             except OSError:
                 pass
+            finally:
+                if dup is not None:
+                    os.close(dup)
+        self.severed_in, self.severed = self.generation, done
         return done
 
     def join(self) -> int | None:
@@ -176,20 +199,17 @@ class World:
         world formed again with this rank. Returns the seconds it took. Raises TimeoutError when no generation
         opens within ``wait_s`` (no rank died: the failure was something else, or a hung rank is still alive)."""
         start = time.monotonic()
-        self.severed = self.sever()
+        self.sever()  # (the adapters' replacement severed first already: once per generation)
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()  # (what still held the groups: their sockets close now)
-        # (connections only: a listener left open waits for nobody)
-        self.left_open = [i for i, (_, remote, _) in tcp_sockets().items()
-                          if i not in self.before and remote not in (0, self.store_port)]
+        self.left_open = sorted(set(self.held) & set(_fds()))
         if self.left_open:
             import sys
 
-            print(f"[trainguard rank {self.rank}] {len(self.left_open)} TCP connections opened since the world formed "
-                  "are still open after its groups were destroyed: if they are its groups' (something still holds "
-                  "them), a rank waiting on this one in a collective waits for the collective's timeout",
-                  file=sys.stderr, flush=True)
+            print(f"[trainguard rank {self.rank}] {len(self.left_open)} connections of the old world's groups are still "
+                  "open after their destruction: something still holds the groups (they were shut down: no peer "
+                  "waits on them)", file=sys.stderr, flush=True)
         deadline = start + wait_s
         while self.ledger.generation() <= self.generation:
             if time.monotonic() > deadline:
@@ -223,8 +243,20 @@ def _fds() -> dict[str, int]:
     return out
 
 
-def tcp_sockets() -> dict[str, tuple[int, int, str]]:
-    """This process's TCP sockets: inode -> (local port, remote port -- 0: listening --, state). Linux (/proc)."""
+def _address(text: str) -> str:
+    """/proc/net/tcp{,6}'s hex address as an IP (an IPv4-mapped IPv6 one as IPv4)."""
+    import ipaddress
+
+    raw = bytes.fromhex(text)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    ip = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return str(ip.ipv4_mapped or ip)
+
+
+def tcp_sockets() -> dict[str, tuple[str, int, str, int, str]]:
+    """This process's TCP sockets: inode -> (local address, local port, remote address, remote port -- 0: listening
+    --, state). Linux (/proc); elsewhere none."""
     inodes = set(_fds())
     found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -236,5 +268,6 @@ def tcp_sockets() -> dict[str, tuple[int, int, str]]:
         for row in rows:
             col = row.split()  # sl, local, remote, state, queues, timer, retransmits, uid, timeout, inode
             if len(col) > 9 and col[9] in inodes:
-                found[col[9]] = (int(col[1].rsplit(":", 1)[1], 16), int(col[2].rsplit(":", 1)[1], 16), col[3])
+                (la, lp), (ra, rp) = col[1].rsplit(":", 1), col[2].rsplit(":", 1)
+                found[col[9]] = (_address(la), int(lp, 16), _address(ra), int(rp, 16), col[3])
     return found

@@ -80,3 +80,39 @@ def test_the_spares_come_from_the_launch_or_from_the_config_the_command_names(tm
     bad.write_text(json.dumps({"trainguard": {"distributed": {"spares": -1}}}))
     with pytest.raises(ConfigError, match="distributed.spares"):
         spares_in(["train.py", "--deepspeed_config", str(bad)])
+
+
+def test_sever_shuts_the_groups_connections_and_leaves_the_store_and_any_other_alone():
+    """World.sever (gloo cannot abort a collective): the connections to an address a rank's groups listen on, and
+    those accepted on this rank's group listeners, are shut down both ways -- a peer's recv sees the end at once --;
+    the store's connections, a service this process used before the world formed, and trainguard's own metrics
+    listener (published as excluded) keep working. Once per generation."""
+    import socket
+
+    from trainguard.world import World, tcp_sockets
+
+    service = socket.create_server(("127.0.0.1", 0))  # (a user's service, up before the world formed)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    world = World.__new__(World)
+    world.size, world.rank, world.generation, world.ledger = 1, 0, 0, Ledger(dist.PrefixStore("t", store))
+    world.store_port, world.before = store.port, set(tcp_sockets())
+    world.severed, world.severed_in, world.held = 0, -1, {}
+    group = socket.create_server(("127.0.0.1", 0))     # a group's listener, opened as the framework built its groups
+    metrics = socket.create_server(("127.0.0.1", 0))   # trainguard's exporter: published as excluded
+    peer = socket.create_connection(group.getsockname())
+    accepted, _ = group.accept()
+    user = socket.create_connection(service.getsockname())
+    served, _ = service.accept()
+    scrape = socket.create_connection(metrics.getsockname())
+    scraped, _ = metrics.accept()
+    world.publish(exclude=(metrics.getsockname()[1],))
+    assert world.sever() == 2 and world.sever() == 2  # (the second: the first's count, nothing done again)
+    peer.settimeout(5)
+    assert peer.recv(1) == b""  # (its peer shut down: the wait ends at once)
+    for a, b in ((user, served), (scrape, scraped)):
+        a.sendall(b"x")
+        assert b.recv(1) == b"x"
+    store.set("still", "works")
+    assert store.get("still") == b"works"
+    for s in (service, group, metrics, peer, accepted, user, served, scrape, scraped):
+        s.close()
