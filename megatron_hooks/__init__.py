@@ -11,10 +11,9 @@
 
 What ``install`` does, on every rank:
 
-- puts the guard's AGREE/DECIDE around ``optimizer.step()``: one all-reduce of the ``[world, 8]``
-  table over the default group, then every rank applies the step or skips it (a skipped step is
-  ``optimizer.step()`` not called and the gradients zeroed: ``(False, None, None)`` comes back, as
-  for an fp16 overflow);
+- puts the guard's AGREE/DECIDE around ``optimizer.step()``: one all-reduce of the ``[world, 8]`` table over the
+  default group, then every rank applies the step or skips it (a skipped step is ``optimizer.step()`` not called
+  and the gradients zeroed: ``(False, None, None)`` comes back, as for an fp16 overflow);
 - a tensor hook per parameter: each rank's *local* gradient is checked before megatron's
   data-parallel reduction (no second synchronisation: it rides in the same table);
 - on the last pipeline stage, a forward hook reads the model's per-token loss (the local loss);
@@ -30,8 +29,8 @@ What ``install`` does, on every rank:
   ``loss_scale`` collapse); the ladder resets the scale, raises its floor, and last turns the
   model chunks and optimizer into bf16 ones in place (megatron_hooks.precision).
 
-Sample ids: call ``guard.on_batch(sample_ids)`` in your ``forward_step`` (optional). Forward
-passes in eval mode (``model.eval()``, as Megatron-LM's ``evaluate`` does) are ignored.
+Sample ids: call ``guard.on_batch(sample_ids)`` in your ``forward_step`` (optional). Forward passes in eval mode
+(``model.eval()``, as Megatron-LM's ``evaluate`` does) are ignored.
 
 Megatron-LM's own loop: ``trainguard run -- torchrun ... pretrain_gpt.py ... --trainguard-config tg.json``
 (megatron_hooks.lm); :func:`extra_args_provider` is the argument it adds.
@@ -42,8 +41,8 @@ with ``checkpoint.dir`` and ``checkpoint.every_steps`` the guard saves by itself
 ``guard.resumed_data_state``). The step sequence is trainguard.driver's, as on DeepSpeed; keys this
 adapter cannot apply are refused at ``install`` (trainguard.support).
 
-The watchdog (``distributed.watchdog``) runs as on the DeepSpeed path: heartbeats, a hung rank
-named, stacks, exit 75 for a restart.
+The watchdog (``distributed.watchdog``) runs as on the DeepSpeed path: heartbeats, a hung rank named, stacks, exit
+75 for a restart; under trainguard.supervise, ``supervised(train)`` survives a dead rank in-process (docs/liveness.md).
 """
 from __future__ import annotations
 
@@ -66,8 +65,9 @@ from megatron_hooks import versions
 from megatron_hooks.capabilities import REFUSED
 from megatron_hooks.args import extra_args_provider
 from megatron_hooks.parts import _GradScaler, _dtype, _modules, _optimizers, _unwrap  # noqa: F401 (the package's)
+from megatron_hooks.inprocess import supervised  # (your loop, entered again after a rank died)
 
-__all__ = ["install", "extra_args_provider", "MegatronGuard"]
+__all__ = ["install", "extra_args_provider", "MegatronGuard", "supervised"]
 
 
 class MegatronGuard:

@@ -47,6 +47,28 @@ def wrap_pretrain(wrap):
     return maybe_wrap_for_inprocess_restart
 
 
+def supervised(train):
+    """Your own megatron-core loop under trainguard.supervise: ``train()`` -- the whole run: the model-parallel groups
+    built on the world trainguard formed (``init_process_group`` only where ``torch.distributed`` is not initialized
+    yet), the model, the optimizer, ``megatron_hooks.install`` (which resumes from node memory), the loop from
+    ``guard.iteration`` -- entered again on the survivors after a rank died, as Megatron-LM's ``pretrain()`` is. Not
+    supervised: ``train`` itself."""
+    from trainguard.ports import World, reentering
+
+    return reentering(train, _let_go, "gloo") if World.supervised() else train
+
+
+def _let_go() -> None:
+    """A survivor's megatron-core let go before your training function is entered again (its guard is closed by the
+    core): the model-parallel groups, and those destroy_model_parallel leaves behind."""
+    from megatron.core import parallel_state
+
+    from trainguard.ports import forget_framework
+
+    parallel_state.destroy_model_parallel()
+    forget_framework(None, parallel_state)
+
+
 def _with_arguments_as_parsed(pretrain):
     """core_v0.18+: the script parses its arguments before ``pretrain()``, which reads them from Megatron-LM's globals
     and moves their counters on (consumed samples, iteration): each entry after the first starts from a copy of them

@@ -41,6 +41,7 @@ def replace_rank(world, session, why: str, teardown: Callable[[], None], rebuild
     """The survivor's part. ``rebuild()`` returns the new run's session and the step it resumed at."""
     start = time.monotonic()
     world.sever()  # (first: a group destroyed in the teardown would wait for its work in flight)
+    _LIVE.clear()
     session.close({"interrupted": why[:200]}, clean=False)
     teardown()
     gc.collect()  # (what still held the old groups: their sockets close, and a peer waiting on this rank fails now)
@@ -105,6 +106,7 @@ def check_backend(backend: str) -> None:
 
 
 _PENDING: list[dict] = []  # a re-entered training function's replacements, reported once its new run resumed
+_LIVE: list = []  # the session of this process's run, in a supervised job (closed when its function is re-entered)
 
 
 def reentering(train: Callable, teardown: Callable[[], int | None], backend: str = "gloo", timeout=None) -> Callable:
@@ -144,7 +146,13 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
             # (outside the except: its traceback held the failed work, and with it the old groups' sockets)
             start = time.monotonic()
             world.sever()  # (first: a group destroyed in the teardown would wait for its work in flight)
+            live = _LIVE.pop() if _LIVE else None
+            if live is not None:  # (the run's guard, closed with node memory kept -- if its adapter did not already)
+                live.close({"interrupted": why[:200]}, clean=False)
             interrupted = teardown()
+            if interrupted is None and live is not None:
+                interrupted = live.fw.completed_steps() + 1
+            live = None
             gc.collect()
             formed = world.reform()
             _PENDING.append(dict(world=world, why=why, start=start, formed=formed, interrupted=interrupted))
@@ -159,6 +167,7 @@ def running(session, step: int) -> None:
 
     if World.current is not None and World.current.rank is not None:
         World.current.publish(exclude=tuple(p for p in [session.cfg.metrics.prometheus_port] if p))
+        _LIVE[:] = [session]
     elif session.cfg.distributed.spares and session.rank == 0 and not World.supervised():
         import warnings
 

@@ -484,3 +484,39 @@ def test_node_memory_of_another_layout_is_passed_over_for_the_disk_snapshots(tmp
     (resume,) = [x for x in lines if x.get("event") == "resume"]
     assert resume["detail"]["tag"] == "step00000006" and resume["detail"]["resharded"] is not None, resume
     assert all(r["guard_iteration"] == 10 and r["weights_finite"] for r in results)
+
+
+def test_your_own_loop_survives_a_killed_rank_in_process_with_a_spare(tmp_path):
+    """megatron_hooks.supervised (issue 38, your own megatron-core loop): DP=2 and a spare under
+    ``torchrun ... -m trainguard.supervise --spares 1 -- -m tests.support.megatron_worker ...``; rank 1 SIGKILLed at
+    step 9. The survivor's training function is entered again in its own process on the world formed again with the
+    spare, both resume from node memory, nobody restarts, and both replicas end with the parameters of the run that
+    was never interrupted."""
+    import subprocess
+
+    from trainguard.demo.run import run_bounded, torchrun_env
+
+    def block(name, faults):
+        return {"checks": {"enabled": False}, "allow_faults": bool(faults), "faults": faults,
+                "checkpoint": {"dir": str(tmp_path / name / "ck"),
+                               "snapshot": {"every_steps": 2, "dir": str(tmp_path / name / "shm")}}}
+
+    clean, _ = run(tmp_path, "clean", "dp", 12, block("clean", []))
+    cfg = tmp_path / "replaced.json"
+    cfg.write_text(json.dumps(block("replaced", [{"type": "kill_rank", "step": 9, "rank": 1}])))
+    out = tmp_path / "replaced"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--max-restarts=0",
+           "--monitor-interval=0.1", "-m", "trainguard.supervise", "--spares", "1", "--",
+           "-m", "tests.support.megatron_worker", "--config", str(cfg), "--steps", "12", "--out", str(out)]
+    with open(out / "torchrun.log", "w") as log:
+        rc, _, _ = run_bounded(cmd, 300, stdout=log, stderr=subprocess.STDOUT, env=torchrun_env())
+    text = (out / "torchrun.log").read_text()
+    assert rc == 0 and "spare 0 takes rank 1, generation 1" in text, text[-3000:]
+    res = [json.loads((out / f"result.rank{r}.json").read_text()) for r in range(2)]
+    lines = read(out / "trainguard.jsonl")
+    (rep,) = [x for x in lines if x.get("event") == "rank_replaced"]
+    d = rep["detail"]
+    assert d["rank"] == 1 and d["resumed_at_step"] in (6, 8) and d["connections_left_open"] == 0, d
+    assert not [x for x in lines if x.get("event") == "restart"]
+    assert res[0]["param_sha256"] == res[1]["param_sha256"] == clean[0]["param_sha256"]

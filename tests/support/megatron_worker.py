@@ -61,11 +61,17 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", action="store_true", help="data or weights: install(replayer=...) over this loop's "
                     "forward step, and guard.record(...) per micro-batch (the megatron-core user's API)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    import megatron_hooks
 
     megatron_cpu.enable()
-    dist.init_process_group("gloo")
+    return megatron_hooks.supervised(lambda: run(args))()  # (under trainguard.supervise: entered again after a death)
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not dist.is_initialized():  # (trainguard.supervise formed the world already)
+        dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
