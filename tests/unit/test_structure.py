@@ -25,8 +25,9 @@ MODULE_DEBTS = {
 }
 # (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~130 lines with
 # its refusals, where 80 lines of model-output helpers went to the core -- trainguard/outputs.py -- in the same change;
-# megatron_hooks raised once, issue 38: Megatron-LM's pretrain() and your loop entered again after a death, megatron_hooks/inprocess.py
-# -- what the two adapters' replacements share went to the core, trainguard/replacement.py, in the same change)
+# megatron_hooks raised once, issue 38: Megatron-LM's pretrain() and your loop entered again after a death,
+# megatron_hooks/inprocess.py -- what the two adapters' replacements share went to the core,
+# trainguard/replacement.py, in the same change)
 PACKAGE_DEBTS = {"ds_plugins": 1963, "megatron_hooks": 1740}
 
 
