@@ -92,6 +92,15 @@ def training_pid(out: Path, rank: int) -> int | None:
     return None
 
 
+def resumed_after(jsonl: Path, killed_at: float | None) -> float | None:
+    """When the run resumed after the kill (its ``resume`` record; the records' clock is to 10 ms)."""
+    if killed_at is None or not jsonl.exists():
+        return None
+    times = [e["time"] for e in map(json.loads, jsonl.read_text().splitlines())
+             if e.get("event") == "resume" and e["time"] >= killed_at - 0.01]
+    return min(times) if times else None
+
+
 def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, step_s: float) -> dict:
     job = launch(out, supervised)
     deadline = time.monotonic() + 240
@@ -109,10 +118,17 @@ def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, st
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+    for pid in os.listdir("/proc"):  # (torchrun's workers are sessions of their own: what a timed-out trial left)
+        try:
+            if pid.isdigit() and str(out / "run").encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
     rows = progress(out)
-    # (the next step after the fault: under torchrun's restart, the restarted attempt's first -- a survivor may still
-    # log the step it was in before torchrun stopped it)
-    after = [r for r in rows if killed_at is not None and r[2] > killed_at and (supervised or r[0] > 0)]
+    # the next step after the fault: the first one logged after the run resumed (a step logged after the kill may
+    # still be the old run's: the dead rank had done its part of it)
+    back = resumed_after(out / "run" / "trainguard.jsonl", killed_at)
+    after = [r for r in rows if back is not None and r[2] > back and (supervised or r[0] > 0)]
     results = [json.loads(p.read_text()) if (p := out / "run" / f"result.rank{r}.json").exists() else None
                for r in range(RANKS)]
     starts = {r: len((out / "run" / f"starts.rank{r}.txt").read_text().splitlines())
@@ -174,7 +190,8 @@ def main() -> int:
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="kill-anywhere-"))
     clean = launch(tmp / "clean", supervised=False)
-    clean.wait()
+    if clean.wait() != 0:
+        raise SystemExit(f"the uninterrupted run failed: {tmp / 'clean' / 'log'}")
     rows = progress(tmp / "clean")
     step_s = statistics.median(b[2] - a[2] for a, b in zip(rows, rows[1:]))
     want = json.loads((tmp / "clean" / "run" / "result.rank0.json").read_text())["param_sha256"]

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.kill_anywhere import report
+from bench.kill_anywhere import report, resumed_after
 
 ITERS, EVERY, DP = 20, 2, 2
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
@@ -99,7 +99,11 @@ def trial(release, out: Path, supervised: bool, rank: int, step: int, fraction: 
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-    after = [r for r in iterations(out) if killed_at is not None and r[1] > killed_at]
+    from tests.dist.test_megatron_lm_dist import kill_marked
+
+    kill_marked(marker)  # (torchrun's workers are sessions of their own: what a timed-out trial left behind)
+    back = resumed_after(out / "trainguard.jsonl", killed_at)  # (a line after the kill may be the old run's)
+    after = [r for r in iterations(out) if back is not None and r[1] > back]
     log = (out / "trainguard.jsonl").read_text() if (out / "trainguard.jsonl").exists() else ""
     fell_back = '"event":"restart"' in log.replace(" ", "")
     return {"supervised": supervised, "rank": rank, "step": step, "fraction": round(fraction, 3),
@@ -116,7 +120,8 @@ def main(args) -> int:
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="kill-anywhere-megatron-"))
     clean = launch(release, tmp / "clean", False, uuid.uuid4().hex)
-    clean.wait()
+    if clean.wait() != 0 or not iterations(tmp / "clean"):
+        raise SystemExit(f"the uninterrupted run failed: {tmp / 'clean' / 'megatron.log'}")
     rows = iterations(tmp / "clean")
     step_s = sorted(b[1] - a[1] for a, b in zip(rows, rows[1:]))[len(rows) // 2 - 1]
     want = last_line(tmp / "clean")

@@ -47,26 +47,36 @@ def wrap_pretrain(wrap):
     return maybe_wrap_for_inprocess_restart
 
 
-def supervised(train):
+def supervised(train, backend: str = "gloo", timeout=None):
     """Your own megatron-core loop under trainguard.supervise: ``train()`` -- the whole run: the model-parallel groups
     built on the world trainguard formed (``init_process_group`` only where ``torch.distributed`` is not initialized
     yet), the model, the optimizer, ``megatron_hooks.install`` (which resumes from node memory), the loop from
-    ``guard.iteration`` -- entered again on the survivors after a rank died, as Megatron-LM's ``pretrain()`` is. Not
-    supervised: ``train`` itself."""
+    ``guard.iteration`` -- entered again on the survivors after a rank died, as Megatron-LM's ``pretrain()`` is.
+    ``backend``: your loop's (gloo only, for now: NCCL is refused by name); ``timeout``: the world's collectives' (a
+    timedelta). Not supervised: ``train`` itself."""
     from trainguard.ports import World, reentering
 
-    return reentering(train, _let_go, "gloo") if World.supervised() else train
+    return reentering(train, _let_go, backend, timeout) if World.supervised() else train
 
 
 def _let_go() -> None:
     """A survivor's megatron-core let go before your training function is entered again (its guard is closed by the
-    core): the model-parallel groups, and those destroy_model_parallel leaves behind."""
+    core): the model-parallel groups (and those destroy_model_parallel leaves behind), the microbatch calculator,
+    the rerun state machine and the global memory buffer, which a second initialisation would refuse."""
+    import importlib
+
     from megatron.core import parallel_state
 
     from trainguard.ports import forget_framework
 
     parallel_state.destroy_model_parallel()
     forget_framework(None, parallel_state)
+    for module, name in (("megatron.core.num_microbatches_calculator", "destroy_num_microbatches_calculator"),
+                         ("megatron.core.rerun_state_machine", "destroy_rerun_state_machine"),
+                         ("megatron.core.parallel_state", "destroy_global_memory_buffer")):
+        destroy = getattr(importlib.import_module(module), name, None)
+        if destroy is not None:
+            destroy()
 
 
 def _with_arguments_as_parsed(pretrain):
@@ -74,12 +84,14 @@ def _with_arguments_as_parsed(pretrain):
     and moves their counters on (consumed samples, iteration): each entry after the first starts from a copy of them
     as they were at the first (core_v0.17's ``pretrain()`` parses them itself)."""
     import copy
+    import functools
     import inspect
 
     from megatron.training import get_args, global_vars, training
 
     parsed = []
 
+    @functools.wraps(pretrain)
     def entered(*args, **kwargs):
         if "cfg_container" in inspect.signature(training.pretrain).parameters:
             if parsed:

@@ -47,23 +47,29 @@ def replace_rank(world, session, why: str, teardown: Callable[[], None], rebuild
     gc.collect()  # (what still held the old groups: their sockets close, and a peer waiting on this rank fails now)
     formed = world.reform()
     new_session, step, interrupted = rebuild()
-    return _replaced(world, new_session, why, start, formed, step, interrupted)
+    return _replaced(_facts(world, why, start, formed, interrupted), new_session, step)
 
 
-def _replaced(world, session, why: str, start: float, formed: float, step: int, interrupted: int | None) -> dict:
-    """The ``rank_replaced`` record (by the lowest survivor) and the line on stderr, once the new run resumed."""
-    built = time.monotonic() - start - formed
+def _facts(world, why: str, start: float, formed: float, interrupted: int | None) -> dict:
+    """What a replacement was, taken when the world formed again (a second one may follow before the report)."""
     dead, died, at = world.ledger.failure(world.generation)
-    detail = {"rank": dead, "why": died, "generation": world.generation, "survivor_error": why[:300],
-              "fault_to_world_s": round(time.time() - at - built, 3), "reformed_s": round(formed, 3),
-              "rebuilt_s": round(built, 3), "resumed_at_step": step, "interrupted_at_step": interrupted,
-              "connections_shut": world.severed, "connections_left_open": len(world.left_open)}
-    if session.guard is not None and world.rank == (1 if dead == 0 else 0):  # (the lowest survivor)
-        session.guard.emit(step, Record.RANK_REPLACED, [dead], None, detail, takeover=world.rank != 0)
-    print(f"[trainguard rank {world.rank}] rank {dead} died ({died}): the world formed again in {formed:.3f} s "
-          f"(generation {world.generation}), resumed at step {step} {built:.3f} s later", file=sys.stderr,
-          flush=True)
-    return detail
+    return {"me": world.rank, "start": start, "formed": formed, "at": at, "detail": {
+        "rank": dead, "why": died, "generation": world.generation, "survivor_error": why[:300],
+        "reformed_s": round(formed, 3), "interrupted_at_step": interrupted, "connections_shut": world.severed,
+        "connections_left_open": len(world.left_open)}}
+
+
+def _replaced(facts: dict, session, step: int) -> dict:
+    """The ``rank_replaced`` record (by the lowest survivor) and the line on stderr, once the new run resumed."""
+    built = time.monotonic() - facts["start"] - facts["formed"]
+    d = {**facts["detail"], "fault_to_world_s": round(time.time() - facts["at"] - built, 3),
+         "rebuilt_s": round(built, 3), "resumed_at_step": step}
+    dead, me = d["rank"], facts["me"]
+    if session.guard is not None and me == (1 if dead == 0 else 0):  # (the lowest survivor)
+        session.guard.emit(step, Record.RANK_REPLACED, [dead], None, d, takeover=me != 0)
+    print(f"[trainguard rank {me}] rank {dead} died ({d['why']}): the world formed again in {facts['formed']:.3f} s "
+          f"(generation {d['generation']}), resumed at step {step} {built:.3f} s later", file=sys.stderr, flush=True)
+    return d
 
 
 def remember_attributes(model) -> None:
@@ -138,7 +144,9 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
         while True:
             why = None
             try:
-                return train(*args, **kwargs)
+                done = train(*args, **kwargs)
+                _LIVE.clear()  # (the finished run's session: nothing of it is kept)
+                return done
             except Exception as e:  # noqa: BLE001 - a rank's death, or raised as it was
                 if not world.replaced():
                     raise
@@ -155,7 +163,7 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
             live = None
             gc.collect()
             formed = world.reform()
-            _PENDING.append(dict(world=world, why=why, start=start, formed=formed, interrupted=interrupted))
+            _PENDING.append(_facts(world, why, start, formed, interrupted))
 
     return run
 
@@ -166,7 +174,9 @@ def running(session, step: int) -> None:
     from trainguard.world import World
 
     if World.current is not None and World.current.rank is not None:
-        World.current.publish(exclude=tuple(p for p in [session.cfg.metrics.prometheus_port] if p))
+        from trainguard.metrics.prometheus import LISTENING
+
+        World.current.publish(exclude=tuple(LISTENING))
         _LIVE[:] = [session]
     elif session.cfg.distributed.spares and session.rank == 0 and not World.supervised():
         import warnings
@@ -175,8 +185,7 @@ def running(session, step: int) -> None:
                       "launched under trainguard.supervise (torchrun ... -m trainguard.supervise -- your script): no "
                       "spare waits, a dead rank restarts the job", stacklevel=2)
     while _PENDING:
-        p = _PENDING.pop(0)
-        _replaced(p["world"], session, p["why"], p["start"], p["formed"], step, p["interrupted"])
+        _replaced(_PENDING.pop(0), session, step)
 
 
 def _end_if_left_behind(rank: int, gen: int) -> None:
@@ -224,8 +233,8 @@ def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
             import threading
 
             gen = generation()
-            timer = threading.Timer(watchdog.cfg.distributed.watchdog.hang_timeout_s,
-                                    lambda: _end_if_left_behind(watchdog.rank, gen))
+            timer = threading.Timer(watchdog.cfg.distributed.watchdog.hang_timeout_s, _end_if_left_behind,
+                                    args=(watchdog.rank, gen))  # (nothing of the old run held meanwhile)
             timer.daemon = True
             timer.start()
             return True

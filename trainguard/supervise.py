@@ -142,16 +142,19 @@ def spares_in(cmd: list[str]) -> int:
 
     for i, arg in enumerate(cmd):
         flag, _, value = arg.partition("=")
-        path = value if flag in CONFIG_FLAGS and value else cmd[i + 1] if arg in CONFIG_FLAGS and i + 1 < len(cmd) \
-            else arg if arg.endswith(".json") else None
-        if not path or not os.path.isfile(path):
+        named = value if flag in CONFIG_FLAGS and value else cmd[i + 1] if arg in CONFIG_FLAGS and i + 1 < len(cmd) \
+            else None
+        path = named or (arg if arg.endswith(".json") else None)
+        # (a .json argument not named as a config: read only when small -- it may be a dataset)
+        if not path or not os.path.isfile(path) or not named and os.path.getsize(path) > (1 << 20):
             continue
         try:
             data = tg_config.read_json(path)
         except ConfigError:
             continue  # (not a config: a dataset's JSON, say)
         if tg_config.BLOCK in data or flag == "--trainguard-config":  # (that one may hold the block itself)
-            return tg_config.block_of(data, path).distributed.spares  # (a bad block: its error, here too)
+            # (a bad block: its error, naming the file, here too)
+            return tg_config.parse_block(data.get(tg_config.BLOCK, data), path).distributed.spares
     return 0
 
 

@@ -114,8 +114,9 @@ class World:
         return ROLE in env
 
     def publish(self, exclude: tuple[int, ...] = ()) -> None:
-        """Once the framework built its groups: the addresses this rank's groups listen on (every listener this process
-        opened since it joined, but ``exclude``'s ports -- trainguard's metrics exporter), for :meth:`sever`."""
+        """The addresses this rank's groups listen on (every listener this process opened since it joined, but
+        ``exclude``'s ports -- trainguard's metrics exporter), for :meth:`sever`: when the world formed, and again
+        once the framework built its groups."""
         self.listening = {(a, p) for i, (a, p, _, rp, _) in tcp_sockets().items()
                           if i not in self.before and not rp and p not in exclude}
         self.ledger.store.set(f"listeners/{self.generation}/{self.rank}",
@@ -224,6 +225,7 @@ class World:
         os.environ["TRAINGUARD_GENERATION"] = str(self.generation)  # (trainguard.attempt: faults of one attempt)
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{self.generation}", self.ledger.store),
                                 rank=self.rank, world_size=self.size, timeout=self.timeout)
+        self.publish()  # (the default group's, at once: a death before the run resumed finds them too)
 
 
 def _fds() -> dict[str, int]:

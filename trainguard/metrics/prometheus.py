@@ -32,6 +32,9 @@ from typing import Any
 from trainguard.errors import TrainguardError
 
 
+LISTENING: set[int] = set()  # the ports this process's exporters listen on
+
+
 class PrometheusSink:
     def __init__(self, port: int, addr: str = "0.0.0.0"):
         try:
@@ -63,6 +66,7 @@ class PrometheusSink:
         self.incident_alerts = g("trainguard_incident_alerts", "alerts in the last closed incident", ["record"])
         self.server, self.thread = pc.start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
+        LISTENING.add(self.port)  # (not a process group's: trainguard.world.World.sever leaves its scrapes alone)
         self._seen = {"executed_steps": 0, "not_applied_steps": 0}
         self._followed: set[str] = set()  # (above 64 ranks: the ranks whose straggler ratio is exported)
 
