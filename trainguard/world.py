@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -29,18 +30,21 @@ ROLE, SPARE = "TRAINGUARD_ROLE", "TRAINGUARD_SPARE"  # a training process's plac
 class Ledger:
     """The job's facts on torchrun's store (every supervisor and training process sees the same)."""
 
-    def __init__(self, store):
+    def __init__(self, store, connect=None):
         self.store = store
+        self.connect = connect  # () -> another client of the same store (a thread's own: trainguard.world.World)
 
     @classmethod
     def connect(cls, env=os.environ, timeout_s: float = 300.0) -> "Ledger":
         if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
             raise RuntimeError("a supervised job runs under torchrun, whose agent hosts the store that outlives any "
                                "worker (TORCHELASTIC_USE_AGENT_STORE is not true)")
-        base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=timeout_s))
-        return cls(dist.PrefixStore(f"trainguard/inprocess/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-                                    base))
+        prefix = f"trainguard/inprocess/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+        def connect(timeout=timedelta(seconds=timeout_s)):
+            return dist.PrefixStore(prefix, dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                                          timeout=timeout))
+        return cls(connect(), connect)
 
     def generation(self) -> int:
         return self.store.add("gen", 0)
@@ -57,6 +61,7 @@ class Ledger:
         generation = self.store.add("gen", 1)
         self.store.set(f"failed/{generation}", f"{rank}: {why}; at {time.time()!r}")
         self.store.set(f"spare/{taken - 1}", f"{rank}:{generation}")
+        self.store.set(f"opened/{generation}", "1")  # (what every rank's watcher waits for: World.watch)
         return taken - 1, generation
 
     def failure(self, generation: int) -> tuple[int, str, float]:
@@ -105,6 +110,7 @@ class World:
         self.store_port, self.before = int(env["MASTER_PORT"]), set(tcp_sockets())  # (the store's connections)
         self.left_open: list[str] = []  # its groups' connections the last world's destruction did not close
         self.severed, self.severed_in, self.held = 0, -1, {}  # (sever: how many, in which generation, which)
+        self._severing = threading.Lock()  # (the main thread's and the watcher's)
         World.current = self
 
     current: "World | None" = None  # this process's (trainguard.replacement reads it from the watchdog)
@@ -141,6 +147,10 @@ class World:
         are shut down instead, both ways, so that every collective in flight on them fails at once -- on this rank and
         on the peers that wait on it -- and destroying the groups does not wait for one (a group's destruction drains
         its work in flight). Once per generation (again: the count of the first). Returns how many were shut."""
+        with self._severing:
+            return self._sever()
+
+    def _sever(self) -> int:
         import socket
         import stat
 
@@ -183,7 +193,32 @@ class World:
             rank, generation = map(int, self.ledger.store.get(key).decode().split(":"))
             self.rank, self.generation = rank, generation
         self._form()
+        self.watch()
         return self.rank
+
+    def watch(self) -> None:
+        """A thread of this process waits, on a store connection of its own (no polling), for the next generation to
+        open -- a rank died and its supervisor handed its rank over -- and then shuts this rank's groups' connections
+        (:meth:`sever`) at once: a collective waiting on the dead rank might not see its sockets close for seconds
+        (the data-loader workers it forked hold them until they notice their parent is gone: ~5 s measured on
+        Megatron-LM) or ever (a node lost sends nothing)."""
+        if self.ledger.connect is None:
+            return
+
+        def watching():
+            try:
+                store = self.ledger.connect(timedelta(days=7))
+                while True:
+                    following = self.generation + 1
+                    store.wait([f"opened/{following}"], timedelta(days=7))
+                    if self.generation < following:
+                        self.sever()
+                    while self.generation < following:  # (this rank forms it: then the one after is watched)
+                        time.sleep(0.05)
+            except Exception:  # noqa: BLE001 - the job ended (its store with it): nothing left to watch
+                return
+
+        threading.Thread(target=watching, name="trainguard-generation-watch", daemon=True).start()
 
     def replaced(self, wait_s: float = 2.0) -> bool:
         """Whether a new generation opened (a rank died and its supervisor handed its rank over) within ``wait_s``:

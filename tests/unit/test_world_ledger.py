@@ -89,6 +89,8 @@ def test_sever_shuts_the_groups_connections_and_leaves_the_store_and_any_other_a
     listener (published as excluded) keep working. Once per generation."""
     import socket
 
+    import threading
+
     from trainguard.world import World, tcp_sockets
 
     service = socket.create_server(("127.0.0.1", 0))  # (a user's service, up before the world formed)
@@ -96,7 +98,7 @@ def test_sever_shuts_the_groups_connections_and_leaves_the_store_and_any_other_a
     world = World.__new__(World)
     world.size, world.rank, world.generation, world.ledger = 1, 0, 0, Ledger(dist.PrefixStore("t", store))
     world.store_port, world.before = store.port, set(tcp_sockets())
-    world.severed, world.severed_in, world.held = 0, -1, {}
+    world.severed, world.severed_in, world.held, world._severing = 0, -1, {}, threading.Lock()
     group = socket.create_server(("127.0.0.1", 0))     # a group's listener, opened as the framework built its groups
     metrics = socket.create_server(("127.0.0.1", 0))   # trainguard's exporter: published as excluded
     peer = socket.create_connection(group.getsockname())
@@ -115,4 +117,38 @@ def test_sever_shuts_the_groups_connections_and_leaves_the_store_and_any_other_a
     store.set("still", "works")
     assert store.get("still") == b"works"
     for s in (service, group, metrics, peer, accepted, user, served, scrape, scraped):
+        s.close()
+
+
+def test_the_watcher_severs_as_soon_as_a_rank_is_handed_over():
+    """World.watch: a thread waits on a store connection of its own for the next generation; the moment the dead
+    rank's supervisor hands its rank over, this rank's group connections are shut -- a collective waiting on a dead
+    rank whose sockets stay open (its forked loader workers hold them; a lost node never closes them) fails then."""
+    import socket
+    import threading
+    import time
+
+    from trainguard.world import World, tcp_sockets
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+    def connect(timeout=timedelta(seconds=10)):
+        return dist.PrefixStore("w", dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timeout))
+    world = World.__new__(World)
+    world.size, world.rank, world.generation, world.ledger = 2, 0, 0, Ledger(connect(), connect)
+    world.store_port, world.before = store.port, set(tcp_sockets())
+    world.severed, world.severed_in, world.held, world._severing = 0, -1, {}, threading.Lock()
+    group = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(group.getsockname())  # (the dead rank's end: held open, as its workers would)
+    accepted, _ = group.accept()
+    world.publish()
+    world.watch()
+    time.sleep(0.2)
+    assert world.severed_in == -1  # (nothing happens while no rank died)
+    start = time.monotonic()
+    assert world.ledger.hand_over(1, spares=1, why="pid 9, signal 9") == (0, 1)
+    accepted.settimeout(5)
+    assert accepted.recv(1) == b"" and time.monotonic() - start < 2  # (this rank's wait ends at once)
+    assert world.severed == 2
+    for s in (group, peer, accepted):
         s.close()
