@@ -130,8 +130,9 @@ def test_deepspeed_a_killed_rank_is_replaced_by_a_spare_and_ends_bit_identical(t
     assert d["fault_to_world_s"] < 30 and d["rebuilt_s"] < 90, d
     # the old world's sockets all closed on the survivor (DeepSpeed's attributes on the parameters had held its
     # data-parallel group: a survivor blocked on this one in that group then waited for its timeout)
-    assert d["connections_left_open"] == 0 and "still open after its groups were destroyed" not in log, d
-    assert d["connections_shut"] > 0, d  # (its groups' connections shut before their destruction: World.sever)
+    assert d["connections_left_open"] == 0 and "still open after their destruction" not in log, d
+    # (how many it shut itself depends on who came first -- the other survivor's shutdown closes them too: a count
+    # here would be a race; tests/unit/test_world_ledger.py holds what sever and the watcher shut)
     assert results[1]["first_step"] == d["resumed_at_step"]  # the spare began where the survivors went back to
 
 
