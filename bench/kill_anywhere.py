@@ -101,20 +101,29 @@ def resumed_after(jsonl: Path, killed_at: float | None) -> float | None:
     return min(times) if times else None
 
 
-def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, step_s: float) -> dict:
-    job = launch(out, supervised)
-    deadline = time.monotonic() + 240
+def kill_in(job, logged, step: int, fraction: float, step_s: float, find_pid, within_s: float):
+    """Wait for ``step`` among the steps the run logged (``logged()``), sleep the drawn fraction of a step and SIGKILL
+    the training process ``find_pid()`` names; then wait for the job (at most ``within_s`` in all). Returns (when it
+    was killed, the last step logged before), (None, None) if it never was."""
+    deadline = time.monotonic() + within_s
     killed_at = last_before = None
     while time.monotonic() < deadline and job.poll() is None:
-        rows = progress(out)
-        if killed_at is None and rows and rows[-1][1] >= step:
+        steps = logged()
+        if killed_at is None and steps and steps[-1] >= step:
             time.sleep(fraction * step_s)
-            pid = training_pid(out, rank)
+            pid = find_pid()
             if pid is not None:
-                last_before = progress(out)[-1][1]
+                last_before = logged()[-1]
                 killed_at = time.time()
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+    return killed_at, last_before
+
+
+def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, step_s: float) -> dict:
+    job = launch(out, supervised)
+    killed_at, last_before = kill_in(job, lambda: [r[1] for r in progress(out)], step, fraction, step_s,
+                                     lambda: training_pid(out, rank), 240)
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()

@@ -19,11 +19,10 @@ import re
 import signal
 import subprocess
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-from bench.kill_anywhere import report, resumed_after
+from bench.kill_anywhere import kill_in, report, resumed_after
 
 ITERS, EVERY, DP = 20, 2, 2
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
@@ -84,18 +83,8 @@ def training_pid(marker: str, rank: int) -> int | None:
 def trial(release, out: Path, supervised: bool, rank: int, step: int, fraction: float, step_s: float) -> dict:
     marker = uuid.uuid4().hex
     job = launch(release, out, supervised, marker)
-    deadline = time.monotonic() + 300
-    killed_at = last_before = None
-    while time.monotonic() < deadline and job.poll() is None:
-        rows = iterations(out)
-        if killed_at is None and rows and rows[-1][0] >= step:
-            time.sleep(fraction * step_s)
-            pid = training_pid(marker, rank)
-            if pid is not None:
-                last_before = iterations(out)[-1][0]
-                killed_at = time.time()
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
+    killed_at, last_before = kill_in(job, lambda: [r[0] for r in iterations(out)], step, fraction, step_s,
+                                     lambda: training_pid(marker, rank), 300)
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
