@@ -191,7 +191,13 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--megatron-lm", action="store_true", help="Megatron-LM's pretrain_gpt.py at DP=2 instead "
                     "(bench/kill_anywhere_megatron.py; needs ../shared's checkout, as its tests do)")
+    ap.add_argument("--hf", action="store_true", help="Hugging Face's Trainer over DeepSpeed, zero-code, 2 ranks "
+                    "(bench/kill_anywhere_hf.py)")
     args = ap.parse_args()
+    if args.hf:
+        from bench.kill_anywhere_hf import main as hf
+
+        return hf(args)
     if args.megatron_lm:
         from bench.kill_anywhere_megatron import main as megatron
 

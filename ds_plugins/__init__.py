@@ -105,9 +105,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if world is not None:
         from ds_plugins.inprocess import why_not
 
-        off = why_not(recipe, engine)
-        if off:  # (a death is then not survived: the survivors exit with the error, torchrun restarts the job)
+        off = why_not(recipe, engine, _entry)
+        if off is not None:  # (not rebuilt in place: re-entered, or the survivors exit and torchrun restarts the job)
             state.rebuild = None
+        if off:
             import warnings
 
             warnings.warn(f"trainguard.supervise: a dead rank cannot be replaced in this job ({off}); it restarts "
@@ -182,6 +183,8 @@ def _process_group(deepspeed, block, kwargs):
         from ds_plugins.inprocess import form_world
 
         return form_world(_backend(), td or c10d.default_pg_timeout)
+    if World.current is not None and World.current.rank is not None:
+        return World.current  # (formed at the framework's init_process_group: trainguard.bootstrap)
     if dist.is_initialized():
         if td is not None:
             import warnings

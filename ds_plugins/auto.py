@@ -174,21 +174,36 @@ def _patch_trainer(module) -> None:
     def make(original):
         def train(self, resume_from_checkpoint=None, *args, **kwargs):
             block = _block_of_args(self.args)
-            if block is not None and block.checkpoint.resume != "none" and resume_from_checkpoint in (None, True):
-                from trainguard.ports import key_from
 
-                chosen = _verified_hf_checkpoint(self.args.output_dir, block.checkpoint.resume,
-                                                 key_from(block.checkpoint))
-                if chosen is not None:
-                    resume_from_checkpoint = chosen
-            out = original(self, resume_from_checkpoint, *args, **kwargs)
-            # the run is over: its last save committed, run_end and the incidents closed -- the Trainer never
-            # destroys its engine, and a user's script ends without a word to trainguard (each train() builds
-            # its engine anew, so a later call is guarded afresh)
-            session = getattr(getattr(self, "model_wrapped", None), "_trainguard", None)
-            if session is not None:
-                session.close()
-            return out
+            def once(resume, again: bool = False):
+                if block is not None and (again or block.checkpoint.resume != "none" and resume in (None, True)):
+                    from trainguard.ports import key_from, newest_resumable_folder
+
+                    mode = "latest_valid" if block.checkpoint.resume == "none" else block.checkpoint.resume
+                    chosen = newest_resumable_folder(self.args.output_dir, mode, key_from(block.checkpoint), again)
+                    if chosen is not None:
+                        resume = chosen
+                out = original(self, resume, *args, **kwargs)
+                # the run is over: its last save committed, run_end and the incidents closed -- the Trainer never destroys
+                # its engine (each train() builds its engine anew, so a later call is guarded afresh)
+                session = getattr(getattr(self, "model_wrapped", None), "_trainguard", None)
+                if session is not None:
+                    session.close()
+                return out
+
+            from trainguard.ports import World
+
+            if block is None or World.current is None or World.current.rank is None:
+                return once(resume_from_checkpoint)
+            from ds_plugins.inprocess import let_go_of_trainer
+            from trainguard.ports import reentering
+
+            # a supervised job: entered again on the survivors after a rank died, from the newest checkpoint-N that
+            # verifies, as torchrun's restart would -- in the same processes, a spare in the dead rank's place (whose
+            # first entry resumes from the same checkpoint); what the user gave the Trainer is given back between
+            given = (self.optimizer, self.lr_scheduler)
+            return reentering(lambda again: once(resume_from_checkpoint, again), lambda: let_go_of_trainer(self, given),
+                              told=True)()
         return train
 
     _wrap(module.Trainer, "train", make)
@@ -203,40 +218,6 @@ def _block_of_args(args):
 
     _, block = tg_config.load(raw)
     return block if block is not None and block.enabled else None
-
-
-def _verified_hf_checkpoint(output_dir: str, mode: str, key: bytes | None = None) -> str | None:
-    """trainguard's automatic resume under the Trainer: the newest ``checkpoint-N`` whose DeepSpeed
-    checkpoint verifies against its manifest (and is stable, in "stable" mode) -- HF's own choice
-    is the newest by name, torn or not. Rank 0 decides, every rank learns. None: no checkpoint
-    trainguard wrote is there (HF decides as usual). Fails closed (issue 25): when trainguard's checkpoints
-    are there and none qualifies -- a rotated key, a torn disk -- a CheckpointError names each and why,
-    instead of a fresh start whose saves and rotation would then replace them."""
-    import os
-    import re
-
-    from trainguard.ports import broadcast_from_rank0, CheckpointError, first_resumable
-
-    def choose():
-        if not os.path.isdir(output_dir):
-            return None, []
-        found = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
-                       if (m := re.fullmatch(r"checkpoint-(\d+)", name)))
-        root, refused = first_resumable([os.path.join(output_dir, name) for _, name in reversed(found)], mode, key)
-        return (str(root) if root is not None else None), refused
-
-    import torch.distributed as dist
-
-    mine = choose() if not dist.is_initialized() or dist.get_rank() == 0 else None
-    chosen, refused = broadcast_from_rank0(mine) if dist.is_initialized() else mine
-    if chosen is None and refused:
-        raise CheckpointError(
-            f"trainguard: {output_dir} holds checkpoints trainguard wrote and none can be resumed from (checkpoint."
-            f"resume={mode!r}); nothing was moved or deleted:\n  " + "\n  ".join(refused) +
-            "\nRepair the cause (the key in checkpoint.hmac_key_env's variable, the files), or set "
-            "checkpoint.resume to \"none\" to let Hugging Face decide (a fresh start, whose checkpoint rotation may "
-            "then delete these).")
-    return chosen
 
 
 _PATCHES = {"deepspeed": _patch_deepspeed, "accelerate.accelerator": _patch_accelerate,

@@ -7,35 +7,31 @@ hooks, the gradients the interrupted backward accumulated, its state and DeepSpe
 once the world is formed again, built again through ``ds_plugins.initialize``'s own build, as the spare builds its
 first: the same ``deepspeed.initialize``, ``attach`` and resume from node memory. The user's engine object becomes
 the new engine (one shared ``__dict__``, as after a bf16 fallback) and the user's loader goes on from the restored
-data position; the interrupted step's remaining calls do nothing.
+data position; the interrupted step's remaining calls do nothing. Under HF's Trainer (ds_plugins.auto) the
+survivors' ``Trainer.train`` is entered again instead (trainguard.replacement.reentering), once the Trainer and its
+Accelerator let go of the engine (:func:`let_go_of_trainer`).
 """
 from __future__ import annotations
 
-import sys
-
 
 def form_world(backend: str, timeout):
-    """The default group of a supervised job. A spare imports, while it waits, what a first deepspeed.initialize
-    imports on the way (measured on CPU: torch._dynamo behind the optimizer's constructor, ~1.3 s; DeepSpeed's
-    Muon module); one the job never needed ends here."""
-    import importlib
+    """The default group of a supervised job (trainguard.replacement.form). A spare imports, while it waits, what a
+    first deepspeed.initialize imports on the way (measured on CPU: torch._dynamo behind the optimizer's
+    constructor, ~1.3 s; DeepSpeed's Muon module)."""
+    from trainguard.ports import form
 
-    from trainguard.ports import World, check_backend
-
-    check_backend(backend)
-    world = World(backend=backend, timeout=timeout)
-    for name in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer") if world.role == "spare" else ():
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - another release without it: nothing to warm
-            pass
-    if world.join() is None:
-        sys.exit(0)
-    return world
+    return form(backend, timeout, warm=("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"))
 
 
-def why_not(recipe, engine) -> str | None:
-    """Why a survivor cannot build this engine again as the spare builds its first (None: it can)."""
+def why_not(recipe, engine, entry: str = "own") -> str | None:
+    """Why a survivor cannot build this engine again as the spare builds its first (None: it can; "": the
+    framework's entry is entered again instead -- HF's Trainer.train, trainguard.replacement.reentering)."""
+    from trainguard.ports import reentered
+
+    if reentered():
+        return ""
+    if entry == "auto":
+        return "Accelerate's prepared model, optimizer and loader are your loop's, holding the old engine"
     if recipe is None or recipe.why_not:
         return recipe.why_not if recipe is not None else "the DeepSpeed config was not a dict trainguard read"
     if recipe.mpu is not None:
@@ -67,3 +63,23 @@ def replace_lost_rank(state, why: str, discard: bool) -> None:
         return new_state.session, engine.global_steps, interrupted
 
     replace_rank(state.world, state.session, why, teardown, rebuild)
+
+
+def let_go_of_trainer(trainer, given) -> None:
+    """A survivor's teardown under HF's Trainer: Accelerate's references dropped, DeepSpeed's engine retired (as in
+    replace_lost_rank), the Trainer's model, optimizer and scheduler as given, DeepSpeed's attributes and groups gone."""
+    from deepspeed.utils import groups
+
+    from ds_plugins.precision import _retire
+    from trainguard.ports import forget_framework
+
+    accelerator = trainer.accelerator
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = wrapped.engine if wrapped is not None else getattr(trainer, "deepspeed", None)
+    accelerator.deepspeed_engine_wrapped = None  # (its free_memory would destroy the engine: retired below)
+    accelerator.free_memory()
+    if engine is not None:
+        _retire(engine)
+        object.__setattr__(engine, "__dict__", {})
+    trainer.model_wrapped, trainer.deepspeed, (trainer.optimizer, trainer.lr_scheduler) = trainer.model, None, given
+    forget_framework(trainer.model, groups)

@@ -33,7 +33,7 @@ from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.auth import key_from
 from trainguard.checkpoint.fsio import save_hashed
 from trainguard.checkpoint.layout import STAGING, CheckpointError
-from trainguard.checkpoint.resume import first_resumable
+from trainguard.checkpoint.resume import first_resumable, newest_resumable_folder
 from trainguard.checkpoint.verified_io import load_weights, verified_reads
 from trainguard.checkpoint.write_hashes import hashed_writes
 
@@ -46,7 +46,7 @@ from trainguard.sanitize import sanitize
 from trainguard.isolation import broadcast_from_rank0, collective_device, gather_coords, rank, world
 from trainguard.world import World
 from trainguard.replacement import (
-    check_backend, forget_framework, reentering, remember_attributes, replace_rank, surviving,
+    check_backend, forget_framework, form, reentered, reentering, remember_attributes, replace_rank, surviving,
 )
 
 # what a run may ask of this adapter (its capabilities, declared once) and of this release
@@ -58,9 +58,9 @@ __all__ = [
     "StepOutcome", "ScalerState", "AppliedGradMeter", "digest", "zero_adam_moments", "PoisonFirstLeaf",
     "install_grad_hooks", "OutputFlags", "finite_proxy", "output_value", "rng_state", "row_of", "rows_of",
     "scalar_loss", "set_rng_state", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
-    "save_hashed", "STAGING", "CheckpointError", "first_resumable", "load_weights", "verified_reads", "hashed_writes",
+    "save_hashed", "STAGING", "CheckpointError", "first_resumable", "newest_resumable_folder", "load_weights", "verified_reads", "hashed_writes",
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
-    "gather_coords", "rank", "world", "World", "check_backend", "forget_framework",
-    "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
+    "gather_coords", "rank", "world", "World", "check_backend", "forget_framework", "form",
+    "reentered", "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
     "check_release", "check_supported",
 ]

@@ -39,15 +39,29 @@ def surviving(world, call: Callable[[], Any], replace: Callable[[str], None], st
 
 def replace_rank(world, session, why: str, teardown: Callable[[], None], rebuild: Callable[[], Any]) -> dict:
     """The survivor's part. ``rebuild()`` returns the new run's session and the step it resumed at."""
-    start = time.monotonic()
-    world.sever()  # (first: a group destroyed in the teardown would wait for its work in flight)
-    _LIVE.clear()
-    session.close({"interrupted": why[:200]}, clean=False)
-    teardown()
-    gc.collect()  # (what still held the old groups: their sockets close, and a peer waiting on this rank fails now)
-    formed = world.reform()
+    start, formed, _ = _next_generation(world, why, session, teardown)
     new_session, step, interrupted = rebuild()
-    return _replaced(_facts(world, why, start, formed, interrupted), new_session, step)
+    return _replaced(_facts(world, why, start, formed, interrupted), new_session.guard, step)
+
+
+def _next_generation(world, why: str, session, teardown: Callable[[], int | None]) -> tuple[float, float, int | None]:
+    """A survivor's way to the next generation: its groups' connections shut (first: a group destroyed in the
+    teardown would wait for its work in flight), its run's guard closed with node memory kept, the framework let go
+    of (``teardown``: it returns the step the run was in, or None), what still held the old groups collected (their
+    sockets close: a peer waiting on this rank fails now) and the world formed again. Returns (when it began, the
+    seconds the world took to form again, the interrupted step or None)."""
+    start = time.monotonic()
+    world.sever()
+    _LIVE.clear()
+    if session is not None:
+        session.close({"interrupted": why[:200]}, clean=False)
+    done = session.fw.completed_steps() if session is not None else None  # (before the teardown lets go of it)
+    del session
+    interrupted = teardown()
+    if interrupted is None and done is not None:
+        interrupted = done + 1
+    gc.collect()
+    return start, world.reform(), interrupted
 
 
 def _facts(world, why: str, start: float, formed: float, interrupted: int | None) -> dict:
@@ -59,14 +73,14 @@ def _facts(world, why: str, start: float, formed: float, interrupted: int | None
         "connections_left_open": len(world.left_open)}}
 
 
-def _replaced(facts: dict, session, step: int) -> dict:
+def _replaced(facts: dict, guard, step: int) -> dict:
     """The ``rank_replaced`` record (by the lowest survivor) and the line on stderr, once the new run resumed."""
     built = time.monotonic() - facts["start"] - facts["formed"]
     d = {**facts["detail"], "fault_to_world_s": round(time.time() - facts["at"] - built, 3),
          "rebuilt_s": round(built, 3), "resumed_at_step": step}
     dead, me = d["rank"], facts["me"]
-    if session.guard is not None and me == (1 if dead == 0 else 0):  # (the lowest survivor)
-        session.guard.emit(step, Record.RANK_REPLACED, [dead], None, d, takeover=me != 0)
+    if guard is not None and me == (1 if dead == 0 else 0):  # (the lowest survivor)
+        guard.emit(step, Record.RANK_REPLACED, [dead], None, d, takeover=me != 0)
     print(f"[trainguard rank {me}] rank {dead} died ({d['why']}): the world formed again in {facts['formed']:.3f} s "
           f"(generation {d['generation']}), resumed at step {step} {built:.3f} s later", file=sys.stderr, flush=True)
     return d
@@ -111,21 +125,61 @@ def check_backend(backend: str) -> None:
                                "--max-restarts), which resumes from node memory")
 
 
+def form(backend: str | None, timeout=None, warm: tuple[str, ...] = ("torch._dynamo",)):
+    """This training process's place in a supervised job's world (trainguard.world), formed before its framework's
+    first collective: by ``init_process_group`` itself under the zero-code entry (trainguard.bootstrap), by an
+    adapter before its framework's build. A spare waits here until a rank is handed to it -- meanwhile importing
+    ``warm`` (what a first build imports on the way: torch._dynamo behind an optimizer's constructor, ~1.3 s on
+    CPU) -- and its ``RANK`` becomes that rank; one the job never needed ends here (exit 0). ``timeout``: the
+    world's collectives' (a timedelta; default 30 minutes)."""
+    import importlib
+    import os
+
+    import torch
+
+    from trainguard.world import World
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    check_backend(backend)
+    world = World(backend=backend, **({"timeout": timeout} if timeout is not None else {}))
+    for name in warm if world.role == "spare" else ():
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a release without it: nothing to warm
+            pass
+    if world.join() is None:
+        sys.exit(0)  # a spare the job never needed
+    os.environ["RANK"] = str(world.rank)
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # (a framework that finds the world formed
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))    # skips its own set_device)
+    return world
+
+
 _PENDING: list[dict] = []  # a re-entered training function's replacements, reported once its new run resumed
 _LIVE: list = []  # the session of this process's run, in a supervised job (closed when its function is re-entered)
+_REENTERING: list = []  # the worlds of the training functions being run by reentering (innermost last)
 
 
-def reentering(train: Callable, teardown: Callable[[], int | None], backend: str = "gloo", timeout=None) -> Callable:
+def reentered() -> bool:
+    """Whether a training function is running under :func:`reentering` (its framework's build is entered again after
+    a death: an adapter then rebuilds nothing in place)."""
+    return bool(_REENTERING)
+
+
+def reentering(train: Callable, teardown: Callable[[], int | None], backend: str = "gloo", timeout=None,
+               told: bool = False) -> Callable:
     """``train`` entered again in the same process after a rank died, for a framework whose own entry builds
-    everything (Megatron-LM's ``pretrain``: the shape of NVIDIA resiliency-ext's ``inprocess.Wrapper``, on
-    trainguard.world). The world is formed before the first entry (a spare waits there until a rank is handed to
-    it; ``RANK`` is set to its rank). When ``train`` raises because a rank died, ``teardown()`` lets go of the
-    framework's state and groups (it returns the step the run was in, or None), the world is formed again with the
-    spare, and ``train`` is entered again: it builds the framework on the new world and resumes from the newest
-    snapshot every rank holds, and the session reports ``rank_replaced`` once it resumed (:func:`running`). Any other
-    failure is raised as it was. ``timeout``: the world's collectives' (a timedelta; default 30 minutes)."""
+    everything (Megatron-LM's ``pretrain``, HF's ``Trainer.train``: the shape of NVIDIA resiliency-ext's
+    ``inprocess.Wrapper``, on trainguard.world). The world is formed before the first entry (:func:`form`, unless
+    the zero-code entry formed it already at the framework's ``init_process_group``). When ``train`` raises because
+    a rank died, ``teardown()`` lets go of the framework's state and groups (it returns the step the run was in, or
+    None), the world is formed again with the spare, and ``train`` is entered again: it builds the framework on the
+    new world and resumes from the newest snapshot or checkpoint every rank holds, and the session reports
+    ``rank_replaced`` once it resumed (:func:`running`). Any other failure is raised as it was. ``told``: ``train`` is
+    called with ``again=True`` when it must resume (entered again, or a spare's first entry in a later generation)."""
     import functools
-    import os
+
+    import torch.distributed as dist
 
     from trainguard.world import World
 
@@ -133,44 +187,41 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
 
     @functools.wraps(train)
     def run(*args, **kwargs):
-        world = World(backend=backend, **({"timeout": timeout} if timeout is not None else {}))
-        if world.join() is None:
-            sys.exit(0)  # a spare the job never needed
-        os.environ["RANK"] = str(world.rank)
-        import torch
-
-        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # (the framework finds the world formed:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))    # it skips its own set_device)
-        while True:
-            why = None
-            try:
-                done = train(*args, **kwargs)
-                _LIVE.clear()  # (the finished run's session: nothing of it is kept)
-                return done
-            except Exception as e:  # noqa: BLE001 - a rank's death, or raised as it was
-                if not world.replaced():
-                    raise
-                why = f"{type(e).__name__}: {e}"
-            # (outside the except: its traceback held the failed work, and with it the old groups' sockets)
-            start = time.monotonic()
-            world.sever()  # (first: a group destroyed in the teardown would wait for its work in flight)
-            live = _LIVE.pop() if _LIVE else None
-            if live is not None:  # (the run's guard, closed with node memory kept -- if its adapter did not already)
-                live.close({"interrupted": why[:200]}, clean=False)
-            interrupted = teardown()
-            if interrupted is None and live is not None:
-                interrupted = live.fw.completed_steps() + 1
-            live = None
-            gc.collect()
-            formed = world.reform()
-            _PENDING.append(_facts(world, why, start, formed, interrupted))
+        formed = World.current is not None and World.current.rank is not None and dist.is_initialized()
+        world = World.current if formed else form(backend, timeout)
+        _REENTERING.append(world)
+        try:
+            return _entered(world, train, teardown, args, kwargs, told)
+        finally:
+            _REENTERING.pop()
 
     return run
 
 
-def running(session, step: int) -> None:
+def _entered(world, train: Callable, teardown: Callable[[], int | None], args, kwargs, told: bool):
+    """:func:`reentering`'s loop."""
+    again = world.generation > 0  # (a spare taking a dead rank's place)
+    while True:
+        why = None
+        try:
+            done = train(*args, **({"again": again} if told else {}), **kwargs)
+            _LIVE.clear()  # (the finished run's session: nothing of it is kept)
+            return done
+        except Exception as e:  # noqa: BLE001 - a rank's death, or raised as it was
+            if not world.replaced():
+                raise
+            why = f"{type(e).__name__}: {e}"
+        # (outside the except: its traceback held the failed work, and with it the old groups' sockets)
+        start, formed, interrupted = _next_generation(world, why, _LIVE.pop() if _LIVE else None, teardown)
+        again = True
+        _PENDING.append(_facts(world, why, start, formed, interrupted))
+
+
+def running(session, step: int, resumed: bool = True) -> None:
     """From a run's session once it resumed (trainguard.session), in a supervised job: the ports its groups listen on
-    published (trainguard.world.World.sever), and the replacement that re-entered it reported."""
+    published (trainguard.world.World.sever), and the replacement that re-entered it reported -- or, where the resume
+    is the framework's own (``resumed`` False: HF's Trainer loads its checkpoint later), once it loaded
+    (:func:`report_pending`, from trainguard.checkpoint.loading)."""
     from trainguard.world import World
 
     if World.current is not None and World.current.rank is not None:
@@ -184,72 +235,11 @@ def running(session, step: int) -> None:
         warnings.warn(f"trainguard.distributed.spares is {session.cfg.distributed.spares}, but this job was not "
                       "launched under trainguard.supervise (torchrun ... -m trainguard.supervise -- your script): no "
                       "spare waits, a dead rank restarts the job", stacklevel=2)
+    if resumed:
+        report_pending(session.guard, step)
+
+
+def report_pending(guard, step: int) -> None:
+    """The replacements that re-entered this run, reported now that it resumed at ``step``."""
     while _PENDING:
-        _replaced(_PENDING.pop(0), session, step)
-
-
-def _end_if_left_behind(rank: int, gen: int) -> None:
-    """This process still in generation ``gen`` (its collective did not fail): its stacks, then its end."""
-    import faulthandler
-    import os
-
-    from trainguard.attempt import generation
-
-    if generation() == gen:
-        print(f"[trainguard rank {rank}] still in generation {gen} after its groups' connections were shut: this "
-              "process ends for a spare; its stacks:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        os.kill(os.getpid(), 9)
-
-
-def replacing_hung(watchdog, verdict, kill_local: Callable[[], Any]) -> bool:
-    """The watchdog's hung ranks in a supervised job (on every live rank; trainguard.watchdog): their processes end --
-    killed on this host at once, by their supervisors elsewhere -- and spares take their places, instead of every
-    rank exiting for a restart. Asked once per watchdog. False: not supervised."""
-    from trainguard.world import Ledger, World
-
-    if not World.supervised():
-        return False
-    if getattr(watchdog, "replacing", False):
-        return True
-    watchdog.replacing = True
-    import os
-
-    from trainguard.attempt import generation
-
-    ledger = Ledger.connect()
-    if ledger.generation() > generation():
-        # the world moved on without this rank: a replacement is under way (the others, rebuilding, are silent),
-        # and this rank is still blocked in the old world. Its groups' connections shut down, its collective fails
-        # and it joins the next generation like any survivor; where none could be (no world here), the process
-        # ends, as if killed, and a spare -- or the job's restart -- takes it
-        world = World.current
-        severed = world.sever() if world is not None else 0
-        print(f"[trainguard rank {watchdog.rank}] blocked in generation {generation()} while the world formed "
-              f"generation {ledger.generation()}: " + (f"{severed} connections of its groups shut down, its "
-              "collective fails and it joins the next generation" if severed else "this process ends for a spare; "
-              "its stacks:"), file=sys.stderr, flush=True)
-        if severed:  # (and if this rank was stuck elsewhere, it ends after all -- as below -- for a spare)
-            import threading
-
-            gen = generation()
-            timer = threading.Timer(watchdog.cfg.distributed.watchdog.hang_timeout_s, _end_if_left_behind,
-                                    args=(watchdog.rank, gen))  # (nothing of the old run held meanwhile)
-            timer.daemon = True
-            timer.start()
-            return True
-        import faulthandler
-
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        os.kill(os.getpid(), 9)
-    w, live = watchdog.cfg.distributed.watchdog, [r for r in range(watchdog.world) if r not in verdict.culprits]
-    first = bool(live) and watchdog.rank == live[0]
-    watchdog.guard.emit(watchdog.heart.step, Record.HANG_DETECTED, verdict.culprits, "replace", {
-        "culprits": [dict(c, coords=watchdog.guard.coords_of(c["rank"])) for c in verdict.describe()],
-        "why": verdict.why, "hang_timeout_s": w.hang_timeout_s, "detected_by": watchdog.rank},
-        rank_local=True, to_run_log=first, takeover=first)
-    if first:
-        for r in verdict.culprits:
-            ledger.request_kill(r)
-    kill_local()
-    return True
+        _replaced(_PENDING.pop(0), guard, step)

@@ -103,7 +103,7 @@ class GuardSession:
         resumed = cp.resume_on_start(newer_than=newer_than) if resume and self.cfg.checkpoint.dir and cp else None
         from trainguard.replacement import running
 
-        running(self, self.fw.completed_steps())  # (a supervised job: its groups' ports; a replacement to report)
+        running(self, self.fw.completed_steps(), resume)  # (a supervised job: its groups' ports; a replacement)
         self.start_watchdog()
         return resumed
 

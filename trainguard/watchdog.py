@@ -32,7 +32,7 @@ from typing import Callable
 
 from trainguard.attempt import restart_attempt
 from trainguard.events import Phase, Record
-from trainguard.replacement import replacing_hung
+from trainguard.hung import replacing_hung
 
 PHASES = tuple(p.value for p in Phase)
 

@@ -111,7 +111,14 @@ def test_without_the_block_the_prefixed_job_is_bit_identical(tmp_path):
         assert a["engine_class"] == b["engine_class"] == c["engine_class"] == "DeepSpeedEngine"
 
 
-def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def clean_saving_every_4(tmp_path_factory):
+    """An uninterrupted 10-step run saving checkpoint-4 and -8: what a killed run must end equal to."""
+    _, clean, _ = trainer(tmp_path_factory.mktemp("hf"), "clean", {}, "--save-steps", "4")
+    return clean
+
+
+def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path, monkeypatch, clean_saving_every_4):
     """Rank 1 is SIGKILLed at step 7; torchrun restarts the job (a store prefix per attempt, or the
     restarted gloo workers would not connect). It resumes from checkpoint-4 -- through HF's own
     resume_from_checkpoint=True, and through trainguard's automatic resume of a script that just
@@ -121,7 +128,7 @@ def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path, monke
     from pathlib import Path
 
     monkeypatch.setenv("TG_HF_KEY", "the-run-key-0123456789")
-    _, clean, _ = trainer(tmp_path, "clean", {}, "--save-steps", "4")
+    clean = clean_saving_every_4
     kill = {"allow_faults": True, "faults": [{"type": "kill_rank", "step": 7, "rank": 1}]}
     for name, block, extra in (("hf_resume", {**kill, "checkpoint": {"hmac_key_env": "TG_HF_KEY"}}, ["--resume"]),
                                ("auto_resume", kill, [])):
@@ -135,6 +142,42 @@ def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path, monke
             assert r["restart"] == "1" and r["global_step"] == 10
             assert r["param_sha256"] == c["param_sha256"], name
             assert r["losses"] == [x for x in c["losses"] if x[0] > 4]
+
+
+def test_a_killed_rank_is_replaced_by_a_spare_and_the_trainer_goes_on_in_the_survivors_process(
+        tmp_path, clean_saving_every_4):
+    """Issue 38, where most DeepSpeed users are: the same unmodified Trainer script under
+    ``trainguard run -- torchrun --nproc_per_node 3 -m trainguard.supervise --spares 1 -- -m tests.support.hf_worker``.
+    Rank 1 is SIGKILLed at step 7; the spare -- waiting inside Accelerate's init_process_group since the start --
+    takes rank 1, and rank 0's process is not restarted: its ``Trainer.train()`` is entered again (the Trainer and
+    Accelerate let go of the old engine) and resumes, as torchrun's restart would, from checkpoint-4, which verifies.
+    Both ranks end with the parameters of the uninterrupted run; the report names the dead rank and what it cost."""
+    out = tmp_path / "spare"
+    out.mkdir()
+    block = {"metrics": {"jsonl": str(out / "trainguard.jsonl"), "per_rank": True}, "allow_faults": True,
+             "faults": [{"type": "kill_rank", "step": 7, "rank": 1}]}
+    (out / "ds_config.json").write_text(json.dumps({**DS, "trainguard": block}))
+    cmd = [*PREFIX, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--monitor-interval", "0.1",
+           "-m", "trainguard.supervise", "--spares", "1", "--", "-m", "tests.support.hf_worker", "--config",
+           str(out / "ds_config.json"), "--steps", "10", "--out", str(out), "--save-steps", "4", "--bf16"]
+    results, lines = launch(out, cmd)
+    log = (out / "launch.log").read_text()
+    assert "spare 0 takes rank 1, generation 1" in log and "whole job" not in log, log[-3000:]
+    clean = clean_saving_every_4
+    for r, c in zip(results, clean):
+        assert r["restart"] == "0" and r["global_step"] == 10  # (torchrun never restarted the job)
+        assert r["param_sha256"] == c["param_sha256"]
+    after = [x for x in clean[0]["losses"] if x[0] > 4]
+    # rank 0: one process, its first run's steps up to the kill, then the re-entered run's 5..10; rank 1: the spare's
+    assert results[0]["losses"][-len(after):] == after and results[0]["losses"][0][0] == 1
+    assert results[1]["losses"] == [x for x in clean[1]["losses"] if x[0] > 4]
+    (replaced,) = [x for x in lines if x.get("event") == "rank_replaced"]
+    d = replaced["detail"]
+    assert replaced["ranks"] == [1] and d["rank"] == 1 and d["generation"] == 1 and "signal 9" in d["why"]
+    assert d["interrupted_at_step"] == 7 and d["resumed_at_step"] == 4 and d["connections_left_open"] == 0
+    resumes = [x for x in lines if x.get("event") == "resume"]
+    assert [x["detail"]["dir"].rsplit("/", 1)[1] for x in resumes] == ["checkpoint-4"]
+    assert not [x for x in lines if x.get("event") == "restart"]
 
 
 def test_the_watchdog_names_a_hung_rank_in_a_trainer_run(tmp_path):

@@ -710,7 +710,7 @@ def test_the_trainers_resume_fails_closed_when_none_of_trainguards_checkpoints_v
     """Issue 25 item 1 under HF's Trainer: when no checkpoint-N verified, trainguard's choice was None and HF
     started afresh -- its saves and checkpoint rotation then replace the run's checkpoints. Now it stops, naming
     each; with one that verifies it is chosen past the torn newer one; with none of trainguard's, HF decides."""
-    from ds_plugins.auto import _verified_hf_checkpoint
+    from trainguard.checkpoint.resume import newest_resumable_folder as _verified_hf_checkpoint
 
     out = tmp_path / "out"
     _committed(out / "checkpoint-10", "global_step10", 10)

@@ -35,14 +35,23 @@ def attempt_store(timeout):
 
 def init_on_fresh_store(original, args, kwargs):
     """``init_process_group``: in a restarted torchrun attempt, on a store prefix of the attempt's own
-    (unless the caller chose its store or init method). Installed by the bootstrap itself in a restarted
-    attempt, whatever the framework (site/sitecustomize.py), and by ds_plugins.auto."""
+    (unless the caller chose its store or init method); under ``trainguard.supervise``, trainguard's world
+    (trainguard.replacement.form). Installed by the bootstrap itself in a restarted or supervised attempt,
+    whatever the framework (site/sitecustomize.py), and by ds_plugins.auto."""
     import os
 
     import torch.distributed.distributed_c10d as c10d
 
     bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
     env = os.environ
+    if "TRAINGUARD_ROLE" in env and bound.get("store") is None and bound.get("init_method") in (None, "env://"):
+        # under trainguard.supervise: the world is trainguard's, formed on the job's generation store -- a spare
+        # waits here, inside the framework's first init_process_group, until a rank is handed to it
+        from trainguard.replacement import form
+
+        backend = bound.get("backend")
+        form(str(backend) if backend is not None else None, bound.get("timeout") or c10d.default_pg_timeout)
+        return None
     restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if (restarted and "MASTER_ADDR" in env and "RANK" in env and bound.get("store") is None
             and bound.get("init_method") in (None, "env://") and env.get("TRAINGUARD_FRESH_STORE", "1") != "0"):

@@ -21,6 +21,7 @@ from trainguard.checkpoint.verified_io import load_weights
 from trainguard.data import merge_positions
 from trainguard.events import Record
 from trainguard.isolation import rank, world
+from trainguard.replacement import report_pending
 
 
 def load(cp, root, tag: str | None = None, mode: str = "latest_valid", purpose: str = "resume", **kwargs):
@@ -71,6 +72,7 @@ def load_memory(cp, tag: str, purpose: str, skipped: list, kwargs: dict):
         "tag": memory_tag(tag), "dir": str(own), "step": cp.step_count(), "tier": "memory",
         "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0, **detail,
         "verified_on_load": len(reader.read_files)})
+    report_pending(cp.guard, cp.step_count())
     return result
 
 
@@ -145,6 +147,7 @@ def resumed(cp, root: Path, tag: str, step: int, detail: dict) -> None:
     cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={
         "tag": tag, "dir": str(root), "step": step, "tier": "disk", **detail,
         "verify_steps": len(cp.resume_check.expected) if cp.resume_check else 0})
+    report_pending(cp.guard, cp.step_count())  # (a rank's replacement that re-entered this run: trainguard.replacement)
 
 
 def start_resume_check(cp, tag: str, tag_dir: Path) -> None:

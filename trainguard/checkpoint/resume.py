@@ -201,3 +201,42 @@ def first_resumable(roots, mode: str, key: bytes | None = None) -> tuple[Path | 
         else:
             return root, refused
     return None, refused
+
+
+def newest_resumable_folder(parent: str, mode: str, key: bytes | None = None, needed: bool = False,
+                            pattern: str = r"checkpoint-(\d+)"):
+    """A trainer's automatic resume (HF's Trainer: ds_plugins.auto): of ``parent``'s numbered checkpoint folders, the
+    newest whose checkpoint verifies against its manifest (and is stable, in "stable" mode) -- a trainer's own
+    choice is the newest by name, torn or not. Rank 0 decides, every rank learns. None: no checkpoint trainguard
+    wrote is there (the trainer decides as usual). Fails closed (issue 25): when trainguard's checkpoints are there
+    and none qualifies -- a rotated key, a torn disk -- a CheckpointError names each and why, instead of a fresh
+    start whose saves and rotation would then replace them. ``needed``: a supervised job's survivors re-entering
+    the trainer after a rank died (trainguard.replacement.reentering) -- None is then an error too."""
+    import os
+    import re
+
+    import torch.distributed as dist
+
+    def choose():
+        if not os.path.isdir(parent):
+            return None, []
+        found = sorted((int(m.group(1)), name) for name in os.listdir(parent) if (m := re.fullmatch(pattern, name)))
+        root, refused = first_resumable([os.path.join(parent, name) for _, name in reversed(found)], mode, key)
+        return (str(root) if root is not None else None), refused
+
+    mine = choose() if not dist.is_initialized() or dist.get_rank() == 0 else None
+    chosen, refused = broadcast_from_rank0(mine) if dist.is_initialized() else mine
+    if chosen is None and refused:
+        raise CheckpointError(
+            f"trainguard: {parent} holds checkpoints trainguard wrote and none can be resumed from (checkpoint."
+            f"resume={mode!r}); nothing was moved or deleted:\n  " + "\n  ".join(refused) +
+            "\nRepair the cause (the key in checkpoint.hmac_key_env's variable, the files), or set "
+            "checkpoint.resume to \"none\" to let your trainer decide (a fresh start, whose checkpoint rotation may "
+            "then delete these).")
+    if chosen is None and needed:
+        from trainguard.errors import UnsupportedSetup
+
+        raise UnsupportedSetup(f"trainguard.supervise: a rank died before the trainer saved a checkpoint trainguard "
+                               f"can resume from in {parent}: the survivors have nothing to go on from in the same "
+                               "processes, so the job restarts whole (torchrun --max-restarts)")
+    return chosen

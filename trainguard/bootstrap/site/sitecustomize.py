@@ -72,6 +72,8 @@ if os.environ.get("TRAINGUARD_AUTO", "1") != "0":
         if _name in sys.modules:
             _load_entry(_name)
     sys.meta_path.insert(0, AfterImport(_WATCHED, _load_entry))
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:  # (the first attempt: untouched)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or "TRAINGUARD_ROLE" in os.environ:
+        # (a restarted attempt, or a supervised training process -- trainguard.supervise; the first attempt of an
+        # unsupervised job: untouched)
         sys.meta_path.insert(0, AfterImport(("torch.distributed.distributed_c10d",), _fresh_store))
 _chain()
