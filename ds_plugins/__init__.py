@@ -177,14 +177,11 @@ def _process_group(deepspeed, block, kwargs):
         c10d.default_pg_timeout = td
         if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
             c10d.default_pg_nccl_timeout = td
-    from trainguard.ports import World
+    from trainguard.ports import World, close_window, form
 
-    if World.supervised() and not dist.is_initialized():
-        from ds_plugins.inprocess import form_world
-
-        return form_world(_backend(), td or c10d.default_pg_timeout)
-    if World.current is not None and World.current.rank is not None:
-        return World.current  # (formed at the framework's init_process_group: trainguard.bootstrap)
+    if World.supervised() and not dist.is_initialized():  # (a spare imports, while it waits, what a first
+        return form(_backend(), td or c10d.default_pg_timeout,  # deepspeed.initialize imports on the way)
+                    warm=("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"))
     if dist.is_initialized():
         if td is not None:
             import warnings
@@ -192,6 +189,9 @@ def _process_group(deepspeed, block, kwargs):
             warnings.warn("trainguard: the default process group existed before ds_plugins.initialize, so its "
                           "timeout stays as it was; groups created from now on use distributed.collective_timeout_s",
                           stacklevel=3)
+        if World.current is not None and World.current.rank is not None:  # (formed at the framework's
+            close_window()                                                 # init_process_group: trainguard.spare)
+            return World.current
         return
     if d.fresh_store_per_attempt and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
         store, rank, world, timeout = attempt_store(td or c10d.default_pg_timeout)

@@ -14,31 +14,29 @@ Accelerator let go of the engine (:func:`let_go_of_trainer`).
 from __future__ import annotations
 
 
-def form_world(backend: str, timeout):
-    """The default group of a supervised job (trainguard.replacement.form). A spare imports, while it waits, what a
-    first deepspeed.initialize imports on the way (measured on CPU: torch._dynamo behind the optimizer's
-    constructor, ~1.3 s; DeepSpeed's Muon module)."""
-    from trainguard.ports import form
-
-    return form(backend, timeout, warm=("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"))
-
-
 def why_not(recipe, engine, entry: str = "own") -> str | None:
     """Why a survivor cannot build this engine again as the spare builds its first (None: it can; "": the
     framework's entry is entered again instead -- HF's Trainer.train, trainguard.replacement.reentering)."""
-    from trainguard.ports import reentered
+    from trainguard.ports import reentered, refuse_reentry
 
-    if reentered():
-        return ""
-    if entry == "auto":
-        return "Accelerate's prepared model, optimizer and loader are your loop's, holding the old engine"
+    zero3 = "ZeRO-3 partitions the parameters on the old world's groups" if engine.zero_optimization_stage() == 3 \
+        else None
+    if reentered():  # (its teardown retires it, even before the framework holds it: let_go_of_trainer)
+        _BUILT.append(engine)
+        if zero3:
+            refuse_reentry(zero3)
+        return zero3 or ""
+    if zero3 or entry == "auto":
+        return zero3 or ("under the zero-code entry the engine, its resume and its wrappers are your loop's "
+                         "(Accelerate's, or yours): only HF's Trainer.train is entered again")
     if recipe is None or recipe.why_not:
         return recipe.why_not if recipe is not None else "the DeepSpeed config was not a dict trainguard read"
     if recipe.mpu is not None:
         return "an mpu of yours holds the model-parallel groups, which die with the world"
-    if engine.zero_optimization_stage() == 3:
-        return "ZeRO-3 partitions the parameters on the old world's groups"
     return None
+
+
+_BUILT: list = []  # the engines built under trainguard.replacement.reentering, until its teardown retires them
 
 
 def replace_lost_rank(state, why: str, discard: bool) -> None:
@@ -73,13 +71,14 @@ def let_go_of_trainer(trainer, given) -> None:
     from ds_plugins.precision import _retire
     from trainguard.ports import forget_framework
 
-    accelerator = trainer.accelerator
-    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    engine = wrapped.engine if wrapped is not None else getattr(trainer, "deepspeed", None)
+    accelerator, handler = trainer.accelerator, trainer.callback_handler
     accelerator.deepspeed_engine_wrapped = None  # (its free_memory would destroy the engine: retired below)
     accelerator.free_memory()
-    if engine is not None:
-        _retire(engine)
-        object.__setattr__(engine, "__dict__", {})
+    handler.optimizer = handler.lr_scheduler = handler.train_dataloader = None
+    while _BUILT:
+        engine = _BUILT.pop()
+        if "optimizer" in vars(engine):  # (not retired yet)
+            _retire(engine)
+            object.__setattr__(engine, "__dict__", {})
     trainer.model_wrapped, trainer.deepspeed, (trainer.optimizer, trainer.lr_scheduler) = trainer.model, None, given
     forget_framework(trainer.model, groups)

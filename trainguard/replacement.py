@@ -114,50 +114,17 @@ def forget_framework(model=None, *modules) -> None:
                 value.clear()
 
 
-def check_backend(backend: str) -> None:
-    """A dead rank is replaced in the same job on gloo only, for now."""
-    if backend != "gloo":
-        from trainguard.errors import UnsupportedSetup
-
-        raise UnsupportedSetup(f"trainguard.supervise replaces a dead rank in the same job on gloo only, for now (this "
-                               f"job's backend: {backend}): NCCL's watchdog aborts a survivor's process when a peer "
-                               "dies. Launch without trainguard.supervise: a dead rank restarts the job (torchrun "
-                               "--max-restarts), which resumes from node memory")
-
-
-def form(backend: str | None, timeout=None, warm: tuple[str, ...] = ("torch._dynamo",)):
-    """This training process's place in a supervised job's world (trainguard.world), formed before its framework's
-    first collective: by ``init_process_group`` itself under the zero-code entry (trainguard.bootstrap), by an
-    adapter before its framework's build. A spare waits here until a rank is handed to it -- meanwhile importing
-    ``warm`` (what a first build imports on the way: torch._dynamo behind an optimizer's constructor, ~1.3 s on
-    CPU) -- and its ``RANK`` becomes that rank; one the job never needed ends here (exit 0). ``timeout``: the
-    world's collectives' (a timedelta; default 30 minutes)."""
-    import importlib
-    import os
-
-    import torch
-
-    from trainguard.world import World
-
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    check_backend(backend)
-    world = World(backend=backend, **({"timeout": timeout} if timeout is not None else {}))
-    for name in warm if world.role == "spare" else ():
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a release without it: nothing to warm
-            pass
-    if world.join() is None:
-        sys.exit(0)  # a spare the job never needed
-    os.environ["RANK"] = str(world.rank)
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # (a framework that finds the world formed
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))    # skips its own set_device)
-    return world
-
-
 _PENDING: list[dict] = []  # a re-entered training function's replacements, reported once its new run resumed
 _LIVE: list = []  # the session of this process's run, in a supervised job (closed when its function is re-entered)
 _REENTERING: list = []  # the worlds of the training functions being run by reentering (innermost last)
+_REFUSED: list[str] = []  # why the running training function cannot be entered again (an adapter said so)
+_CALLS = [0]  # how many times this process entered a training function under reentering (a spare: since it joined)
+
+
+def refuse_reentry(why: str) -> None:
+    """From an adapter whose build finds it cannot be entered again (DeepSpeed's ZeRO-3: its parameters partitioned on
+    the old world's groups): a death then raises as it was, and the job restarts whole."""
+    _REFUSED.append(why)
 
 
 def reentered() -> bool:
@@ -181,15 +148,19 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
 
     import torch.distributed as dist
 
+    from trainguard.spare import check_backend
     from trainguard.world import World
 
     check_backend(backend)
 
     @functools.wraps(train)
     def run(*args, **kwargs):
+        from trainguard.spare import form
+
         formed = World.current is not None and World.current.rank is not None and dist.is_initialized()
         world = World.current if formed else form(backend, timeout)
         _REENTERING.append(world)
+        _REFUSED.clear()
         try:
             return _entered(world, train, teardown, args, kwargs, told)
         finally:
@@ -200,15 +171,20 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
 
 def _entered(world, train: Callable, teardown: Callable[[], int | None], args, kwargs, told: bool):
     """:func:`reentering`'s loop."""
-    again = world.generation > 0  # (a spare taking a dead rank's place)
+    from trainguard.spare import same_entry
+
+    again = world.generation > 0 and _CALLS[0] == 0  # (a spare's first entry, in a dead rank's place)
+    _CALLS[0] += 1
     while True:
         why = None
         try:
+            if again:  # (the survivors and the spare enter the same call of the script, or none goes on)
+                same_entry(world, _CALLS[0])
             done = train(*args, **({"again": again} if told else {}), **kwargs)
             _LIVE.clear()  # (the finished run's session: nothing of it is kept)
             return done
         except Exception as e:  # noqa: BLE001 - a rank's death, or raised as it was
-            if not world.replaced():
+            if _REFUSED or not world.replaced():
                 raise
             why = f"{type(e).__name__}: {e}"
         # (outside the except: its traceback held the failed work, and with it the old groups' sockets)

@@ -85,7 +85,9 @@ def main(argv=None, make_trainer=None) -> int:
     if make_trainer is None:
         def make_trainer(model, targs, dataset, callbacks):
             return Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
-    trainer = make_trainer(model, targs, Embeddings(args.nan_sample), [Record()])
+    with targs.main_process_first(desc="dataset"):  # (as HF's example scripts build theirs: a barrier each side)
+        dataset = Embeddings(args.nan_sample)
+    trainer = make_trainer(model, targs, dataset, [Record()])
     resume = bool(args.resume and os.path.isdir(targs.output_dir) and get_last_checkpoint(targs.output_dir))
     trainer.train(resume_from_checkpoint=resume or None)
     # (whether trainguard closed its run when train() returned: the Trainer never destroys its engine)

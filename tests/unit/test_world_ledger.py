@@ -156,3 +156,47 @@ def test_the_watcher_severs_as_soon_as_a_rank_is_handed_over():
     assert world.severed == 2
     for s in (group, peer, accepted):
         s.close()
+
+
+def test_a_spare_entering_another_call_of_the_training_function_than_the_survivors_stops_them_all():
+    """trainguard.spare.same_entry: the spare runs the script from its top; a script that trains twice (a multi-phase
+    one) would send it into the first call while the survivors re-enter the second -- every rank raises, naming the
+    calls, instead of pairing their collectives wrongly. The same call: every rank goes on. Only the store is used."""
+    import threading
+    from types import SimpleNamespace
+
+    import pytest
+
+    from trainguard.errors import UnsupportedSetup
+    from trainguard.spare import same_entry
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+    def client():  # (each rank its own connection, as each training process has)
+        return dist.PrefixStore("w", dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                                   timeout=timedelta(seconds=10)))
+
+    def enter(gen: int, calls: list[int]) -> list:
+        out = [None] * len(calls)
+
+        def rank(r):
+            world = SimpleNamespace(ledger=SimpleNamespace(store=client()), generation=gen, rank=r,
+                                    size=len(calls), timeout=timedelta(seconds=10))
+            try:
+                same_entry(world, calls[r])
+                out[r] = "on"
+            except UnsupportedSetup as e:
+                out[r] = str(e)
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+    assert enter(1, [1, 1, 1]) == ["on"] * 3
+    stopped = enter(2, [2, 1, 2])  # (rank 1's spare in the script's first training call, the survivors in the second)
+    assert all("entered different calls" in s and "{0: 2, 1: 1, 2: 2}" in s for s in stopped), stopped
+    with pytest.raises(Exception):  # (a generation whose ranks never all arrive: the wait is bounded)
+        same_entry(SimpleNamespace(ledger=SimpleNamespace(store=client()), generation=3, rank=0, size=2,
+                                   timeout=timedelta(seconds=1)), 1)

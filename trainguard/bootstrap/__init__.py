@@ -5,7 +5,7 @@
   ``megatron.training``: ``megatron_hooks.lm``), then loads that adapter's zero-code entry; ``_trainguard_hook``
   (a sibling it imports without importing trainguard) holds ``AfterImport`` and ``wrap_once``.
 - :func:`init_on_fresh_store` / :func:`attempt_store`: a restarted torchrun attempt's process group on a store
-  prefix of its own, whatever the framework.
+  prefix of its own, whatever the framework; under ``trainguard.supervise``, trainguard's world (trainguard.spare).
 """
 from __future__ import annotations
 
@@ -46,11 +46,13 @@ def init_on_fresh_store(original, args, kwargs):
     env = os.environ
     if "TRAINGUARD_ROLE" in env and bound.get("store") is None and bound.get("init_method") in (None, "env://"):
         # under trainguard.supervise: the world is trainguard's, formed on the job's generation store -- a spare
-        # waits here, inside the framework's first init_process_group, until a rank is handed to it
-        from trainguard.replacement import form
+        # waits here, inside the framework's first init_process_group, until a rank is handed to it (its barriers
+        # then pass until it enters the training function: trainguard.spare)
+        from trainguard.spare import form
 
         backend = bound.get("backend")
-        form(str(backend) if backend is not None else None, bound.get("timeout") or c10d.default_pg_timeout)
+        form(str(backend) if backend is not None else None, bound.get("timeout") or c10d.default_pg_timeout,
+             window=True)
         return None
     restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if (restarted and "MASTER_ADDR" in env and "RANK" in env and bound.get("store") is None

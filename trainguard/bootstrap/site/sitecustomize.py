@@ -6,7 +6,8 @@ only then is ``ds_plugins.auto`` imported (which patches ``deepspeed.initialize`
 or ``megatron_hooks.lm`` (which adds ``--trainguard-config`` to Megatron-LM's arguments and guards its
 loop when it is given). In a restarted torchrun attempt, ``init_process_group`` is also wrapped as
 soon as torch defines it, so that any framework's process group starts on a store of the attempt's
-own. The sitecustomize this one shadows, if the environment has one, still runs.
+own (under ``trainguard.supervise``, in every attempt: trainguard's world, where a spare waits).
+The sitecustomize this one shadows, if the environment has one, still runs.
 ``TRAINGUARD_AUTO=0`` turns it off. An entry that cannot be loaded (trainguard broken or missing in the
 workers' environment) stops the job at that import, naming why -- a job launched under ``trainguard run``
 never trains unguarded by surprise; ``TRAINGUARD_REQUIRED=0`` lets it go on with a warning instead.
@@ -55,8 +56,8 @@ def _chain():
 
 def _fresh_store(name, c10d):
     """A restarted torchrun attempt, whatever the framework (a megatron-core script of your own too):
-    ``init_process_group`` on a store prefix of the attempt's own (trainguard.bootstrap.init_on_fresh_store,
-    imported when it is called, once torch is whole)."""
+    ``init_process_group`` on a store prefix of the attempt's own; a supervised training process: trainguard's world
+    (trainguard.bootstrap.init_on_fresh_store, imported when it is called, once torch is whole)."""
     def make(original):
         def init_process_group(*args, **kwargs):
             from trainguard.bootstrap import init_on_fresh_store

@@ -1,0 +1,110 @@
+"""A training process's way into a supervised job's world (trainguard.supervise, trainguard.world; issue 38): forming
+it (:func:`form`), and what a spare meets between joining and its first entry into the training function.
+
+A spare runs the user's script from its top, like any rank, and waits where the world forms -- inside the
+framework's first ``init_process_group`` under the zero-code entry (HF's ``TrainingArguments``, Accelerate's
+state). Once a rank is handed to it, it runs what the script does before the training function (loading the model,
+the data) -- which the survivors, re-entering the training function, do not run again:
+
+- a *barrier* there (``main_process_first`` around a dataset's ``map``, Accelerate's ``wait_for_everyone``) has no
+  peer: the survivors passed it long ago, and what it ordered (the main process's cache) is done. On the spare, the
+  default group's barriers return at once until its first entry (:func:`form` with ``window=True``).
+- any other collective there (an ``evaluate()`` before ``train()``, a second ``train()`` of a multi-phase script)
+  cannot be matched. Every rank says which call of the training function it enters (:func:`same_entry`, on the
+  store, never a collective): a spare in another call than the survivors stops them all with an error naming it --
+  the job restarts whole -- instead of collectives paired wrongly.
+"""
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+_WINDOW: list = []  # the barrier a spare's window replaced (restored at its first entry)
+
+
+def form(backend: str | None, timeout=None, warm: tuple[str, ...] = ("torch._dynamo",), window: bool = False):
+    """This training process's place in a supervised job's world (trainguard.world), formed before its framework's
+    first collective: by ``init_process_group`` itself under the zero-code entry (trainguard.bootstrap), by an
+    adapter before its framework's build. A spare waits here until a rank is handed to it -- meanwhile importing
+    ``warm`` (what a first build imports on the way: torch._dynamo behind an optimizer's constructor, ~1.3 s on
+    CPU) -- and its ``RANK`` becomes that rank; one the job never needed ends here (exit 0). ``window``: the spare's
+    barriers pass until its first entry (above). ``timeout``: the world's collectives' (default 30 minutes)."""
+    import importlib
+    import os
+
+    import torch
+
+    from trainguard.world import World
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    check_backend(backend)
+    world = World(backend=backend, **({"timeout": timeout} if timeout is not None else {}))
+    for name in warm if world.role == "spare" else ():
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a release without it: nothing to warm
+            pass
+    if world.join() is None:
+        sys.exit(0)  # a spare the job never needed
+    os.environ["RANK"] = str(world.rank)
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # (a framework that finds the world formed
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))    # skips its own set_device)
+    if window and world.role == "spare":
+        _open_window()
+    return world
+
+
+def _open_window() -> None:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.barrier
+
+    def barrier(group=None, *args, **kwargs):
+        if group is None or group is dist.group.WORLD:
+            return None  # (the survivors passed this barrier long ago: trainguard.spare)
+        return original(group, *args, **kwargs)
+
+    _WINDOW.append(original)
+    dist.barrier = c10d.barrier = barrier
+
+
+def close_window() -> None:
+    """The spare's barriers real again: at its first entry, or where an adapter builds its framework outside one
+    (DeepSpeed's ``initialize`` in a loop of your own)."""
+    if _WINDOW:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        dist.barrier = c10d.barrier = _WINDOW.pop()
+
+
+def same_entry(world, call: int) -> None:
+    """At a spare's first entry and the survivors' re-entry in this generation: every rank says which call of the
+    training function it enters, on the store (waiting at most the world's timeout for the others: a spare may
+    still be loading its model); the spare's barriers are real again. Raises when they differ."""
+    close_window()
+    store, gen = world.ledger.store, world.generation
+    store.set(f"entry/{gen}/{world.rank}", str(call))
+    keys = [f"entry/{gen}/{r}" for r in range(world.size)]
+    store.wait(keys, world.timeout if isinstance(world.timeout, timedelta) else timedelta(minutes=30))
+    calls = {r: int(v) for r, v in enumerate(store.multi_get(keys))}
+    if len(set(calls.values())) > 1:
+        from trainguard.errors import UnsupportedSetup
+
+        raise UnsupportedSetup(f"trainguard.supervise: after a rank died, the ranks entered different calls of the "
+                               f"training function (rank: call {calls}): the spare runs your script from its top, "
+                               "and it calls the training function more than once before this one (a multi-phase "
+                               "script), which the survivors do not run again. The job restarts whole; keep one "
+                               "training call per process under trainguard.supervise")
+
+
+def check_backend(backend: str) -> None:
+    """A dead rank is replaced in the same job on gloo only, for now."""
+    if backend != "gloo":
+        from trainguard.errors import UnsupportedSetup
+
+        raise UnsupportedSetup(f"trainguard.supervise replaces a dead rank in the same job on gloo only, for now (this "
+                               f"job's backend: {backend}): NCCL's watchdog aborts a survivor's process when a peer "
+                               "dies. Launch without trainguard.supervise: a dead rank restarts the job (torchrun "
+                               "--max-restarts), which resumes from node memory")
