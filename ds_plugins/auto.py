@@ -193,7 +193,8 @@ def _patch_trainer(module) -> None:
 
             from trainguard.ports import World
 
-            if block is None or World.current is None or World.current.rank is None:
+            hf = getattr(self.args, "hf_deepspeed_config", None)  # (ZeRO-3: restarts whole -- ds_plugins.inprocess)
+            if block is None or World.current is None or World.current.rank is None or hf is not None and hf.is_zero3():
                 return once(resume_from_checkpoint)
             from ds_plugins.inprocess import let_go_of_trainer
             from trainguard.ports import reentering

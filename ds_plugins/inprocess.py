@@ -13,19 +13,19 @@ Accelerator let go of the engine (:func:`let_go_of_trainer`).
 """
 from __future__ import annotations
 
+import weakref
+
 
 def why_not(recipe, engine, entry: str = "own") -> str | None:
     """Why a survivor cannot build this engine again as the spare builds its first (None: it can; "": the
     framework's entry is entered again instead -- HF's Trainer.train, trainguard.replacement.reentering)."""
-    from trainguard.ports import reentered, refuse_reentry
+    from trainguard.ports import reentered
 
     zero3 = "ZeRO-3 partitions the parameters on the old world's groups" if engine.zero_optimization_stage() == 3 \
         else None
     if reentered():  # (its teardown retires it, even before the framework holds it: let_go_of_trainer)
-        _BUILT.append(engine)
-        if zero3:
-            refuse_reentry(zero3)
-        return zero3 or ""
+        _BUILT.add(engine)
+        return ""
     if zero3 or entry == "auto":
         return zero3 or ("under the zero-code entry the engine, its resume and its wrappers are your loop's "
                          "(Accelerate's, or yours): only HF's Trainer.train is entered again")
@@ -36,7 +36,7 @@ def why_not(recipe, engine, entry: str = "own") -> str | None:
     return None
 
 
-_BUILT: list = []  # the engines built under trainguard.replacement.reentering, until its teardown retires them
+_BUILT = weakref.WeakSet()  # the engines built under trainguard.replacement.reentering (their teardown retires them)
 
 
 def replace_lost_rank(state, why: str, discard: bool) -> None:
@@ -75,8 +75,8 @@ def let_go_of_trainer(trainer, given) -> None:
     accelerator.deepspeed_engine_wrapped = None  # (its free_memory would destroy the engine: retired below)
     accelerator.free_memory()
     handler.optimizer = handler.lr_scheduler = handler.train_dataloader = None
-    while _BUILT:
-        engine = _BUILT.pop()
+    for engine in list(_BUILT):
+        _BUILT.discard(engine)
         if "optimizer" in vars(engine):  # (not retired yet)
             _retire(engine)
             object.__setattr__(engine, "__dict__", {})

@@ -114,10 +114,10 @@ def teardown() -> int | None:
     interrupted = run.guard.iteration + 1 if run is not None else None
     if run is not None:
         run.close(clean=False)  # (closed already where train() raised: the guard's run is not entered twice)
-    args = get_args()
-    from megatron.training import async_utils
+    from megatron.training import async_utils, global_vars
 
-    if hasattr(async_utils, "reset_persistent_async_worker"):  # (a save in flight belongs to the old world)
+    args = get_args() if global_vars._GLOBAL_ARGS is not None else None  # (None: let go already -- a second death)
+    if args is not None and hasattr(async_utils, "reset_persistent_async_worker"):  # (a save in flight: the old world's)
         try:
             async_utils.reset_persistent_async_worker(getattr(args, "async_strategy", "nvrx"))
         except Exception:  # noqa: BLE001 - no async save ever started: nothing to reset

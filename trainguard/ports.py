@@ -46,8 +46,7 @@ from trainguard.sanitize import sanitize
 from trainguard.isolation import broadcast_from_rank0, collective_device, gather_coords, rank, world
 from trainguard.world import World
 from trainguard.replacement import (
-    forget_framework, reentered, reentering, refuse_reentry, remember_attributes, replace_rank,
-    surviving,
+    forget_framework, reentered, reentering, remember_attributes, replace_rank, surviving,
 )
 from trainguard.spare import check_backend, close_window, form
 
@@ -63,6 +62,6 @@ __all__ = [
     "save_hashed", "STAGING", "CheckpointError", "first_resumable", "newest_resumable_folder", "load_weights", "verified_reads", "hashed_writes",
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
     "gather_coords", "rank", "world", "World", "check_backend", "forget_framework", "form",
-    "close_window", "reentered", "reentering", "refuse_reentry", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
+    "close_window", "reentered", "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
     "check_release", "check_supported",
 ]

@@ -117,14 +117,7 @@ def forget_framework(model=None, *modules) -> None:
 _PENDING: list[dict] = []  # a re-entered training function's replacements, reported once its new run resumed
 _LIVE: list = []  # the session of this process's run, in a supervised job (closed when its function is re-entered)
 _REENTERING: list = []  # the worlds of the training functions being run by reentering (innermost last)
-_REFUSED: list[str] = []  # why the running training function cannot be entered again (an adapter said so)
 _CALLS = [0]  # how many times this process entered a training function under reentering (a spare: since it joined)
-
-
-def refuse_reentry(why: str) -> None:
-    """From an adapter whose build finds it cannot be entered again (DeepSpeed's ZeRO-3: its parameters partitioned on
-    the old world's groups): a death then raises as it was, and the job restarts whole."""
-    _REFUSED.append(why)
 
 
 def reentered() -> bool:
@@ -160,7 +153,6 @@ def reentering(train: Callable, teardown: Callable[[], int | None], backend: str
         formed = World.current is not None and World.current.rank is not None and dist.is_initialized()
         world = World.current if formed else form(backend, timeout)
         _REENTERING.append(world)
-        _REFUSED.clear()
         try:
             return _entered(world, train, teardown, args, kwargs, told)
         finally:
@@ -184,7 +176,7 @@ def _entered(world, train: Callable, teardown: Callable[[], int | None], args, k
             _LIVE.clear()  # (the finished run's session: nothing of it is kept)
             return done
         except Exception as e:  # noqa: BLE001 - a rank's death, or raised as it was
-            if _REFUSED or not world.replaced():
+            if not world.replaced():
                 raise
             why = f"{type(e).__name__}: {e}"
         # (outside the except: its traceback held the failed work, and with it the old groups' sockets)

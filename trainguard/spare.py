@@ -58,15 +58,25 @@ def _open_window() -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    original = c10d.barrier
+    originals = (dist.barrier, c10d.barrier)
 
-    def barrier(group=None, *args, **kwargs):
-        if group is None or group is dist.group.WORLD:
-            return None  # (the survivors passed this barrier long ago: trainguard.spare)
-        return original(group, *args, **kwargs)
+    def barrier(group=None, async_op=False, *args, **kwargs):
+        if group is None or group is dist.group.WORLD:  # (the survivors passed this barrier long ago)
+            return _Done() if async_op else None
+        return originals[1](group, async_op, *args, **kwargs)
 
-    _WINDOW.append(original)
+    _WINDOW.append((originals, barrier))
     dist.barrier = c10d.barrier = barrier
+
+
+class _Done:
+    """What a barrier that passed returns to a caller that asked for its work (``async_op=True``)."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def close_window() -> None:
@@ -76,7 +86,11 @@ def close_window() -> None:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        dist.barrier = c10d.barrier = _WINDOW.pop()
+        (mine, theirs), ours = _WINDOW.pop()
+        if dist.barrier is ours:  # (one patched since by someone else stays)
+            dist.barrier = mine
+        if c10d.barrier is ours:
+            c10d.barrier = theirs
 
 
 def same_entry(world, call: int) -> None:
@@ -84,10 +98,26 @@ def same_entry(world, call: int) -> None:
     training function it enters, on the store (waiting at most the world's timeout for the others: a spare may
     still be loading its model); the spare's barriers are real again. Raises when they differ."""
     close_window()
+    import time
+
     store, gen = world.ledger.store, world.generation
     store.set(f"entry/{gen}/{world.rank}", str(call))
     keys = [f"entry/{gen}/{r}" for r in range(world.size)]
-    store.wait(keys, world.timeout if isinstance(world.timeout, timedelta) else timedelta(minutes=30))
+    limit = world.timeout.total_seconds() if isinstance(world.timeout, timedelta) else 1800.0
+    deadline = time.monotonic() + limit
+    while not store.check(keys):  # (polled: a death meanwhile -- the spare's, while it loads -- ends the wait)
+        if world.ledger.generation() > gen:
+            raise RuntimeError(f"trainguard.supervise: a rank died while the world of generation {gen} entered the "
+                               "training function")
+        if time.monotonic() > deadline:
+            from trainguard.errors import UnsupportedSetup
+
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise UnsupportedSetup(f"trainguard.supervise: rank(s) {missing} did not enter the training function "
+                                   f"within {limit:.0f} s after a rank died: the spare runs your script from its top, "
+                                   "and a collective of it before the training function (an evaluate() before "
+                                   "train()) has no peer -- the survivors do not run it again. The job restarts whole")
+        time.sleep(0.01)
     calls = {r: int(v) for r, v in enumerate(store.multi_get(keys))}
     if len(set(calls.values())) > 1:
         from trainguard.errors import UnsupportedSetup

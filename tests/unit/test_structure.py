@@ -20,7 +20,7 @@ MODULE_DEBTS = {
     "trainguard/checkpoint/manager.py": 319,
     "trainguard/checkpoint/snapshots.py": 345, "trainguard/config.py": 741, "trainguard/demo/run.py": 332,
     "trainguard/drill/__init__.py": 327, "trainguard/faults.py": 362, "trainguard/guard.py": 516,
-    "trainguard/policy.py": 322, "trainguard/watchdog.py": 456, "ds_plugins/engine.py": 427,
+    "trainguard/policy.py": 322, "ds_plugins/engine.py": 427,
     "megatron_hooks/__init__.py": 409,
 }
 # (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~130 lines with
@@ -28,7 +28,7 @@ MODULE_DEBTS = {
 # megatron_hooks raised once, issue 38: Megatron-LM's pretrain() and your loop entered again after a death,
 # megatron_hooks/inprocess.py -- what the two adapters' replacements share went to the core,
 # trainguard/replacement.py, in the same change)
-PACKAGE_DEBTS = {"ds_plugins": 1962, "megatron_hooks": 1752}
+PACKAGE_DEBTS = {"ds_plugins": 1963, "megatron_hooks": 1752}
 
 
 def _lines(path: Path) -> int:

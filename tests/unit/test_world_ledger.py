@@ -180,8 +180,8 @@ def test_a_spare_entering_another_call_of_the_training_function_than_the_survivo
         out = [None] * len(calls)
 
         def rank(r):
-            world = SimpleNamespace(ledger=SimpleNamespace(store=client()), generation=gen, rank=r,
-                                    size=len(calls), timeout=timedelta(seconds=10))
+            world = SimpleNamespace(ledger=Ledger(client()), generation=gen, rank=r, size=len(calls),
+                                    timeout=timedelta(seconds=10))
             try:
                 same_entry(world, calls[r])
                 out[r] = "on"
@@ -197,6 +197,11 @@ def test_a_spare_entering_another_call_of_the_training_function_than_the_survivo
     assert enter(1, [1, 1, 1]) == ["on"] * 3
     stopped = enter(2, [2, 1, 2])  # (rank 1's spare in the script's first training call, the survivors in the second)
     assert all("entered different calls" in s and "{0: 2, 1: 1, 2: 2}" in s for s in stopped), stopped
-    with pytest.raises(Exception):  # (a generation whose ranks never all arrive: the wait is bounded)
-        same_entry(SimpleNamespace(ledger=SimpleNamespace(store=client()), generation=3, rank=0, size=2,
-                                   timeout=timedelta(seconds=1)), 1)
+    alone = SimpleNamespace(ledger=Ledger(client()), generation=3, rank=0, size=2, timeout=timedelta(seconds=1))
+    with pytest.raises(UnsupportedSetup, match=r"rank\(s\) \[1\] did not enter the training function"):
+        same_entry(alone, 1)  # (a spare stuck in a collective of the script before it: named at the world's timeout)
+    alone.generation, alone.timeout = 4, timedelta(seconds=30)
+    dies = threading.Timer(0.3, lambda: Ledger(client()).store.add("gen", 5))  # (a death while it waits)
+    dies.start()
+    with pytest.raises(RuntimeError, match="a rank died while the world of generation 4"):
+        same_entry(alone, 1)  # (at once, not at the timeout: the survivors go on to the next generation)
