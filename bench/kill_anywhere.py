@@ -75,8 +75,22 @@ def progress(out: Path) -> list[tuple[int, int, float]]:
     return rows
 
 
+def topmost(pids: list[int]) -> int | None:
+    """Of the processes matching a rank's training command, the one whose parent is not among them: a training
+    process's forked data-loader workers share its command line and environment (killing one instead is another
+    fault -- the rank then ends by itself, and the job restarts whole: a first 100-draw Megatron-LM run met it once)."""
+    def parent(pid):
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    top = [p for p in pids if parent(p) not in pids]
+    return top[0] if len(top) == 1 else None
+
+
 def training_pid(out: Path, rank: int) -> int | None:
     """The demo worker process of this trial holding ``rank`` (its environment says RANK; a spare's says -1)."""
+    found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -88,8 +102,8 @@ def training_pid(out: Path, rank: int) -> int | None:
         except (OSError, ValueError):
             continue
         if env.get(b"RANK") == str(rank).encode():
-            return int(pid)
-    return None
+            found.append(int(pid))
+    return topmost(found)
 
 
 def resumed_after(jsonl: Path, killed_at: float | None) -> float | None:

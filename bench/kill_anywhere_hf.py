@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.kill_anywhere import kill_in, report, resumed_after
+from bench.kill_anywhere import kill_in, report, resumed_after, topmost
 from trainguard.demo.run import torchrun_env
 
 RANKS, STEPS, SAVE = 2, 30, 4
@@ -60,6 +60,7 @@ def steps(out: Path) -> list[tuple[int, float]]:
 
 def training_pid(out: Path, rank: int) -> int | None:
     """The Trainer process of this trial holding ``rank`` (its environment at start says RANK; a spare's says -1)."""
+    found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -72,8 +73,8 @@ def training_pid(out: Path, rank: int) -> int | None:
         except (OSError, ValueError):
             continue
         if env.get(b"RANK") == str(rank).encode():
-            return int(pid)
-    return None
+            found.append(int(pid))
+    return topmost(found)
 
 
 def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, step_s: float) -> dict:

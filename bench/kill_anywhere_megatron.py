@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench.kill_anywhere import kill_in, report, resumed_after
+from bench.kill_anywhere import kill_in, report, resumed_after, topmost
 
 ITERS, EVERY, DP = 20, 2, 2
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
@@ -66,6 +66,7 @@ def last_line(out: Path) -> dict | None:
 
 
 def training_pid(marker: str, rank: int) -> int | None:
+    found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -76,8 +77,8 @@ def training_pid(marker: str, rank: int) -> int | None:
             continue
         if env.get(b"TRAINGUARD_TEST_RUN") == marker.encode() and b"pretrain_gpt.py" in cmd and \
                 b"trainguard.supervise" not in cmd and b"torchrun" not in cmd and env.get(b"RANK") == str(rank).encode():
-            return int(pid)
-    return None
+            found.append(int(pid))
+    return topmost(found)  # (never one of its data-loader workers)
 
 
 def trial(release, out: Path, supervised: bool, rank: int, step: int, fraction: float, step_s: float) -> dict:
