@@ -577,11 +577,11 @@ class FaultSpec(_Section):
                                     "step slept, default 0.5).")
     head: int = Field(0, ge=0, description="attention_collapse: the head whose logits are scaled.")
     attempt: int = Field(0, ge=0, description="kill_rank, hang_rank: the restart attempt in which it fires.")
-    during: Literal["step", "snapshot"] = Field(
-        "step", description="kill_rank: where the rank dies. step: at the start of `step`. snapshot: in the writer "
-        "of the node-memory snapshot taken at the end of `step`, after its first file and before its commit (a node "
-        "lost mid-write: that snapshot must never be chosen); needs checkpoint.snapshot.every_steps, and fires only "
-        "where a snapshot is taken at `step`.")
+    during: Literal["step", "snapshot", "save"] = Field(
+        "step", description="kill_rank: where the rank dies. step: at the start of `step`. snapshot: in the writer of "
+        "the node-memory snapshot taken at the end of `step`, after its first file and before its commit (a node lost "
+        "mid-write: that snapshot must never be chosen; needs checkpoint.snapshot.every_steps and a snapshot at `step`)."
+        " save: in a disk save at `step` (trainguard's, or HF's Trainer's), its files written, before the commit.")
 
     @model_validator(mode="after")
     def _fields_fit_the_type(self):

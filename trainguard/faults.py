@@ -27,7 +27,7 @@ fp16_overflow          BACKWARD     the same, on every step of its window while 
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
 kill_rank, hang_rank   FORWARD      the process SIGKILLs / SIGSTOPs itself (restart attempt
                                     ``attempt`` only: the restarted job must get past it);
-                                    kill_rank ``during: snapshot``: in the snapshot writer
+                                    kill_rank ``during: snapshot`` / ``save``: in a writer
 slow_rank              FORWARD      the rank sleeps ``factor`` x its previous step's time at
                                     the first forward of each step in [step, step+steps)
 corrupt_checkpoint     END          bytes flipped in the largest file of the newest committed
@@ -166,10 +166,10 @@ class FaultInjector:
                 self._fire(step, kind)
                 os.kill(os.getpid(), sig)
 
-    def dies_writing_snapshot(self, step: int) -> bool:
-        """kill_rank during snapshot: whether this rank's writer of the snapshot of ``step`` ends the process after
-        its first file (trainguard.checkpoint.memory_tier)."""
-        due = [f for f in self._due("kill_rank", step) if f.during == "snapshot" and f.attempt == restart_attempt()]
+    def dies_writing(self, step: int, what: str = "snapshot") -> bool:
+        """kill_rank during snapshot / save: whether this rank's writer of the snapshot of ``step`` ends the process
+        after its first file (trainguard.checkpoint.memory_tier), or its save once its files are written."""
+        due = [f for f in self._due("kill_rank", step) if f.during == what and f.attempt == restart_attempt()]
         if generation() != 0 or not due:
             return False
         self._fire(step, "kill_rank")

@@ -144,18 +144,21 @@ def test_a_killed_rank_resumes_through_hf_and_through_trainguard(tmp_path, monke
             assert r["losses"] == [x for x in c["losses"] if x[0] > 4]
 
 
+@pytest.mark.parametrize("during,step,interrupted", [("step", 7, 7), ("save", 8, 9)])
 def test_a_killed_rank_is_replaced_by_a_spare_and_the_trainer_goes_on_in_the_survivors_process(
-        tmp_path, clean_saving_every_4):
+        tmp_path, clean_saving_every_4, during, step, interrupted):
     """Issue 38, where most DeepSpeed users are: the same unmodified Trainer script under
     ``trainguard run -- torchrun --nproc_per_node 3 -m trainguard.supervise --spares 1 -- -m tests.support.hf_worker``.
-    Rank 1 is SIGKILLed at step 7; the spare -- waiting inside Accelerate's init_process_group since the start --
-    takes rank 1, and rank 0's process is not restarted: its ``Trainer.train()`` is entered again (the Trainer and
-    Accelerate let go of the old engine) and resumes, as torchrun's restart would, from checkpoint-4, which verifies.
-    Both ranks end with the parameters of the uninterrupted run; the report names the dead rank and what it cost."""
+    Rank 1 is SIGKILLed at step 7 -- or inside the Trainer's save of checkpoint-8, its files written, before the
+    commit; the spare -- waiting inside Accelerate's init_process_group since the start, its barrier around the
+    dataset passed -- takes rank 1, and rank 0's process is not restarted: its ``Trainer.train()`` is entered again
+    (the Trainer and Accelerate let go of the old engine) and resumes, as torchrun's restart would, from checkpoint-4,
+    the newest that verifies (the half-saved checkpoint-8 is passed over, then saved again). Both ranks end with the
+    parameters of the uninterrupted run; the report names the dead rank and what it cost."""
     out = tmp_path / "spare"
     out.mkdir()
     block = {"metrics": {"jsonl": str(out / "trainguard.jsonl"), "per_rank": True}, "allow_faults": True,
-             "faults": [{"type": "kill_rank", "step": 7, "rank": 1}]}
+             "faults": [{"type": "kill_rank", "step": step, "rank": 1, "during": during}]}
     (out / "ds_config.json").write_text(json.dumps({**DS, "trainguard": block}))
     cmd = [*PREFIX, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--monitor-interval", "0.1",
            "-m", "trainguard.supervise", "--spares", "1", "--", "-m", "tests.support.hf_worker", "--config",
@@ -174,10 +177,12 @@ def test_a_killed_rank_is_replaced_by_a_spare_and_the_trainer_goes_on_in_the_sur
     (replaced,) = [x for x in lines if x.get("event") == "rank_replaced"]
     d = replaced["detail"]
     assert replaced["ranks"] == [1] and d["rank"] == 1 and d["generation"] == 1 and "signal 9" in d["why"]
-    assert d["interrupted_at_step"] == 7 and d["resumed_at_step"] == 4 and d["connections_left_open"] == 0
+    assert d["interrupted_at_step"] == interrupted and d["resumed_at_step"] == 4 and d["connections_left_open"] == 0
     resumes = [x for x in lines if x.get("event") == "resume"]
     assert [x["detail"]["dir"].rsplit("/", 1)[1] for x in resumes] == ["checkpoint-4"]
     assert not [x for x in lines if x.get("event") == "restart"]
+    saved = [x["detail"]["tag"] for x in lines if x.get("event") == "checkpoint_saved"]
+    assert saved == ["global_step4", "global_step8", "global_step10"], saved  # (checkpoint-8: committed once)
 
 
 def test_the_watchdog_names_a_hung_rank_in_a_trainer_run(tmp_path):

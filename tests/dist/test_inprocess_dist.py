@@ -163,20 +163,23 @@ def test_deepspeed_a_hung_rank_is_named_killed_and_replaced_by_a_spare(tmp_path,
     assert len(starts[0]) == len(starts[2]) == 1 and len(starts[1]) == 2, starts
 
 
+@pytest.mark.parametrize("during,step,resumed", [("snapshot", 8, 6), ("save", 10, 8)])
 def test_deepspeed_a_rank_killed_while_writing_a_snapshot_is_replaced_and_its_partial_snapshot_never_chosen(
-        tmp_path, clean):
+        tmp_path, clean, during, step, resumed):
     """Rank 1 dies inside the writer of its step-8 snapshot (after the first file, before the commit): the survivors
     hold step 8, rank 1's node memory only a staged part of it. The newest snapshot *every* rank holds is step 6: the
-    spare and the survivors resume there, and the run ends as a clean one."""
+    spare and the survivors resume there, and the run ends as a clean one. The same inside the disk checkpoint of step
+    10 (its files written, before the commit: the survivors wait in its collective): resumed from node memory at 8,
+    the uncommitted step 10 never chosen, saved again."""
     rc, results, out, events = _deepspeed(tmp_path, "midwrite", 4, supervise=1,
-                                          faults=[{"type": "kill_rank", "step": 8, "rank": 1, "during": "snapshot"}])
+                                          faults=[{"type": "kill_rank", "step": step, "rank": 1, "during": during}])
     log = (out / "torchrun.log").read_text()
     assert rc == 0 and all(results), log[-3000:]
     (rep,) = [e for e in events if e["event"] == "rank_replaced"]
     assert rep["detail"]["rank"] == 1 and "signal 9" in rep["detail"]["why"], rep
     # it died after step 8's update, in the writer (a kill at the step's start would interrupt step 8), and the run
     # went back to step 6, the newest snapshot every rank holds -- not rank 1's half-written step 8
-    assert rep["detail"]["interrupted_at_step"] == 9 and rep["detail"]["resumed_at_step"] == 6, rep
+    assert rep["detail"]["interrupted_at_step"] == step + 1 and rep["detail"]["resumed_at_step"] == resumed, rep
     assert [r["param_sha256"] for r in results] == [c["param_sha256"] for c in clean]
     starts = {r: (out / f"starts.rank{r}.txt").read_text().splitlines() for r in range(3)}
     assert len(starts[0]) == len(starts[2]) == 1 and len(starts[1]) == 2, starts

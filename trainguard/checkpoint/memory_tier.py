@@ -110,7 +110,7 @@ class MemoryTier:
         self.cp.overhead(blocking)
         faults = getattr(self.cp.guard, "faults", None) if self.cp.block.faults else None
         self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval,
-                         dies=faults is not None and faults.dies_writing_snapshot(step))
+                         dies=faults is not None and faults.dies_writing(step))
         return tag
 
     def _take_nothing(self, t0: float) -> None:

@@ -108,6 +108,9 @@ class Saver:
         staged = staging_root / tag
         barrier()
         own = dict(write(staged, tag))  # (the framework's save, with its own collectives)
+        faults = cp.guard.faults if cp.guard is not None and cp.block.faults else None
+        if faults is not None and faults.dies_writing(step, "save"):  # (the kill_rank fault: a death mid-save)
+            os.kill(os.getpid(), 9)
         mine = None
         try:  # trainguard's own files: a rank that cannot write them fails the save on every rank, named
             if sidecar is not None:
