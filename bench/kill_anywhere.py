@@ -134,19 +134,31 @@ def kill_in(job, logged, step: int, fraction: float, step_s: float, find_pid, wi
     return killed_at, last_before
 
 
+def end_trial(job, folder: Path) -> None:
+    """The trial's job ended (its process group killed if it still runs), and any process left whose command line
+    names ``folder`` (torchrun's workers are sessions of their own: what a timed-out trial left)."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and str(folder).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def outcome(jsonl: Path) -> dict:
+    """Whether the run went on in-process (``rank_replaced``) or fell back to torchrun's restart, from its log."""
+    log = jsonl.read_text() if jsonl.exists() else ""
+    return {"in_process": '"rank_replaced"' in log, "fell_back": '"event":"restart"' in log.replace(" ", "")}
+
+
 def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, step_s: float) -> dict:
     job = launch(out, supervised)
     killed_at, last_before = kill_in(job, lambda: [r[1] for r in progress(out)], step, fraction, step_s,
                                      lambda: training_pid(out, rank), 240)
-    if job.poll() is None:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-    for pid in os.listdir("/proc"):  # (torchrun's workers are sessions of their own: what a timed-out trial left)
-        try:
-            if pid.isdigit() and str(out / "run").encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
+    end_trial(job, out / "run")
     rows = progress(out)
     # the next step after the fault: the first one logged after the run resumed (a step logged after the kill may
     # still be the old run's: the dead rank had done its part of it)
@@ -156,10 +168,8 @@ def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, st
                for r in range(RANKS)]
     starts = {r: len((out / "run" / f"starts.rank{r}.txt").read_text().splitlines())
               if (out / "run" / f"starts.rank{r}.txt").exists() else 0 for r in range(RANKS)}
-    log = (out / "run" / "trainguard.jsonl").read_text() if (out / "run" / "trainguard.jsonl").exists() else ""
     return {"supervised": supervised, "rank": rank, "step": step, "fraction": round(fraction, 3),
-            "in_process": '"rank_replaced"' in log, "fell_back": '"event":"restart"' in log.replace(" ", ""),
-            "rc": job.returncode, "fault_to_step_s": round(after[0][2] - killed_at, 3) if after else None,
+            **outcome(out / "run" / "trainguard.jsonl"), "rc": job.returncode, "fault_to_step_s": round(after[0][2] - killed_at, 3) if after else None,
             "steps_lost": (last_before - after[0][1] + 1) if after and last_before is not None else None,
             "param_sha256": [r["param_sha256"] if r else None for r in results],
             "restarted_survivors": [r for r in range(RANKS) if r != rank and starts[r] > 1]}

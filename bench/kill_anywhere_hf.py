@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.kill_anywhere import kill_in, report, resumed_after, topmost
+from bench.kill_anywhere import end_trial, kill_in, outcome, report, resumed_after, topmost
 from trainguard.demo.run import torchrun_env
 
 RANKS, STEPS, SAVE = 2, 30, 4
@@ -81,23 +80,13 @@ def trial(out: Path, supervised: bool, rank: int, step: int, fraction: float, st
     job = launch(out, supervised)
     killed_at, last_before = kill_in(job, lambda: [r[0] for r in steps(out)], step, fraction, step_s,
                                      lambda: training_pid(out, rank), 240)
-    if job.poll() is None:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-    for pid in os.listdir("/proc"):  # (torchrun's workers are sessions of their own: what a timed-out trial left)
-        try:
-            if pid.isdigit() and str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
+    end_trial(job, out)
     back = resumed_after(out / "trainguard.jsonl", killed_at)  # (a step logged after the kill may be the old run's)
     after = [r for r in steps(out) if back is not None and r[1] > back]
     results = [json.loads(p.read_text()) if (p := out / f"result.rank{r}.json").exists() else None
                for r in range(RANKS)]
-    log = (out / "trainguard.jsonl").read_text() if (out / "trainguard.jsonl").exists() else ""
     return {"supervised": supervised, "rank": rank, "step": step, "fraction": round(fraction, 3),
-            "in_process": '"rank_replaced"' in log, "fell_back": '"event":"restart"' in log.replace(" ", ""),
-            "rc": job.returncode, "fault_to_step_s": round(after[0][1] - killed_at, 3) if after else None,
+            **outcome(out / "trainguard.jsonl"), "rc": job.returncode, "fault_to_step_s": round(after[0][1] - killed_at, 3) if after else None,
             "steps_lost": (last_before - after[0][0] + 1) if after and last_before is not None else None,
             "param_sha256": [r["param_sha256"] if r else None for r in results],
             "restarted_survivors": [r for r in range(RANKS) if r != rank and results[r] is not None

@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench.kill_anywhere import kill_in, report, resumed_after, topmost
+from bench.kill_anywhere import kill_in, outcome, report, resumed_after, topmost
 
 ITERS, EVERY, DP = 20, 2, 2
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
@@ -94,10 +94,10 @@ def trial(release, out: Path, supervised: bool, rank: int, step: int, fraction: 
     kill_marked(marker)  # (torchrun's workers are sessions of their own: what a timed-out trial left behind)
     back = resumed_after(out / "trainguard.jsonl", killed_at)  # (a line after the kill may be the old run's)
     after = [r for r in iterations(out) if back is not None and r[1] > back]
-    log = (out / "trainguard.jsonl").read_text() if (out / "trainguard.jsonl").exists() else ""
-    fell_back = '"event":"restart"' in log.replace(" ", "")
-    return {"supervised": supervised, "rank": rank, "step": step, "fraction": round(fraction, 3),
-            "in_process": '"rank_replaced"' in log, "fell_back": fell_back, "rc": job.returncode,
+    went = outcome(out / "trainguard.jsonl")
+    fell_back = went["fell_back"]
+    return {"supervised": supervised, "rank": rank, "step": step, "fraction": round(fraction, 3), **went,
+            "rc": job.returncode,
             "fault_to_step_s": round(after[0][1] - killed_at, 3) if after else None,
             "steps_lost": (last_before - after[0][0] + 1) if after and last_before is not None else None,
             "last": last_line(out), "restarted_survivors": [r for r in range(DP) if r != rank] if fell_back else []}
