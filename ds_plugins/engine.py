@@ -233,7 +233,7 @@ class EngineGuard:
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
-        clamp = self.guard is not None and self.guard.clipper.value_bound() is not None
+        clamp = self.session.value_bound() is not None
         self._hooks += install_grad_hooks(named, self.faults, self.step_number, self._on_grad if check else None,
                                          [self._clamp_grad] if clamp else [])  # (clipping by value: last)
 
@@ -243,7 +243,7 @@ class EngineGuard:
 
     def _clamp_grad(self, grad):
         # the hook sees loss-scaled gradients divided by the accumulation steps: scale the bound alike
-        bound = self.guard.clipper.value_bound() * _loss_scale(self.engine) / self.engine.gradient_accumulation_steps()
+        bound = self.session.value_bound() * _loss_scale(self.engine) / self.engine.gradient_accumulation_steps()
         return grad.clamp(-bound, bound)
 
     def _set_clip(self, value: float) -> None:

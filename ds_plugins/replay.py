@@ -25,9 +25,9 @@ class Replays:
     def localize(self) -> dict:
         """Replay this rank's last micro-batch with a hook on every module (no gradients, RNG
         untouched); every rank does it together, since a ZeRO-3 forward gathers parameters."""
-        if not self.ag.guard.book.step:
+        if not self.ag.session.book.step:
             return {"module": None, "note": "no micro-batch to replay"}
-        inputs, kwargs, poison_output = self.ag.guard.book.step[-1].inputs
+        inputs, kwargs, poison_output = self.ag.session.book.step[-1].inputs
         model = self.ag.engine.module
         # the poison hook (nan_batch on an integer-only batch) must be registered before the
         # localisation hooks, so that they see the output it replaced
@@ -59,7 +59,7 @@ class Replays:
         loss = scalar_loss(out)
         if loss is None:
             loss = finite_proxy(out)
-        if row is None and mb is self.ag.guard.book.healthy:
+        if row is None and mb is self.ag.session.book.healthy:
             # the weights' probe: its loss alone decides; whether this model's intermediates are all finite on
             # healthy data (a module may output a -inf mask) says whether the rows' replays may use the watch
             self._watch_trusted = watch.finite()

@@ -185,12 +185,12 @@ class LMRun:
         if self.guard.resumed_data_state is not None:
             self.restore(self.guard.resumed_data_state)
         for handover in handovers:
-            self.guard.guard.emit(self.guard.iteration, Record.HANDOVER, [], None, handover)
+            self.guard.session.emit(self.guard.iteration, Record.HANDOVER, handover)
         tracker = getattr(margs, "result_rejected_tracker_filename", None)
-        if tracker and self.guard.guard.rank == 0:
+        if tracker:
             from megatron_hooks.rerun_tracker import RerunTracker
 
-            self.guard.guard.events.mirrors.append(RerunTracker(tracker, self.guard.guard.coords))
+            self.guard.session.mirror(lambda coords: RerunTracker(tracker, coords))
 
     # ------------------------------------------------------------------ Megatron-LM's loop state
     def warmup_steps(self) -> int | None:

@@ -24,15 +24,19 @@ from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly, Record, Remedy
 from trainguard.guard import StepGuard
-from trainguard.policy import Decision
+from trainguard.faults import FaultInjector
+from trainguard.goodput import GoodputMeter
+from trainguard.policy import Decision, Policy
 from trainguard.protocols import Framework
 
 
 class StepDriver:
     """One per rank. ``heart``: trainguard.watchdog.Heartbeat."""
 
-    def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart):
+    def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart, policy: Policy,
+                 goodput: GoodputMeter, faults: FaultInjector):
         self.fw, self.guard, self.cfg, self.heart = fw, guard, cfg, heart
+        self.policy, self.goodput, self.faults = policy, goodput, faults  # (the guard's too: trainguard.session)
         self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
 
     # ------------------------------------------------------------------ the step
@@ -66,17 +70,17 @@ class StepDriver:
             "loss_scale": before.scale if before is not None else 1.0,
             "loss_scale_min": before.min_scale if before is not None else None,  # (the floor alert's other half)
             "skipped_steps": fw.skipped_steps(),
-            "applied": out.applied, "action": decision.action.value, "goodput": guard.goodput.ratio(),
+            "applied": out.applied, "action": decision.action.value, "goodput": self.goodput.ratio(),
             # (monotonic in a process, unlike the framework's skipped count, which a rollback's load sets back)
-            "executed_steps": guard.goodput.executed + 1,
-            "not_applied_steps": guard.goodput.skipped + (not out.applied)})
+            "executed_steps": self.goodput.executed + 1,
+            "not_applied_steps": self.goodput.skipped + (not out.applied)})
         acting = scale_decision or decision
         if acting.action is Action.ABORT:
             raise guard.abort(step, acting)
         rolled_back = acting.action is Action.ROLLBACK and self.rollback(step, acting)
         if not rolled_back:  # (a rollback that happened re-runs from its checkpoint)
             self._after_step(step, obs, decision)
-        guard.goodput.step_done(step, out.applied and not rolled_back)
+        self.goodput.step_done(step, out.applied and not rolled_back)
         self.heart.beat("data", fw.completed_steps())
         return out.result
 
@@ -98,9 +102,8 @@ class StepDriver:
     def _lr_scaled(self, step: int) -> Iterator[None]:
         """The LR for this step's update x (lr_ramp fault) x (recovery's lowered LR, during its
         cooldown); afterwards the scheduled LR is put back (unless the scheduler set a new one)."""
-        faults = self.guard.faults
-        mult = faults.lr_multiplier(step) if self.cfg.faults else 1.0
-        mult *= self.guard.policy.lr_applied(self.fw.completed_steps())  # (1.0 unless a lowering's cooldown runs)
+        mult = self.faults.lr_multiplier(step) if self.cfg.faults else 1.0
+        mult *= self.policy.lr_applied(self.fw.completed_steps())  # (1.0 unless a lowering's cooldown runs)
         self.step_lr = None
         if mult == 1.0:
             yield
@@ -146,13 +149,13 @@ class StepDriver:
                                    inclusive=decision.onset_skipped)
         if tag is None:
             if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
-                guard.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
+                self.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
                 guard.lr_lowered()
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
-            guard.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
+            self.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
             guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
-                "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
+                "lr_factor": self.policy.lr_factor if decision.lower_lr else None,
                 "quarantined": {str(r): ids for r, ids in quarantined.items()}, "remedy": remedy})
             return False
         position = data.state_dict() if data is not None else None
@@ -161,13 +164,13 @@ class StepDriver:
         to_step = fw.completed_steps()           # the checkpoint's step
         loop = fw.after_rollback(step)           # a loop that cannot rewind goes on at ``step``: what it kept
         goes_on = fw.completed_steps()
-        guard.goodput.rollback(to_step)
+        self.goodput.rollback(to_step)
         if data is not None:
             data.load_state_dict(position)       # where we were, quarantine included ...
             data.skip(skip)                      # ... and then some
         abandoned = cp.abandon_after(cp.rollback_root(), to_step)
         # (a restart in bf16 is not the LR's: a later climb may still restart, once)
-        guard.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
+        self.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
                                                            "restart": restart and not scale_case,
                                                            "anomaly": decision.anomaly}, scale=scale,
                                  until=goes_on + rc.lr_cooldown_steps)
@@ -178,7 +181,7 @@ class StepDriver:
             "onset_step": decision.onset_step, "skip_batches": skip if data is not None else 0,
             "position_after": data.position.as_dict() if data is not None else None,
             "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
-            "lr_factor": guard.policy.lr_factor if decision.lower_lr else None,
+            "lr_factor": self.policy.lr_factor if decision.lower_lr else None,
             "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason,
             **({"from_first_step": str(root)} if restart else {}),
             **({"moments_zeroed": zeroed} if zeroed is not None else {}),
@@ -206,7 +209,7 @@ class StepDriver:
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}
             guard.precision_changed()
-            guard.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
+            self.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
             guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
             if fw.checkpointer is not None:
                 fw.checkpointer.after_precision_change()
@@ -217,7 +220,7 @@ class StepDriver:
             if decision.remedy is Remedy.RAISE_FLOOR:
                 detail.update(scaler.raise_floor(self.cfg.recovery.floor_factor))
             detail.update(scaler.reset())
-        guard.policy.tried_also(step, decision.remedy.value, {**detail, "after_rollback": rolled_back})
+        self.policy.tried_also(step, decision.remedy.value, {**detail, "after_rollback": rolled_back})
         guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy.value, detail)
         return detail
 

@@ -69,19 +69,22 @@ class StepGuard:
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
                  replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False,
                  replay_peers: Sequence[int] | None = None, peer_replay: Callable[[Any, int], tuple] | None = None,
-                 collective=None):
+                 collective=None, policy: Policy | None = None, goodput: GoodputMeter | None = None,
+                 faults: FaultInjector | None = None, clipper: Clipper | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
-        self.policy = Policy(cfg.detectors.nonfinite, cfg.recovery)
-        self.faults = FaultInjector(cfg.faults, rank)
+        # (the parts others act on too -- the policy's ladders and LR cooldown, the goodput meter, the fault
+        # injector -- are the session's, handed to each that needs them: trainguard.session)
+        self.policy = policy if policy is not None else Policy(cfg.detectors.nonfinite, cfg.recovery)
+        self.faults = faults if faults is not None else FaultInjector(cfg.faults, rank)
         self.lr_now: float | None = None  # this rank's LR of the coming update (the driver sets it before AGREE)
         self.lr_agreed: float | None = None  # rank 0's, from the AGREE table: what every rank's detectors read
         self.lr_history = LrHistory()     # the LR each recent step used (rank 0's): the LR cut's evidence
         self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
-        self.goodput = GoodputMeter()
+        self.goodput = goodput if goodput is not None else GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
-        self.clipper = Clipper(cfg.clipping)
+        self.clipper = clipper if clipper is not None else Clipper(cfg.clipping)
         self.custom = [build(spec, DETECTORS, Detector, f"trainguard.detectors.custom[{i}]")
                        for i, spec in enumerate(cfg.detectors.custom)]
         # every detector that feeds the ladders (trainguard.detectors.registry), in its turn; the statistics' windows
@@ -155,6 +158,10 @@ class StepGuard:
 
     def coords_of(self, rank: int) -> dict:
         return self.coords[rank].as_dict() if rank < len(self.coords) else {"rank": rank}
+
+    def mirror(self, make: Callable[[list], Any]) -> None:
+        """Another sink for the records: ``make(every rank's coordinates)`` (trainguard.session.mirror)."""
+        self.events.mirrors.append(make(self.coords))
 
     def emit(self, step: int, record: Record, ranks=(), action: str | None = None, detail: dict | None = None,
              rank_local: bool = False, **extra) -> None:

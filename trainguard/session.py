@@ -26,12 +26,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.driver import StepDriver, scaled_lr
-from trainguard.events import Action, Phase
+from trainguard.events import Action, Phase, Record
 from trainguard.faults import FaultInjector
+from trainguard.goodput import GoodputMeter
 from trainguard.guard import StepGuard
-from trainguard.policy import Decision
+from trainguard.policy import Decision, Policy
 from trainguard.protocols import Framework
 from trainguard.watchdog import Heartbeat
 
@@ -48,13 +50,22 @@ class GuardSession:
         self.fw, self.cfg, self.rank, self.world = fw, cfg, rank, world
         self.heart = Heartbeat(rank)
         self.guard: StepGuard | None = None
+        # the parts more than the guard acts on, built here and handed to each that needs them (nothing reaches
+        # through the guard to its parts): one fault injector, the recovery policy, the goodput meter, the clipper
+        injector = FaultInjector(cfg.faults, rank)
+        self.faults = injector if cfg.faults else None
+        self.goodput = GoodputMeter() if guard_enabled else None
+        self.clipper = Clipper(cfg.clipping) if guard_enabled else None
+        self.book = None  # trainguard.replays.ReplayBook: the step's recorded micro-batches (what an adapter replays)
         if guard_enabled:
+            policy = Policy(cfg.detectors.nonfinite, cfg.recovery)
             self.guard = StepGuard(cfg, rank, world, group=None, device=device, localize=localize, replay=replay,
-                                   narrow_rows=narrow_rows, replay_peers=replay_peers, peer_replay=peer_replay)
-            self.faults = self.guard.faults if cfg.faults else None   # one injector, owned by the guard
+                                   narrow_rows=narrow_rows, replay_peers=replay_peers, peer_replay=peer_replay,
+                                   policy=policy, goodput=self.goodput, faults=injector, clipper=self.clipper)
+            self.book = self.guard.book
+            self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector)
         else:
-            self.faults = FaultInjector(cfg.faults, rank) if cfg.faults else None
-        self.driver = StepDriver(fw, self.guard, cfg, self.heart) if self.guard is not None else None
+            self.driver = None
         self.watchdog = None   # trainguard.watchdog.Watchdog, from start_watchdog()
         self.hooks: list = []  # what the adapter registered (anything with .remove()): removed at close
         self.closed = False
@@ -68,7 +79,7 @@ class GuardSession:
         if self.guard is None:
             return
         if framework_clip is not None:
-            self.guard.clipper.framework_max_norm = framework_clip
+            self.clipper.framework_max_norm = framework_clip
         if self.cfg.clipping.mode == "norm":
             self.fw.set_clip(self.cfg.clipping.max_norm)
 
@@ -78,7 +89,7 @@ class GuardSession:
         (trainguard.protocols.State)."""
         from trainguard.checkpoint.manager import CheckpointManager
 
-        return CheckpointManager(self.cfg, self.guard, self.heart, state)
+        return CheckpointManager(self.cfg, self.guard, self.heart, state, faults=self.faults, goodput=self.goodput)
 
     def start(self, state, coords, framework: dict[str, Any], facts=None):
         """BEGIN, in the order every adapter needs: the checkpoint manager over ``state`` (returned: the adapter keeps
@@ -116,11 +127,28 @@ class GuardSession:
 
         if self.guard is None or self.watchdog is not None or not dist.is_initialized():
             return
-        self.watchdog = Watchdog(self.cfg, self.guard, self.heart, self.rank, self.world, self.fw.completed_steps)
+        self.watchdog = Watchdog(self.cfg, self.guard, self.heart, self.rank, self.world, self.fw.completed_steps,
+                                 goodput=self.goodput)
         self.watchdog.start()
 
     def beat(self, phase: Phase, step: int | None = None) -> None:
         self.heart.beat(Phase(phase).value, step)
+
+    # ------------------------------------------------------------------ what an adapter asks of the guard
+    def value_bound(self) -> float | None:
+        """``clipping.mode: value``: the bound each local gradient is clamped to (None: not clipping by value)."""
+        return self.clipper.value_bound() if self.clipper is not None else None
+
+    def emit(self, step: int, record: Record, detail: dict, ranks=(), action: str | None = None) -> None:
+        """One record of the adapter's (a ``handover``, a precision change at load): the guard's event log."""
+        if self.guard is not None:
+            self.guard.emit(step, record, ranks, action, detail)
+
+    def mirror(self, make: Callable[[list], Any]) -> None:
+        """Another file the records are written to (rank 0; ``make(coords)`` -> a sink with ``write(record)``,
+        e.g. Megatron-LM's rerun tracker: megatron_hooks.rerun_tracker)."""
+        if self.guard is not None and self.rank == 0:
+            self.guard.mirror(make)
 
     # ------------------------------------------------------------------ micro-batch loop points
     def batch(self, sample_ids, position, rejected=()) -> None:
@@ -132,8 +160,8 @@ class GuardSession:
         """FORWARD, before the model runs: the heartbeat, the process faults (kill, hang, slow), and -- with
         ``batch_faults`` -- the batch faults. Returns ``(inputs, poison)``: ``poison`` (or None) is what
         :class:`trainguard.poison.PoisonFirstLeaf` puts into the first module's output."""
-        if self.guard is not None:
-            self.guard.goodput.begin_step()
+        if self.goodput is not None:
+            self.goodput.begin_step()
         self.beat(Phase.FORWARD, step)
         if self.faults is not None:
             self.faults.process(step)
@@ -204,5 +232,5 @@ class GuardSession:
         if cp is not None and clean:
             cp.close()
         if self.guard is not None:
-            self.guard.on_close({**totals, "goodput": self.guard.goodput.summary(),
+            self.guard.on_close({**totals, "goodput": self.goodput.summary(),
                                  **({"watchdog": watchdog} if watchdog else {})})

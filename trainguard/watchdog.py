@@ -176,8 +176,9 @@ class Watchdog:
     """Heartbeats, hang detection and restart bookkeeping for one rank, on top of a StepGuard.
     Both adapters use it; ``step_fn`` gives the framework's step count."""
 
-    def __init__(self, cfg, guard, heart: Heartbeat, rank: int, world: int, step_fn: Callable[[], int]):
+    def __init__(self, cfg, guard, heart: Heartbeat, rank: int, world: int, step_fn: Callable[[], int], goodput=None):
         self.cfg, self.guard, self.heart = cfg, guard, heart   # cfg: the whole TrainguardConfig
+        self.goodput = goodput  # trainguard.goodput.GoodputMeter: a restart's downtime and lost steps
         self.rank, self.world, self.step_fn = rank, world, step_fn
         self.monitor: Monitor | None = None
         self._stacks = None  # the file SIGUSR1 dumps into (removed at stop when nothing was written)
@@ -214,10 +215,10 @@ class Watchdog:
             if last_alive is None and self.rank == 0 and self.cfg.metrics.jsonl:
                 last_alive = last_logged_time(self.cfg.metrics.jsonl)
             down = time.time() - last_alive if last_alive is not None else None
-            if down is not None:
-                self.guard.goodput.downtime(down)
-            if previous:  # the failed attempt's steps after the checkpoint are lost
-                self.guard.goodput.lost_in_restart(max(b.step for b in previous.values()) - step)
+            if down is not None and self.goodput is not None:
+                self.goodput.downtime(down)
+            if previous and self.goodput is not None:  # the failed attempt's steps after the checkpoint are lost
+                self.goodput.lost_in_restart(max(b.step for b in previous.values()) - step)
             self.guard.emit(step, Record.RESTART, list(range(self.world)), None, {
                 "attempt": attempt, "downtime_s": round(down, 3) if down is not None else None,
                 "resumed_at_step": step, "world": self.world,

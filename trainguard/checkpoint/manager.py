@@ -40,14 +40,16 @@ __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world
 
 class CheckpointManager:
     """One per rank, over the adapter's :class:`trainguard.protocols.State` (``state``). ``cfg``: the whole block;
-    ``guard``: the StepGuard (records, state, goodput); ``heart``: the rank's heartbeat (saves and loads count as
+    ``guard``: the StepGuard (records, its state); ``faults``, ``goodput``: the session's; ``heart``: the rank's heartbeat (saves and loads count as
     progress)."""
 
-    def __init__(self, cfg, guard, heart, state):
+    def __init__(self, cfg, guard, heart, state, faults=None, goodput=None):
         self.state = state
         self.block = cfg
         self.cfg = cfg.checkpoint
         self.guard = guard
+        self.faults = faults if cfg.faults else None  # trainguard.faults.FaultInjector (the checkpoint faults)
+        self.goodput = goodput                        # trainguard.goodput.GoodputMeter (a save's overhead)
         self.heart = heart
         self.health = CheckpointHealth(self.cfg.stable_after, self.cfg.verify_steps)
         self.resume_check: ResumeCheck | None = None
@@ -127,7 +129,7 @@ class CheckpointManager:
                 self.pacer.stood_in(step)
         elif self.pacer.due(step):
             self.snapshot()  # (the in-memory tier: not where a disk checkpoint was just taken)
-        faults = self.guard.faults if self.guard is not None and self.block.faults else None
+        faults = self.faults
         if faults is not None and c.dir and any(f.type == "corrupt_checkpoint" and f.active(step) for f in
                                                 self.block.faults):
             self.wait_pending()  # every rank (a collective): the newest committed one, a save of this very step too
@@ -249,8 +251,8 @@ class CheckpointManager:
 
     def overhead(self, seconds: float) -> None:
         """Time a snapshot held the step up (goodput's overhead)."""
-        if self.guard is not None:
-            self.guard.goodput.overhead(seconds)
+        if self.goodput is not None:
+            self.goodput.overhead(seconds)
 
     # ------------------------------------------------------------------ saving (trainguard.checkpoint.saving)
     def save(self, root, tag: str | None = None, **kwargs) -> str:

@@ -108,7 +108,7 @@ class Saver:
         staged = staging_root / tag
         barrier()
         own = dict(write(staged, tag))  # (the framework's save, with its own collectives)
-        faults = cp.guard.faults if cp.guard is not None and cp.block.faults else None
+        faults = cp.faults
         if faults is not None and faults.dies_writing(step, "save"):  # (the kill_rank fault: a death mid-save)
             os.kill(os.getpid(), 9)
         mine = None
@@ -165,7 +165,7 @@ class Saver:
         step = cp.step_count()
         blocking = time.perf_counter() - t0
         cp.overhead(blocking)
-        faults = cp.guard.faults if cp.guard is not None and cp.block.faults else None
+        faults = cp.faults
         fail = faults.write_error(step) if faults is not None else None
         self.pending.start(BackgroundWrite(staged, writes, json_writes, fail=fail), {
             "tag": tag, "root": root, "staging_root": staging_root, "nonce": nonce, "step": step,
