@@ -79,7 +79,7 @@ def _honoured_by(path: str) -> str:
 
 def reference_markdown() -> str:
     out = ["# Config reference: the `trainguard` block", "",
-           "Generated from `trainguard/config.py` by `python -m trainguard.reference`; a test keeps it "
+           "Generated from `trainguard/config/` by `python -m trainguard.reference`; a test keeps it "
            "in sync. Unknown keys are errors. Every key is optional unless marked required.", "",
            "*Honoured by*: the adapters that apply the key (each adapter's `capabilities.py`, read by `trainguard/support.py`). A key an adapter "
            "cannot apply is refused by it when you set it: `ds_plugins.initialize` / `megatron_hooks.install` "

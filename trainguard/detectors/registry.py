@@ -28,9 +28,10 @@ tensors that differ there); ``rewound(step, to_step, restart)``, ``lr_lowered()`
 the run did since: a rollback, an LR cut, a precision switch); ``state_dict`` / ``load_state_dict`` (kept in
 the guard's checkpointed state).
 
-So a new detector touches three files: its module here (the detector and its ``REGISTRATION``), its
-config section and ladder default (``trainguard/config.py``), and its ``Anomaly`` and ``Record``
-members (``trainguard/events.py``, with its row in docs/events.md). ``replica.py`` is one.
+So a new detector touches four files: its module here (the detector and its ``REGISTRATION``), its
+config section and ladder default (``trainguard/config/detectors.py``, ``trainguard/config/recovery.py``),
+and its ``Anomaly`` and ``Record`` members (``trainguard/events.py``, with its row in docs/events.md).
+``replica.py`` is one.
 """
 from __future__ import annotations
 
