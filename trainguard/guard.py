@@ -14,7 +14,6 @@ add one object gather (sample ids, probe statistics, localisation; above 64 rank
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,8 +27,8 @@ from trainguard.detectors.loss_scale import LossScaleWatch
 from trainguard.verdicts import ScalerState
 from trainguard.detectors.loss_spike import LR_LOOKBACK
 from trainguard.lrcut import LrHistory
-from trainguard.detectors.registry import Decide, columns, registered
-from trainguard.detectors.spikes import Spikes
+from trainguard.detectors.lineup import Lineup
+from trainguard.detectors.registry import Decide
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import by_rank, culprit_samples
 from trainguard.errors import ConfigError, TrainguardAbort
@@ -37,10 +36,9 @@ from trainguard.events import Action, Event, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.agreement import Agreement, StepView
-from trainguard.isolation import FIELDS, F, RankCoords
+from trainguard.isolation import RankCoords
 from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import Decision, Policy, anomaly_class
-from trainguard.plugins import DETECTORS, Detector, build
 from trainguard.probes import SampledProbes
 from trainguard.replay import MicroBatch
 from trainguard.replays import Replays
@@ -85,17 +83,10 @@ class StepGuard:
         self.goodput = goodput if goodput is not None else GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
         self.clipper = clipper if clipper is not None else Clipper(cfg.clipping)
-        self.custom = [build(spec, DETECTORS, Detector, f"trainguard.detectors.custom[{i}]")
-                       for i, spec in enumerate(cfg.detectors.custom)]
-        # every detector that feeds the ladders (trainguard.detectors.registry), in its turn; the statistics' windows
-        # also answer the guard's questions (a healthy loss, the loss median, a rise's onset)
-        self.registered = [(reg, reg.build(getattr(cfg.detectors, reg.key) if reg.key else cfg.detectors, self.device))
-                           for reg in registered() if reg.key is None or getattr(cfg.detectors, reg.key).enabled]
-        self.stats = next(det for _, det in self.registered if isinstance(det, Spikes))
-        self.columns = columns()
-        self.column_at = {name: len(FIELDS) + i for i, name in enumerate(self.columns)}  # their AGREE columns
+        self.detectors = Lineup(cfg, self.device)  # the registered ones and yours (trainguard.detectors.lineup)
+        self.stats = self.detectors.stats  # (the statistics' windows: a healthy loss, the loss median, a rise's onset)
         self.localize = localize
-        exchanging = any(hasattr(det, "exchange") for _, det in self.registered)
+        exchanging = self.detectors.exchanging
         if peer_replay is None and exchanging:
             raise ConfigError([("trainguard.detectors.peer_replay.enabled",
                                 "true needs an adapter that replays a micro-batch (DeepSpeed; megatron-core: "
@@ -122,11 +113,7 @@ class StepGuard:
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
         self.straggler = StragglerDetector(cfg.detectors.straggler)
         # the step's collectives (trainguard.agreement: every rank's rows up to 64 ranks, a fixed-size summary above)
-        self.agreement = Agreement(rank, world, self.device, group, collective, extra=self.columns)
-        # the detectors that read every rank's rows each step: yours without ``needs = "summary"``, a registered one
-        # with a column but no ``sampled`` (trainguard.detectors.registry)
-        self.rows_every_step = [type(d).__name__ for d in self.custom if getattr(d, "needs", "rows") != "summary"] + \
-            [reg.key for reg, det in self.registered if reg.column and not hasattr(det, "sampled")]
+        self.agreement = Agreement(rank, world, self.device, group, collective, extra=self.detectors.columns)
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -140,9 +127,7 @@ class StepGuard:
     def attach_model(self, model: torch.nn.Module) -> None:
         """Choose the modules the sampled probes watch (hooks are added only on sampled steps); hand the model
         to the registered detectors."""
-        for _, det in self.registered:
-            if hasattr(det, "attach_model"):
-                det.attach_model(model)
+        self.detectors.attach_model(model)
         self.probes.attach(model)
 
     def sampled(self, step: int) -> list[str]:
@@ -182,7 +167,7 @@ class StepGuard:
                 "faults": [f.model_dump() for f in self.cfg.faults],
                 "probes": self.probes.describe(),
                 "agree": {"way": self.agreement.way, "bytes_per_step": self.agreement.bytes_per_step,
-                          "rows_every_step": self.rows_every_step}, **framework})
+                          "rows_every_step": self.detectors.rows_every_step}, **framework})
         if facts is not None:
             for v in start_checks(facts, self.cfg):
                 self.emit(0, Record(v.anomaly), [], "warn", v.detail)
@@ -214,45 +199,13 @@ class StepGuard:
                  dynamic_scale: bool = False) -> StepView:
         """AGREE: the step's collectives (trainguard.agreement). Every rank calls it at every optimizer step.
         ``dynamic_scale``: an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
-        host = [0.0] * len(FIELDS) + [float("nan")] * len(self.columns)  # the host-known fields, in one small copy
-        tally = self.tally
-        host[F["micro_batches"]] = tally.micro
-        host[F["grad_checked"]] = tally.grad_hooks
-        host[F["faults_fired"]] = self.faults.fired_in(step)
-        host[F["samples_rejected"]] = len(tally.rejected)
-        host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
-        host[F["compute_s"]] = self.timer.take()
-        host[F["lr"]] = float("nan") if self.lr_now is None else float(self.lr_now)
-        pending = self.deferred.norm
-        if not isinstance(pending, torch.Tensor):
-            host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
-        row = self.agreement.row(host)
-        if tally.acc is not None:  # device-side values: copied, never read on the host here
-            row[F["loss_sum"]] = tally.acc[0]
-            row[F["loss_nonfinite"]] = tally.acc[1]
-        grad_sq = tally.grad_sq()
-        if grad_sq is not None:
-            row[F["grad_sq"]] = grad_sq
-        if isinstance(pending, torch.Tensor):
-            row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
-        applied = self.deferred.applied_sq
-        row[F["prev_applied_sq"]] = float("nan") if applied is None else applied.detach().reshape(()).to(
-            self.device, torch.float64)  # (likewise)
-        for reg, det in self.registered:
-            value = det.local(step) if reg.column else None
-            if value is not None:  # (a device value: copied, never read here)
-                row[self.column_at[reg.column]] = value.to(self.device, torch.float64) if isinstance(value, torch.Tensor) \
-                    else float(value)
-        view = self.agreement.agree(row, loss_scale, grad_divisor, want_rows=self._wants_rows(step))
+        row = self.tally.row(self.agreement, len(self.detectors.columns), self.faults.fired_in(step), self.timer.take(),
+                             self.lr_now, self.deferred)
+        self.detectors.local(step, row)
+        view = self.agreement.agree(row, loss_scale, grad_divisor, want_rows=self.detectors.wants_rows(step))
         self._scaled = dynamic_scale
         self.deferred.flush(view.summary.prev_grad_norm, view.summary.prev_applied_sq)
         return view
-
-    def _wants_rows(self, step: int) -> bool:
-        """Whether this step needs every rank's row (the summary way gathers it only then): a sampled check that
-        compares every rank, or a detector of yours that reads the rows."""
-        return bool(self.rows_every_step) or any(getattr(det, "sampled", lambda s: False)(step)
-                                                 for _, det in self.registered)
 
     def on_decide(self, step: int, obs: StepView) -> Decision:
         """DECIDE: pure detectors -> policy -> one action, identical on every rank. The registered detectors
@@ -263,9 +216,7 @@ class StepGuard:
         # param group may hold another LR, and the ranks would classify differently)
         self.lr_agreed = s.lr if math.isfinite(s.lr) else None
         ctx = Decide(obs, self.coords, scaled=self._scaled, lr=self.lr_agreed, lr_ratio=lambda: self._lr_ratio(step))
-        for _, det in self.registered:  # before the gather: what the agreement shows
-            if hasattr(det, "early"):
-                ctx.found += det.early(step, ctx)
+        self.detectors.early(step, ctx)  # before the gather: what the agreement shows
         nonfinite, spikes = ctx.nonfinite, list(ctx.found)
         localized = None
         if nonfinite is not None and nonfinite.anomaly == "nonfinite" and self.cfg.detectors.localize.enabled \
@@ -290,23 +241,12 @@ class StepGuard:
         if everyone and deciding:
             self.replays.judge(everyone)
         ctx.everyone, ctx.weights, ctx.probed = everyone, self.weights, {"activation": activation, "entropy": entropy}
-        peer = None
-        for _, det in self.registered:  # after it: the named ranks' objects, the weights check, the probes
-            if hasattr(det, "exchange"):  # (detectors.peer_replay replays for its peers, every rank alike)
-                peer = peer or self.replays.peer_context(self.rank, self.coords, self.device, self.group, deciding,
-                                                         everyone, {o.rank: o.loss for o in obs} if obs.full else
-                                                         {s.loss_rank: s.loss_max.value})
-                det.exchange(step, peer)
-            found = det.observe(step, ctx) if hasattr(det, "observe") else []
-            if found and hasattr(det, "explain"):  # (every rank alike: the verdicts come from the gathered table)
-                det.explain(step, found, self.group)
-            for v in found:  # (a detector that names a rank for sure: its host goes to suspect_hosts.json)
-                for r in v.ranks if v.detail.get("suspect") else ():
-                    self.suspects.suspect(step, r, f"{v.anomaly}: {v.detail['suspect']}", self.emit)
-            ctx.found += found
+        self.detectors.observe(step, ctx, lambda: self.replays.peer_context(  # after it (objects, weights, probes)
+            self.rank, self.coords, self.device, self.group, deciding, everyone,
+            {o.rank: o.loss for o in obs} if obs.full else {s.loss_rank: s.loss_max.value}),
+            self.group, lambda at, r, why: self.suspects.suspect(at, r, why, self.emit))
         verdicts = ([ctx.nonfinite] if ctx.nonfinite is not None else []) + ctx.found
-        custom = [v for det in self.custom
-                  for v in det.observe(step, s if getattr(det, "needs", "rows") == "summary" else ctx.rows)]
+        custom = self.detectors.custom_verdicts(step, s, ctx.rows)
         rise_onset = self.stats.rise_onset(step)
         lr_cut = None
         if self.cfg.recovery.lr_cut == "evidence":
@@ -356,8 +296,7 @@ class StepGuard:
     def peer_sampled(self, step: int) -> bool:
         """Whether a peer replays this step's last micro-batch (detectors.peer_replay): the adapter may then keep
         the random-number state its training forward starts from and that forward's values (:meth:`measured`)."""
-        return self.replays.peer_replay is not None and any(getattr(det, "sampled", lambda s: False)(step)
-                                                            for _, det in self.registered)
+        return self.replays.peer_replay is not None and self.detectors.sampled(step)
 
     def measured(self, rng: Any, value: Any) -> None:
         """The last recorded micro-batch's RNG state before its training forward, and that forward's (loss, output
@@ -461,14 +400,12 @@ class StepGuard:
         self.log.close_incidents(step, why="rollback")
         self.suspects.rewound(to_step)
         self.lr_history.rewound(to_step)
-        for _, det in self.registered:
-            if hasattr(det, "rewound"):
-                det.rewound(step, to_step, restart)
+        self.detectors.rewound(step, to_step, restart)
         self.faults.rolled_back()
 
     def lr_lowered(self) -> None:
         """The LR was lowered in place: what goes on at the lowered LR is a new episode of the gradient's trend."""
-        self._tell("lr_lowered")
+        self.detectors.tell("lr_lowered")
 
     def scaler_reset(self) -> None:
         """The fp16 loss scale was reset or is gone (bf16): the loss-scale watch starts again."""
@@ -476,12 +413,7 @@ class StepGuard:
 
     def precision_changed(self) -> None:
         """The run goes on in another precision: a new gradient-norm distribution from here."""
-        self._tell("precision_changed")
-
-    def _tell(self, what: str) -> None:
-        for _, det in self.registered:
-            if hasattr(det, what):
-                getattr(det, what)()
+        self.detectors.tell("precision_changed")
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
@@ -496,8 +428,7 @@ class StepGuard:
         return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
                 **self.stats.state_dict(), "lr_history": self.lr_history.state_dict(),  # (loss_spike, ...: as before)
                 "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict(),
-                "detectors": {reg.key: det.state_dict() for reg, det in self.registered
-                              if reg.key and hasattr(det, "state_dict")}}
+                "detectors": self.detectors.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = int(state["skipped_steps"])
@@ -508,9 +439,7 @@ class StepGuard:
         self.clipper.load_state_dict(state["clipper"])
         if "goodput" in state:
             self.goodput.load_state_dict(state["goodput"])
-        for reg, det in self.registered:
-            if reg.key and reg.key in state.get("detectors", {}) and hasattr(det, "load_state_dict"):
-                det.load_state_dict(state["detectors"][reg.key])
+        self.detectors.load_state_dict(state.get("detectors", {}))
 
 
 def _check_events_match() -> None:  # used by tests: one on_<event> method per Event member

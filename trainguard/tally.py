@@ -8,11 +8,13 @@ step happens there. A new tally starts with every step.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
 import torch
 
 from trainguard.data import DataPosition
+from trainguard.isolation import FIELDS, F
 
 
 class StepTally:
@@ -63,6 +65,35 @@ class StepTally:
             by_dtype.setdefault(n.dtype, []).append(n)
         sq = [torch.stack(ns).to(self.device, torch.float64).square().sum() for ns in by_dtype.values()]
         return sq[0] if len(sq) == 1 else torch.stack(sq).sum()
+
+    def row(self, agreement, extra: int, fired: int, compute_s: float, lr: float | None, deferred) -> Any:
+        """AGREE's row of this rank (trainguard.isolation.FIELDS, then ``extra`` columns of the detectors): the
+        host-known fields in one small copy, then the device values -- the loss, the gradients' norm, the previous
+        step's pending norms (``deferred``: trainguard.metricline.DeferredLine) -- copied in, never read here."""
+        host = [0.0] * len(FIELDS) + [float("nan")] * extra
+        host[F["micro_batches"]] = self.micro
+        host[F["grad_checked"]] = self.grad_hooks
+        host[F["faults_fired"]] = fired
+        host[F["samples_rejected"]] = len(self.rejected)
+        host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
+        host[F["compute_s"]] = compute_s
+        host[F["lr"]] = float("nan") if lr is None else float(lr)
+        pending = deferred.norm
+        if not isinstance(pending, torch.Tensor):
+            host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
+        row = agreement.row(host)
+        if self.acc is not None:
+            row[F["loss_sum"]] = self.acc[0]
+            row[F["loss_nonfinite"]] = self.acc[1]
+        grad_sq = self.grad_sq()
+        if grad_sq is not None:
+            row[F["grad_sq"]] = grad_sq
+        if isinstance(pending, torch.Tensor):
+            row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
+        applied = deferred.applied_sq
+        row[F["prev_applied_sq"]] = float("nan") if applied is None else applied.detach().reshape(()).to(
+            self.device, torch.float64)  # (likewise)
+        return row
 
     def where(self) -> dict | None:
         return self.position.as_dict() if self.position else None

@@ -84,7 +84,7 @@ def test_a_rank_a_registered_detector_is_sure_of_has_its_host_written_for_the_ne
     # (the replica check's slot taken by one that is sure of rank 0; every other detector as in a real guard)
     order = registrations()
     replica = next(r for r in order if r.key == "replica_check")
-    guard.registered = sorted([*guard.registered, (replica, Outvoted())], key=lambda rd: order.index(rd[0]))
+    guard.detectors.registered = sorted([*guard.detectors.registered, (replica, Outvoted())], key=lambda rd: order.index(rd[0]))
     guard.on_begin([RankCoords(rank=0, dp=0, tp=0, pp=0, host="node-7", local_rank=0)], {})
     decision = guard.on_decide(10, guard.on_agree(10))
     assert decision.action is Action.ROLLBACK and decision.onset_step == 5

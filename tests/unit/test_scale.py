@@ -154,7 +154,7 @@ def test_a_sampled_check_has_every_ranks_row_on_its_steps_only(tmp_path, monkeyp
                        "detectors": {"replica_check": {"enabled": True, "every_steps": 5}}})
     guard = StepGuard(cfg, 0, 1)
     guard.attach_model(torch.nn.Linear(3, 3))
-    assert guard.agreement.way == "summary" and guard.rows_every_step == []
+    assert guard.agreement.way == "summary" and guard.detectors.rows_every_step == []
     full = {}
     for step in range(1, 11):
         guard.on_loss(step, torch.tensor(1.0))
@@ -166,7 +166,7 @@ def test_a_sampled_check_has_every_ranks_row_on_its_steps_only(tmp_path, monkeyp
     from trainguard.detectors.replica import ReplicaCheck
 
     monkeypatch.delattr(ReplicaCheck, "sampled")
-    assert StepGuard(cfg, 0, 1).rows_every_step == ["replica_check"]
+    assert StepGuard(cfg, 0, 1).detectors.rows_every_step == ["replica_check"]
 
 
 def test_above_64_ranks_prometheus_gets_the_oldest_heartbeat_and_the_followed_stragglers():
