@@ -25,55 +25,17 @@ factor never below ``lr_floor``; exhausting either -- like ``nonfinite.action: "
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
+from trainguard.decisions import DATA_OR_WEIGHTS, Decision, _forward, _onset, anomaly_class
 from trainguard.verdicts import Verdict
 from trainguard.events import Action, Anomaly, Remedy
 from trainguard.lrcut import YOUNG
 
 SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "raise_floor": 3,
             "bf16_fallback": 3, "abort": 4}
-DATA_OR_WEIGHTS = (Anomaly.NONFINITE, Anomaly.INSTANT_BURST)  # the classes a replay of a healthy micro-batch decides
 REMEDY = {"rollback": Remedy.RESET_SCALE, "raise_floor": Remedy.RAISE_FLOOR, "bf16_fallback": Remedy.BF16_FALLBACK}
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    reason: str
-    verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
-    lower_lr: bool = False          # ROLLBACK: also scale the LR, by lr_scale
-    lr_scale: float | None = None   # ROLLBACK with lower_lr: the multiplier (None: recovery.lr_factor)
-    restart: bool = False           # ROLLBACK: to the first step's checkpoint, with lr_scale (trainguard.lrcut);
-                                    # where there is none, an ordinary rollback with recovery.lr_factor
-    onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
-    anomaly: Anomaly | None = None  # the class that drove the decision
-    remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it
-    onset_skipped: bool = False     # ROLLBACK: the onset step itself was skipped, so a checkpoint saved
-                                    # at it holds the state from before the anomaly and may be chosen
-
-
-def _onset(verdicts: Sequence[Verdict], cls: Anomaly, step: int) -> int:
-    """Where a rollback for ``cls`` must go back to before: the earliest onset its verdicts give, else ``step``."""
-    given = [v.detail["onset_step"] for v in verdicts if anomaly_class(v) == cls and v.detail.get("onset_step")]
-    return min(given) if given else step
-
-
-def _forward(verdicts: Sequence[Verdict]) -> bool:
-    """Whether a non-finite verdict came from the forward (a loss or an activation), not the gradients alone."""
-    return any(v.anomaly == "nonfinite" and any(d.get("origin") in ("loss", "activation")
-                                               for d in (v.detail.get("per_rank") or {}).values()
-                                               if isinstance(d, dict)) for v in verdicts)
-
-
-def anomaly_class(v: Verdict) -> Anomaly | None:
-    """The ladder class of a verdict (None: it alerts only)."""
-    try:
-        return Anomaly(v.anomaly)
-    except ValueError:
-        return None
 
 
 class Policy:

@@ -43,7 +43,7 @@ class Replays:
         return self.check["verdict"] if self.check else None
 
     def deciding(self, nonfinite: Verdict | None, spikes: list[Verdict]) -> list[Verdict]:
-        """The verdicts a replay decides (trainguard.policy.DATA_OR_WEIGHTS), when one can be made: the same on every
+        """The verdicts a replay decides (trainguard.decisions.DATA_OR_WEIGHTS), when one can be made: the same on every
         rank (they come from the agreed step)."""
         if self.replay is None or not self.acting:
             return []

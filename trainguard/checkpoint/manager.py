@@ -20,28 +20,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint import auth, first, loading, resume
+from trainguard.checkpoint import auth, first, loading, resume, rollback
 from trainguard.checkpoint.first import FIRST, FIRST_KEPT
 from trainguard.checkpoint.fsio import atomic_write_json, beat_from_training_thread
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import STABLE, TRAJECTORY, CheckpointError
+from trainguard.checkpoint.layout import STABLE, TRAJECTORY
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import apply as apply_retention
-from trainguard.checkpoint.rollback import abandon_after, choose_rollback, fitting_after
 from trainguard.checkpoint.saving import Saver
 from trainguard.checkpoint.runid import RUN_ID
-from trainguard.checkpoint.snapshots import MEMORY, disk_tag, memory_tag, snapshot_step
+from trainguard.checkpoint.snapshots import MEMORY, memory_tag, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import barrier, broadcast_from_rank0, rank, world
+from trainguard.isolation import barrier, rank, world
 
 __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 
 
 class CheckpointManager:
     """One per rank, over the adapter's :class:`trainguard.protocols.State` (``state``). ``cfg``: the whole block;
-    ``guard``: the StepGuard (records, its state); ``faults``, ``goodput``: the session's; ``heart``: the rank's heartbeat (saves and loads count as
-    progress)."""
+    ``guard``: the StepGuard (records, its state); ``faults``, ``goodput``: the session's (the checkpoint faults, a
+    save's overhead); ``heart``: the rank's heartbeat (saves and loads count as progress)."""
 
     def __init__(self, cfg, guard, heart, state, faults=None, goodput=None):
         self.state = state
@@ -141,12 +140,6 @@ class CheckpointManager:
                 "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": rank()}], "file": path},
                 rank_local=True)
 
-    # ------------------------------------------------------------------ the first step's checkpoint
-
-
-
-
-
     # ------------------------------------------------------------------ the first step's (trainguard.checkpoint.first)
     def first_target(self) -> tuple[Path | None, str | None, str]:
         """The first step's checkpoint, verified, when it fits the run (every rank learns): (root, tag, why)."""
@@ -185,13 +178,7 @@ class CheckpointManager:
         """Rank 0, after a commit: ``keep_last`` and ``keep_stable`` (trainguard.checkpoint.retention.apply)."""
         apply_retention(root, self.cfg.keep_last, self.cfg.keep_stable)
 
-    # ------------------------------------------------------------------ resume
-
-
-
-
-
-    # ------------------------------------------------------------------ rollback
+    # ------------------------------------------------------------------ rollback (trainguard.checkpoint.rollback)
     def rollback_root(self) -> Path | None:
         if self.cfg.dir:
             return Path(self.cfg.dir)
@@ -202,40 +189,12 @@ class CheckpointManager:
         """Rank 0 chooses on disk (trainguard.checkpoint.rollback.choose_rollback), every rank learns; then the
         newest valid tier: a snapshot in memory when one is newer than the disk's choice (in "stable" mode, one
         this process saw become stable: ``stable_after`` clean steps after it)."""
-        floor = self.not_before(root)
-        choice = choose_rollback(root, onset, mode, floor, inclusive, key=self.key) if rank() == 0 else None
-        tag, why, bad = broadcast_from_rank0(choice)
-        for b in bad:
-            self.emit(self.step_count(), Record.CHECKPOINT_INVALID, b)
-        if self.snapshots is None:
-            return tag, why
-        only = {disk_tag(t)[0] for t in self.stable_snapshots} if mode == "stable" else None
-        found = self.snapshots.choose(lo=max(self.disk_step(root, tag) + 1, floor),
-                                      hi=onset + (1 if inclusive else 0), only=only)
-        if found is None:
-            return tag, why
-        return memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset"
+        return rollback.rollback_target(self, root, onset, mode, inclusive)
 
     def abandon_after(self, root: Path, step: int) -> list[str]:
         """After a rollback to ``step``: the abandoned trajectory's checkpoints are set aside (and its
         snapshots in memory dropped)."""
-        outcome = None
-        if rank() == 0:
-            try:
-                outcome = (abandon_after(root, step), None)
-            except Exception as e:  # noqa: BLE001 - (never before the broadcast: the others wait for it)
-                outcome = ([], f"{type(e).__name__}: {e}")
-        self.health.watching = [w for w in self.health.watching if w.step <= step]
-        self.stable_snapshots = {t for t in self.stable_snapshots if snapshot_step(t) <= step}
-        self.pacer.rewind(step)
-        if self.snapshots is not None:
-            self.snapshots.wait()
-            self.snapshots.store.drop_after(step)
-        moved, error = broadcast_from_rank0(outcome)
-        if error:
-            raise CheckpointError(f"trainguard: the checkpoints after step {step} in {root} could not be set aside: "
-                                  f"{error}")
-        return moved
+        return rollback.abandon_trajectory(self, root, step)
 
     @staticmethod
     def disk_step(root: Path, tag: str | None) -> int:
@@ -266,27 +225,15 @@ class CheckpointManager:
         self.health.saved(tag, step)
 
 
-    # ------------------------------------------------------------------ the load (every adapter)
-
-
-    # ------------------------------------------------------------------ loading the framework's state
-
-
+    # ------------------------------------------------------------------ the framework's step, what fits the run
     def step_count(self) -> int:
         return self.state.step()
 
     def not_before(self, root: Path) -> int:
         """Every rank: checkpoints older than this step do not fit the run any more (0: all fit) -- those of another
-        precision, where the framework cannot load them (after a bf16 fallback); read by rank 0, learnt by all."""
-        if not self.state.precision_bound():
-            return 0
-        floor = None
-        if rank() == 0:
-            try:
-                floor = fitting_after(root, "precision", self.state.layout().get("precision"))
-            except Exception:  # noqa: BLE001 - (never before the broadcast: the others wait for it) every one verifies
-                floor = 0
-        return broadcast_from_rank0(floor)
+        precision, where the framework cannot load them (after a bf16 fallback); read by rank 0, learnt by all
+        (trainguard.checkpoint.rollback.not_before)."""
+        return rollback.not_before(self, root)
 
     def after_precision_change(self) -> None:
         """After the bf16 fallback (the driver calls it): snapshots of the old precision dropped where they would not

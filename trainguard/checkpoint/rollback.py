@@ -1,5 +1,8 @@
 """Which checkpoint a rollback returns to, and what it sets aside -- one rank's filesystem view
-(rank 0 decides; the adapters broadcast the answer and emit the events)."""
+(rank 0 decides: :func:`fitting_after`, :func:`choose_rollback`, :func:`abandon_after`), then the same on
+every rank, as functions of the checkpoint manager (``cp``: trainguard.checkpoint.manager.CheckpointManager):
+rank 0's answer broadcast and its records emitted, the newest valid tier (a snapshot in node memory when one
+is newer than the disk's choice), and the abandoned trajectory dropped from both tiers."""
 from __future__ import annotations
 
 import os
@@ -7,8 +10,11 @@ import uuid
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir
-from trainguard.checkpoint.layout import LATEST, STABLE, CheckpointLayout
+from trainguard.checkpoint.layout import LATEST, STABLE, CheckpointError, CheckpointLayout
 from trainguard.checkpoint.manifest import verify
+from trainguard.checkpoint.snapshots import disk_tag, memory_tag, snapshot_step
+from trainguard.events import Record
+from trainguard.isolation import broadcast_from_rank0, rank
 
 
 def fitting_after(root: Path, key: str, value) -> int:
@@ -82,3 +88,61 @@ def abandon_after(root: Path, step: int) -> list[str]:
         if remaining:
             atomic_write_text(root / LATEST, remaining[-1])
     return moved
+
+
+# ---------------------------------------------------------------------- every rank (the checkpoint manager's)
+def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
+    """Rank 0 chooses on disk (:func:`choose_rollback`), every rank learns; then the newest valid tier: a
+    snapshot in memory when one is newer than the disk's choice (in "stable" mode, one this process saw become
+    stable: ``stable_after`` clean steps after it)."""
+    floor = cp.not_before(root)
+    choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key) if rank() == 0 else None
+    tag, why, bad = broadcast_from_rank0(choice)
+    for b in bad:
+        cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, b)
+    if cp.snapshots is None:
+        return tag, why
+    only = {disk_tag(t)[0] for t in cp.stable_snapshots} if mode == "stable" else None
+    found = cp.snapshots.choose(lo=max(cp.disk_step(root, tag) + 1, floor),
+                                hi=onset + (1 if inclusive else 0), only=only)
+    if found is None:
+        return tag, why
+    return memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset"
+
+
+def abandon_trajectory(cp, root: Path, step: int) -> list[str]:
+    """After a rollback to ``step``, every rank: the abandoned trajectory's checkpoints are set aside
+    (:func:`abandon_after`, rank 0), its snapshots in memory dropped, and the health watches, stable
+    snapshots and the pacer forget its steps."""
+    outcome = None
+    if rank() == 0:
+        try:
+            outcome = (abandon_after(root, step), None)
+        except Exception as e:  # noqa: BLE001 - (never before the broadcast: the others wait for it)
+            outcome = ([], f"{type(e).__name__}: {e}")
+    cp.health.watching = [w for w in cp.health.watching if w.step <= step]
+    cp.stable_snapshots = {t for t in cp.stable_snapshots if snapshot_step(t) <= step}
+    cp.pacer.rewind(step)
+    if cp.snapshots is not None:
+        cp.snapshots.wait()
+        cp.snapshots.store.drop_after(step)
+    moved, error = broadcast_from_rank0(outcome)
+    if error:
+        raise CheckpointError(f"trainguard: the checkpoints after step {step} in {root} could not be set aside: "
+                              f"{error}")
+    return moved
+
+
+def not_before(cp, root: Path) -> int:
+    """Every rank: checkpoints older than this step do not fit the run any more (0: all fit) -- those of another
+    precision, where the framework cannot load them (after a bf16 fallback); read by rank 0
+    (:func:`fitting_after`), learnt by all."""
+    if not cp.state.precision_bound():
+        return 0
+    floor = None
+    if rank() == 0:
+        try:
+            floor = fitting_after(root, "precision", cp.state.layout().get("precision"))
+        except Exception:  # noqa: BLE001 - (never before the broadcast: the others wait for it) every one verifies
+            floor = 0
+    return broadcast_from_rank0(floor)

@@ -1,0 +1,50 @@
+"""What the policy (trainguard.policy) decides over, and what it returns: a verdict's anomaly class -- the ladder
+it climbs (None: it alerts only), the onset a rollback for it must predate, whether its non-finite values came
+from the forward, the classes a replay decides -- and the :class:`Decision`, which the step driver carries out
+(trainguard.driver) and the records name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from trainguard.events import Action, Anomaly, Remedy
+from trainguard.verdicts import Verdict
+
+DATA_OR_WEIGHTS = (Anomaly.NONFINITE, Anomaly.INSTANT_BURST)  # the classes a replay of a healthy micro-batch decides
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
+    lower_lr: bool = False          # ROLLBACK: also scale the LR, by lr_scale
+    lr_scale: float | None = None   # ROLLBACK with lower_lr: the multiplier (None: recovery.lr_factor)
+    restart: bool = False           # ROLLBACK: to the first step's checkpoint, with lr_scale (trainguard.lrcut);
+                                    # where there is none, an ordinary rollback with recovery.lr_factor
+    onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
+    anomaly: Anomaly | None = None  # the class that drove the decision
+    remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it
+    onset_skipped: bool = False     # ROLLBACK: the onset step itself was skipped, so a checkpoint saved
+                                    # at it holds the state from before the anomaly and may be chosen
+
+
+def _onset(verdicts: Sequence[Verdict], cls: Anomaly, step: int) -> int:
+    """Where a rollback for ``cls`` must go back to before: the earliest onset its verdicts give, else ``step``."""
+    given = [v.detail["onset_step"] for v in verdicts if anomaly_class(v) == cls and v.detail.get("onset_step")]
+    return min(given) if given else step
+
+
+def _forward(verdicts: Sequence[Verdict]) -> bool:
+    """Whether a non-finite verdict came from the forward (a loss or an activation), not the gradients alone."""
+    return any(v.anomaly == "nonfinite" and any(d.get("origin") in ("loss", "activation")
+                                               for d in (v.detail.get("per_rank") or {}).values()
+                                               if isinstance(d, dict)) for v in verdicts)
+
+
+def anomaly_class(v: Verdict) -> Anomaly | None:
+    """The ladder class of a verdict (None: it alerts only)."""
+    try:
+        return Anomaly(v.anomaly)
+    except ValueError:
+        return None
