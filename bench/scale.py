@@ -107,8 +107,9 @@ def run(world: int, way: str, steps: int, tmp: Path) -> dict:
     grads = [torch.full((64,), 0.75) for _ in range(4)]
     guard = StepGuard(cfg, rank=0, world=world, localize=lambda: {"module": None})
     sim = SimCollective(world, len(FIELDS) + len(guard.agreement.extra))
-    guard.agreement = Agreement(0, world, torch.device("cpu"), collective=sim, extra=guard.agreement.extra,
-                                up_to=world if way == "table" else 64)
+    guard.agreement = guard.evidence.agreement = Agreement(0, world, torch.device("cpu"), collective=sim,
+                                                           extra=guard.agreement.extra,
+                                                           up_to=world if way == "table" else 64)
     guard.on_begin([RankCoords(r, r, 0, 0, f"node{r // 8}", r % 8) for r in range(world)], {"framework": "sim"})
     bad_step = steps + 1
     healthy, anomalous, record = [], None, None

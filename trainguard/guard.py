@@ -13,7 +13,6 @@ add one object gather (sample ids, probe statistics, localisation; above 64 rank
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import by_rank, culprit_samples
 from trainguard.errors import ConfigError, TrainguardAbort
 from trainguard.events import Action, Event, Record
+from trainguard.evidence import Evidence
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.agreement import Agreement, StepView
@@ -53,8 +53,7 @@ ALERT = records.ALERT
 class StepGuard:
     """One per rank. ``group`` is the process group the AGREE collective runs on (None: world).
 
-    ``localize`` (from the adapter) replays this rank's last micro-batch with hooks and returns
-    :func:`trainguard.probes.first_nonfinite`'s report; every rank calls it on a non-finite step.
+    ``localize`` (from the adapter): trainguard.evidence.Evidence's.
     ``replay`` (from an adapter that can): ``replay(micro_batch, row)`` -> the loss of one recorded
     micro-batch (``row`` None) or of one of its rows, replayed on the current weights
     (trainguard.replay); ``narrow_rows``: whether the culprit's rows may be replayed one by one (not under
@@ -77,7 +76,6 @@ class StepGuard:
         self.policy = policy if policy is not None else Policy(cfg.detectors.nonfinite, cfg.recovery)
         self.faults = faults if faults is not None else FaultInjector(cfg.faults, rank)
         self.lr_now: float | None = None  # this rank's LR of the coming update (the driver sets it before AGREE)
-        self.lr_agreed: float | None = None  # rank 0's, from the AGREE table: what every rank's detectors read
         self.lr_history = LrHistory()     # the LR each recent step used (rank 0's): the LR cut's evidence
         self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
         self.goodput = goodput if goodput is not None else GoodputMeter()
@@ -85,7 +83,6 @@ class StepGuard:
         self.clipper = clipper if clipper is not None else Clipper(cfg.clipping)
         self.detectors = Lineup(cfg, self.device)  # the registered ones and yours (trainguard.detectors.lineup)
         self.stats = self.detectors.stats  # (the statistics' windows: a healthy loss, the loss median, a rise's onset)
-        self.localize = localize
         exchanging = self.detectors.exchanging
         if peer_replay is None and exchanging:
             raise ConfigError([("trainguard.detectors.peer_replay.enabled",
@@ -114,6 +111,8 @@ class StepGuard:
         self.straggler = StragglerDetector(cfg.detectors.straggler)
         # the step's collectives (trainguard.agreement: every rank's rows up to 64 ranks, a fixed-size summary above)
         self.agreement = Agreement(rank, world, self.device, group, collective, extra=self.detectors.columns)
+        self.evidence = Evidence(cfg, rank, self.device, group, self.detectors, self.probes, self.replays,
+                                 self.agreement, localize)  # (DECIDE's first half: trainguard.evidence)
         self._reset_step()
 
     # ------------------------------------------------------------------ helpers
@@ -212,39 +211,10 @@ class StepGuard:
         (trainguard.detectors.registry) read the step's summary (trainguard.reduced), the rows where they travelled,
         and -- after the one object gather of an anomaly or sampled step -- the named ranks' objects."""
         s = obs.summary
-        # (the LR the detectors read is rank 0's, never this rank's own: under pipeline parallelism a stage's first
-        # param group may hold another LR, and the ranks would classify differently)
-        self.lr_agreed = s.lr if math.isfinite(s.lr) else None
-        ctx = Decide(obs, self.coords, scaled=self._scaled, lr=self.lr_agreed, lr_ratio=lambda: self._lr_ratio(step))
-        self.detectors.early(step, ctx)  # before the gather: what the agreement shows
-        nonfinite, spikes = ctx.nonfinite, list(ctx.found)
-        localized = None
-        if nonfinite is not None and nonfinite.anomaly == "nonfinite" and self.cfg.detectors.localize.enabled \
-                and self.localize is not None:
-            localized = self.localize()  # every rank replays together (ZeRO-3 / TP forwards are collective)
-        sampled = self.sampled(step)
-        activation, entropy = self.probes.collect(sampled)
-        deciding = self.replays.deciding(nonfinite, spikes)
-        replayed, narrowed = self.replays.run(deciding)
-
-        everyone = None
-        if nonfinite or spikes or sampled or s.samples_rejected:
-            # one object gather, taken by every rank: all of these conditions are the same everywhere. From every
-            # rank where every rank's values count (a probe, the weights check), else from the ranks named
-            named = None if sampled or deciding else sorted(
-                {r for v in ([nonfinite] if nonfinite else []) + spikes for r in v.ranks}
-                | {o.rank for o in obs if o.samples_rejected})
-            everyone = self.agreement.objects({"sample_ids": self.tally.sample_ids, "rejected": self.tally.rejected,
-                                               "position": self.tally.where(), "localized": localized,
-                                               "activation": activation, "entropy": entropy, "replayed": replayed,
-                                               "narrowed": narrowed, "micro_batches": self.tally.micro}, named)
-        if everyone and deciding:
-            self.replays.judge(everyone)
-        ctx.everyone, ctx.weights, ctx.probed = everyone, self.weights, {"activation": activation, "entropy": entropy}
-        self.detectors.observe(step, ctx, lambda: self.replays.peer_context(  # after it (objects, weights, probes)
-            self.rank, self.coords, self.device, self.group, deciding, everyone,
-            {o.rank: o.loss for o in obs} if obs.full else {s.loss_rank: s.loss_max.value}),
-            self.group, lambda at, r, why: self.suspects.suspect(at, r, why, self.emit))
+        ctx = Decide(obs, self.coords, scaled=self._scaled, lr=self.lr_history.agree(s.lr),
+                     lr_ratio=lambda: self.lr_history.ratio(step, LR_LOOKBACK))
+        everyone = self.evidence.gather(step, ctx, self.tally, lambda at, r, why: self.suspects.suspect(
+            at, r, why, self.emit))
         verdicts = ([ctx.nonfinite] if ctx.nonfinite is not None else []) + ctx.found
         custom = self.detectors.custom_verdicts(step, s, ctx.rows)
         rise_onset = self.stats.rise_onset(step)
@@ -265,8 +235,8 @@ class StepGuard:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self._everyone = everyone
         # every rank's sampled values (they came with the gather above: no extra synchronisation)
-        self._probe_values = {"activation": by_rank(everyone, "activation") if activation is not None else None,
-                              "entropy": by_rank(everyone, "entropy") if entropy is not None else None}
+        self._probe_values = {k: by_rank(everyone, k) if ctx.probed[k] is not None else None
+                              for k in ("activation", "entropy")}
         if s.faults_fired:
             self.log.faults(step, list(obs))
         if everyone:
@@ -278,14 +248,6 @@ class StepGuard:
         for v in custom:  # your detectors alert; the ladders act on the built-in classes only
             self.log.alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
         return decision
-
-    def _lr_ratio(self, step: int) -> float | None:
-        """The LR of this step over the LR ``LR_LOOKBACK`` steps before (None: unknown)."""
-        if self.lr_agreed is None:
-            return None
-        self.lr_history.record(step, self.lr_agreed)
-        before = self.lr_history.at(step - LR_LOOKBACK)
-        return self.lr_agreed / before if before else None
 
     # ------------------------------------------------------------------ replays (trainguard.replays)
     @property

@@ -23,6 +23,7 @@ table, so every rank computes the same cut).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 JUMP = 1.5       # one step's LR over the step before: a jump
@@ -37,6 +38,21 @@ class LrHistory:
 
     def __init__(self, maxlen: int = 256):
         self.steps: deque[tuple[int, float]] = deque(maxlen=maxlen)
+        self.agreed: float | None = None  # this step's LR as every rank reads it (None: unknown)
+
+    def agree(self, lr: float) -> float | None:
+        """The step's LR, rank 0's from the AGREE table -- never this rank's own: under pipeline parallelism a
+        stage's first param group may hold another LR, and the ranks would classify differently."""
+        self.agreed = lr if math.isfinite(lr) else None
+        return self.agreed
+
+    def ratio(self, step: int, lookback: int) -> float | None:
+        """The agreed LR of ``step`` over the LR ``lookback`` steps before (None: unknown); records it."""
+        if self.agreed is None:
+            return None
+        self.record(step, self.agreed)
+        before = self.at(step - lookback)
+        return self.agreed / before if before else None
 
     def record(self, step: int, lr: float) -> None:
         while self.steps and self.steps[-1][0] >= step:  # (a rollback went back: its undone steps go)
