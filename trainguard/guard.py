@@ -17,10 +17,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from trainguard import __version__, records
+from trainguard import records
 from trainguard.checks import RunFacts, start_checks
 from trainguard.clipping import Clipper
-from trainguard.config import TrainguardConfig, config_hash
+from trainguard.config import TrainguardConfig
 from trainguard.data import DataPosition
 from trainguard.detectors.loss_scale import LossScaleWatch
 from trainguard.verdicts import ScalerState
@@ -160,13 +160,8 @@ class StepGuard:
         self.suspects.begin(self.coords)
         self.events.open(self.cfg)
         if self.rank == 0:
-            self.emit(0, Record.RUN_START, range(self.world), None, {
-                "trainguard": __version__, "config_hash": config_hash(self.cfg),
-                "world": self.world, "coords": [c.as_dict() for c in self.coords],
-                "faults": [f.model_dump() for f in self.cfg.faults],
-                "probes": self.probes.describe(),
-                "agree": {"way": self.agreement.way, "bytes_per_step": self.agreement.bytes_per_step,
-                          "rows_every_step": self.detectors.rows_every_step}, **framework})
+            self.log.run_start(self.world, self.coords, framework, self.probes, self.agreement,
+                               self.detectors.rows_every_step)
         if facts is not None:
             for v in start_checks(facts, self.cfg):
                 self.emit(0, Record(v.anomaly), [], "warn", v.detail)
@@ -237,16 +232,10 @@ class StepGuard:
         # every rank's sampled values (they came with the gather above: no extra synchronisation)
         self._probe_values = {k: by_rank(everyone, k) if ctx.probed[k] is not None else None
                               for k in ("activation", "entropy")}
-        if s.faults_fired:
-            self.log.faults(step, list(obs))
-        if everyone:
-            self.log.rejections(step, everyone)
-        for v in verdicts:
-            self.log.verdict(step, v, decision, everyone, self.skipped_steps, self.replays.check)
+        self.log.decided(step, obs, decision, verdicts, everyone, self.skipped_steps, self.replays.check)
         if self.cfg.detectors.straggler.enabled:
             self._log_stragglers(step, obs)
-        for v in custom:  # your detectors alert; the ladders act on the built-in classes only
-            self.log.alert(step, Record.CUSTOM_ALERT, v.ranks, {"detector": v.detector, "anomaly": v.anomaly, **v.detail})
+        self.log.custom_alerts(step, custom)
         return decision
 
     # ------------------------------------------------------------------ replays (trainguard.replays)
@@ -298,9 +287,7 @@ class StepGuard:
                                    "applied it; this optimizer is not supported by the skip path")
             self.skipped_steps += 1
         elif decision.action is Action.CONTINUE and not applied:
-            self.emit(step, Record.FRAMEWORK_SKIP, [], None,
-                       {"reason": "the framework skipped this step itself (e.g. fp16 loss-scale overflow "
-                                  "found after the reduction)"})
+            self.log.framework_skip(step)
 
     def on_end(self, step: int, obs: StepView, metrics: dict[str, Any]) -> None:
         """END: the metric line(s) of this step, written once the framework's global gradient norm
@@ -336,11 +323,8 @@ class StepGuard:
     def on_close(self, totals: dict[str, Any] | None = None) -> None:
         """CLOSE: the last metric line, totals, then close the files."""
         self.deferred.close(self.world)
-        self.log.close_incidents(self.last_step, at_end=True)
-        self.emit(self.last_step, Record.RUN_END, range(self.world), None,
-                  {"guard_skipped_steps": self.skipped_steps,
-                   "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
-        self.events.close()
+        self.log.run_end(self.last_step, self.world, {"guard_skipped_steps": self.skipped_steps,
+                                                      "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
 
     # ------------------------------------------------------------------ records
     def forward_done(self) -> None:
@@ -379,11 +363,7 @@ class StepGuard:
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
-        report = records.abort_report(step, decision, self._everyone or {}, self.coords_of,
-                                      self.skipped_steps, self.policy)
-        self.emit(step, Record.ABORT, sorted({r for v in decision.verdicts for r in v.ranks}), Action.ABORT.value,
-                  report)
-        return TrainguardAbort(f"trainguard aborted the run at step {step}: {decision.reason}", report)
+        return self.log.abort(step, decision, self._everyone or {}, self.skipped_steps, self.policy)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

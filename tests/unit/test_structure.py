@@ -17,7 +17,7 @@ MODULE_BUDGET = 300                                       # lines, any module
 PACKAGE_BUDGET = {"ds_plugins": 1300, "megatron_hooks": 700}
 # What is still over a budget, at its size when listed: may shrink, never grow (issue 34 stays open while any remains)
 MODULE_DEBTS = {
-    "trainguard/guard.py": 412, "ds_plugins/engine.py": 427,
+    "trainguard/guard.py": 392, "ds_plugins/engine.py": 427,
     "megatron_hooks/__init__.py": 409,
 }
 # (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~130 lines with
