@@ -20,15 +20,14 @@ MODULE_DEBTS = {
     "trainguard/checkpoint/manager.py": 321,
     "trainguard/checkpoint/snapshots.py": 345, "trainguard/guard.py": 521,
     "trainguard/policy.py": 322,
-    "megatron_hooks/__init__.py": 409,
 }
 # (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~130 lines with
 # its refusals, where 80 lines of model-output helpers went to the core -- trainguard/outputs.py -- in the same change;
 # megatron_hooks raised once, issue 38: Megatron-LM's pretrain() and your loop entered again after a death,
 # megatron_hooks/inprocess.py -- what the two adapters' replacements share went to the core,
-# trainguard/replacement.py, in the same change; ds_plugins raised by the docstrings and imports of the modules that
-# ds_plugins/engine.py was split into, issue 34: +29 lines, no code added)
-PACKAGE_DEBTS = {"ds_plugins": 1992, "megatron_hooks": 1752}
+# trainguard/replacement.py, in the same change; both raised by the docstrings and imports of the modules that
+# ds_plugins/engine.py and megatron_hooks/__init__.py were split into, issue 34: +29 and +31 lines, no code added)
+PACKAGE_DEBTS = {"ds_plugins": 1992, "megatron_hooks": 1783}
 
 
 def _lines(path: Path) -> int:
