@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ds_plugins.engines import _Capture, _Hashing
+from ds_plugins.facts import _dtype
 from trainguard.ports import CheckpointError, CORE_VERSION, host_copy, releases, verified_reads, world
 from trainguard.errors import UnsupportedSetup
 
@@ -40,7 +41,7 @@ class DeepSpeedState:
 
     def layout(self) -> dict:
         eng = self.engine
-        return {"world": world(), "dp": eng.dp_world_size, "tp": 1, "pp": 1, "precision": self.guarded._dtype(),
+        return {"world": world(), "dp": eng.dp_world_size, "tp": 1, "pp": 1, "precision": _dtype(eng),
                 "zero_stage": eng.zero_optimization_stage(),
                 "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
                 "gradient_accumulation_steps": eng.gradient_accumulation_steps()}

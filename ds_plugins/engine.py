@@ -1,7 +1,7 @@
 """The DeepSpeed engine, guarded: the user's loop is unchanged, the guard runs inside it.
 
-``attach`` swaps the engine's class for a subclass (``isinstance(engine, DeepSpeedEngine)`` still
-holds) whose ``forward``, ``backward`` and ``step`` call the guard's loop points around
+``attach`` swaps the engine's class for a subclass (ds_plugins.guarded; ``isinstance(engine, DeepSpeedEngine)``
+still holds) whose ``forward``, ``backward`` and ``step`` call the guard's loop points around
 DeepSpeed's own, and registers one tensor hook per parameter. Tensor hooks fire with the local
 gradient *before* it is accumulated into ``.grad``, i.e. before DeepSpeed's data-parallel
 reduction at every ZeRO stage (ZeRO-0/1 reduce after backward, ZeRO-2 in its accumulate hooks,
@@ -11,96 +11,24 @@ every stage, and names the rank that produced them.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
 
-from ds_plugins import RELEASES
-from ds_plugins.loaders import UNTAGGED as _UNTAGGED
+from ds_plugins.applied_grad import _applied_grad_meter
+from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_facts, _run_facts
+from ds_plugins.guarded import _guarded_class, _plain_class
 from ds_plugins.loaders import take_tags
-from ds_plugins.loss_scale import ScalerView
+from ds_plugins.loss_scale import _loss_scale, ScalerView
 from ds_plugins.replay import Replays
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.ports import (
-    collective_device, DataPosition, gather_coords, output_value, PoisonFirstLeaf, rng_state, rows_of, RunFacts,
-    StepOutcome, surviving, zero_adam_moments,
+    DataPosition, output_value, PoisonFirstLeaf, rng_state, rows_of, StepOutcome, surviving, zero_adam_moments,
 )
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
 from trainguard.session import GuardSession
-
-_GUARDED_CLASSES: dict[type, type] = {}
-
-
-def _loss_scale(engine) -> float:
-    """The fp16 dynamic loss scale (1.0 when there is none). Host floats: no device sync."""
-    if not engine.fp16_enabled():
-        return 1.0
-    opt = engine.optimizer
-    for obj in (opt, getattr(opt, "loss_scaler", None), getattr(opt, "loss_scale_config", None)):
-        value = getattr(obj, "cur_scale", None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return 1.0
-
-
-def _guarded_class(base: type) -> type:
-    if base in _GUARDED_CLASSES:
-        return _GUARDED_CLASSES[base]
-
-    class Guarded(base):  # type: ignore[misc, valid-type]
-        """DeepSpeed engine with trainguard's loop points (see trainguard.events.Event)."""
-
-        def forward(self, *inputs, **kwargs):
-            tg = self._trainguard
-            return tg.surviving(lambda: tg.forward(super(Guarded, self).forward, inputs, kwargs),
-                                lambda: torch.zeros((), requires_grad=True))
-
-        def backward(self, loss, *args, **kwargs):
-            tg = self._trainguard
-            if tg.discard:  # (the rest of a step a replaced rank interrupted: the engine was rebuilt since)
-                return None
-            loss = tg.on_loss(self.global_steps + 1, loss)
-            return tg.surviving(lambda: super(Guarded, self).backward(loss, *args, **kwargs))
-
-        def step(self, *args, **kwargs):
-            tg = self._trainguard
-            if tg.discard:
-                tg.discard = False
-                return None
-            if not self.is_gradient_accumulation_boundary():
-                return tg.surviving(lambda: super(Guarded, self).step(*args, **kwargs), discard=False)
-            return tg.surviving(lambda: tg.guarded_step(lambda: base.step(self, *args, **kwargs)), discard=False)
-
-        def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DS's signature
-                            exclude_frozen_parameters=False):
-            """DeepSpeed's save, committed atomically with a manifest, sidecars and lineage."""
-            cp = self._trainguard.checkpointer
-            if cp is None:
-                return super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
-                                               save_latest=save_latest,
-                                               exclude_frozen_parameters=exclude_frozen_parameters)
-            # no tag: DeepSpeed's own name (global_step<N>), which HF's resume and DeepSpeed's tools look for
-            cp.save(save_dir, tag=tag if tag is not None else f"global_step{self.global_steps}",
-                    client_state=client_state)
-            return True
-
-        def load_checkpoint(self, load_dir, tag=None, **kwargs):
-            """DeepSpeed's load of the newest checkpoint that verifies (or ``tag``, verified first)."""
-            cp = self._trainguard.checkpointer
-            if cp is None:
-                return super().load_checkpoint(load_dir, tag=tag, **kwargs)
-            return cp.load(load_dir, tag=tag, **kwargs)
-
-        def destroy(self, *args, **kwargs):
-            self._trainguard.close()
-            return super().destroy(*args, **kwargs)
-
-    Guarded.__name__ = Guarded.__qualname__ = f"Trainguard{base.__name__}"
-    _GUARDED_CLASSES[base] = Guarded
-    return Guarded
 
 
 class EngineGuard:
@@ -139,7 +67,8 @@ class EngineGuard:
 
             base = _plain_class(type(engine))
             self.checkpointer = s.start(DeepSpeedState(self, base.save_checkpoint, base.load_checkpoint),
-                                        self._coords(), self._framework_facts(), self._run_facts(client_scheduler))
+                                        _coords(engine, self.rank), _framework_facts(engine, cfg),
+                                        _run_facts(engine, client_scheduler))
 
     @property
     def watchdog(self):
@@ -162,62 +91,11 @@ class EngineGuard:
         return self.engine.global_steps + 1
 
     # ------------------------------------------------------------------ setup
-    def _coords(self):
-        eng = self.engine
-        mpu = getattr(eng, "mpu", None)
-        tp = mpu.get_model_parallel_rank() if mpu is not None and hasattr(mpu, "get_model_parallel_rank") else 0
-        pp = mpu.get_pipeline_model_parallel_rank() if mpu is not None and hasattr(
-            mpu, "get_pipeline_model_parallel_rank") else 0
-        dp = dist.get_rank(eng.data_parallel_group) if dist.is_initialized() and getattr(
-            eng, "data_parallel_group", None) is not None else self.rank
-        return gather_coords(dp=dp, tp=tp, pp=pp, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-
-    def _dtype(self) -> str:
-        eng = self.engine
-        return "fp16" if eng.fp16_enabled() else "bf16" if eng.bfloat16_enabled() else "fp32"
-
-    def _framework_facts(self) -> dict:
-        eng = self.engine
-        import deepspeed
-
-        return {"framework": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                "zero_stage": eng.zero_optimization_stage(), "dtype": self._dtype(),
-                "optimizer": type(eng.optimizer).__name__,
-                "grad_check_point": "local, before the data-parallel reduction (tensor hooks)",
-                "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
-                "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
-                "clipping": {"mode": self.cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()},
-                "untagged_loaders": list(_UNTAGGED), "releases": dict(RELEASES["checked"]),
-                "untested_releases": list(RELEASES["untested"])}
-
-    def _run_facts(self, client_scheduler) -> RunFacts:
-        eng = self.engine
-        from trainguard.ports import bf16_supported
-
-        bf16 = bf16_supported()
-        sched_cfg = eng.config.get("scheduler") if isinstance(getattr(eng, "config", None), dict) else None
-        warmup: int | None = None
-        name = None
-        if sched_cfg:
-            name = sched_cfg.get("type")
-            params = sched_cfg.get("params", {})
-            if "warmup_num_steps" in params:
-                warmup = int(params["warmup_num_steps"])
-            elif name in ("OneCycle",):
-                warmup = int(params.get("cycle_first_step_size", 0))
-            else:
-                warmup = -1
-        elif client_scheduler is not None:
-            name = client_scheduler if isinstance(client_scheduler, str) else type(client_scheduler).__name__
-            warmup = -1
-        return RunFacts(dtype=self._dtype(), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
-                        framework_clip=float(eng.gradient_clipping() or 0.0))
-
     def _hook_engine(self, framework_clip: float | None = None) -> None:
         """What the adapter puts on the engine: fault hooks, gradient hooks, the clip limit, the fp16
         scaler's arming. At attach, and again after the engine was rebuilt in place (bf16 fallback)."""
         if self.faults is not None:
-            self.faults.precision = self._dtype()
+            self.faults.precision = _dtype(self.engine)
             self._hooks += self.faults.install_module_faults(self.engine.module, self.step_number)
         self._install_grad_hooks()
         if self.guard is not None:
@@ -381,23 +259,6 @@ class EngineGuard:
                             "global_steps": self.engine.global_steps})
 
 
-def _plain_class(cls: type) -> type:
-    """The DeepSpeed class under our guarded subclass."""
-    return cls.__mro__[1] if cls.__name__.startswith("Trainguard") else cls
-
-
-def _collective_device() -> torch.device:
-    """Where the AGREE tensor must live (trainguard.isolation.collective_device), with DeepSpeed's
-    accelerator as the device of any other backend."""
-    try:
-        from deepspeed.accelerator import get_accelerator
-
-        name = get_accelerator().current_device_name()
-    except Exception:  # noqa: BLE001
-        name = None
-    return collective_device(name)
-
-
 def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None) -> EngineGuard:
     """Guard an existing engine in place. Returns the adapter state (also ``engine._trainguard``)."""
     state = EngineGuard(engine, cfg, guard_enabled=guard_enabled, client_scheduler=client_scheduler)
@@ -405,23 +266,4 @@ def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_sch
     object.__setattr__(engine, "_trainguard", state)
     engine.__class__ = _guarded_class(type(engine))
     return state
-
-
-def _applied_grad_meter(engine):
-    """A meter on the torch optimizer DeepSpeed steps after clipping (ZeRO's inner optimizer over the
-    fp32 partitions; at ZeRO-0 fp32 the optimizer itself, on the full reduced gradients)."""
-    from trainguard.ports import AppliedGradMeter
-
-    inner = engine.optimizer
-    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) and inner.optimizer is not inner:
-        inner = inner.optimizer
-    if not isinstance(inner, torch.optim.Optimizer):
-        return None
-    local = sum(p.numel() for g in inner.param_groups for p in g["params"])
-    full = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
-    group = getattr(engine, "data_parallel_group", None)
-    dp = dist.get_world_size(group) if dist.is_initialized() else 1
-    # a partition (ZeRO >= 1) is held once; full gradients (ZeRO-0) by every data-parallel rank
-    replication = max(1, round(local * dp / full)) if full else 1
-    return AppliedGradMeter([inner], replication=replication)
 

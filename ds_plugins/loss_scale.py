@@ -83,3 +83,15 @@ class ScalerView:
             s.min_loss_scale = value
         if s.cur_scale < value:
             s.cur_scale = value
+
+
+def _loss_scale(engine) -> float:
+    """The fp16 dynamic loss scale (1.0 when there is none). Host floats: no device sync."""
+    if not engine.fp16_enabled():
+        return 1.0
+    opt = engine.optimizer
+    for obj in (opt, getattr(opt, "loss_scaler", None), getattr(opt, "loss_scale_config", None)):
+        value = getattr(obj, "cur_scale", None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 1.0

@@ -69,7 +69,7 @@ def test_a_tuple_batch_travels_wrapped_and_comes_out_unwrapped_with_its_ids_hand
 
 def test_a_loader_that_cannot_be_tagged_is_named_for_the_start_record():
     """Issue 27: an IterableDataset (no indices) or a loader without automatic batching used to leave the
-    records' sample_ids empty later, silently; run_start now lists it (ds_plugins.engine, untagged_loaders)."""
+    records' sample_ids empty later, silently; run_start now lists it (ds_plugins.facts, untagged_loaders)."""
     from ds_plugins.loaders import UNTAGGED
 
     class Stream(torch.utils.data.IterableDataset):

@@ -1,0 +1,77 @@
+"""What a DeepSpeed engine tells the session at the start (ds_plugins.engine.EngineGuard): the rank's coordinates,
+the run_start record's framework facts, the run's facts for the start-of-run checks (trainguard.protocols.RunFacts),
+its precision, and the device of the AGREE table."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ds_plugins import RELEASES
+from ds_plugins.loaders import UNTAGGED as _UNTAGGED
+from trainguard.ports import collective_device, gather_coords, RunFacts
+from trainguard.config import TrainguardConfig
+
+
+def _coords(eng, rank: int):
+    mpu = getattr(eng, "mpu", None)
+    tp = mpu.get_model_parallel_rank() if mpu is not None and hasattr(mpu, "get_model_parallel_rank") else 0
+    pp = mpu.get_pipeline_model_parallel_rank() if mpu is not None and hasattr(
+        mpu, "get_pipeline_model_parallel_rank") else 0
+    dp = dist.get_rank(eng.data_parallel_group) if dist.is_initialized() and getattr(
+        eng, "data_parallel_group", None) is not None else rank
+    return gather_coords(dp=dp, tp=tp, pp=pp, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _dtype(eng) -> str:
+    return "fp16" if eng.fp16_enabled() else "bf16" if eng.bfloat16_enabled() else "fp32"
+
+
+def _framework_facts(eng, cfg: TrainguardConfig) -> dict:
+    import deepspeed
+
+    return {"framework": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+            "zero_stage": eng.zero_optimization_stage(), "dtype": _dtype(eng),
+            "optimizer": type(eng.optimizer).__name__,
+            "grad_check_point": "local, before the data-parallel reduction (tensor hooks)",
+            "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
+            "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
+            "clipping": {"mode": cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()},
+            "untagged_loaders": list(_UNTAGGED), "releases": dict(RELEASES["checked"]),
+            "untested_releases": list(RELEASES["untested"])}
+
+
+def _run_facts(eng, client_scheduler) -> RunFacts:
+    from trainguard.ports import bf16_supported
+
+    bf16 = bf16_supported()
+    sched_cfg = eng.config.get("scheduler") if isinstance(getattr(eng, "config", None), dict) else None
+    warmup: int | None = None
+    name = None
+    if sched_cfg:
+        name = sched_cfg.get("type")
+        params = sched_cfg.get("params", {})
+        if "warmup_num_steps" in params:
+            warmup = int(params["warmup_num_steps"])
+        elif name in ("OneCycle",):
+            warmup = int(params.get("cycle_first_step_size", 0))
+        else:
+            warmup = -1
+    elif client_scheduler is not None:
+        name = client_scheduler if isinstance(client_scheduler, str) else type(client_scheduler).__name__
+        warmup = -1
+    return RunFacts(dtype=_dtype(eng), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
+                    framework_clip=float(eng.gradient_clipping() or 0.0))
+
+
+def _collective_device() -> torch.device:
+    """Where the AGREE tensor must live (trainguard.isolation.collective_device), with DeepSpeed's
+    accelerator as the device of any other backend."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        name = get_accelerator().current_device_name()
+    except Exception:  # noqa: BLE001
+        name = None
+    return collective_device(name)
