@@ -87,12 +87,5 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     from trainguard.ports import check_release
 
     check_release(cfg, "megatron-core", megatron.core.__version__)  # (a key this release cannot run: refused)
-    if replayer is None:
-        asked = [k for k in ("replay_check", "narrow_samples") if k in cfg.recovery.model_fields_set
-                 and getattr(cfg.recovery, k)]
-        if asked:
-            raise tg_config.ConfigError([(f"trainguard.recovery.{k}", "true needs a replay of your forward step: pass "
-                                          "megatron_hooks.install(..., replayer=Replayer(...)) and call guard.record(...) "
-                                          "per micro-batch (Megatron-LM's loop does both), or set false") for k in asked])
     return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled,
                          data_state=data_state, loop=loop, replayer=replayer)

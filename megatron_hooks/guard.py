@@ -11,17 +11,17 @@ import torch.distributed as dist
 
 from trainguard import config as tg_config
 from trainguard.ports import (
-    bf16_supported, collective_device, gather_coords, OutputFlags, releases, RunFacts, StepOutcome, zero_adam_moments,
+    bf16_supported, collective_device, gather_coords, releases, RunFacts, StepOutcome, zero_adam_moments,
 )
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly
 from trainguard.session import GuardSession
 
 from megatron_hooks.model_hooks import ModelHooks
-from megatron_hooks.parts import _GradScaler, _dtype, _modules, _optimizers, _unwrap
+from megatron_hooks.parts import _GradScaler, _dtype, _optimizers, _unwrap
 
 
-class MegatronGuard(ModelHooks):
+class MegatronGuard:
     """The adapter's state on one rank (``install`` returns it)."""
 
     data = None  # trainguard.protocols.Framework: megatron's data loader is the user's (no skip, no quarantine)
@@ -45,17 +45,15 @@ class MegatronGuard(ModelHooks):
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
         self.replayer = replayer        # megatron_hooks.replay.Replayer: data or weights (trainguard.replay)
-        self._poison = None             # this micro-batch's nan_batch poison (an integer batch: at the first leaf)
-        self._poisoning = None
-        self._first_forward = True      # the step's first training forward (its first micro-batch) is still to come
+        self.model_hooks = ModelHooks(self)  # (on the model chunks: megatron_hooks.model_hooks)
         self.checkpointer = None
         self.applied_grad = None  # trainguard.appliedgrad.AppliedGradMeter on the inner torch optimizer(s)
         peers = dist.get_process_group_ranks(ps.get_model_parallel_group()) if replayer is not None else None
         self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
-                                    device=collective_device(), localize=self._localize,
-                                    replay=self._replay if replayer is not None else None,
+                                    device=collective_device(), localize=self.model_hooks.localize,
+                                    replay=self.model_hooks.replay if replayer is not None else None,
                                     narrow_rows=replayer is not None, replay_peers=peers,
-                                    peer_replay=self._peer_replay if replayer is not None else None)
+                                    peer_replay=self.model_hooks.peer_replay if replayer is not None else None)
         s = self.session
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.faults is not None:
@@ -63,18 +61,13 @@ class MegatronGuard(ModelHooks):
         scaler = _GradScaler(optimizer)
         self.grad_scaler = scaler if scaler.active() and guard_enabled else None
         if replayer is not None:
-            replayer.poison_module = self._poison_forward
+            replayer.poison_module = self.model_hooks.poison_forward
             if self.faults is not None:
                 replayer.held = self.faults.held
         if self.guard is not None:
             self.guard.attach_model(_unwrap(self.chunks[0]) if len(self.chunks) == 1 else torch.nn.ModuleList(
                 [_unwrap(c) for c in self.chunks]))
-        self._probing = None
-        self._install_hooks()  # (fault hooks first, so that the finiteness flags see what they did)
-        self._finite = OutputFlags(_modules(self.chunks), self.stage) if cfg.detectors.localize.enabled and \
-            guard_enabled else None
-        if self._finite is not None:
-            self._hooks.append(self._finite)
+        self.model_hooks.install(localize=cfg.detectors.localize.enabled and guard_enabled)
         self._base_step = optimizer.step
         optimizer.step = self.step  # the instance's step: the guard decides first
         if self.guard is None:
@@ -116,15 +109,21 @@ class MegatronGuard(ModelHooks):
     # ------------------------------------------------------------------ the step
     def step(self, *args, **kwargs):
         """``optimizer.step()`` with the guard's decision first (trainguard.driver); the same return value."""
-        self._first_forward = True
-        if self._probing is not None:
-            self._probing.__exit__(None, None, None)
-            self._probing = None
+        self.model_hooks.step_begins()
         try:
             return self.session.step(lambda: self._base_step(*args, **kwargs))
         finally:
-            if self._finite is not None:
-                self._finite.reset()
+            self.model_hooks.step_ended()
+
+    def record(self, drawn: list) -> None:
+        """From the loop, after each training micro-batch's forward step: what this rank drew from its data
+        iterator for it (megatron_hooks.replay.Recording), kept with its poison for a replay."""
+        self.model_hooks.record(drawn)
+
+    def on_batch(self, sample_ids: Sequence[int] | None = None, position=None) -> None:
+        """Optional, from your forward_step: this micro-batch's sample ids (named in verdicts).
+        Ignored while the model is in eval mode (evaluation is not a training step)."""
+        self.model_hooks.on_batch(sample_ids, position)
 
     # ------------------------------------------------------------------ trainguard.protocols.Framework
     def completed_steps(self) -> int:

@@ -37,13 +37,11 @@ from __future__ import annotations
 
 import functools
 import sys
-from pathlib import Path
 
 from megatron_hooks.capabilities import LM_FLAGS_REFUSED
 from trainguard import config as tg_config
 from trainguard.bootstrap import wrap_once
-from trainguard.ports import DataPosition
-from trainguard.errors import ConfigError
+from trainguard.ports import check_own_dir, DataPosition, refuse_flags
 from trainguard.events import Record
 
 __all__ = ["install_entry", "LMRun"]
@@ -130,35 +128,21 @@ def _setup(setup, *args, **kwargs):
 
 
 def _refuse_conflicts(args) -> None:
-    """At Megatron-LM's argument parsing, before any process group: a flag of LM_FLAGS_REFUSED that conflicts
-    with the block stops the launch (exit 2, as a bad key does), naming the flag, why and what to use."""
+    """At Megatron-LM's argument parsing: a flag of LM_FLAGS_REFUSED that conflicts with the block stops the launch."""
     path = getattr(args, "trainguard_config", None)
-    if not path:
-        return
-    cfg = tg_config.block_of(path, "--trainguard-config")
-    for flag, conflicts, why, instead in LM_FLAGS_REFUSED:
-        if conflicts(args, cfg):
-            print(f"error: --trainguard-config {path} cannot run with Megatron-LM's {flag}: {why}. Instead: "
-                  f"{instead}.", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+    if path:
+        refuse_flags(tg_config.block_of(path, "--trainguard-config"), args, LM_FLAGS_REFUSED,
+                     f"--trainguard-config {path}", "Megatron-LM")
+
+
+def _check_dirs(cfg, margs) -> None:
+    """trainguard's snapshots and Megatron-LM's checkpoints (``--save``, ``--load``) in one directory: refused."""
+    check_own_dir(cfg.checkpoint.dir, {f"--{f}": getattr(margs, f, None) for f in ("save", "load")}, "Megatron-LM")
 
 
 def _clear(section, name: str) -> None:
     if section is not None and getattr(section, name, False):
         setattr(section, name, False)
-
-
-def _check_dirs(cfg, margs) -> None:
-    """trainguard's snapshots and Megatron-LM's checkpoints in one directory would fight over it
-    (Megatron-LM's tracker file and ``iter_*`` directories beside trainguard's tags and ``latest``)."""
-    mine = cfg.checkpoint.dir
-    if not mine:
-        return
-    for flag in ("save", "load"):
-        theirs = getattr(margs, flag, None)
-        if theirs and Path(theirs).resolve() == Path(mine).resolve():
-            raise ConfigError([("trainguard.checkpoint.dir", f"{mine} is Megatron-LM's --{flag} directory: give "
-                               f"trainguard's snapshots a directory of their own (e.g. {Path(mine) / 'trainguard'})")])
 
 
 class LMRun:

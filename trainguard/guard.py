@@ -30,7 +30,7 @@ from trainguard.detectors.lineup import Lineup
 from trainguard.detectors.registry import Decide
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.attribution import by_rank, culprit_samples
-from trainguard.errors import ConfigError, TrainguardAbort
+from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event, Record
 from trainguard.evidence import Evidence
 from trainguard.faults import FaultInjector
@@ -41,7 +41,7 @@ from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import Decision, Policy, anomaly_class
 from trainguard.probes import SampledProbes
 from trainguard.replay import MicroBatch
-from trainguard.replays import Replays
+from trainguard.replays import Replays, check_replayable
 from trainguard.steplog import StepLog
 from trainguard.steptime import StepTimer
 from trainguard.tally import StepTally
@@ -84,10 +84,7 @@ class StepGuard:
         self.detectors = Lineup(cfg, self.device)  # the registered ones and yours (trainguard.detectors.lineup)
         self.stats = self.detectors.stats  # (the statistics' windows: a healthy loss, the loss median, a rise's onset)
         exchanging = self.detectors.exchanging
-        if peer_replay is None and exchanging:
-            raise ConfigError([("trainguard.detectors.peer_replay.enabled",
-                                "true needs an adapter that replays a micro-batch (DeepSpeed; megatron-core: "
-                                "install(..., replayer=Replayer(...)), as Megatron-LM's loop does); set false")])
+        check_replayable(cfg.recovery, replay, peer_replay, exchanging)  # (a replay key set where none can run)
         self.replays = Replays(replay if cfg.recovery.replay_check else None, peer_replay if exchanging else None,
                                narrow_rows and replay is not None and cfg.recovery.narrow_samples,
                                set(replay_peers) if replay_peers is not None else {rank}, self.stats.healthy_loss,

@@ -32,7 +32,7 @@ from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
 from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.auth import key_from
 from trainguard.checkpoint.fsio import save_hashed
-from trainguard.checkpoint.layout import STAGING, CheckpointError
+from trainguard.checkpoint.layout import STAGING, CheckpointError, check_own_dir
 from trainguard.checkpoint.resume import first_resumable, newest_resumable_folder
 from trainguard.checkpoint.verified_io import load_weights, verified_reads
 from trainguard.checkpoint.write_hashes import hashed_writes
@@ -52,7 +52,7 @@ from trainguard.spare import check_backend, close_window, form
 
 # what a run may ask of this adapter (its capabilities, declared once) and of this release
 from trainguard.checks import RunFacts, bf16_supported
-from trainguard.support import Refusal, check_release, check_supported
+from trainguard.support import Refusal, check_release, check_supported, refuse_flags
 
 __all__ = [
     "CORE_VERSION", "releases", "DataControl", "Framework", "Loop", "ScalerControl", "ShardSource", "State",
@@ -63,5 +63,5 @@ __all__ = [
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
     "gather_coords", "rank", "world", "World", "check_backend", "forget_framework", "form",
     "close_window", "reentered", "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
-    "check_release", "check_supported",
+    "check_release", "check_supported", "refuse_flags", "check_own_dir",
 ]

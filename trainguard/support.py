@@ -9,6 +9,7 @@ that is set and silently does nothing would lie to the user. Defaults are never 
 from __future__ import annotations
 
 import functools
+import sys
 import typing
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -118,3 +119,14 @@ def check_release(cfg, package: str, version: str) -> None:
                 if key == path or (path.endswith(".") and key.startswith(path))]
     if problems:
         raise ConfigError(problems)
+
+
+def refuse_flags(cfg, args, flags, source: str, framework: str) -> None:
+    """At the framework's argument parsing, before any process group: a flag of the adapter's declaration (``flags``:
+    ``(flag, conflicts(args, cfg), why, instead)``) that conflicts with the block stops the launch -- exit 2, as a
+    bad key does -- naming the flag, why and what to use instead."""
+    for flag, conflicts, why, instead in flags:
+        if conflicts(args, cfg):
+            print(f"error: {source} cannot run with {framework}'s {flag}: {why}. Instead: {instead}.", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(2)

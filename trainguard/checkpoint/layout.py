@@ -30,6 +30,18 @@ def validate_tag(tag: str) -> str:
     return tag
 
 
+def check_own_dir(mine: str | None, theirs: dict[str, str | None], framework: str) -> None:
+    """trainguard's ``checkpoint.dir`` and one of the framework's own checkpoint directories (``theirs``: the flag
+    naming each) in one folder would fight over it (the framework's tracker file and step folders beside trainguard's
+    tags and ``latest``): refused, naming the flag."""
+    from trainguard.errors import ConfigError
+
+    for flag, path in theirs.items() if mine else ():
+        if path and Path(path).resolve() == Path(mine).resolve():
+            raise ConfigError([("trainguard.checkpoint.dir", f"{mine} is {framework}'s {flag} directory: give "
+                               f"trainguard's snapshots a directory of their own (e.g. {Path(mine) / 'trainguard'})")])
+
+
 def step_tag(step: int) -> str:
     return f"step{step:08d}"
 
