@@ -26,7 +26,7 @@ one line, ``import ds_plugins.auto``, before the engine is built. From then on:
   holds an enabled block is *tagged*: each batch carries its samples' dataset indices (and the
   sanitiser runs in its collate function), and the guarded engine takes them out again before the
   model sees the batch, so events name the culprit samples as with trainguard's own loader
-  (ds_plugins/loaders.py). A batch with no room for them (a ``(features, labels)`` tuple, a tensor)
+  (trainguard/sample_tags.py). A batch with no room for them (a ``(features, labels)`` tuple, a tensor)
   travels wrapped and Accelerate's prepared loader hands it out unwrapped. A loader that cannot be
   tagged (an IterableDataset, no automatic batching) is named in the ``run_start`` record.
 
@@ -120,7 +120,7 @@ def _patch_accelerate(module) -> None:
         def prepare_data_loader(self, data_loader, *args, **kwargs):
             block = _block_of(self)
             if block is not None:
-                from ds_plugins.loaders import tag_loader
+                from trainguard.ports import tag_loader
 
                 tag_loader(data_loader, block.sanitize)
             return original(self, data_loader, *args, **kwargs)
@@ -141,11 +141,11 @@ def _patch_accelerate(module) -> None:
 
 def _patch_accelerate_loaders(module) -> None:
     """Accelerate's prepared loaders hand out a wrapped batch (one with no room for the ids: a tuple, a
-    tensor) unwrapped, its ids left for the next forward (ds_plugins.loaders.untag). Batches trainguard
+    tensor) unwrapped, its ids left for the next forward (trainguard.sample_tags.untag). Batches trainguard
     did not wrap pass untouched."""
     def make(original):
         def __iter__(self):
-            from ds_plugins.loaders import untag
+            from trainguard.ports import untag
 
             for batch in original(self):
                 yield untag(batch)

@@ -1,7 +1,7 @@
 """What ds_plugins cannot honour, declared once (trainguard.support reads it through the ``trainguard.adapters``
 entry point; ``initialize`` refuses a key set here by name). It runs under three names: ``ds_plugins``
 (``initialize(training_data=...)``: trainguard's loader), ``ds_plugins/framework`` (the zero-code entry under HF
-Trainer / Accelerate: their loader, tagged -- ds_plugins/loaders.py) and ``ds_plugins/own`` (``initialize`` without
+Trainer / Accelerate: their loader, tagged -- trainguard/sample_tags.py) and ``ds_plugins/own`` (``initialize`` without
 training_data: your loader, which trainguard never sees)."""
 from __future__ import annotations
 

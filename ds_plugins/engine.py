@@ -18,12 +18,11 @@ import torch.distributed as dist
 from ds_plugins.applied_grad import _applied_grad_meter
 from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_facts, _run_facts
 from ds_plugins.guarded import _guarded_class, _plain_class
-from ds_plugins.loaders import take_tags
 from ds_plugins.loss_scale import _loss_scale, ScalerView
-from ds_plugins.replay import Replays
 from ds_plugins.skip import find_strategy, forced_skip
 from trainguard.ports import (
-    DataPosition, output_value, PoisonFirstLeaf, rng_state, rows_of, StepOutcome, surviving, zero_adam_moments,
+    DataPosition, ModuleReplays, output_value, PoisonFirstLeaf, rng_state, rows_of, StepOutcome, surviving,
+    take_tags, zero_adam_moments,
 )
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
@@ -52,12 +51,14 @@ class EngineGuard:
         self.entry = "initialize"     # "auto": built by a framework through the zero-code entry (ds_plugins/auto.py)
         if guard_enabled and cfg.detectors.nonfinite.enabled:
             find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
-        self.replays = Replays(self)  # (the forwards again: localisation, data or weights, peer replay)
+        # (the forwards again through the engine's module: localisation, data or weights, peer replay)
+        self.replays = ModuleReplays(lambda: self.engine.module, self.rank)
         self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
                                     device=_collective_device(), localize=self.replays.localize,
                                     replay=self.replays.replay, peer_replay=self.replays.peer_replay,
                                     narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None)
         s = self.session
+        self.replays.bind(s)
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.guard is not None:
             self.guard.attach_model(engine.module)
@@ -136,7 +137,7 @@ class EngineGuard:
     def forward(self, base_forward, inputs, kwargs):
         step = self.step_number()
         inputs, kwargs, ids, rejected = take_tags(inputs, kwargs)
-        if ids is not None and self.engine.module.training:  # a framework's loader, tagged (ds_plugins/loaders.py)
+        if ids is not None and self.engine.module.training:  # a framework's loader, tagged (trainguard.sample_tags)
             self._framework_batches += 1
             self.on_batch(ids, DataPosition(epoch=-1, batch_in_epoch=self._framework_batches,
                                             consumed_samples=int(getattr(self.engine, "global_samples", 0))),

@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ds_plugins import RELEASES
-from ds_plugins.loaders import UNTAGGED as _UNTAGGED
-from trainguard.ports import collective_device, gather_coords, RunFacts
+from trainguard.ports import collective_device, gather_coords, RunFacts, UNTAGGED
 from trainguard.config import TrainguardConfig
 
 
@@ -38,7 +37,7 @@ def _framework_facts(eng, cfg: TrainguardConfig) -> dict:
             "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
             "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
             "clipping": {"mode": cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()},
-            "untagged_loaders": list(_UNTAGGED), "releases": dict(RELEASES["checked"]),
+            "untagged_loaders": list(UNTAGGED), "releases": dict(RELEASES["checked"]),
             "untested_releases": list(RELEASES["untested"])}
 
 

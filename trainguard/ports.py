@@ -18,7 +18,8 @@ from trainguard import releases
 from trainguard.protocols import DataControl, Framework, Loop, ScalerControl, ShardSource, State, StepOutcome
 from trainguard.verdicts import ScalerState
 
-# the model: the gradient and output hooks, the poison of a batch fault, what a replay keeps, the applied gradient
+# the model: the gradient and output hooks, the poison of a batch fault, what a replay keeps and the replays of a
+# plain torch module, the applied gradient
 from trainguard.appliedgrad import AppliedGradMeter
 from trainguard.bits import digest
 from trainguard.driver import zero_adam_moments
@@ -27,6 +28,7 @@ from trainguard.gradhooks import install as install_grad_hooks
 from trainguard.localize import OutputFlags
 from trainguard.outputs import finite_proxy, output_value, rng_state, row_of, rows_of, scalar_loss, set_rng_state
 from trainguard.probes import FiniteWatch, first_nonfinite, preserved_rng
+from trainguard.module_replays import ModuleReplays
 
 # the state: staged writes with their hashes, verified reads, the host copy of the memory tier, which folder resumes
 from trainguard.checkpoint.async_writer import snapshot as host_copy
@@ -37,10 +39,11 @@ from trainguard.checkpoint.resume import first_resumable, newest_resumable_folde
 from trainguard.checkpoint.verified_io import load_weights, verified_reads
 from trainguard.checkpoint.write_hashes import hashed_writes
 
-# the data: the position of a loader, the sanitiser
+# the data: the position of a loader, the sanitiser, the sample ids carried through a loader a framework built
 from trainguard.data import DataPosition, TrackedLoader
 from trainguard.sanitize import active as sanitizing
 from trainguard.sanitize import sanitize
+from trainguard.sample_tags import UNTAGGED, tag_loader, take_tags, untag
 
 # where the run is: ranks, the device collectives run on, the world a supervised job forms again (trainguard.world)
 from trainguard.isolation import broadcast_from_rank0, collective_device, gather_coords, rank, world
@@ -63,5 +66,6 @@ __all__ = [
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
     "gather_coords", "rank", "world", "World", "check_backend", "forget_framework", "form",
     "close_window", "reentered", "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
-    "check_release", "check_supported", "refuse_flags", "check_own_dir",
+    "check_release", "check_supported", "refuse_flags", "check_own_dir", "ModuleReplays", "UNTAGGED", "tag_loader",
+    "take_tags", "untag",
 ]

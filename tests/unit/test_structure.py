@@ -25,7 +25,7 @@ MODULE_DEBTS = {
 # megatron_hooks/inprocess.py -- what the two adapters' replacements share went to the core,
 # trainguard/replacement.py, in the same change; both raised by the docstrings and imports of the modules that
 # ds_plugins/engine.py and megatron_hooks/__init__.py were split into, issue 34: +29 and +31 lines, no code added)
-PACKAGE_DEBTS = {"ds_plugins": 1992, "megatron_hooks": 1781}
+PACKAGE_DEBTS = {"ds_plugins": 1737, "megatron_hooks": 1781}
 
 
 def _lines(path: Path) -> int:

@@ -1,19 +1,20 @@
-"""Sample ids for loaders a framework builds (Hugging Face's Trainer, Accelerate).
+"""Sample ids for loaders a framework builds (Hugging Face's Trainer, Accelerate, any torch DataLoader an adapter
+is handed).
 
 trainguard's own loader (``ds_plugins.initialize(training_data=...)``) knows every batch's dataset
 indices. A loader somebody else built does not say, and a batch travels a long way from its
 sampler to the model: worker processes, prefetching (torch's and Accelerate's one batch ahead),
 device transfer. So the ids travel *inside* the batch: the loader's dataset is wrapped to hand
 out ``(index, sample)`` pairs, its collate function to unwrap them, run the sanitiser (it drops
-rejected samples, or fails, as configured) and add the indices under :data:`TAG`; the guarded
-engine takes them out of the batch before the model sees it (ds_plugins/engine.py). Order,
+rejected samples, or fails, as configured) and add the indices under :data:`TAG`; the adapter's
+forward takes them out of the batch before the model sees it (:func:`take_tags`; DeepSpeed: ds_plugins/engine.py). Order,
 workers and prefetching cannot mix them up.
 
 A batch that is not a mapping -- ``(features, labels)`` from a ``TensorDataset``, a bare tensor --
 has no room for a key: the collate function then wraps it, ``{WRAPPED: batch, TAG: ids}``, which
 travels through workers and Accelerate's device transfer like any dict, and Accelerate's prepared
-loaders unwrap it as they hand it out (:func:`untag`, patched into their ``__iter__`` by
-ds_plugins/auto.py): the loop gets its own batch back, and the ids wait in :data:`HANDOFF` for the
+loaders unwrap it as they hand it out (:func:`untag`, patched into their ``__iter__`` by the
+adapter: ds_plugins/auto.py): the loop gets its own batch back, and the ids wait in :data:`HANDOFF` for the
 next forward -- which is this batch's, since a loop trains on the batch it was just given.
 
 What does not carry over to such a loader (the framework owns it): trainguard's shuffling and
@@ -114,7 +115,8 @@ class TaggingCollate:
         rejected: list = []
         cfg = self.sanitize_cfg
         if cfg is not None:
-            from trainguard.ports import sanitize, sanitizing
+            from trainguard.sanitize import active as sanitizing
+            from trainguard.sanitize import sanitize
 
             if sanitizing(cfg):
                 ids, samples, rejected = sanitize(ids, samples, cfg)
