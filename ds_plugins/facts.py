@@ -1,5 +1,5 @@
 """What a DeepSpeed engine tells the session at the start (ds_plugins.engine.EngineGuard): the rank's coordinates,
-the run_start record's framework facts, the run's facts for the start-of-run checks (trainguard.protocols.RunFacts),
+the run_start record's framework facts, the run's facts for the start-of-run checks (trainguard.checks.RunFacts),
 its precision, and the device of the AGREE table."""
 from __future__ import annotations
 

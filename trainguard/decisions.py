@@ -29,13 +29,13 @@ class Decision:
                                     # at it holds the state from before the anomaly and may be chosen
 
 
-def _onset(verdicts: Sequence[Verdict], cls: Anomaly, step: int) -> int:
+def onset_of(verdicts: Sequence[Verdict], cls: Anomaly, step: int) -> int:
     """Where a rollback for ``cls`` must go back to before: the earliest onset its verdicts give, else ``step``."""
     given = [v.detail["onset_step"] for v in verdicts if anomaly_class(v) == cls and v.detail.get("onset_step")]
     return min(given) if given else step
 
 
-def _forward(verdicts: Sequence[Verdict]) -> bool:
+def from_forward(verdicts: Sequence[Verdict]) -> bool:
     """Whether a non-finite verdict came from the forward (a loss or an activation), not the gradients alone."""
     return any(v.anomaly == "nonfinite" and any(d.get("origin") in ("loss", "activation")
                                                for d in (v.detail.get("per_rank") or {}).values()

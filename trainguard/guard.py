@@ -41,7 +41,7 @@ from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import Decision, Policy, anomaly_class
 from trainguard.probes import SampledProbes
 from trainguard.replay import MicroBatch
-from trainguard.replays import Replays, check_replayable
+from trainguard.replays import Replays
 from trainguard.steplog import StepLog
 from trainguard.steptime import StepTimer
 from trainguard.tally import StepTally
@@ -84,7 +84,6 @@ class StepGuard:
         self.detectors = Lineup(cfg, self.device)  # the registered ones and yours (trainguard.detectors.lineup)
         self.stats = self.detectors.stats  # (the statistics' windows: a healthy loss, the loss median, a rise's onset)
         exchanging = self.detectors.exchanging
-        check_replayable(cfg.recovery, replay, peer_replay, exchanging)  # (a replay key set where none can run)
         self.replays = Replays(replay if cfg.recovery.replay_check else None, peer_replay if exchanging else None,
                                narrow_rows and replay is not None and cfg.recovery.narrow_samples,
                                set(replay_peers) if replay_peers is not None else {rank}, self.stats.healthy_loss,
@@ -141,7 +140,7 @@ class StepGuard:
         return self.coords[rank].as_dict() if rank < len(self.coords) else {"rank": rank}
 
     def mirror(self, make: Callable[[list], Any]) -> None:
-        """Another sink for the records: ``make(every rank's coordinates)`` (trainguard.session.mirror)."""
+        """Another sink for the records: ``make(every rank's coordinates)`` (trainguard.session.GuardSession.mirror)."""
         self.events.mirrors.append(make(self.coords))
 
     def emit(self, step: int, record: Record, ranks=(), action: str | None = None, detail: dict | None = None,

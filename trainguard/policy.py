@@ -28,7 +28,7 @@ from collections import defaultdict, deque
 from typing import Callable, Sequence
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
-from trainguard.decisions import DATA_OR_WEIGHTS, Decision, _forward, _onset, anomaly_class
+from trainguard.decisions import DATA_OR_WEIGHTS, Decision, anomaly_class, from_forward, onset_of
 from trainguard.verdicts import Verdict
 from trainguard.events import Action, Anomaly, Remedy
 from trainguard.lrcut import YOUNG
@@ -95,7 +95,7 @@ class Policy:
                 rung = "skip_step" if c == "nonfinite" else "alert"
             if SEVERITY[rung] > SEVERITY[chosen]:
                 chosen, driver = rung, c
-                onset = self.history[c][0] if c == "nonfinite" else _onset(verdicts, c, step)
+                onset = self.history[c][0] if c == "nonfinite" else onset_of(verdicts, c, step)
                 if c == "slow_rise" and rise_onset:  # (the gradient's creep may have begun before the loss's best)
                     onset = min(onset, rise_onset)
         reason = f"{driver or sorted(classes)[0]} on rank(s) {ranks}"
@@ -150,7 +150,7 @@ class Policy:
                 onset, skipped_onset = last, False
                 reason += f"; the rollback to step {last} did not hold, going further back"
             remedy = None
-            if fp16 and driver == "nonfinite" and self.recovery.fp16_fallback != "none" and _forward(verdicts) and \
+            if fp16 and driver == "nonfinite" and self.recovery.fp16_fallback != "none" and from_forward(verdicts) and \
                     any(t.get("anomaly") == "nonfinite" and step - t["step"] < self.recovery.ladder_window
                         for t in self.tried):
                 # the fp16 forward overflowed again after a rollback: its range (max 65504) is exceeded by these

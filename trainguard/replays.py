@@ -19,7 +19,7 @@ _NO_REPLAY = ("true needs a replay of your forward step, which this adapter was 
 
 def check_replayable(recovery, replay: Callable | None, peer_replay: Callable | None, exchanging: bool) -> None:
     """A key the user set to true that needs a replay the adapter cannot make: refused by name (a key that silently
-    does nothing would lie). ``exchanging``: the peer replay detector is on."""
+    does nothing would lie). ``exchanging``: the peer replay detector is on (trainguard.session checks it)."""
     problems = [(f"trainguard.recovery.{k}", _NO_REPLAY) for k in ("replay_check", "narrow_samples")
                 if replay is None and k in recovery.model_fields_set and getattr(recovery, k)]
     if peer_replay is None and exchanging:

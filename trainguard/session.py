@@ -34,6 +34,7 @@ from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.guard import StepGuard
 from trainguard.policy import Decision, Policy
+from trainguard.replays import check_replayable
 from trainguard.protocols import Framework
 from trainguard.watchdog import Heartbeat
 
@@ -47,6 +48,8 @@ class GuardSession:
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
                  replay: Callable | None = None, narrow_rows: bool = False,
                  replay_peers: Sequence[int] | None = None, peer_replay: Callable | None = None):
+        # a replay key set where this adapter gives no replay: refused by name, before anything is built
+        check_replayable(cfg.recovery, replay, peer_replay, guard_enabled and cfg.detectors.peer_replay.enabled)
         self.fw, self.cfg, self.rank, self.world = fw, cfg, rank, world
         self.heart = Heartbeat(rank)
         self.guard: StepGuard | None = None

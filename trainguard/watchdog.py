@@ -176,7 +176,7 @@ class Watchdog:
     """Heartbeats, hang detection and restart bookkeeping for one rank, on top of a StepGuard.
     Both adapters use it; ``step_fn`` gives the framework's step count."""
 
-    def __init__(self, cfg, guard, heart: Heartbeat, rank: int, world: int, step_fn: Callable[[], int], goodput=None):
+    def __init__(self, cfg, guard, heart: Heartbeat, rank: int, world: int, step_fn: Callable[[], int], goodput):
         self.cfg, self.guard, self.heart = cfg, guard, heart   # cfg: the whole TrainguardConfig
         self.goodput = goodput  # trainguard.goodput.GoodputMeter: a restart's downtime and lost steps
         self.rank, self.world, self.step_fn = rank, world, step_fn

@@ -192,7 +192,7 @@ def _manager(cfg_block, at=0):
                 self.at = int(chosen[4:])
             return chosen
 
-    m = Manager(parse_block({"checkpoint": cfg_block}), _Guard(), heart=None, state=None)
+    m = Manager(parse_block({"checkpoint": cfg_block}), _Guard(), heart=None, state=None, faults=None, goodput=None)
     m.at = at
     return m
 
@@ -421,9 +421,9 @@ def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_openin
 
     monkeypatch.delenv("TG_TEST_KEY", raising=False)
     with pytest.raises(ConfigError, match="TG_TEST_KEY"):  # configured, but no key: the run does not start
-        Manager(cfg, None, heart=None, state=None)
+        Manager(cfg, None, heart=None, state=None, faults=None, goodput=None)
     monkeypatch.setenv("TG_TEST_KEY", "s3cret-0123456789")
-    m = Manager(cfg, None, heart=None, state=None)
+    m = Manager(cfg, None, heart=None, state=None, faults=None, goodput=None)
 
     def save(step, key):
         staging = tmp_path / "ck" / ".staging" / f"n{step}"
@@ -449,7 +449,7 @@ def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_openin
     assert tag is None and {s["bad_file"] for s in skipped} == {"manifest.hmac"}
     assert any("HMAC mismatch" in s["reason"] for s in skipped)
     # without a key configured the same directory verifies (sha256 only: rot, not tampering)
-    assert Manager(parse_block({"checkpoint": {"dir": str(tmp_path / "ck")}}), None, heart=None, state=None).choose(
+    assert Manager(parse_block({"checkpoint": {"dir": str(tmp_path / "ck")}}), None, heart=None, state=None, faults=None, goodput=None).choose(
         tmp_path / "ck", "latest_valid")[0] == "step00000020"
     assert main(["ckpt", "verify", str(tmp_path / "ck"), "--key-env", "TG_TEST_KEY"]) == 1
 
@@ -758,7 +758,7 @@ def test_hashing_a_large_checkpoint_beats_the_heartbeat_from_the_training_thread
 
     heart = Heartbeat(0)
     heart.beat("checkpoint", 7)
-    CheckpointManager(parse_block({}), None, heart, None)
+    CheckpointManager(parse_block({}), None, heart, None, None, None)
     big = tmp_path / "shard.pt"
     big.write_bytes(b"x" * (64 << 10))
     started = _time.time()

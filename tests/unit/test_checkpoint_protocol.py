@@ -14,7 +14,6 @@ from tests.unit.test_session import BASE, TorchFramework, TorchState
 from trainguard.checkpoint.verified_io import verified_reads
 from trainguard.checkpoint.conversion import CACHE, bound, converted
 from trainguard.checkpoint.layout import CheckpointError, CheckpointLayout
-from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.manifest import Manifest, verify
 from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
 from trainguard.config import parse_block
@@ -30,7 +29,7 @@ def _manager(tmp_path, monkeypatch, state=TorchState, **checkpoint):
     cfg = parse_block(block)
     fw = TorchFramework(cfg)
     session = GuardSession(fw, cfg, 0, 1)
-    cp = CheckpointManager(cfg, session.guard, session.heart, state(fw))
+    cp = session.checkpoints(state(fw))
     fw.checkpointer = cp
     records = []
     cp.emit = lambda step, record, detail, ranks=(), action=None: records.append((record, detail))

@@ -73,7 +73,8 @@ def test_the_run_id_lives_in_the_checkpoint_directory(tmp_path):
 
 def test_a_snapshot_becomes_stable_after_clean_steps_and_a_rollback_forgets_the_later_ones(tmp_path):
     """What lets a "stable" rollback take a snapshot: the marks a disk checkpoint gets, kept in this process."""
-    m = CheckpointManager(parse_block({"checkpoint": {"dir": str(tmp_path), "stable_after": 3, "verify_steps": 2}}), None, None, None)
+    m = CheckpointManager(parse_block({"checkpoint": {"dir": str(tmp_path), "stable_after": 3, "verify_steps": 2}}), None, None, None,
+                          None, None)
     m.health.saved(memory_tag("step00000010"), 10)
     for step in (11, 12, 13):
         m.on_step_end(step, 1.0, anomaly=False)

@@ -297,13 +297,17 @@ def test_megatron_releases_outside_the_tested_range_are_refused_by_version(monke
 
 def test_a_replay_key_set_where_the_adapter_cannot_replay_is_refused_by_name():
     """recovery.replay_check / narrow_samples set true, and the adapter gave no replay (a megatron-core loop of yours
-    without a Replayer): refused at install, naming each key; left at their defaults, the ladders act as written."""
+    without a Replayer): refused when the session is built -- with the guard or faults only -- naming each key; left
+    at their defaults, the ladders act as written."""
     from trainguard.errors import ConfigError
-    from trainguard.guard import StepGuard
+    from trainguard.session import GuardSession
 
-    with pytest.raises(ConfigError) as e:
-        StepGuard(parse_block({"recovery": {"replay_check": True, "narrow_samples": True}}), rank=0, world=1)
-    assert [p[0] for p in e.value.problems] == ["trainguard.recovery.replay_check", "trainguard.recovery.narrow_samples"]
-    assert "replayer=Replayer" in str(e.value)
-    assert StepGuard(parse_block({}), rank=0, world=1).replays.replay is None  # (defaults: not refused)
-    StepGuard(parse_block({"recovery": {"replay_check": True}}), rank=0, world=1, replay=lambda mb, row: 1.0)
+    block = {"recovery": {"replay_check": True, "narrow_samples": True}, "checks": {"enabled": False}}
+    for enabled in (True, False):
+        with pytest.raises(ConfigError) as e:
+            GuardSession(None, parse_block(block), 0, 1, guard_enabled=enabled)
+        assert [p[0] for p in e.value.problems] == ["trainguard.recovery.replay_check",
+                                                    "trainguard.recovery.narrow_samples"]
+        assert "replayer=Replayer" in str(e.value)
+    assert GuardSession(None, parse_block({}), 0, 1).guard.replays.replay is None  # (defaults: not refused)
+    GuardSession(None, parse_block(block), 0, 1, replay=lambda mb, row: 1.0)

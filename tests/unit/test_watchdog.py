@@ -109,7 +109,7 @@ def test_a_healthy_run_leaves_no_empty_stacks_file(tmp_path):
         def emit(self, *a, **k):
             pass
 
-    w = Watchdog(cfg, Guard(), Heartbeat(rank=0), rank=0, world=1, step_fn=lambda: 0)
+    w = Watchdog(cfg, Guard(), Heartbeat(rank=0), rank=0, world=1, step_fn=lambda: 0, goodput=None)
     w.start()
     assert (tmp_path / "stacks.rank0.txt").exists()
     summary = w.stop()
@@ -132,7 +132,7 @@ class HungGuard:  # every write of a record blocks: the JSONL sink on a hung fil
     def coords_of(self, rank):
         return {}
 
-w = wd.Watchdog(cfg, HungGuard(), wd.Heartbeat(rank=0), rank=0, world=2, step_fn=lambda: 0)
+w = wd.Watchdog(cfg, HungGuard(), wd.Heartbeat(rank=0), rank=0, world=2, step_fn=lambda: 0, goodput=None)
 if sys.argv[1] == "hang":  # the other rank is hung; the record blocks
     now = time.time()
     beats = {0: wd.Beat(0, "h", 1, 5, "collective", now, now), 1: wd.Beat(1, "h", 2, 5, "forward", now - 60, now - 60)}

@@ -42,7 +42,7 @@ class CheckpointManager:
     ``guard``: the StepGuard (records, its state); ``faults``, ``goodput``: the session's (the checkpoint faults, a
     save's overhead); ``heart``: the rank's heartbeat (saves and loads count as progress)."""
 
-    def __init__(self, cfg, guard, heart, state, faults=None, goodput=None):
+    def __init__(self, cfg, guard, heart, state, faults, goodput):
         self.state = state
         self.block = cfg
         self.cfg = cfg.checkpoint

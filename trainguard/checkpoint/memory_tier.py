@@ -108,7 +108,7 @@ class MemoryTier:
             return self._no_write(tag, step, t0, interval, failed=e)
         blocking = time.perf_counter() - t0
         self.cp.overhead(blocking)
-        faults = getattr(self.cp.guard, "faults", None) if self.cp.block.faults else None
+        faults = self.cp.faults
         self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval,
                          dies=faults is not None and faults.dies_writing(step))
         return tag
