@@ -14,11 +14,9 @@ arguments are passed through and the same objects come back, untouched.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from trainguard import config as tg_config
-from trainguard.bootstrap import attempt_store
 from trainguard.errors import ConfigError, TrainguardAbort, TrainguardError
 
 __all__ = ["initialize", "attach", "alive", "close", "ConfigError", "TrainguardAbort", "TrainguardError"]
@@ -154,52 +152,18 @@ def _build(deepspeed, kwargs, block, recipe, lr_scheduler, _entry, training_data
 
 
 def _process_group(deepspeed, block, kwargs):
-    """The default process group, created by trainguard before DeepSpeed builds its own groups.
+    """The default process group as the block asks for it, before DeepSpeed builds its own groups
+    (trainguard.default_group): under ``trainguard.supervise`` the world, returned to be formed again when a rank
+    dies; else DeepSpeed opens it, with ``distributed.collective_timeout_s`` when set."""
+    from trainguard.ports import open_default_group
 
-    ``distributed.collective_timeout_s``: every group honours it. Groups created without an
-    explicit timeout (DeepSpeed's ZeRO groups) take torch's module default at creation time, so
-    that default is set, and the default group is created with it.
-
-    ``distributed.fresh_store_per_attempt`` (under torchrun): the group is created on
-    ``PrefixStore("trainguard/attempt_<TORCHELASTIC_RESTART_COUNT>", store)``, so that workers of
-    a restart attempt never meet keys (gloo peer addresses) left by the attempt before.
-
-    Under ``trainguard.supervise`` the world is trainguard's (ds_plugins.inprocess): returned, to be formed again
-    when a rank dies."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    d = block.distributed
-    td = timedelta(seconds=d.collective_timeout_s) if d.collective_timeout_s else None
+    # (``warm``: what a spare imports while it waits -- what a first deepspeed.initialize imports on the way)
+    world, td = open_default_group(block.distributed, _backend, who="ds_plugins.initialize",
+                                   warm=("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"))
     if td is not None:
-        c10d.default_pg_timeout = td
-        if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
-            c10d.default_pg_nccl_timeout = td
-    from trainguard.ports import World, close_window, form
-
-    if World.supervised() and not dist.is_initialized():  # (a spare imports, while it waits, what a first
-        return form(_backend(), td or c10d.default_pg_timeout,  # deepspeed.initialize imports on the way)
-                    warm=("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"))
-    if dist.is_initialized():
-        if td is not None:
-            import warnings
-
-            warnings.warn("trainguard: the default process group existed before ds_plugins.initialize, so its "
-                          "timeout stays as it was; groups created from now on use distributed.collective_timeout_s",
-                          stacklevel=3)
-        if World.current is not None and World.current.rank is not None:  # (formed at the framework's
-            close_window()                                                 # init_process_group: trainguard.spare)
-            return World.current
-        return
-    if d.fresh_store_per_attempt and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
-        store, rank, world, timeout = attempt_store(td or c10d.default_pg_timeout)
-        dist.init_process_group(_backend(), store=store, rank=rank, world_size=world, timeout=timeout)
-        return
-    extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
-    if td is not None:
+        extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}
         deepspeed.init_distributed(timeout=td, **extra)
+    return world
 
 
 def _backend() -> str:

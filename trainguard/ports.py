@@ -52,6 +52,7 @@ from trainguard.replacement import (
     forget_framework, reentered, reentering, remember_attributes, replace_rank, surviving,
 )
 from trainguard.spare import check_backend, close_window, form
+from trainguard.default_group import open_default as open_default_group
 
 # what a run may ask of this adapter (its capabilities, declared once) and of this release
 from trainguard.checks import RunFacts, bf16_supported
@@ -67,5 +68,5 @@ __all__ = [
     "gather_coords", "rank", "world", "World", "check_backend", "forget_framework", "form",
     "close_window", "reentered", "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
     "check_release", "check_supported", "refuse_flags", "check_own_dir", "ModuleReplays", "UNTAGGED", "tag_loader",
-    "take_tags", "untag",
+    "take_tags", "untag", "open_default_group",
 ]
