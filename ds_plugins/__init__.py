@@ -158,7 +158,7 @@ def _process_group(deepspeed, block, kwargs):
     from trainguard.ports import open_default_group
 
     # (``warm``: what a spare imports while it waits -- what a first deepspeed.initialize imports on the way)
-    world, td = open_default_group(block.distributed, _backend, who="ds_plugins.initialize",
+    world, td = open_default_group(block.distributed, _backend, who="ds_plugins.initialize", depth=2,
                                    warm=("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"))
     if td is not None:
         extra = {"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}

@@ -19,11 +19,13 @@ from datetime import timedelta
 from typing import Callable
 
 
-def open_default(distributed, backend: Callable[[], str], warm: tuple[str, ...] = (), who: str = "the adapter"):
+def open_default(distributed, backend: Callable[[], str], warm: tuple[str, ...] = (), who: str = "the adapter",
+                 depth: int = 0):
     """Returns ``(world, timeout)``: the supervised job's :class:`trainguard.world.World` (or None), and the timeout
     the framework is to open the default group with itself (None: it is open already, or none was asked for).
     ``backend()``: the framework's backend; ``warm``: what a spare imports while it waits (trainguard.spare.form);
-    ``who``: named in the warning when the group existed already."""
+    ``who``: named in the warning when the group existed already, which points ``depth`` frames above the caller
+    (the adapter's own calls between the user's line and this one)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -41,7 +43,8 @@ def open_default(distributed, backend: Callable[[], str], warm: tuple[str, ...] 
     if dist.is_initialized():
         if td is not None:
             warnings.warn(f"trainguard: the default process group existed before {who}, so its timeout stays as it "
-                          "was; groups created from now on use distributed.collective_timeout_s", stacklevel=4)
+                          "was; groups created from now on use distributed.collective_timeout_s",
+                          stacklevel=2 + depth)
         if World.current is not None and World.current.rank is not None:  # (formed at the framework's
             close_window()                                                 # init_process_group: trainguard.spare)
             return World.current, None

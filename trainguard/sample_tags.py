@@ -1,5 +1,5 @@
-"""Sample ids for loaders a framework builds (Hugging Face's Trainer, Accelerate, any torch DataLoader an adapter
-is handed).
+"""Sample ids for loaders a framework builds (Hugging Face's Trainer, Accelerate, any torch DataLoader an
+adapter is handed).
 
 trainguard's own loader (``ds_plugins.initialize(training_data=...)``) knows every batch's dataset
 indices. A loader somebody else built does not say, and a batch travels a long way from its
@@ -7,8 +7,8 @@ sampler to the model: worker processes, prefetching (torch's and Accelerate's on
 device transfer. So the ids travel *inside* the batch: the loader's dataset is wrapped to hand
 out ``(index, sample)`` pairs, its collate function to unwrap them, run the sanitiser (it drops
 rejected samples, or fails, as configured) and add the indices under :data:`TAG`; the adapter's
-forward takes them out of the batch before the model sees it (:func:`take_tags`; DeepSpeed: ds_plugins/engine.py). Order,
-workers and prefetching cannot mix them up.
+forward takes them out of the batch before the model sees it (:func:`take_tags`; DeepSpeed:
+ds_plugins/engine.py). Order, workers and prefetching cannot mix them up.
 
 A batch that is not a mapping -- ``(features, labels)`` from a ``TensorDataset``, a bare tensor --
 has no room for a key: the collate function then wraps it, ``{WRAPPED: batch, TAG: ids}``, which
