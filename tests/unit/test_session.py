@@ -14,8 +14,8 @@ from trainguard.config import parse_block
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event
 from trainguard.ports import (
-    Framework, gather_coords, host_copy, install_grad_hooks, save_hashed, ScalerState, StepOutcome, verified_reads,
-    zero_adam_moments,
+    Framework, gather_coords, host_copy, install_grad_hooks, ModuleReplays, rows_of, save_hashed, ScalerState,
+    StepOutcome, verified_reads, zero_adam_moments,
 )
 from trainguard.session import GuardSession
 
@@ -187,15 +187,21 @@ def _recorded(guard, seen):
         setattr(guard, name, wrapper)
 
 
-def run(tmp_path, block, steps, fp16=False):
+def run(tmp_path, block, steps, fp16=False, replays=False):
     """A user's loop over the fake framework, through the session's loop points. Returns (framework, session,
-    the Events seen, the records written, the exception that ended the run or None)."""
+    the Events seen, the records written, the exception that ended the run or None). ``replays``: the fake records
+    each micro-batch and replays it through the core's ModuleReplays, as DeepSpeed's adapter does (data or weights,
+    the culprit sample narrowed, the first bad module localised)."""
     block = {**BASE, **block, "metrics": {"jsonl": str(tmp_path / "tg.jsonl")},
              "checkpoint": {**BASE["checkpoint"], **block.get("checkpoint", {}), "dir": str(tmp_path / "ck")}}
     cfg = parse_block(block)
     fw = TorchFramework(cfg, fp16=fp16)
     assert isinstance(fw, Framework)
-    session = GuardSession(fw, cfg, 0, 1)
+    again = ModuleReplays(lambda: fw.model, 0) if replays else None
+    session = GuardSession(fw, cfg, 0, 1, **({"localize": again.localize, "replay": again.replay,
+                                              "narrow_rows": True} if replays else {}))
+    if again is not None:
+        again.bind(session)
     seen: list[Event] = []
     _recorded(session.guard, seen)
     fw.faults = session.faults
@@ -216,6 +222,8 @@ def run(tmp_path, block, steps, fp16=False):
             x, y = data[step - 1]
             session.batch(list(range(8 * (step - 1), 8 * step)), None)
             (x, y), _ = session.forward(step, (x, y))
+            if replays and session.guard.wants_batches:  # (references: what a replay of this micro-batch needs)
+                session.guard.record_micro_batch(((x,), {}, None), rows_of(((x,), {})))
             with session.probing(step):
                 loss = ((fw.model(x) - y) ** 2).mean()
             session.forward_done()
@@ -253,6 +261,26 @@ def test_every_loop_point_in_events_order_and_the_nonfinite_ladder(tmp_path):
                                                       ("nonfinite", 10, "rollback")]
     (rb,) = [r for r in records if r["event"] == "rollback"]
     assert rb["detail"]["to_step"] == 5 and rb["detail"]["to_tag"] == "step00000005"
+    assert all(torch.isfinite(p).all() for p in fw.model.parameters())
+
+
+def test_a_third_adapter_gets_data_or_weights_from_the_cores_replays(tmp_path):
+    """Issue 34: the fake framework hands its micro-batches to the core's ModuleReplays (the replays DeepSpeed's
+    adapter uses) and gets what DeepSpeed does: sample 3 of the batches of steps 8-10 poisoned (nan_batch) -- the
+    last healthy batch replays finite on the current weights, so the data is to blame: the three steps are skipped
+    (where the ladder, without a replay, rolls back at the third: the test above), each record names sample 3 of
+    its batch alone (its rows replayed one by one) and the first module that went non-finite."""
+    fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "nan_batch", "step": k, "sample": 3}
+                                                            for k in (8, 9, 10)]}, 16, replays=True)
+    assert ended is None and fw.steps == 16
+    nonfinite = [r for r in records if r["event"] == "nonfinite"]
+    assert [(r["step"], r["action"]) for r in nonfinite] == [(8, "skip_step"), (9, "skip_step"), (10, "skip_step")]
+    assert not [r for r in records if r["event"] == "rollback"]
+    for r in nonfinite:
+        mine, first = r["detail"]["per_rank"]["0"], 8 * (r["step"] - 1)
+        assert r["detail"]["weights"]["verdict"] == "healthy"
+        assert mine["sample_ids"] == [first + 3] and mine["batch_sample_ids"] == list(range(first, first + 8)), mine
+        assert mine["first_nonfinite_module"] == "0", mine  # (the first Linear: its output row 3 is NaN)
     assert all(torch.isfinite(p).all() for p in fw.model.parameters())
 
 
