@@ -97,8 +97,8 @@ class MegatronState:
         does not bring the fp16 trouble back."""
         if saved == "bf16" and now == "fp16":
             detail = self.mg.fallback_to_bf16(self.mg.iteration)
-            self.mg.session.emit(self.mg.iteration, Record.PRECISION_FALLBACK, {
-                **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"}, action="bf16_fallback")
+            self.mg.session.emit(self.mg.iteration, Record.PRECISION_FALLBACK, action="bf16_fallback", detail={
+                **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"})
 
     def _main_params_to_model(self) -> None:
         """After loading a snapshot of another precision (fp16 into a bf16 run): the model parameters

@@ -169,7 +169,7 @@ class LMRun:
         if self.guard.resumed_data_state is not None:
             self.restore(self.guard.resumed_data_state)
         for handover in handovers:
-            self.guard.session.emit(self.guard.iteration, Record.HANDOVER, handover)
+            self.guard.session.emit(self.guard.iteration, Record.HANDOVER, detail=handover)
         tracker = getattr(margs, "result_rejected_tracker_filename", None)
         if tracker:
             from megatron_hooks.rerun_tracker import RerunTracker

@@ -189,8 +189,7 @@ class StepGuard:
                  dynamic_scale: bool = False) -> StepView:
         """AGREE: the step's collectives (trainguard.agreement). Every rank calls it at every optimizer step.
         ``dynamic_scale``: an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
-        row = self.tally.row(self.agreement, len(self.detectors.columns), self.faults.fired_in(step), self.timer.take(),
-                             self.lr_now, self.deferred)
+        row = self.tally.row(self.agreement, self.faults.fired_in(step), self.timer.take(), self.lr_now, self.deferred)
         self.detectors.local(step, row)
         view = self.agreement.agree(row, loss_scale, grad_divisor, want_rows=self.detectors.wants_rows(step))
         self._scaled = dynamic_scale

@@ -142,8 +142,9 @@ class GuardSession:
         """``clipping.mode: value``: the bound each local gradient is clamped to (None: not clipping by value)."""
         return self.clipper.value_bound() if self.clipper is not None else None
 
-    def emit(self, step: int, record: Record, detail: dict, ranks=(), action: str | None = None) -> None:
-        """One record of the adapter's (a ``handover``, a precision change at load): the guard's event log."""
+    def emit(self, step: int, record: Record, ranks=(), action: str | None = None, detail: dict | None = None) -> None:
+        """One record of the adapter's (a ``handover``, a precision change at load): the guard's event log, with
+        :meth:`trainguard.guard.StepGuard.emit`'s arguments."""
         if self.guard is not None:
             self.guard.emit(step, record, ranks, action, detail)
 

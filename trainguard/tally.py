@@ -66,11 +66,11 @@ class StepTally:
         sq = [torch.stack(ns).to(self.device, torch.float64).square().sum() for ns in by_dtype.values()]
         return sq[0] if len(sq) == 1 else torch.stack(sq).sum()
 
-    def row(self, agreement, extra: int, fired: int, compute_s: float, lr: float | None, deferred) -> Any:
-        """AGREE's row of this rank (trainguard.isolation.FIELDS, then ``extra`` columns of the detectors): the
+    def row(self, agreement, fired: int, compute_s: float, lr: float | None, deferred) -> Any:
+        """AGREE's row of this rank (trainguard.isolation.FIELDS, then the agreement's extra columns): the
         host-known fields in one small copy, then the device values -- the loss, the gradients' norm, the previous
         step's pending norms (``deferred``: trainguard.metricline.DeferredLine) -- copied in, never read here."""
-        host = [0.0] * len(FIELDS) + [float("nan")] * extra
+        host = [0.0] * len(FIELDS) + [float("nan")] * len(agreement.extra)
         host[F["micro_batches"]] = self.micro
         host[F["grad_checked"]] = self.grad_hooks
         host[F["faults_fired"]] = fired
