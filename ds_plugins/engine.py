@@ -144,20 +144,20 @@ class EngineGuard:
                           [tuple(r) for r in rejected])
         (inputs, kwargs), poison_output = self.session.forward(step, (inputs, kwargs))
         if self.guard is not None and self.engine.module.training and (
-                self.cfg.detectors.localize.enabled or self.guard.wants_batches):
+                self.cfg.detectors.localize.enabled or self.session.replays.wants_batches):
             # (references, not copies: what a replay of this micro-batch needs, trainguard.replay)
-            self.guard.record_micro_batch((inputs, kwargs, poison_output), rows_of((inputs, kwargs)))
+            self.session.replays.record((inputs, kwargs, poison_output), rows_of((inputs, kwargs)))
         # a peer replays the step's last micro-batch (detectors.peer_replay): from the RNG state this forward starts
         # from, to compare with what this forward computes
-        measure = self.guard is not None and self.engine.module.training and self.guard.peer_sampled(step) and \
-            self.engine.is_gradient_accumulation_boundary()
+        measure = self.guard is not None and self.engine.module.training and \
+            self.session.replays.peer_sampled(step) and self.engine.is_gradient_accumulation_boundary()
         rng = rng_state() if measure else None
         # the poison hook first, so that the probes see what it did
         with (PoisonFirstLeaf(self.engine.module, poison_output) if poison_output else contextlib.nullcontext()), \
                 self.session.probing(step):
             out = base_forward(*inputs, **kwargs)
         if measure:
-            self.guard.measured(rng, output_value(out))  # (device values: read at DECIDE)
+            self.session.replays.measured(rng, output_value(out))  # (device values: read at DECIDE)
         if self.engine.module.training:
             self.session.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
         return out

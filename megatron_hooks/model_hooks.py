@@ -88,8 +88,9 @@ class ModelHooks:
     def record(self, drawn: list) -> None:
         """From the loop, after each training micro-batch's forward step: what this rank drew from its data
         iterator for it (megatron_hooks.replay.Recording), kept with its poison for a replay."""
-        if self.mg.guard is not None and self.mg.guard.wants_batches:
-            self.mg.guard.record_micro_batch((list(drawn), self.poison), self.mg.replayer.micro_batch_size)
+        replays = self.mg.session.replays
+        if replays is not None and replays.wants_batches:
+            replays.record((list(drawn), self.poison), self.mg.replayer.micro_batch_size)
         self.poison = None
 
     def replay(self, mb, row):

@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from trainguard.ports import row_of
+
 __all__ = ["Recording", "Replayer"]
 
 
@@ -40,17 +42,6 @@ class Recording:
 
     def __getattr__(self, name):  # (a framework may ask its iterator for more than next())
         return getattr(self.inner, name)
-
-
-def _row_of(item: Any, row: int) -> Any:
-    """Row ``row`` of a batch (a dict / list / tensor with the batch first), as a batch of one."""
-    if isinstance(item, torch.Tensor):
-        return item[row:row + 1] if item.dim() else item
-    if isinstance(item, dict):
-        return {k: _row_of(v, row) for k, v in item.items()}
-    if isinstance(item, (list, tuple)):
-        return type(item)(_row_of(v, row) for v in item)
-    return item
 
 
 def _scalar(reduced: Any) -> float | None:
@@ -97,7 +88,7 @@ class Replayer:
 
         size = self.micro_batch_size
         if row is not None:
-            drawn = [_row_of(item, row) for item in drawn]
+            drawn = [row_of(item, row, size) for item in drawn]  # (a tensor with another first dimension: whole)
             poison = poison.for_row(row) if poison is not None else None
             size = 1
         modes = [c.training for c in self.chunks]

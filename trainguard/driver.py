@@ -20,6 +20,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterator
 
+from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly, Record, Remedy
@@ -34,9 +35,10 @@ class StepDriver:
     """One per rank. ``heart``: trainguard.watchdog.Heartbeat."""
 
     def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart, policy: Policy,
-                 goodput: GoodputMeter, faults: FaultInjector):
+                 goodput: GoodputMeter, faults: FaultInjector, clipper: Clipper):
         self.fw, self.guard, self.cfg, self.heart = fw, guard, cfg, heart
-        self.policy, self.goodput, self.faults = policy, goodput, faults  # (the guard's too: trainguard.session)
+        # (the guard's too: trainguard.session)
+        self.policy, self.goodput, self.faults, self.clipper = policy, goodput, faults, clipper
         self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
 
     # ------------------------------------------------------------------ the step
@@ -55,7 +57,7 @@ class StepDriver:
                 raise guard.abort(step, decision)
             if fw.data is not None and fw.rank in guard.culprit_samples:  # (a skip's or a rollback's)
                 fw.data.set_aside(guard.culprit_samples[fw.rank])  # never read again
-            limit = guard.clip_limit()
+            limit = self.clipper.max_norm()  # (the max-norm for the coming step; None: leave the framework's)
             if limit is not None and self.cfg.clipping.mode == "adaptive":
                 fw.set_clip(limit)
             meter = getattr(fw, "applied_grad", None)

@@ -6,9 +6,9 @@ guard never imports a framework and never touches an optimizer.
 
 Cost on a healthy, unsampled step: a few device-side ops per micro-batch (loss flag) and per
 parameter gradient (a norm added into one scalar), the step's agreement (trainguard.agreement: every
-rank's row up to 64 ranks, a fixed-size summary above), and one host synchronisation to read it. The framework's global gradient norm of a step rides in
-the *next* step's table (so reading it costs no second sync), which is why a metric line is written
-one step late. Sampled steps (probes), anomaly steps and steps where the sanitiser set samples aside
+rank's row up to 64 ranks, a fixed-size summary above), and one host synchronisation to read it. The
+framework's global gradient norm of a step rides in the *next* step's table (so reading it costs no
+second sync), which is why a metric line is written one step late. Sampled steps (probes), anomaly steps and steps where the sanitiser set samples aside
 add one object gather (sample ids, probe statistics, localisation; above 64 ranks from the named ranks only).
 """
 from __future__ import annotations
@@ -17,26 +17,24 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from trainguard import records
 from trainguard.checks import RunFacts, start_checks
 from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.data import DataPosition
-from trainguard.detectors.loss_scale import LossScaleWatch
 from trainguard.verdicts import ScalerState
 from trainguard.detectors.loss_spike import LR_LOOKBACK
 from trainguard.lrcut import LrHistory
 from trainguard.detectors.lineup import Lineup
 from trainguard.detectors.registry import Decide
-from trainguard.detectors.straggler import StragglerDetector
-from trainguard.attribution import by_rank, culprit_samples
+from trainguard.attribution import by_rank
 from trainguard.errors import TrainguardAbort
-from trainguard.events import Action, Event, Record
+from trainguard.events import Action, Record
 from trainguard.evidence import Evidence
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.agreement import Agreement, StepView
 from trainguard.isolation import RankCoords
+from trainguard.judgement import Judgement
 from trainguard.metricline import DeferredLine, step_line
 from trainguard.policy import Decision, Policy, anomaly_class
 from trainguard.probes import SampledProbes
@@ -47,20 +45,11 @@ from trainguard.steptime import StepTimer
 from trainguard.tally import StepTally
 from trainguard.suspects import SuspectWatch
 
-ALERT = records.ALERT
-
 
 class StepGuard:
-    """One per rank. ``group`` is the process group the AGREE collective runs on (None: world).
-
-    ``localize`` (from the adapter): trainguard.evidence.Evidence's.
-    ``replay`` (from an adapter that can): ``replay(micro_batch, row)`` -> the loss of one recorded
-    micro-batch (``row`` None) or of one of its rows, replayed on the current weights
-    (trainguard.replay); ``narrow_rows``: whether the culprit's rows may be replayed one by one (not under
-    ZeRO-3, whose forwards gather every rank's parameters); ``replay_peers``: the ranks that replay together
-    with this one (a model-parallel group, whose forwards are collective: each of them narrows when any of
-    them is a culprit, in lockstep; their replays return the same losses); default this rank alone.
-    """
+    """One per rank. ``group`` is the process group the AGREE collective runs on (None: world). ``localize``:
+    trainguard.evidence.Evidence's; ``replay``, ``narrow_rows``, ``replay_peers`` (default: this rank alone),
+    ``peer_replay``: trainguard.replays.Replays' (from an adapter that can replay)."""
 
     def __init__(self, cfg: TrainguardConfig, rank: int, world: int, group=None,
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
@@ -77,7 +66,6 @@ class StepGuard:
         self.faults = faults if faults is not None else FaultInjector(cfg.faults, rank)
         self.lr_now: float | None = None  # this rank's LR of the coming update (the driver sets it before AGREE)
         self.lr_history = LrHistory()     # the LR each recent step used (rank 0's): the LR cut's evidence
-        self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
         self.goodput = goodput if goodput is not None else GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
         self.clipper = clipper if clipper is not None else Clipper(cfg.clipping)
@@ -87,54 +75,37 @@ class StepGuard:
         self.replays = Replays(replay if cfg.recovery.replay_check else None, peer_replay if exchanging else None,
                                narrow_rows and replay is not None and cfg.recovery.narrow_samples,
                                set(replay_peers) if replay_peers is not None else {rank}, self.stats.healthy_loss,
-                               cfg.recovery.enabled)
+                               cfg.recovery.enabled, lambda: self.tally.take_ids(), self.detectors.sampled)
         self.book = self.replays.book  # this step's micro-batches and the last healthy one (what an adapter replays)
         self.probes = SampledProbes(cfg.detectors)  # activation range, attention entropy: on their sampled steps
         self.coords: list[RankCoords] = []
         self.log = StepLog(rank, cfg, self.coords_of)  # records and incidents (trainguard.steplog)
         self.events = self.log.events
-        self.skipped_steps = 0      # steps the guard skipped (the framework's own count is separate)
-        self.last_decision: Decision | None = None
         self.last_step = 0
-        self.last_metrics: dict = {}            # the last metric line (for checkpoint health)
-        self.recent_anomalies: list = []        # (step, anomaly) of recent verdicts
-        self.culprit_samples: dict[int, list[int]] = {}
+        self.last_metrics: dict = {}            # the last metric line (a checkpoint's health)
         self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self.coords_of, world)
-        self._everyone: dict[int, dict] | None = None  # the last anomaly step's object gather ({rank: values})
+        # DECIDE's second half and STEP's check: the decision, the blame, the loss scale (trainguard.judgement)
+        self.judgement = Judgement(cfg, self.policy, self.stats, self.lr_history, self.replays, self.suspects,
+                                   self.log)
         self._probe_values: dict = {}
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
-        self.straggler = StragglerDetector(cfg.detectors.straggler)
         # the step's collectives (trainguard.agreement: every rank's rows up to 64 ranks, a fixed-size summary above)
         self.agreement = Agreement(rank, world, self.device, group, collective, extra=self.detectors.columns)
         self.evidence = Evidence(cfg, rank, self.device, group, self.detectors, self.probes, self.replays,
                                  self.agreement, localize)  # (DECIDE's first half: trainguard.evidence)
-        self._reset_step()
+        self.tally = StepTally(self.device)  # this step's micro-batch accumulators (trainguard.tally), anew each step
 
     # ------------------------------------------------------------------ helpers
-    def _reset_step(self) -> None:
-        self.tally = StepTally(self.device)  # this step's micro-batch accumulators (trainguard.tally)
-
-    @property
-    def checking(self) -> bool:
-        return self.cfg.detectors.nonfinite.enabled
-
     def attach_model(self, model: torch.nn.Module) -> None:
         """Choose the modules the sampled probes watch (hooks are added only on sampled steps); hand the model
         to the registered detectors."""
         self.detectors.attach_model(model)
         self.probes.attach(model)
 
-    def sampled(self, step: int) -> list[str]:
-        return self.probes.sampled(step)
-
     def probing(self, step: int):
         """Around the model's forward: opens the probes on sampled steps, else does nothing."""
         return self.probes.probing(step)
-
-    def clip_limit(self) -> float | None:
-        """The max-norm to hand the framework for the coming step (None: leave it)."""
-        return self.clipper.max_norm()
 
     def coords_of(self, rank: int) -> dict:
         return self.coords[rank].as_dict() if rank < len(self.coords) else {"rank": rank}
@@ -175,7 +146,7 @@ class StepGuard:
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """LOSS: the loss handed to backward. Device-side flags only: no host sync here."""
         loss = self.faults.loss(step, loss)
-        self.tally.loss(loss, self.checking)
+        self.tally.loss(loss, self.cfg.detectors.nonfinite.enabled)
         return loss
 
     def on_backward(self, grad: torch.Tensor) -> None:
@@ -205,53 +176,26 @@ class StepGuard:
                      lr_ratio=lambda: self.lr_history.ratio(step, LR_LOOKBACK))
         everyone = self.evidence.gather(step, ctx, self.tally, lambda at, r, why: self.suspects.suspect(
             at, r, why, self.emit))
-        verdicts = ([ctx.nonfinite] if ctx.nonfinite is not None else []) + ctx.found
-        custom = self.detectors.custom_verdicts(step, s, ctx.rows)
-        rise_onset = self.stats.rise_onset(step)
-        lr_cut = None
-        if self.cfg.recovery.lr_cut == "evidence":
-            def lr_cut(onset: int) -> tuple[float, str, bool]:
-                return self.lr_history.cut(onset, step, self.cfg.recovery.lr_factor)
-        decision = self.policy.decide(verdicts, step, rise_onset, weights=self.weights, fp16=self._scaled,
-                                      lr_cut=lr_cut, lr_rising=self.lr_history.rising_into)
-        self.last_decision = decision
-        # damaged weights, not data: no sample is to blame
-        self.culprit_samples = culprit_samples(decision, everyone) if self.weights != "damaged" else {}
-        # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host;
-        # judged on anomaly steps only -- each judgement sorts the loss window)
-        unhealthy = self.stats.unhealthy(obs) if verdicts else []
-        self.suspects.observe(step, self.culprit_samples, self.emit, failing=unhealthy)
-        if verdicts:
-            self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
-        self._everyone = everyone
         # every rank's sampled values (they came with the gather above: no extra synchronisation)
         self._probe_values = {k: by_rank(everyone, k) if ctx.probed[k] is not None else None
                               for k in ("activation", "entropy")}
-        self.log.decided(step, obs, decision, verdicts, everyone, self.skipped_steps, self.replays.check)
-        if self.cfg.detectors.straggler.enabled:
-            self._log_stragglers(step, obs)
-        self.log.custom_alerts(step, custom)
+        decision = self.judgement.decide(step, ctx, everyone, self._scaled, self.agreement.summary_way)
+        self.log.custom_alerts(step, self.detectors.custom_verdicts(step, s, ctx.rows))  # (yours: alerts only)
         return decision
 
-    # ------------------------------------------------------------------ replays (trainguard.replays)
     @property
-    def wants_batches(self) -> bool:
-        """Whether the adapter should hand its training micro-batches to :meth:`record_micro_batch`."""
-        return self.replays.wants_batches
+    def last_decision(self) -> Decision | None:
+        return self.judgement.last
 
-    def peer_sampled(self, step: int) -> bool:
-        """Whether a peer replays this step's last micro-batch (detectors.peer_replay): the adapter may then keep
-        the random-number state its training forward starts from and that forward's values (:meth:`measured`)."""
-        return self.replays.peer_replay is not None and self.detectors.sampled(step)
+    @property
+    def culprit_samples(self) -> dict[int, list[int]]:
+        """{rank: the samples it is to blame for} of the last step (the driver sets them aside)."""
+        return self.judgement.culprit_samples
 
-    def measured(self, rng: Any, value: Any) -> None:
-        """The last recorded micro-batch's RNG state before its training forward, and that forward's (loss, output
-        digest) as device values (read at DECIDE of a sampled step only)."""
-        self.replays.measured(rng, value)
-
-    def record_micro_batch(self, inputs: Any, rows: int | None) -> None:
-        """The adapter hands each training micro-batch it can replay (after BATCH named its samples)."""
-        self.replays.record(inputs, self.tally.take_ids(), rows)
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the guard skipped (the framework's own count is separate)."""
+        return self.judgement.skipped_steps
 
     @property
     def weights(self) -> str | None:
@@ -260,54 +204,28 @@ class StepGuard:
 
     def on_step(self, step: int, decision: Decision, applied: bool,
                 scaler: ScalerState | None = None) -> Decision | None:
-        """STEP: the adapter applied or skipped the optimizer step; check it did what was decided.
-
-        ``scaler`` (fp16 with a dynamic loss scale): the scaler as it was when the step began. A
-        collapse (overflow at the minimum scale, or an endless overflow streak) returns the
-        ``loss_scale`` ladder's decision, which the adapter carries out now; otherwise None."""
-        self._check_applied(step, decision, applied)
-        if scaler is None or not self.cfg.detectors.loss_scale.enabled:
-            return None
-        verdict = self.loss_scale.observe(step, scaler, overflowed=not applied)
-        if verdict is None:
-            return None
-        scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self.lr_history.rising_into)
-        self.log.verdict(step, verdict, scale_decision, None, self.skipped_steps, self.replays.check)
-        return scale_decision
-
-    def _check_applied(self, step: int, decision: Decision, applied: bool) -> None:
-        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
-            if applied:
-                raise RuntimeError(f"rank {self.rank}: step {step} was decided SKIP_STEP but the framework "
-                                   "applied it; this optimizer is not supported by the skip path")
-            self.skipped_steps += 1
-        elif decision.action is Action.CONTINUE and not applied:
-            self.log.framework_skip(step)
+        """STEP: the adapter applied or skipped the optimizer step, checked against the decision. ``scaler`` (fp16
+        with a dynamic loss scale): as it was when the step began; a collapse returns the ``loss_scale`` ladder's
+        decision, which the adapter carries out now; otherwise None (trainguard.judgement)."""
+        return self.judgement.stepped(step, decision, applied, scaler)
 
     def on_end(self, step: int, obs: StepView, metrics: dict[str, Any]) -> None:
         """END: the metric line(s) of this step, written once the framework's global gradient norm
         arrives with the next table (``metrics["grad_norm"]`` may be a device tensor)."""
         self.last_step = step
-        norm = metrics.pop("grad_norm", None)
-        limit = metrics.pop("clip_limit", None)
-        applied_sq = metrics.pop("applied_grad_sq", None)
-        due = self.line_due(step)
-        line = step_line(obs, metrics, self.stats.loss_median(),
-                         self.skipped_steps, self.straggler.last, self._probe_values)
-        me = obs.own
-        rank_line = None
-        if me is not None and self.events.rank_log is not None:
-            rank_line = {"rank": self.rank, "local_loss": me.loss, "local_grad_norm": me.grad_norm,
-                         "sample_ids": self.tally.sample_ids, "position": self.tally.where()}
+        pending = {k: metrics.pop(k, None) for k in ("grad_norm", "clip_limit", "applied_grad_sq")}
+        line = step_line(obs, metrics, self.stats.loss_median(), self.skipped_steps, self.judgement.straggler.last,
+                         self._probe_values)
+        rank_line = self.tally.rank_line(self.rank, obs.own) if self.events.rank_log is not None else None
         self.faults.step_done(step)
         d = self.last_decision
         self.book.step_ended(bool(metrics.get("applied", True)) and d is not None and d.action is Action.CONTINUE
                              and not any(anomaly_class(v) for v in d.verdicts))
         self.last_metrics = line
-        self.deferred.hold(step, line, rank_line, due, limit, metrics.get("applied", True), norm, applied_sq)
+        self.deferred.hold(step, line, rank_line, self.line_due(step), metrics.get("applied", True), **pending)
         self._probe_values = {}
         self.log.close_incidents(step)
-        self._reset_step()
+        self.tally = StepTally(self.device)
         self.timer.start()  # (the next step's own time counts from here)
 
     def line_due(self, step: int) -> bool:
@@ -326,13 +244,6 @@ class StepGuard:
         """The adapter's forward returned (each micro-batch; the last one of the step counts)."""
         self.timer.mark()
 
-    def _log_stragglers(self, step: int, obs: StepView) -> None:
-        self.log.stragglers(step, self.straggler.observe_reduced(step, obs.summary) if self.agreement.summary_way
-                            else self.straggler.observe(step, list(obs)))  # (one view per run, whatever the step)
-        for r in self.straggler.persisting(step):
-            self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
-                                  self.emit)
-
     def rewound(self, step: int, to_step: int, restart: bool = False) -> None:
         """A rollback from ``step`` took the step counter back to ``to_step``: what counts steps across it starts
         again (open incidents closed; the suspects' record of shared failures kept no later than ``to_step``; the
@@ -350,7 +261,7 @@ class StepGuard:
 
     def scaler_reset(self) -> None:
         """The fp16 loss scale was reset or is gone (bf16): the loss-scale watch starts again."""
-        self.loss_scale.reset()
+        self.judgement.loss_scale.reset()
 
     def precision_changed(self) -> None:
         """The run goes on in another precision: a new gradient-norm distribution from here."""
@@ -358,7 +269,14 @@ class StepGuard:
 
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
-        return self.log.abort(step, decision, self._everyone or {}, self.skipped_steps, self.policy)
+        return self.log.abort(step, decision, self.judgement.everyone or {}, self.skipped_steps, self.policy)
+
+    def health(self) -> dict:
+        """What a checkpoint saved now says of the run (its manifest's ``health``): the last metric line's loss, loss
+        median and loss scale, and the recent verdicts."""
+        last = self.last_metrics
+        return {"loss": last.get("loss"), "loss_median": last.get("loss_median"), "loss_scale": last.get("loss_scale"),
+                "recent_anomalies": self.judgement.recent_anomalies[-10:]}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -368,7 +286,7 @@ class StepGuard:
                 "detectors": self.detectors.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.skipped_steps = int(state["skipped_steps"])
+        self.judgement.skipped_steps = int(state["skipped_steps"])
         self.policy.load_state_dict(state["policy"])
         self.stats.load_state_dict(state)
         if "lr_history" in state:
@@ -377,11 +295,4 @@ class StepGuard:
         if "goodput" in state:
             self.goodput.load_state_dict(state["goodput"])
         self.detectors.load_state_dict(state.get("detectors", {}))
-
-
-def _check_events_match() -> None:  # used by tests: one on_<event> method per Event member
-    missing = [e.value for e in Event if not callable(getattr(StepGuard, f"on_{e.value}", None))]
-    extra = [n for n in dir(StepGuard) if n.startswith("on_") and n[3:] not in {e.value for e in Event}]
-    if missing or extra:
-        raise AssertionError(f"StepGuard and Event disagree: missing {missing}, extra {extra}")
 

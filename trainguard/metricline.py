@@ -78,12 +78,14 @@ class DeferredLine:
         self.norm: Any = None     # the held step's framework norm (maybe a device tensor)
         self.applied_sq: Any = None  # this rank's squared norm of what the held step applied (device tensor)
 
-    def hold(self, step: int, line: dict, rank_line: dict | None, due: bool, limit: float | None, applied: bool,
-             norm: Any, applied_sq: Any = None) -> None:
-        self._held = {"step": step, "line": line, "rank_line": rank_line, "due": due, "limit": limit,
+    def hold(self, step: int, line: dict, rank_line: dict | None, due: bool, applied: bool, grad_norm: Any = None,
+             clip_limit: float | None = None, applied_grad_sq: Any = None) -> None:
+        """A step's line until its norms arrive: the framework's global norm (``grad_norm``, maybe a device
+        tensor), the limit it clipped at, this rank's squared norm of what the step applied (a device tensor)."""
+        self._held = {"step": step, "line": line, "rank_line": rank_line, "due": due, "limit": clip_limit,
                       "applied": applied}
-        self.norm = norm
-        self.applied_sq = applied_sq
+        self.norm = grad_norm
+        self.applied_sq = applied_grad_sq
 
     def flush(self, norm: float, applied_sq: float | None = None) -> None:
         """Write the held line with its norm and the global squared norm of what it applied (host

@@ -35,12 +35,18 @@ class Replays:
     recorded micro-batch (``row`` None) or of one of its rows on the current weights; ``narrow_rows``: the culprit's
     rows may be replayed one by one; ``peers``: the ranks that replay together with this one (a model-parallel
     group); ``peer_replay``: ``(inputs, seed)`` -> ``(loss, output digest)`` for detectors.peer_replay; ``healthy``:
-    the loss-spike detector's judgement of a loss."""
+    the loss-spike detector's judgement of a loss; ``take_ids()``: the sample ids BATCH named since the last call (a
+    recorded micro-batch's own); ``sampled(step)``: whether a sampled check that compares every rank runs then.
+
+    The adapter hands it its training micro-batches (``session.replays``): :meth:`record` each one it can replay,
+    when :attr:`wants_batches`; on a step where :meth:`peer_sampled`, the random-number state its training forward
+    starts from and that forward's values (:meth:`measured`)."""
 
     def __init__(self, replay: Callable | None, peer_replay: Callable | None, narrow_rows: bool,
-                 peers: set[int], healthy: Callable[[float], bool], acting: bool):
+                 peers: set[int], healthy: Callable[[float], bool], acting: bool,
+                 take_ids: Callable[[], list[int]] = list, sampled: Callable[[int], bool] = lambda step: False):
         self.replay, self.peer_replay, self.narrow_rows, self.peers = replay, peer_replay, narrow_rows, peers
-        self.healthy = healthy
+        self.healthy, self.take_ids, self.sampled = healthy, take_ids, sampled
         self.acting = acting                 # recovery is on: a replay's verdict can change what is done
         self.book = ReplayBook()             # this step's micro-batches and the last healthy one
         self.check: dict | None = None       # the last anomaly step's weights check
@@ -49,10 +55,18 @@ class Replays:
     def wants_batches(self) -> bool:
         return self.replay is not None or self.peer_replay is not None
 
-    def record(self, inputs: Any, sample_ids: list[int], rows: int | None) -> None:
-        self.book.record(MicroBatch(inputs, sample_ids, rows))
+    def record(self, inputs: Any, rows: int | None) -> None:
+        """A training micro-batch the adapter can replay (references: what a replay of it needs), after BATCH named
+        its samples; ``rows``: its batch size, where known."""
+        self.book.record(MicroBatch(inputs, self.take_ids(), rows))
+
+    def peer_sampled(self, step: int) -> bool:
+        """Whether a peer replays this step's last micro-batch (detectors.peer_replay)."""
+        return self.peer_replay is not None and self.sampled(step)
 
     def measured(self, rng: Any, value: Any) -> None:
+        """The last recorded micro-batch's RNG state before its training forward, and that forward's (loss, output
+        digest) as device values (read at DECIDE of a sampled step only)."""
         if self.book.step:
             self.book.step[-1].rng, self.book.step[-1].value = rng, value
 

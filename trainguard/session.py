@@ -59,14 +59,15 @@ class GuardSession:
         self.faults = injector if cfg.faults else None
         self.goodput = GoodputMeter() if guard_enabled else None
         self.clipper = Clipper(cfg.clipping) if guard_enabled else None
-        self.book = None  # trainguard.replays.ReplayBook: the step's recorded micro-batches (what an adapter replays)
+        # trainguard.replays.Replays: what the adapter hands its micro-batches to (record, measured), and their book
+        self.replays = self.book = None
         if guard_enabled:
             policy = Policy(cfg.detectors.nonfinite, cfg.recovery)
             self.guard = StepGuard(cfg, rank, world, group=None, device=device, localize=localize, replay=replay,
                                    narrow_rows=narrow_rows, replay_peers=replay_peers, peer_replay=peer_replay,
                                    policy=policy, goodput=self.goodput, faults=injector, clipper=self.clipper)
-            self.book = self.guard.book
-            self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector)
+            self.replays, self.book = self.guard.replays, self.guard.book
+            self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector, self.clipper)
         else:
             self.driver = None
         self.watchdog = None   # trainguard.watchdog.Watchdog, from start_watchdog()

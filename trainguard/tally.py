@@ -98,6 +98,14 @@ class StepTally:
     def where(self) -> dict | None:
         return self.position.as_dict() if self.position else None
 
+    def rank_line(self, rank: int, own) -> dict | None:
+        """This rank's line of the step (metrics.rank_jsonl): its own loss and norm (``own``: its row as agreed,
+        None where it did not travel), its samples and data position."""
+        if own is None:
+            return None
+        return {"rank": rank, "local_loss": own.loss, "local_grad_norm": own.grad_norm, "sample_ids": self.sample_ids,
+                "position": self.where()}
+
 
 def local_norm(grad: torch.Tensor) -> torch.Tensor:
     """2-norm of one gradient, NaN/Inf-propagating. fp16 is reduced into fp32 (a large scaled

@@ -222,8 +222,8 @@ def run(tmp_path, block, steps, fp16=False, replays=False):
             x, y = data[step - 1]
             session.batch(list(range(8 * (step - 1), 8 * step)), None)
             (x, y), _ = session.forward(step, (x, y))
-            if replays and session.guard.wants_batches:  # (references: what a replay of this micro-batch needs)
-                session.guard.record_micro_batch(((x,), {}, None), rows_of(((x,), {})))
+            if replays and session.replays.wants_batches:  # (references: what a replay of this micro-batch needs)
+                session.replays.record(((x,), {}, None), rows_of(((x,), {})))
             with session.probing(step):
                 loss = ((fw.model(x) - y) ** 2).mean()
             session.forward_done()

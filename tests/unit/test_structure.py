@@ -16,9 +16,7 @@ PACKAGES = ("trainguard", "ds_plugins", "megatron_hooks")
 MODULE_BUDGET = 300                                       # lines, any module
 PACKAGE_BUDGET = {"ds_plugins": 1300, "megatron_hooks": 700}
 # What is still over a budget, at its size when listed: may shrink, never grow (issue 34 stays open while any remains)
-MODULE_DEBTS = {
-    "trainguard/guard.py": 387,
-}
+MODULE_DEBTS: dict[str, int] = {}  # (trainguard/guard.py, the last one, paid in issue 34: 553 -> 298)
 # (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~130 lines with
 # its refusals, where 80 lines of model-output helpers went to the core -- trainguard/outputs.py -- in the same change;
 # megatron_hooks raised once, issue 38: Megatron-LM's pretrain() and your loop entered again after a death,
@@ -26,7 +24,7 @@ MODULE_DEBTS = {
 # trainguard/replacement.py, in the same change; and once more, issue 34, 1752 -> 1781: its __init__.py (409 lines)
 # split into guard.py and model_hooks.py, whose docstrings, imports and the hooks' own object cost 52 lines, of which
 # 23 were paid by three rules moved to the core -- check_replayable, refuse_flags, check_own_dir)
-PACKAGE_DEBTS = {"ds_plugins": 1701, "megatron_hooks": 1781}
+PACKAGE_DEBTS = {"ds_plugins": 1701, "megatron_hooks": 1773}
 
 
 def _lines(path: Path) -> int:

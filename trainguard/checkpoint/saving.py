@@ -193,8 +193,7 @@ class Saver:
         """One schema for every framework: the layout (the adapter's, and e.g. ``tier``), the lineage (data, config,
         releases, code) and the health at save time."""
         cp, state = self.cp, self.cp.state
-        g = cp.guard
-        last = getattr(g, "last_metrics", {}) or {}
+        health = cp.guard.health() if cp.guard is not None else {}
         return Manifest(
             tag=tag, step=step, files=files,
             layout={"framework": state.name, **state.layout(), **layout},
@@ -202,9 +201,9 @@ class Saver:
                      "config_hash": config_hash(cp.block),
                      "versions": {"trainguard": __version__, "torch": torch.__version__, **state.versions()},
                      "code_revision": self.revision},
-            health={"loss": last.get("loss"), "loss_median": last.get("loss_median"),
-                    "loss_scale": last.get("loss_scale"), **state.health(),
-                    "recent_anomalies": list(getattr(g, "recent_anomalies", []))[-10:] if g is not None else []})
+            health={"loss": health.get("loss"), "loss_median": health.get("loss_median"),
+                    "loss_scale": health.get("loss_scale"), **state.health(),
+                    "recent_anomalies": health.get("recent_anomalies", [])})
 
     def sidecar(self, **kwargs) -> dict:
         """This rank's sidecar: who wrote it, every RNG, and the framework's part (data position, ...)."""
