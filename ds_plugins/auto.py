@@ -120,9 +120,10 @@ def _patch_accelerate(module) -> None:
         def prepare_data_loader(self, data_loader, *args, **kwargs):
             block = _block_of(self)
             if block is not None:
+                from ds_plugins.capabilities import HINTS
                 from trainguard.ports import tag_loader
 
-                tag_loader(data_loader, block.sanitize)
+                tag_loader(data_loader, block.sanitize, HINTS["refill"])
             return original(self, data_loader, *args, **kwargs)
         return prepare_data_loader
 

@@ -2,7 +2,7 @@
 entry point; ``initialize`` refuses a key set here by name). It runs under three names: ``ds_plugins``
 (``initialize(training_data=...)``: trainguard's loader), ``ds_plugins/framework`` (the zero-code entry under HF
 Trainer / Accelerate: their loader, tagged -- trainguard/sample_tags.py) and ``ds_plugins/own`` (``initialize`` without
-training_data: your loader, which trainguard never sees)."""
+training_data: your loader, which trainguard never sees). Its advice in the core's records and errors: ``HINTS``."""
 from __future__ import annotations
 
 from trainguard.ports import Refusal
@@ -15,6 +15,11 @@ _SKIP = Refusal("the loader is not trainguard's: a rollback cannot move it past 
                 "past the batches already seen); set 0", inert=(0,))
 _OWN = ("your loader is not trainguard's, so trainguard never sees the samples: pass training_data to "
         "ds_plugins.initialize, or check them in your dataset")
+
+# what the core's records and errors advise on this adapter (a verdict that names no sample, a batch emptied by the
+# sanitiser on a framework's loader)
+HINTS = {"sample_ids": "unknown: pass training_data to ds_plugins.initialize so the loader can report sample ids",
+         "refill": "pass training_data to ds_plugins.initialize (its loader refills batches)"}
 
 REFUSED: dict[str, dict[str, Refusal]] = {
     "sanitize.enabled": {"ds_plugins/own": Refusal(_OWN, inert=(False,))},

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ds_plugins.applied_grad import _applied_grad_meter
+from ds_plugins.capabilities import HINTS
 from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_facts, _run_facts
 from ds_plugins.guarded import _guarded_class, _plain_class
 from ds_plugins.loss_scale import _loss_scale, ScalerView
@@ -56,7 +57,8 @@ class EngineGuard:
         self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
                                     device=_collective_device(), localize=self.replays.localize,
                                     replay=self.replays.replay, peer_replay=self.replays.peer_replay,
-                                    narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None)
+                                    narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None,
+                                    hints=HINTS)
         s = self.session
         self.replays.bind(s)
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
@@ -125,13 +127,6 @@ class EngineGuard:
         bound = self.session.value_bound() * _loss_scale(self.engine) / self.engine.gradient_accumulation_steps()
         return grad.clamp(-bound, bound)
 
-    def _set_clip(self, value: float) -> None:
-        """Hand a max-norm to DeepSpeed's own clipping (it clips inside the optimizer's step, on the
-        partitioned gradients, with the global norm it computes anyway)."""
-        eng = self.engine
-        eng._config.gradient_clipping = value
-        if hasattr(eng.optimizer, "clip_grad"):
-            eng.optimizer.clip_grad = value
 
     # ------------------------------------------------------------------ loop points
     def forward(self, base_forward, inputs, kwargs):
@@ -172,12 +167,6 @@ class EngineGuard:
         out_of_range = s.vocab_size if s.vocab_size is not None else 1_000_000
         return self.faults.samples(self.step_number(), samples, s.label_key, out_of_range)
 
-    def on_loss(self, step: int, loss):
-        return self.session.loss(step, loss)
-
-    def guarded_step(self, ds_step):
-        return self.session.step(ds_step)
-
     # ------------------------------------------------------------------ trainguard.driver.Framework
     @property
     def data(self):
@@ -193,7 +182,12 @@ class EngineGuard:
         return _loss_scale(self.engine), float(self.engine.gradient_accumulation_steps())
 
     def set_clip(self, max_norm: float) -> None:
-        self._set_clip(max_norm)
+        """Hand a max-norm to DeepSpeed's own clipping (it clips inside the optimizer's step, on the
+        partitioned gradients, with the global norm it computes anyway)."""
+        eng = self.engine
+        eng._config.gradient_clipping = max_norm
+        if hasattr(eng.optimizer, "clip_grad"):
+            eng.optimizer.clip_grad = max_norm
 
     def apply(self, decision, ds_step) -> StepOutcome:
         eng = self.engine

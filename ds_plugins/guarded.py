@@ -25,7 +25,7 @@ def _guarded_class(base: type) -> type:
             tg = self._trainguard
             if tg.discard:  # (the rest of a step a replaced rank interrupted: the engine was rebuilt since)
                 return None
-            loss = tg.on_loss(self.global_steps + 1, loss)
+            loss = tg.session.loss(self.global_steps + 1, loss)
             return tg.surviving(lambda: super(Guarded, self).backward(loss, *args, **kwargs))
 
         def step(self, *args, **kwargs):
@@ -35,7 +35,7 @@ def _guarded_class(base: type) -> type:
                 return None
             if not self.is_gradient_accumulation_boundary():
                 return tg.surviving(lambda: super(Guarded, self).step(*args, **kwargs), discard=False)
-            return tg.surviving(lambda: tg.guarded_step(lambda: base.step(self, *args, **kwargs)), discard=False)
+            return tg.surviving(lambda: tg.session.step(lambda: base.step(self, *args, **kwargs)), discard=False)
 
         def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DS's signature
                             exclude_frozen_parameters=False):

@@ -51,9 +51,8 @@ from typing import Any, Sequence
 import torch
 
 from trainguard import config as tg_config
-from trainguard.ports import check_supported
+from trainguard.ports import check_supported, releases
 
-from megatron_hooks import versions
 from megatron_hooks.capabilities import REFUSED
 from megatron_hooks.args import extra_args_provider
 from megatron_hooks.parts import _GradScaler, _dtype, _modules, _optimizers, _unwrap  # noqa: F401 (the package's)
@@ -80,7 +79,7 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     Megatron-LM's loop has one; without it the ladders act as written."""
     import megatron.core
 
-    versions.check(megatron.core.__version__)
+    releases.check("megatron-core", megatron.core.__version__)  # (the support matrix: a release outside it refused)
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     cfg = tg_config.block_of(config, "megatron_hooks.install")
     check_supported(cfg, "megatron_hooks", REFUSED)  # a key set here that megatron cannot honour: refused, by name

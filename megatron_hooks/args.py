@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_hooks import versions
 from megatron_hooks.capabilities import REFUSED
 from trainguard import config as tg_config
-from trainguard.ports import check_supported
+from trainguard.errors import UnsupportedSetup
+from trainguard.ports import check_supported, releases
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,8 +30,8 @@ def _existing_file(value: str) -> str:
         check_supported(tg_config.block_of(str(path)), "megatron_hooks", REFUSED)
         import megatron.core
 
-        versions.check(megatron.core.__version__, "Megatron-LM")
-    except versions.UnsupportedSetup as e:
+        releases.check("megatron-lm", megatron.core.__version__)  # (Megatron-LM's loop: its own row of the matrix)
+    except UnsupportedSetup as e:
         raise argparse.ArgumentTypeError(f"--trainguard-config: {e}") from None
     except tg_config.ConfigError as e:
         raise argparse.ArgumentTypeError(f"--trainguard-config {value}: {e}") from None

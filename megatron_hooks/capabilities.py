@@ -1,5 +1,6 @@
 """What megatron_hooks cannot honour, declared once (trainguard.support reads it through the ``trainguard.adapters``
-entry point; ``install`` and Megatron-LM's ``--trainguard-config`` refuse a key set here by name)."""
+entry point; ``install`` and Megatron-LM's ``--trainguard-config`` refuse a key set here by name). Its advice in
+the core's records and errors: ``HINTS``."""
 from __future__ import annotations
 
 from trainguard.ports import Refusal, World
@@ -10,8 +11,13 @@ _YOUR_LOADER = ("the data loader is yours (Megatron-LM's or your loop's), so tra
                 "check them in your dataset")
 _GROUPS_EXIST = ("the process groups exist before install() (Megatron-LM and your script create them); set the "
                  "timeout where they are created (Megatron-LM: --distributed-timeout-minutes)")
-_DATA = Refusal("shuffling, drop_last and the data position apply to the loader ds_plugins.initialize builds "
-                "(pass training_data to it)")
+_DATA = Refusal("the data loader is yours (Megatron-LM's or your loop's): its shuffling, drop_last and data position "
+                "are its own")
+
+# what the core's records and errors advise on this adapter (a verdict that names no sample, a replay key set)
+HINTS = {"sample_ids": "unknown: call guard.on_batch(sample_ids) in your forward_step (Megatron-LM's loop does)",
+         "replay": "megatron_hooks.install(..., replayer=Replayer(...)) and guard.record(...) per micro-batch, as "
+                   "Megatron-LM's loop does"}
 
 REFUSED: dict[str, dict[str, Refusal]] = {
     "sanitize.enabled": {"megatron_hooks": Refusal(_YOUR_LOADER, inert=(False,))},

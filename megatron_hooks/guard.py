@@ -17,6 +17,7 @@ from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly
 from trainguard.session import GuardSession
 
+from megatron_hooks.capabilities import HINTS
 from megatron_hooks.model_hooks import ModelHooks
 from megatron_hooks.parts import _GradScaler, _dtype, _optimizers, _unwrap
 
@@ -53,7 +54,8 @@ class MegatronGuard:
                                     device=collective_device(), localize=self.model_hooks.localize,
                                     replay=self.model_hooks.replay if replayer is not None else None,
                                     narrow_rows=replayer is not None, replay_peers=peers,
-                                    peer_replay=self.model_hooks.peer_replay if replayer is not None else None)
+                                    peer_replay=self.model_hooks.peer_replay if replayer is not None else None,
+                                    hints=HINTS)
         s = self.session
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.faults is not None:

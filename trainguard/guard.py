@@ -49,14 +49,15 @@ from trainguard.suspects import SuspectWatch
 class StepGuard:
     """One per rank. ``group`` is the process group the AGREE collective runs on (None: world). ``localize``:
     trainguard.evidence.Evidence's; ``replay``, ``narrow_rows``, ``replay_peers`` (default: this rank alone),
-    ``peer_replay``: trainguard.replays.Replays' (from an adapter that can replay)."""
+    ``peer_replay``: trainguard.replays.Replays' (from an adapter that can replay); ``hints``: the adapter's advice
+    in records (its capabilities' ``HINTS``)."""
 
     def __init__(self, cfg: TrainguardConfig, rank: int, world: int, group=None,
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
                  replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False,
                  replay_peers: Sequence[int] | None = None, peer_replay: Callable[[Any, int], tuple] | None = None,
                  collective=None, policy: Policy | None = None, goodput: GoodputMeter | None = None,
-                 faults: FaultInjector | None = None, clipper: Clipper | None = None):
+                 faults: FaultInjector | None = None, clipper: Clipper | None = None, hints: dict | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
@@ -79,7 +80,7 @@ class StepGuard:
         self.book = self.replays.book  # this step's micro-batches and the last healthy one (what an adapter replays)
         self.probes = SampledProbes(cfg.detectors)  # activation range, attention entropy: on their sampled steps
         self.coords: list[RankCoords] = []
-        self.log = StepLog(rank, cfg, self.coords_of)  # records and incidents (trainguard.steplog)
+        self.log = StepLog(rank, cfg, self.coords_of, (hints or {}).get("sample_ids"))  # (trainguard.steplog)
         self.events = self.log.events
         self.last_step = 0
         self.last_metrics: dict = {}            # the last metric line (a checkpoint's health)

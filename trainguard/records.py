@@ -8,7 +8,7 @@ from trainguard.verdicts import RankObservation, Verdict
 from trainguard.events import Action, Record
 
 ALERT = "alert"
-NO_SAMPLE_IDS = "unknown: pass training_data to ds_plugins.initialize so the loader can report sample ids"
+NO_SAMPLE_IDS = "unknown: the loader reported no sample ids"  # (an adapter says how to hand them in: its HINTS)
 
 
 def faults_fired(step: int, obs: Sequence[RankObservation], faults) -> tuple | None:
@@ -29,11 +29,12 @@ def rejections(everyone: dict[int, dict], coords_of: Callable[[int], dict], acti
 
 
 def verdict(v: Verdict, decision, everyone: dict[int, dict] | None, coords_of: Callable[[int], dict],
-            skipped_steps: int, weights: dict | None = None) -> tuple:
+            skipped_steps: int, weights: dict | None = None, no_ids: str = NO_SAMPLE_IDS) -> tuple:
     """Name the culprits with their coordinates, host, samples and (non-finite) first bad module.
     ``weights``: the step's replay of a healthy micro-batch (trainguard.replay), for the classes it
     decides. A rank whose samples were narrowed by a per-sample replay names those samples
-    (``sample_ids``) beside its whole batch (``batch_sample_ids``)."""
+    (``sample_ids``) beside its whole batch (``batch_sample_ids``). ``no_ids``: the note where no rank's loader
+    named its samples (the adapter's advice)."""
     from trainguard.policy import DATA_OR_WEIGHTS, anomaly_class
 
     detail = {"detector": v.detector, **v.detail}
@@ -66,7 +67,7 @@ def verdict(v: Verdict, decision, everyone: dict[int, dict] | None, coords_of: C
     if is_nonfinite:
         detail["reason"] = decision.reason
         if everyone and not any(e["sample_ids"] for e in everyone.values()):
-            detail["sample_ids_note"] = NO_SAMPLE_IDS
+            detail["sample_ids_note"] = no_ids
         extra["skipped_steps"] = skipped_steps + (decision.action in (Action.SKIP_STEP, Action.ROLLBACK))
     return Record(v.anomaly), list(v.ranks), action, detail, extra
 

@@ -12,20 +12,18 @@ from trainguard.replay import MicroBatch, ReplayBook, loggable, narrow, weights_
 from trainguard.verdicts import PeerContext, Verdict
 
 
-_NO_REPLAY = ("true needs a replay of your forward step, which this adapter was not given (megatron-core: "
-              "install(..., replayer=Replayer(...)) and guard.record(...) per micro-batch, as Megatron-LM's loop does); "
-              "set false")
-
-
-def check_replayable(recovery, replay: Callable | None, peer_replay: Callable | None, exchanging: bool) -> None:
+def check_replayable(recovery, replay: Callable | None, peer_replay: Callable | None, exchanging: bool,
+                     hint: str | None = None) -> None:
     """A key the user set to true that needs a replay the adapter cannot make: refused by name (a key that silently
-    does nothing would lie). ``exchanging``: the peer replay detector is on (trainguard.session checks it)."""
-    problems = [(f"trainguard.recovery.{k}", _NO_REPLAY) for k in ("replay_check", "narrow_samples")
+    does nothing would lie). ``exchanging``: the peer replay detector is on (trainguard.session checks it); ``hint``:
+    the adapter's advice on giving it a replay (its capabilities' ``HINTS``)."""
+    how = f" ({hint})" if hint else ""
+    problems = [(f"trainguard.recovery.{k}", f"true needs a replay of your forward step, which this adapter was not "
+                 f"given{how}; set false") for k in ("replay_check", "narrow_samples")
                 if replay is None and k in recovery.model_fields_set and getattr(recovery, k)]
     if peer_replay is None and exchanging:
         problems.append(("trainguard.detectors.peer_replay.enabled",
-                         "true needs an adapter that replays a micro-batch (DeepSpeed; megatron-core: "
-                         "install(..., replayer=Replayer(...)), as Megatron-LM's loop does); set false"))
+                         f"true needs a replay of a micro-batch, which this adapter was not given{how}; set false"))
     if problems:
         raise ConfigError(problems)
 

@@ -63,14 +63,15 @@ def _as_list(ids) -> list:
 
 
 class EmptyBatch(Exception):
-    """Every sample of a batch from a framework's loader was rejected by the sanitiser."""
+    """Every sample of a batch from a framework's loader was rejected by the sanitiser. ``refill``: the adapter's
+    advice on a loader that refills batches (its capabilities' ``HINTS``)."""
 
-    def __init__(self, rejected):
+    def __init__(self, rejected, refill: str | None = None):
         self.rejected = rejected
         lines = "; ".join(f"sample {i}: {', '.join(p)}" for i, p in rejected[:8])
         super().__init__(f"trainguard.sanitize rejected every sample of a batch ({lines}): the loader is the "
-                         "framework's, so trainguard cannot fetch others in their place; clean the dataset, or "
-                         "pass training_data to ds_plugins.initialize (its loader refills batches)")
+                         "framework's, so trainguard cannot fetch others in their place; clean the dataset"
+                         + (f", or {refill}" if refill else ""))
 
 
 class _Tagged:
@@ -104,9 +105,10 @@ class TaggedDataset:
 
 
 class TaggingCollate:
-    def __init__(self, collate_fn: Callable, sanitize_cfg=None):
+    def __init__(self, collate_fn: Callable, sanitize_cfg=None, refill: str | None = None):
         self.collate_fn = collate_fn
         self.sanitize_cfg = sanitize_cfg
+        self.refill = refill
 
     def __call__(self, items: list) -> Any:
         if not items or not isinstance(items[0], _Tagged):
@@ -121,7 +123,7 @@ class TaggingCollate:
             if sanitizing(cfg):
                 ids, samples, rejected = sanitize(ids, samples, cfg)
                 if not samples:  # a framework's loader cannot fetch replacements: nothing left to train on
-                    raise EmptyBatch(rejected)
+                    raise EmptyBatch(rejected, self.refill)
         batch = self.collate_fn(samples)
         if not isinstance(batch, MutableMapping):
             batch = {WRAPPED: batch}  # (no room for a key: wrapped; the prepared loader unwraps it, untag)
@@ -131,10 +133,10 @@ class TaggingCollate:
         return batch
 
 
-def tag_loader(loader, sanitize_cfg=None) -> bool:
+def tag_loader(loader, sanitize_cfg=None, refill: str | None = None) -> bool:
     """Tag a torch DataLoader in place (before Accelerate rebuilds it from its dataset and collate
     function). Returns whether it could: iterable datasets and loaders without automatic batching
-    carry no indices."""
+    carry no indices. ``refill``: :class:`EmptyBatch`'s advice."""
     import torch.utils.data as tud
 
     if not isinstance(loader, tud.DataLoader) or getattr(loader, "_trainguard_tagged", False):
@@ -150,7 +152,7 @@ def tag_loader(loader, sanitize_cfg=None) -> bool:
         return False
     # DataLoader refuses to change its dataset after __init__; the iterators read it afresh
     object.__setattr__(loader, "dataset", TaggedDataset(loader.dataset))
-    loader.collate_fn = TaggingCollate(loader.collate_fn, sanitize_cfg)
+    loader.collate_fn = TaggingCollate(loader.collate_fn, sanitize_cfg, refill)
     object.__setattr__(loader, "_trainguard_tagged", True)
     return True
 

@@ -47,9 +47,11 @@ class GuardSession:
     def __init__(self, fw: Framework, cfg: TrainguardConfig, rank: int, world: int, *, guard_enabled: bool = True,
                  device: torch.device | str = "cpu", localize: Callable[[], dict] | None = None,
                  replay: Callable | None = None, narrow_rows: bool = False,
-                 replay_peers: Sequence[int] | None = None, peer_replay: Callable | None = None):
+                 replay_peers: Sequence[int] | None = None, peer_replay: Callable | None = None,
+                 hints: dict[str, str] | None = None):
         # a replay key set where this adapter gives no replay: refused by name, before anything is built
-        check_replayable(cfg.recovery, replay, peer_replay, guard_enabled and cfg.detectors.peer_replay.enabled)
+        check_replayable(cfg.recovery, replay, peer_replay, guard_enabled and cfg.detectors.peer_replay.enabled,
+                         (hints or {}).get("replay"))
         self.fw, self.cfg, self.rank, self.world = fw, cfg, rank, world
         self.heart = Heartbeat(rank)
         self.guard: StepGuard | None = None
@@ -65,7 +67,8 @@ class GuardSession:
             policy = Policy(cfg.detectors.nonfinite, cfg.recovery)
             self.guard = StepGuard(cfg, rank, world, group=None, device=device, localize=localize, replay=replay,
                                    narrow_rows=narrow_rows, replay_peers=replay_peers, peer_replay=peer_replay,
-                                   policy=policy, goodput=self.goodput, faults=injector, clipper=self.clipper)
+                                   policy=policy, goodput=self.goodput, faults=injector, clipper=self.clipper,
+                                   hints=hints)
             self.replays, self.book = self.guard.replays, self.guard.book
             self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector, self.clipper)
         else:

@@ -18,8 +18,9 @@ ALERT = records.ALERT
 
 
 class StepLog:
-    def __init__(self, rank: int, cfg, coords_of: Callable[[int], dict]):
+    def __init__(self, rank: int, cfg, coords_of: Callable[[int], dict], no_ids: str | None = None):
         self.rank, self.cfg, self.coords_of = rank, cfg, coords_of
+        self.no_ids = no_ids or records.NO_SAMPLE_IDS  # (a verdict's note where no loader named its samples)
         self.events = EventLog(rank)
         self.incidents = Incidents(cfg.metrics.incident_gap) if cfg.metrics.incident_gap else None
 
@@ -97,7 +98,7 @@ class StepLog:
     def verdict(self, step: int, v: Verdict, decision: Decision, everyone: dict[int, dict] | None,
                 skipped_steps: int, weights: dict | None) -> None:
         record, ranks, action, detail, extra = records.verdict(v, decision, everyone, self.coords_of, skipped_steps,
-                                                                weights)
+                                                                weights, self.no_ids)
         if action == ALERT and anomaly_class(v) is None:  # (a ladder class's verdict is written every time)
             self.alert(step, record, ranks, detail, **extra)
         else:

@@ -279,35 +279,37 @@ def test_megatron_releases_outside_the_tested_range_are_refused_by_version(monke
     """The adapter and Megatron-LM's loop run only on the megatron-core releases of the support matrix
     (0.16.1-0.19.x; Megatron-LM's loop from 0.17.1); outside, the error names the version, the range
     and the way out (the older switch still works)."""
-    from megatron_hooks import versions
     from trainguard.errors import UnsupportedSetup
+    from trainguard.releases import check
 
     monkeypatch.delenv("TRAINGUARD_ALLOW_UNTESTED", raising=False)
     monkeypatch.delenv("TRAINGUARD_ALLOW_UNTESTED_MEGATRON", raising=False)
     for ok in ("0.16.1", "0.17.1", "0.19.2", "0.19.2+130ec38", "0.19.5"):
-        assert versions.check(ok)
-    versions.check("0.19.0rc1", "Megatron-LM")
-    for old, what, key in (("0.16.0", "megatron-core", "megatron-core"), ("0.16.1", "Megatron-LM", "megatron-lm"),
-                           ("0.20.0", "megatron-core", "megatron-core"), ("1.0.0", "Megatron-LM", "megatron-lm")):
+        assert check("megatron-core", ok)  # (megatron_hooks.install's check)
+    check("megatron-lm", "0.19.0rc1")      # (--trainguard-config's: megatron_hooks.args)
+    for old, key in (("0.16.0", "megatron-core"), ("0.16.1", "megatron-lm"), ("0.20.0", "megatron-core"),
+                     ("1.0.0", "megatron-lm")):
         with pytest.raises(UnsupportedSetup, match=rf"this is megatron-core {old}.*TRAINGUARD_ALLOW_UNTESTED={key}"):
-            versions.check(old, what)
+            check(key, old)
     monkeypatch.setenv("TRAINGUARD_ALLOW_UNTESTED_MEGATRON", "1")
-    assert versions.check("0.20.0") is False
+    assert check("megatron-core", "0.20.0") is False
 
 
 def test_a_replay_key_set_where_the_adapter_cannot_replay_is_refused_by_name():
     """recovery.replay_check / narrow_samples set true, and the adapter gave no replay (a megatron-core loop of yours
-    without a Replayer): refused when the session is built -- with the guard or faults only -- naming each key; left
-    at their defaults, the ladders act as written."""
+    without a Replayer): refused when the session is built -- with the guard or faults only -- naming each key, with
+    the adapter's advice (its capabilities' HINTS: the core names no adapter); left at their defaults, the ladders
+    act as written."""
+    from megatron_hooks.capabilities import HINTS
     from trainguard.errors import ConfigError
     from trainguard.session import GuardSession
 
     block = {"recovery": {"replay_check": True, "narrow_samples": True}, "checks": {"enabled": False}}
-    for enabled in (True, False):
+    for enabled, hints in ((True, HINTS), (False, HINTS), (True, None)):
         with pytest.raises(ConfigError) as e:
-            GuardSession(None, parse_block(block), 0, 1, guard_enabled=enabled)
+            GuardSession(None, parse_block(block), 0, 1, guard_enabled=enabled, hints=hints)
         assert [p[0] for p in e.value.problems] == ["trainguard.recovery.replay_check",
                                                     "trainguard.recovery.narrow_samples"]
-        assert "replayer=Replayer" in str(e.value)
+        assert ("replayer=Replayer" in str(e.value)) is (hints is not None)
     assert GuardSession(None, parse_block({}), 0, 1).guard.replays.replay is None  # (defaults: not refused)
     GuardSession(None, parse_block(block), 0, 1, replay=lambda mb, row: 1.0)
