@@ -45,7 +45,7 @@ class EngineGuard:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
         self.checkpointer = None
-        self.applied_grad = None      # trainguard.appliedgrad.AppliedGradMeter on DeepSpeed's inner optimizer
+        self.applied_grad = None      # the session's meter on DeepSpeed's inner optimizer (applied_grad_meter)
         self.scaler_view = ScalerView(engine)
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._framework_batches = 0   # micro-batches of a framework's tagged loader (no epochs known)
@@ -64,7 +64,8 @@ class EngineGuard:
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.guard is not None:
             self.guard.attach_model(engine.module)
-        self._hook_engine(framework_clip=float(engine.gradient_clipping() or 0.0))
+        self._hook_engine()
+        s.arm(float(engine.gradient_clipping() or 0.0))
         if self.guard is not None:
             from ds_plugins.checkpoint import DeepSpeedState
 
@@ -94,18 +95,13 @@ class EngineGuard:
         return self.engine.global_steps + 1
 
     # ------------------------------------------------------------------ setup
-    def _hook_engine(self, framework_clip: float | None = None) -> None:
-        """What the adapter puts on the engine: fault hooks, gradient hooks, the clip limit, the fp16
-        scaler's arming. At attach, and again after the engine was rebuilt in place (bf16 fallback)."""
+    def _hook_engine(self) -> None:
+        """What the adapter puts on the engine: fault hooks, gradient hooks, the fp16 scaler's arming. At attach,
+        and again after the engine was rebuilt in place (bf16 fallback; the session arms the rest again)."""
         if self.faults is not None:
             self.faults.precision = _dtype(self.engine)
             self._hooks += self.faults.install_module_faults(self.engine.module, self.step_number)
         self._install_grad_hooks()
-        if self.guard is not None:
-            self.applied_grad = _applied_grad_meter(self.engine)
-            if self.applied_grad is not None:
-                self._hooks.append(self.applied_grad)
-        self.session.arm(framework_clip)
         self.after_load()
 
     def _install_grad_hooks(self) -> None:
@@ -180,6 +176,9 @@ class EngineGuard:
 
     def agree_scale(self) -> tuple[float, float]:
         return _loss_scale(self.engine), float(self.engine.gradient_accumulation_steps())
+
+    def applied_grad_meter(self):
+        return _applied_grad_meter(self.engine)
 
     def set_clip(self, max_norm: float) -> None:
         """Hand a max-norm to DeepSpeed's own clipping (it clips inside the optimizer's step, on the

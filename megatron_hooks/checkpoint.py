@@ -97,6 +97,7 @@ class MegatronState:
         does not bring the fp16 trouble back."""
         if saved == "bf16" and now == "fp16":
             detail = self.mg.fallback_to_bf16(self.mg.iteration)
+            self.mg.session.precision_switched("bf16")
             self.mg.session.emit(self.mg.iteration, Record.PRECISION_FALLBACK, action="bf16_fallback", detail={
                 **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"})
 

@@ -48,7 +48,7 @@ class MegatronGuard:
         self.replayer = replayer        # megatron_hooks.replay.Replayer: data or weights (trainguard.replay)
         self.model_hooks = ModelHooks(self)  # (on the model chunks: megatron_hooks.model_hooks)
         self.checkpointer = None
-        self.applied_grad = None  # trainguard.appliedgrad.AppliedGradMeter on the inner torch optimizer(s)
+        self.applied_grad = None  # the session's meter on the inner torch optimizer(s) (applied_grad_meter)
         peers = dist.get_process_group_ranks(ps.get_model_parallel_group()) if replayer is not None else None
         self.session = GuardSession(self, cfg, self.rank, self.world, guard_enabled=guard_enabled,
                                     device=collective_device(), localize=self.model_hooks.localize,
@@ -74,7 +74,6 @@ class MegatronGuard:
         optimizer.step = self.step  # the instance's step: the guard decides first
         if self.guard is None:
             return
-        self.applied_grad = self._applied_grad_meter()
         s.arm(self._clip_grad())
         coords = gather_coords(dp=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
                                pp=self.stage, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
@@ -141,7 +140,7 @@ class MegatronGuard:
     def _clip_grad(self) -> float:
         return float(getattr(getattr(_optimizers(self.optimizer)[0], "config", None), "clip_grad", 0.0) or 0.0)
 
-    def _applied_grad_meter(self):
+    def applied_grad_meter(self):
         """Where megatron clips: its inner torch optimizers step with the clipped main gradients. Measured
         over megatron's own list for the norm (shared and tensor-parallel duplicates left out); without
         the distributed optimizer every data-parallel replica holds the same gradients."""
@@ -156,10 +155,8 @@ class MegatronGuard:
         if not outer:
             return None
         replication = 1 if _distributed(self.optimizer) else ps.get_data_parallel_world_size(with_context_parallel=True)
-        meter = AppliedGradMeter([o.optimizer for o in outer.values()], replication=replication,
-                                 grads=lambda inner: outer[id(inner)].get_main_grads_for_grad_norm())
-        self._hooks.append(meter)
-        return meter
+        return AppliedGradMeter([o.optimizer for o in outer.values()], replication=replication,
+                                grads=lambda inner: outer[id(inner)].get_main_grads_for_grad_norm())
 
     def set_clip(self, max_norm: float) -> None:
         """megatron clips inside optimizer.step() by its config's clip_grad (the global norm it computes anyway)."""
@@ -218,13 +215,7 @@ class MegatronGuard:
             raise FallbackUnavailable(f"{e}; {advice}") from None
         if getattr(self.optimizer, "step", None) != self.step:  # (a rebuilt optimizer: the guard decides again)
             self.optimizer.step = self.step
-        if self.applied_grad is not None:
-            self.applied_grad.remove()
-        self.applied_grad = self._applied_grad_meter()
-        self.grad_scaler = None  # bf16: no loss scale to watch
-        self.guard.scaler_reset()
-        if self.faults is not None:
-            self.faults.precision = "bf16"
+        self.grad_scaler = None  # bf16: no loss scale to watch (the session arms the rest again)
         return {"from": "fp16", "to": "bf16", "at_step": self.iteration, **detail}
 
     def close(self, clean: bool = True) -> None:

@@ -35,10 +35,12 @@ class StepDriver:
     """One per rank. ``heart``: trainguard.watchdog.Heartbeat."""
 
     def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart, policy: Policy,
-                 goodput: GoodputMeter, faults: FaultInjector, clipper: Clipper):
+                 goodput: GoodputMeter, faults: FaultInjector, clipper: Clipper,
+                 precision_switched: Callable[[str], None] = lambda precision: None):
         self.fw, self.guard, self.cfg, self.heart = fw, guard, cfg, heart
         # (the guard's too: trainguard.session)
         self.policy, self.goodput, self.faults, self.clipper = policy, goodput, faults, clipper
+        self.precision_switched = precision_switched  # (the session's: what depends on the precision, armed again)
         self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
 
     # ------------------------------------------------------------------ the step
@@ -210,7 +212,7 @@ class StepDriver:
                                                  decision.verdicts)) from None
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}
-            guard.precision_changed()
+            self.precision_switched("bf16")
             self.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
             guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
             if fw.checkpointer is not None:

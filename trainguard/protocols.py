@@ -51,7 +51,7 @@ class Framework(Protocol):
     rank: int
     checkpointer: Any          # trainguard.checkpoint.manager.CheckpointManager, or None
     data: DataControl | None   # None: the data loader is the user's (megatron)
-    applied_grad: Any          # trainguard.appliedgrad.AppliedGradMeter on the inner optimizer, or None
+    applied_grad: Any          # what applied_grad_meter() built (the session sets it; the driver reads it)
 
     def completed_steps(self) -> int:
         """Optimizer steps done (DeepSpeed's global_steps, megatron's iteration); a load sets it back."""
@@ -64,6 +64,10 @@ class Framework(Protocol):
 
     def set_clip(self, max_norm: float) -> None:
         """The max-norm the framework's own clipping uses from this step on."""
+
+    def applied_grad_meter(self) -> Any:
+        """A trainguard.appliedgrad.AppliedGradMeter on the torch optimizer(s) that apply the framework's clipped
+        gradients, or None: built by the session at start and again after a precision switch rebuilt them."""
 
     def apply(self, decision: Decision, base_step: Callable[[], Any]) -> StepOutcome:
         """Apply the optimizer step (``base_step``), or take the framework's skip path."""
@@ -83,7 +87,8 @@ class Framework(Protocol):
         """Zero Adam's moment estimates, wherever the framework keeps them; the elements zeroed."""
 
     def fallback_to_bf16(self, step: int) -> dict:
-        """Turn the fp16 run into a bf16 one in place; raise FallbackUnavailable with advice."""
+        """Turn the fp16 run's framework objects into bf16 ones in place; raise FallbackUnavailable with advice.
+        What depends on the precision is armed again by the session after it (GuardSession.precision_switched)."""
 
 
 class State(Protocol):

@@ -70,7 +70,8 @@ class GuardSession:
                                    policy=policy, goodput=self.goodput, faults=injector, clipper=self.clipper,
                                    hints=hints)
             self.replays, self.book = self.guard.replays, self.guard.book
-            self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector, self.clipper)
+            self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector, self.clipper,
+                                     self.precision_switched)
         else:
             self.driver = None
         self.watchdog = None   # trainguard.watchdog.Watchdog, from start_watchdog()
@@ -79,16 +80,37 @@ class GuardSession:
 
     # ------------------------------------------------------------------ BEGIN
     def arm(self, framework_clip: float | None = None) -> None:
-        """The guard's clipping on the framework, once its hooks are in: ``framework_clip`` (at start: what the
-        framework clips at before trainguard touches it, kept for the records) and, in ``clipping.mode: norm``, the
-        guard's max-norm handed to the framework (``fw.set_clip``) -- at start, and again after the framework was
-        rebuilt in place (a precision switch; ``framework_clip`` None then)."""
+        """What the guard puts on the framework's optimizer, once the adapter's hooks are in -- at start, and again
+        after a precision switch rebuilt it (:meth:`precision_switched`; ``framework_clip`` None then): the clipping
+        (``framework_clip``: what the framework clips at before trainguard touches it, kept for the records; in
+        ``clipping.mode: norm`` the guard's max-norm handed to it, ``fw.set_clip``) and the meter of what each update
+        applied after that clipping (``fw.applied_grad``, from ``fw.applied_grad_meter()``)."""
         if self.guard is None:
             return
         if framework_clip is not None:
             self.clipper.framework_max_norm = framework_clip
         if self.cfg.clipping.mode == "norm":
             self.fw.set_clip(self.cfg.clipping.max_norm)
+        old = getattr(self.fw, "applied_grad", None)
+        if old is not None:
+            old.remove()
+            if old in self.hooks:  # (the adapter's list too: the same object)
+                self.hooks.remove(old)
+        self.fw.applied_grad = meter = self.fw.applied_grad_meter()
+        if meter is not None:
+            self.hooks.append(meter)
+
+    def precision_switched(self, precision: str = "bf16") -> None:
+        """The framework now runs in ``precision``, rebuilt in place (``fw.fallback_to_bf16``: the loss_scale
+        ladder's last rung, or a load of a snapshot written after one): what depends on the precision is armed again
+        -- the fault injector's precision, the loss-scale watch (no scale to watch in bf16), the detectors' gradient
+        distribution, the clipping and the applied-gradient meter on the rebuilt optimizer."""
+        if self.faults is not None:
+            self.faults.precision = precision
+        if self.guard is not None:
+            self.guard.scaler_reset()
+            self.guard.precision_changed()
+        self.arm()
 
     def checkpoints(self, state):
         """The core's checkpoint protocol (trainguard.checkpoint.manager: staging, hashes, manifest, signature,

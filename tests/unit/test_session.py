@@ -168,10 +168,11 @@ class TorchFramework:
     def reset_moments(self):
         return zero_adam_moments(self.opt)
 
+    def applied_grad_meter(self):
+        return None  # (the core's AppliedGradMeter([self.opt]) would measure what each update applied)
+
     def fallback_to_bf16(self, step):
-        self.precision, self._scaler = "bf16", None
-        if self.faults is not None:
-            self.faults.precision = "bf16"
+        self.precision, self._scaler = "bf16", None  # (the session arms the rest again: precision_switched)
         return {"rebuilt": "in place"}
 
 
