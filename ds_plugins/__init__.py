@@ -124,9 +124,8 @@ def _build(deepspeed, kwargs, block, recipe, lr_scheduler, _entry, training_data
 
     # under a framework (zero-code entry) the LR schedule is often its own, invisible here: unknown, not absent
     state = attach(engine, block, client_scheduler=lr_scheduler if lr_scheduler is not None or _entry != "auto"
-                   else "the framework's")
+                   else "the framework's", entry=_entry)
     state.recipe = recipe
-    state.entry = _entry
     state.world, state.rebuild = world, rebuild
     if loader is not None:  # (the user's loader goes on, reporting to the new guard)
         loader.listener = state.on_batch

@@ -120,10 +120,10 @@ def _patch_accelerate(module) -> None:
         def prepare_data_loader(self, data_loader, *args, **kwargs):
             block = _block_of(self)
             if block is not None:
-                from ds_plugins.capabilities import HINTS
+                from ds_plugins.capabilities import FRAMEWORK_HINTS
                 from trainguard.ports import tag_loader
 
-                tag_loader(data_loader, block.sanitize, HINTS["refill"])
+                tag_loader(data_loader, block.sanitize, FRAMEWORK_HINTS["refill"])
             return original(self, data_loader, *args, **kwargs)
         return prepare_data_loader
 

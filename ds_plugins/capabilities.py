@@ -16,10 +16,11 @@ _SKIP = Refusal("the loader is not trainguard's: a rollback cannot move it past 
 _OWN = ("your loader is not trainguard's, so trainguard never sees the samples: pass training_data to "
         "ds_plugins.initialize, or check them in your dataset")
 
-# what the core's records and errors advise on this adapter (a verdict that names no sample, a batch emptied by the
-# sanitiser on a framework's loader)
-HINTS = {"sample_ids": "unknown: pass training_data to ds_plugins.initialize so the loader can report sample ids",
-         "refill": "pass training_data to ds_plugins.initialize (its loader refills batches)"}
+# the core's advice on this adapter (trainguard.support.HINT_KEYS): your loader, or the Trainer's / Accelerate's
+HINTS = {"sample_ids": "pass training_data to ds_plugins.initialize so that its loader names them"}
+FRAMEWORK_HINTS = {
+    "sample_ids": "the Trainer's or Accelerate's loader could not be tagged (run_start's untagged_loaders says why)",
+    "refill": "in a loop of your own, pass training_data to ds_plugins.initialize: its loader refills batches"}
 
 REFUSED: dict[str, dict[str, Refusal]] = {
     "sanitize.enabled": {"ds_plugins/own": Refusal(_OWN, inert=(False,))},

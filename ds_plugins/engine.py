@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ds_plugins.applied_grad import _applied_grad_meter
-from ds_plugins.capabilities import HINTS
+from ds_plugins.capabilities import FRAMEWORK_HINTS, HINTS
 from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_facts, _run_facts
 from ds_plugins.guarded import _guarded_class, _plain_class
 from ds_plugins.loss_scale import _loss_scale, ScalerView
@@ -38,9 +38,9 @@ class EngineGuard:
     rebuild = None   # (module, loader) -> (engine, its EngineGuard): the build again on a new world (ds_plugins)
     discard = False  # the rest of a step a rank's replacement interrupted does nothing
 
-    def __init__(self, engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None):
-        self.engine = engine
-        self.cfg = cfg
+    def __init__(self, engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None,
+                 entry: str = "initialize"):
+        self.engine, self.cfg = engine, cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.loader = None            # the TrackedLoader ds_plugins.initialize hands back, if any
@@ -49,7 +49,7 @@ class EngineGuard:
         self.scaler_view = ScalerView(engine)
         self.recipe = None            # ds_plugins.precision.Recipe, set by ds_plugins.initialize
         self._framework_batches = 0   # micro-batches of a framework's tagged loader (no epochs known)
-        self.entry = "initialize"     # "auto": built by a framework through the zero-code entry (ds_plugins/auto.py)
+        self.entry = entry            # "auto": built by a framework through the zero-code entry (ds_plugins/auto.py)
         if guard_enabled and cfg.detectors.nonfinite.enabled:
             find_strategy(engine.optimizer)  # refuse an unsupported optimizer now, not at step time
         # (the forwards again through the engine's module: localisation, data or weights, peer replay)
@@ -58,12 +58,14 @@ class EngineGuard:
                                     device=_collective_device(), localize=self.replays.localize,
                                     replay=self.replays.replay, peer_replay=self.replays.peer_replay,
                                     narrow_rows=engine.zero_optimization_stage() < 3 and getattr(engine, "mpu", None) is None,
-                                    hints=HINTS)
+                                    hints=FRAMEWORK_HINTS if entry == "auto" else HINTS)
         s = self.session
         self.replays.bind(s)
         self.guard, self.faults, self.heart, self.driver, self._hooks = s.guard, s.faults, s.heart, s.driver, s.hooks
         if self.guard is not None:
             self.guard.attach_model(engine.module)
+        if self.faults is not None:
+            self.faults.precision = _dtype(engine)  # (the session's after a precision switch: GuardSession.to_bf16)
         self._hook_engine()
         s.arm(float(engine.gradient_clipping() or 0.0))
         if self.guard is not None:
@@ -99,7 +101,6 @@ class EngineGuard:
         """What the adapter puts on the engine: fault hooks, gradient hooks, the fp16 scaler's arming. At attach,
         and again after the engine was rebuilt in place (bf16 fallback; the session arms the rest again)."""
         if self.faults is not None:
-            self.faults.precision = _dtype(self.engine)
             self._hooks += self.faults.install_module_faults(self.engine.module, self.step_number)
         self._install_grad_hooks()
         self.after_load()
@@ -122,7 +123,6 @@ class EngineGuard:
         # the hook sees loss-scaled gradients divided by the accumulation steps: scale the bound alike
         bound = self.session.value_bound() * _loss_scale(self.engine) / self.engine.gradient_accumulation_steps()
         return grad.clamp(-bound, bound)
-
 
     # ------------------------------------------------------------------ loop points
     def forward(self, base_forward, inputs, kwargs):
@@ -253,9 +253,10 @@ class EngineGuard:
                             "global_steps": self.engine.global_steps})
 
 
-def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None) -> EngineGuard:
+def attach(engine, cfg: TrainguardConfig, guard_enabled: bool = True, client_scheduler=None,
+           entry: str = "initialize") -> EngineGuard:
     """Guard an existing engine in place. Returns the adapter state (also ``engine._trainguard``)."""
-    state = EngineGuard(engine, cfg, guard_enabled=guard_enabled, client_scheduler=client_scheduler)
+    state = EngineGuard(engine, cfg, guard_enabled=guard_enabled, client_scheduler=client_scheduler, entry=entry)
     # nn.Module.__setattr__ would try to register modules; this is a plain attribute.
     object.__setattr__(engine, "_trainguard", state)
     engine.__class__ = _guarded_class(type(engine))

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ds_plugins import RELEASES
+import ds_plugins
 from trainguard.ports import collective_device, gather_coords, RunFacts, UNTAGGED
 from trainguard.config import TrainguardConfig
 
@@ -37,8 +37,8 @@ def _framework_facts(eng, cfg: TrainguardConfig) -> dict:
             "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
             "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
             "clipping": {"mode": cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()},
-            "untagged_loaders": list(UNTAGGED), "releases": dict(RELEASES["checked"]),
-            "untested_releases": list(RELEASES["untested"])}
+            "untagged_loaders": list(UNTAGGED), "releases": dict(ds_plugins.RELEASES["checked"]),
+            "untested_releases": list(ds_plugins.RELEASES["untested"])}
 
 
 def _run_facts(eng, client_scheduler) -> RunFacts:

@@ -14,8 +14,8 @@ _GROUPS_EXIST = ("the process groups exist before install() (Megatron-LM and you
 _DATA = Refusal("the data loader is yours (Megatron-LM's or your loop's): its shuffling, drop_last and data position "
                 "are its own")
 
-# what the core's records and errors advise on this adapter (a verdict that names no sample, a replay key set)
-HINTS = {"sample_ids": "unknown: call guard.on_batch(sample_ids) in your forward_step (Megatron-LM's loop does)",
+# what the core's records and errors advise on this adapter (trainguard.support.HINT_KEYS)
+HINTS = {"sample_ids": "call guard.on_batch(sample_ids) in your forward_step (Megatron-LM's loop does)",
          "replay": "megatron_hooks.install(..., replayer=Replayer(...)) and guard.record(...) per micro-batch, as "
                    "Megatron-LM's loop does"}
 

@@ -96,8 +96,7 @@ class MegatronState:
         fp16: the run is turned into bf16 first, as it was when the snapshot was written -- a restart
         does not bring the fp16 trouble back."""
         if saved == "bf16" and now == "fp16":
-            detail = self.mg.fallback_to_bf16(self.mg.iteration)
-            self.mg.session.precision_switched("bf16")
+            detail = self.mg.session.to_bf16(self.mg.iteration)
             self.mg.session.emit(self.mg.iteration, Record.PRECISION_FALLBACK, action="bf16_fallback", detail={
                 **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"})
 

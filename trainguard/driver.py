@@ -35,12 +35,11 @@ class StepDriver:
     """One per rank. ``heart``: trainguard.watchdog.Heartbeat."""
 
     def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart, policy: Policy,
-                 goodput: GoodputMeter, faults: FaultInjector, clipper: Clipper,
-                 precision_switched: Callable[[str], None] = lambda precision: None):
+                 goodput: GoodputMeter, faults: FaultInjector, clipper: Clipper, to_bf16: Callable[[int], dict]):
         self.fw, self.guard, self.cfg, self.heart = fw, guard, cfg, heart
         # (the guard's too: trainguard.session)
         self.policy, self.goodput, self.faults, self.clipper = policy, goodput, faults, clipper
-        self.precision_switched = precision_switched  # (the session's: what depends on the precision, armed again)
+        self.to_bf16 = to_bf16  # (the session's: the framework's fallback, then what depends on the precision re-armed)
         self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
 
     # ------------------------------------------------------------------ the step
@@ -206,13 +205,12 @@ class StepDriver:
             if fw.checkpointer is not None:
                 fw.checkpointer.wait_pending()
             try:
-                detail = fw.fallback_to_bf16(step)
+                detail = self.to_bf16(step)
             except FallbackUnavailable as e:
                 raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
                                                  decision.verdicts)) from None
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}
-            self.precision_switched("bf16")
             self.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
             guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
             if fw.checkpointer is not None:

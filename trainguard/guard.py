@@ -76,7 +76,8 @@ class StepGuard:
         self.replays = Replays(replay if cfg.recovery.replay_check else None, peer_replay if exchanging else None,
                                narrow_rows and replay is not None and cfg.recovery.narrow_samples,
                                set(replay_peers) if replay_peers is not None else {rank}, self.stats.healthy_loss,
-                               cfg.recovery.enabled, lambda: self.tally.take_ids(), self.detectors.sampled)
+                               cfg.recovery.enabled, take_ids=lambda: self.tally.take_ids(),
+                               sampled=self.detectors.sampled)
         self.book = self.replays.book  # this step's micro-batches and the last healthy one (what an adapter replays)
         self.probes = SampledProbes(cfg.detectors)  # activation range, attention entropy: on their sampled steps
         self.coords: list[RankCoords] = []
@@ -180,13 +181,10 @@ class StepGuard:
         # every rank's sampled values (they came with the gather above: no extra synchronisation)
         self._probe_values = {k: by_rank(everyone, k) if ctx.probed[k] is not None else None
                               for k in ("activation", "entropy")}
+        custom = self.detectors.custom_verdicts(step, s, ctx.rows)  # (yours, before anything is decided: alerts only)
         decision = self.judgement.decide(step, ctx, everyone, self._scaled, self.agreement.summary_way)
-        self.log.custom_alerts(step, self.detectors.custom_verdicts(step, s, ctx.rows))  # (yours: alerts only)
+        self.log.custom_alerts(step, custom)
         return decision
-
-    @property
-    def last_decision(self) -> Decision | None:
-        return self.judgement.last
 
     @property
     def culprit_samples(self) -> dict[int, list[int]]:
@@ -219,7 +217,7 @@ class StepGuard:
                          self._probe_values)
         rank_line = self.tally.rank_line(self.rank, obs.own) if self.events.rank_log is not None else None
         self.faults.step_done(step)
-        d = self.last_decision
+        d = self.judgement.last
         self.book.step_ended(bool(metrics.get("applied", True)) and d is not None and d.action is Action.CONTINUE
                              and not any(anomaly_class(v) for v in d.verdicts))
         self.last_metrics = line
@@ -232,7 +230,7 @@ class StepGuard:
     def line_due(self, step: int) -> bool:
         """Whether this step's metric line is written (known once DECIDE has run)."""
         return step % self.cfg.metrics.every_steps == 0 or (
-            self.last_decision is not None and self.last_decision.action is not Action.CONTINUE)
+            self.judgement.last is not None and self.judgement.last.action is not Action.CONTINUE)
 
     def on_close(self, totals: dict[str, Any] | None = None) -> None:
         """CLOSE: the last metric line, totals, then close the files."""
@@ -281,14 +279,12 @@ class StepGuard:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict(),
-                **self.stats.state_dict(), "lr_history": self.lr_history.state_dict(),  # (loss_spike, ...: as before)
+        return {**self.judgement.state_dict(), **self.stats.state_dict(), "lr_history": self.lr_history.state_dict(),  # (loss_spike, ...: as before)
                 "clipper": self.clipper.state_dict(), "goodput": self.goodput.state_dict(),
                 "detectors": self.detectors.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.judgement.skipped_steps = int(state["skipped_steps"])
-        self.policy.load_state_dict(state["policy"])
+        self.judgement.load_state_dict(state)
         self.stats.load_state_dict(state)
         if "lr_history" in state:
             self.lr_history.load_state_dict(state["lr_history"])

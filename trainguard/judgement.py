@@ -35,7 +35,7 @@ class Judgement:
         self.last: Decision | None = None            # the last step's decision
         self.culprit_samples: dict[int, list[int]] = {}  # {rank: the samples it is to blame for} of the last step
         self.recent_anomalies: list = []             # [step, anomaly] of recent verdicts (a checkpoint's health)
-        self.everyone: dict | None = None            # the last anomaly step's object gather ({rank: values})
+        self.everyone: dict | None = None            # the last step's object gather ({rank: values}; an abort's report)
 
     def decide(self, step: int, ctx: Decide, everyone: dict | None, scaled: bool, summary_way: bool) -> Decision:
         """The policy's one action over the step's verdicts (``ctx``, with the object gather ``everyone``), the blame,
@@ -70,6 +70,14 @@ class Judgement:
         for r in self.straggler.persisting(step):
             self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
                                   self.log.emit)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of it (in the guard's state): the skips counted, the ladders' budgets."""
+        return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = int(state["skipped_steps"])
+        self.policy.load_state_dict(state["policy"])
 
     def stepped(self, step: int, decision: Decision, applied: bool, scaler: ScalerState | None) -> Decision | None:
         """STEP: the framework applied the update or not -- as decided (a skip it applied is refused: that optimizer's

@@ -88,7 +88,7 @@ class Framework(Protocol):
 
     def fallback_to_bf16(self, step: int) -> dict:
         """Turn the fp16 run's framework objects into bf16 ones in place; raise FallbackUnavailable with advice.
-        What depends on the precision is armed again by the session after it (GuardSession.precision_switched)."""
+        Called through GuardSession.to_bf16, which arms again what depends on the precision."""
 
 
 class State(Protocol):

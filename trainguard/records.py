@@ -8,7 +8,7 @@ from trainguard.verdicts import RankObservation, Verdict
 from trainguard.events import Action, Record
 
 ALERT = "alert"
-NO_SAMPLE_IDS = "unknown: the loader reported no sample ids"  # (an adapter says how to hand them in: its HINTS)
+NO_SAMPLE_IDS = "unknown: the loader reported no sample ids"  # (and the adapter's advice: its HINTS["sample_ids"])
 
 
 def faults_fired(step: int, obs: Sequence[RankObservation], faults) -> tuple | None:

@@ -41,8 +41,8 @@ class Replays:
     starts from and that forward's values (:meth:`measured`)."""
 
     def __init__(self, replay: Callable | None, peer_replay: Callable | None, narrow_rows: bool,
-                 peers: set[int], healthy: Callable[[float], bool], acting: bool,
-                 take_ids: Callable[[], list[int]] = list, sampled: Callable[[int], bool] = lambda step: False):
+                 peers: set[int], healthy: Callable[[float], bool], acting: bool, *,
+                 take_ids: Callable[[], list[int]], sampled: Callable[[int], bool]):
         self.replay, self.peer_replay, self.narrow_rows, self.peers = replay, peer_replay, narrow_rows, peers
         self.healthy, self.take_ids, self.sampled = healthy, take_ids, sampled
         self.acting = acting                 # recovery is on: a replay's verdict can change what is done

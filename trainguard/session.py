@@ -35,6 +35,7 @@ from trainguard.goodput import GoodputMeter
 from trainguard.guard import StepGuard
 from trainguard.policy import Decision, Policy
 from trainguard.replays import check_replayable
+from trainguard.support import check_hints
 from trainguard.protocols import Framework
 from trainguard.watchdog import Heartbeat
 
@@ -49,9 +50,10 @@ class GuardSession:
                  replay: Callable | None = None, narrow_rows: bool = False,
                  replay_peers: Sequence[int] | None = None, peer_replay: Callable | None = None,
                  hints: dict[str, str] | None = None):
+        hints = check_hints(hints)  # (the adapter's advice in the core's records and errors)
         # a replay key set where this adapter gives no replay: refused by name, before anything is built
         check_replayable(cfg.recovery, replay, peer_replay, guard_enabled and cfg.detectors.peer_replay.enabled,
-                         (hints or {}).get("replay"))
+                         hints.get("replay"))
         self.fw, self.cfg, self.rank, self.world = fw, cfg, rank, world
         self.heart = Heartbeat(rank)
         self.guard: StepGuard | None = None
@@ -71,7 +73,7 @@ class GuardSession:
                                    hints=hints)
             self.replays, self.book = self.guard.replays, self.guard.book
             self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector, self.clipper,
-                                     self.precision_switched)
+                                     self.to_bf16)
         else:
             self.driver = None
         self.watchdog = None   # trainguard.watchdog.Watchdog, from start_watchdog()
@@ -81,7 +83,7 @@ class GuardSession:
     # ------------------------------------------------------------------ BEGIN
     def arm(self, framework_clip: float | None = None) -> None:
         """What the guard puts on the framework's optimizer, once the adapter's hooks are in -- at start, and again
-        after a precision switch rebuilt it (:meth:`precision_switched`; ``framework_clip`` None then): the clipping
+        after a precision switch rebuilt it (:meth:`to_bf16`; ``framework_clip`` None then): the clipping
         (``framework_clip``: what the framework clips at before trainguard touches it, kept for the records; in
         ``clipping.mode: norm`` the guard's max-norm handed to it, ``fw.set_clip``) and the meter of what each update
         applied after that clipping (``fw.applied_grad``, from ``fw.applied_grad_meter()``)."""
@@ -100,17 +102,21 @@ class GuardSession:
         if meter is not None:
             self.hooks.append(meter)
 
-    def precision_switched(self, precision: str = "bf16") -> None:
-        """The framework now runs in ``precision``, rebuilt in place (``fw.fallback_to_bf16``: the loss_scale
-        ladder's last rung, or a load of a snapshot written after one): what depends on the precision is armed again
-        -- the fault injector's precision, the loss-scale watch (no scale to watch in bf16), the detectors' gradient
-        distribution, the clipping and the applied-gradient meter on the rebuilt optimizer."""
+    def to_bf16(self, step: int) -> dict:
+        """The fp16 run turned into a bf16 one in place -- the loss_scale ladder's last rung, or the load of a
+        snapshot written after one: the framework's objects by the adapter (``fw.fallback_to_bf16``, which raises
+        FallbackUnavailable with advice), then what depends on the precision armed again here -- the fault
+        injector's precision, the loss-scale watch (no scale to watch in bf16), the detectors' gradient
+        distribution, the clipping and the applied-gradient meter on the rebuilt optimizer. Returns what the adapter
+        did."""
+        detail = self.fw.fallback_to_bf16(step)
         if self.faults is not None:
-            self.faults.precision = precision
+            self.faults.precision = "bf16"
         if self.guard is not None:
             self.guard.scaler_reset()
             self.guard.precision_changed()
         self.arm()
+        return detail
 
     def checkpoints(self, state):
         """The core's checkpoint protocol (trainguard.checkpoint.manager: staging, hashes, manifest, signature,

@@ -18,9 +18,10 @@ ALERT = records.ALERT
 
 
 class StepLog:
-    def __init__(self, rank: int, cfg, coords_of: Callable[[int], dict], no_ids: str | None = None):
+    def __init__(self, rank: int, cfg, coords_of: Callable[[int], dict], no_ids_hint: str | None = None):
         self.rank, self.cfg, self.coords_of = rank, cfg, coords_of
-        self.no_ids = no_ids or records.NO_SAMPLE_IDS  # (a verdict's note where no loader named its samples)
+        # a verdict's note where no loader named its samples, with the adapter's advice
+        self.no_ids = records.NO_SAMPLE_IDS + (f"; {no_ids_hint}" if no_ids_hint else "")
         self.events = EventLog(rank)
         self.incidents = Incidents(cfg.metrics.incident_gap) if cfg.metrics.incident_gap else None
 

@@ -22,6 +22,21 @@ from trainguard.errors import ConfigError
 GROUP = "trainguard.adapters"  # the entry points naming each installed adapter's declaration (setup.py)
 
 
+# What an adapter may advise in the core's records and errors, declared beside its refusals (``HINTS`` in its
+# capabilities module, handed to GuardSession(hints=...)): each a fragment the core appends to its own sentence --
+# a verdict that names no sample, a replay key set where the adapter was given no replay, a batch the sanitiser
+# emptied on a framework's loader
+HINT_KEYS = ("sample_ids", "replay", "refill")
+
+
+def check_hints(hints: dict | None) -> dict:
+    """An adapter's ``HINTS``, their keys checked (a misspelt key would silently fall back to the core's words)."""
+    unknown = sorted(set(hints or {}) - set(HINT_KEYS))
+    if unknown:
+        raise ValueError(f"hints {unknown}: the core reads only {list(HINT_KEYS)}")
+    return dict(hints or {})
+
+
 @dataclass(frozen=True)
 class Refusal:
     reason: str

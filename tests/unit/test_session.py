@@ -14,7 +14,7 @@ from trainguard.config import parse_block
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Event
 from trainguard.ports import (
-    Framework, gather_coords, host_copy, install_grad_hooks, ModuleReplays, rows_of, save_hashed, ScalerState,
+    AppliedGradMeter, Framework, gather_coords, host_copy, install_grad_hooks, ModuleReplays, rows_of, save_hashed, ScalerState,
     StepOutcome, verified_reads, zero_adam_moments,
 )
 from trainguard.session import GuardSession
@@ -169,10 +169,14 @@ class TorchFramework:
         return zero_adam_moments(self.opt)
 
     def applied_grad_meter(self):
-        return None  # (the core's AppliedGradMeter([self.opt]) would measure what each update applied)
+        return AppliedGradMeter([self.opt])  # (the core's: what each update applied, after any clipping)
 
     def fallback_to_bf16(self, step):
-        self.precision, self._scaler = "bf16", None  # (the session arms the rest again: precision_switched)
+        # as DeepSpeed's engine and megatron's distributed optimizer are: a new optimizer object over the same
+        # parameters, its state carried -- the session arms what depends on the precision again (to_bf16)
+        state, self.opt = self.opt.state_dict(), torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.opt.load_state_dict(state)
+        self.precision, self._scaler = "bf16", None
         return {"rebuilt": "in place"}
 
 
@@ -316,6 +320,15 @@ def test_the_loss_scale_ladder_resets_raises_the_floor_and_falls_back_to_bf16(tm
     assert [e[2] for e in scale if e[0] == "loss_scale_reset"] == ["reset_scale", "raise_floor"]
     assert all(r["detail"]["skip_batches"] == 0 for r in records if r["event"] == "rollback")
     assert all(torch.isfinite(p).all() for p in fw.model.parameters())
+    # the core armed again what depends on the precision (GuardSession.to_bf16): the faults' precision, and the
+    # applied-gradient meter on the rebuilt optimizer -- each metric line after the switch says what its update applied
+    from trainguard.metrics.jsonl import read
+
+    switched = next(e[1] for e in scale if e[0] == "precision_fallback")
+    after = [x for x in read(tmp_path / "tg.jsonl") if x.get("type") == "metric" and x["step"] > switched
+             and x.get("applied")]
+    assert s.faults.precision == "bf16" and after
+    assert all(x["grad_norm_clipped"] is not None and math.isfinite(x["grad_norm_clipped"]) for x in after), after
 
 
 def test_an_exhausted_budget_aborts_with_the_report(tmp_path):

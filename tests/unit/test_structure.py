@@ -198,5 +198,10 @@ def test_the_core_names_no_adapter_in_what_it_tells_a_user():
     from trainguard.steplog import StepLog
     from trainguard.config import parse_block
 
-    assert StepLog(0, parse_block({}), lambda r: {}, MG["sample_ids"]).no_ids == MG["sample_ids"] != DS["sample_ids"]
-    assert StepLog(0, parse_block({}), lambda r: {}).no_ids == NO_SAMPLE_IDS
+    from trainguard.support import HINT_KEYS
+
+    assert StepLog(0, parse_block({}), lambda r: {}, MG["sample_ids"]).no_ids == f"{NO_SAMPLE_IDS}; {MG['sample_ids']}"
+    assert StepLog(0, parse_block({}), lambda r: {}).no_ids == NO_SAMPLE_IDS and MG["sample_ids"] != DS["sample_ids"]
+    from ds_plugins.capabilities import FRAMEWORK_HINTS
+
+    assert all(set(h) <= set(HINT_KEYS) for h in (DS, FRAMEWORK_HINTS, MG))  # (a misspelt key is refused: GuardSession)
