@@ -152,7 +152,8 @@ def test_a_required_environment_fails_instead_of_skipping(monkeypatch):
 def test_nothing_reaches_through_the_guard_to_its_parts():
     """Issue 34: the StepGuard is no service locator. What others act on (the policy, the goodput meter, the fault
     injector, the clipper, the replay book) is the session's, handed to each that needs it; an adapter asks the
-    session. No code outside trainguard/guard.py writes ``<...>guard.<part>.<anything>`` for a part of a guard."""
+    session. No code outside trainguard/guard.py writes ``<...>guard.<part>.<anything>`` (or ``getattr(<...>guard,
+    "<part>")``) for a part of a guard."""
     from trainguard.config import parse_block
     from trainguard.guard import StepGuard
 
@@ -166,11 +167,19 @@ def test_nothing_reaches_through_the_guard_to_its_parts():
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr in parts:
-                owner = node.value.value
-                if (isinstance(owner, ast.Name) and owner.id == "guard") or \
-                        (isinstance(owner, ast.Attribute) and owner.attr == "guard"):
+                if _is_guard(node.value.value):
                     found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            # (and the same reach spelt getattr(guard, "<part>"))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and \
+                    len(node.args) >= 2 and _is_guard(node.args[0]) and isinstance(node.args[1], ast.Constant) and \
+                    node.args[1].value in parts:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def _is_guard(owner) -> bool:
+    return (isinstance(owner, ast.Name) and owner.id == "guard") or \
+        (isinstance(owner, ast.Attribute) and owner.attr == "guard")
 
 
 def test_the_core_names_no_adapter_in_what_it_tells_a_user():
