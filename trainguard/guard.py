@@ -78,7 +78,6 @@ class StepGuard:
                                set(replay_peers) if replay_peers is not None else {rank}, self.stats.healthy_loss,
                                cfg.recovery.enabled, take_ids=lambda: self.tally.take_ids(),
                                sampled=self.detectors.sampled)
-        self.book = self.replays.book  # this step's micro-batches and the last healthy one (what an adapter replays)
         self.probes = SampledProbes(cfg.detectors)  # activation range, attention entropy: on their sampled steps
         self.coords: list[RankCoords] = []
         self.log = StepLog(rank, cfg, self.coords_of, (hints or {}).get("sample_ids"))  # (trainguard.steplog)
@@ -218,7 +217,7 @@ class StepGuard:
         rank_line = self.tally.rank_line(self.rank, obs.own) if self.events.rank_log is not None else None
         self.faults.step_done(step)
         d = self.judgement.last
-        self.book.step_ended(bool(metrics.get("applied", True)) and d is not None and d.action is Action.CONTINUE
+        self.replays.book.step_ended(bool(metrics.get("applied", True)) and d is not None and d.action is Action.CONTINUE
                              and not any(anomaly_class(v) for v in d.verdicts))
         self.last_metrics = line
         self.deferred.hold(step, line, rank_line, self.line_due(step), metrics.get("applied", True), **pending)

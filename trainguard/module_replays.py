@@ -36,9 +36,9 @@ class ModuleReplays:
     def localize(self) -> dict:
         """Replay this rank's last micro-batch with a hook on every module (no gradients, RNG
         untouched); every rank does it together, since a ZeRO-3 forward gathers parameters."""
-        if not self.session.book.step:
+        if not self.session.replays.book.step:
             return {"module": None, "note": "no micro-batch to replay"}
-        inputs, kwargs, poison_output = self.session.book.step[-1].inputs
+        inputs, kwargs, poison_output = self.session.replays.book.step[-1].inputs
         model = self.module()
         # the poison hook (nan_batch on an integer-only batch) must be registered before the
         # localisation hooks, so that they see the output it replaced
@@ -70,7 +70,7 @@ class ModuleReplays:
         loss = scalar_loss(out)
         if loss is None:
             loss = finite_proxy(out)
-        if row is None and mb is self.session.book.healthy:
+        if row is None and mb is self.session.replays.book.healthy:
             # the weights' probe: its loss alone decides; whether this model's intermediates are all finite on
             # healthy data (a module may output a -inf mask) says whether the rows' replays may use the watch
             self._watch_trusted = watch.finite()

@@ -63,15 +63,16 @@ class GuardSession:
         self.faults = injector if cfg.faults else None
         self.goodput = GoodputMeter() if guard_enabled else None
         self.clipper = Clipper(cfg.clipping) if guard_enabled else None
-        # trainguard.replays.Replays: what the adapter hands its micro-batches to (record, measured), and their book
-        self.replays = self.book = None
+        # trainguard.replays.Replays: what the adapter hands its micro-batches to (record, measured); its ``book``
+        # holds them (the step's, the last healthy one: what an adapter's replay runs)
+        self.replays = None
         if guard_enabled:
             policy = Policy(cfg.detectors.nonfinite, cfg.recovery)
             self.guard = StepGuard(cfg, rank, world, group=None, device=device, localize=localize, replay=replay,
                                    narrow_rows=narrow_rows, replay_peers=replay_peers, peer_replay=peer_replay,
                                    policy=policy, goodput=self.goodput, faults=injector, clipper=self.clipper,
                                    hints=hints)
-            self.replays, self.book = self.guard.replays, self.guard.book
+            self.replays = self.guard.replays
             self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector, self.clipper,
                                      self.to_bf16)
         else:

@@ -151,8 +151,8 @@ def test_a_required_environment_fails_instead_of_skipping(monkeypatch):
 
 def test_nothing_reaches_through_the_guard_to_its_parts():
     """Issue 34: the StepGuard is no service locator. What others act on (the policy, the goodput meter, the fault
-    injector, the clipper, the replay book) is the session's, handed to each that needs it; an adapter asks the
-    session. No code outside trainguard/guard.py writes ``<...>guard.<part>.<anything>`` (or ``getattr(<...>guard,
+    injector, the clipper) is the session's, handed to each that needs it; an adapter asks the session (and hands
+    its micro-batches to ``session.replays``). No code outside trainguard/guard.py writes ``<...>guard.<part>.<anything>`` (or ``getattr(<...>guard,
     "<part>")``) for a part of a guard."""
     from trainguard.config import parse_block
     from trainguard.guard import StepGuard
@@ -160,7 +160,7 @@ def test_nothing_reaches_through_the_guard_to_its_parts():
     plain = (int, float, str, bool, type(None), list, dict, set, tuple)
     parts = {name for name, value in vars(StepGuard(parse_block({}), 0, 1)).items()
              if not isinstance(value, plain) and name not in ("cfg", "device")}
-    assert {"policy", "goodput", "faults", "clipper", "book", "events", "log", "replays"} <= parts  # (the check bites)
+    assert {"policy", "goodput", "faults", "clipper", "events", "log", "replays"} <= parts  # (the check bites)
     found = []
     for rel, f in _modules():
         if rel == "trainguard/guard.py":
