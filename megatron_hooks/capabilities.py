@@ -45,7 +45,7 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "inf_activation or inf_grad", inert=("nan_loss", "inf_grad", "spike_batch", "lr_ramp", "inf_activation",
                                               "nan_batch", "attention_collapse", "kill_rank", "hang_rank",
                                               "corrupt_checkpoint", "fp16_overflow", "slow_rank", "nan_weights",
-                                              "bitflip", "sdc_compute"))},
+                                              "bitflip", "sdc_compute", "force_action"))},
 }
 
 

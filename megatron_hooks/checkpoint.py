@@ -76,7 +76,8 @@ class MegatronState:
 
         return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
-                "precision": _dtype(self.mg.chunks[0]), "distributed_optimizer": _distributed(self.mg.optimizer)}
+                "precision": _dtype(self.mg.chunks[0]), "distributed_optimizer": _distributed(self.mg.optimizer),
+                **({"optimizer_state": "empty"} if _stateless(self.mg.optimizer) else {})}
 
     def versions(self) -> dict:
         import megatron.core
@@ -182,15 +183,18 @@ class MegatronState:
         tag_dir = root / tag
         now = self.layout()
         self._match_precision(man.layout.get("precision"), now["precision"], tag)
+        fresh = man.layout.get("optimizer_state") == "empty"  # (written before any update: _stateless)
         for o in _optimizers(mg.optimizer):
-            if _distributed(o) and not o.optimizer.state:
+            if fresh:
+                o.optimizer.state.clear()
+            elif _distributed(o) and not o.optimizer.state:
                 # a distributed optimizer before its first step has no state to load into, and without
                 # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
                 o._init_optimizer_states_with_dummy_values()
         if f"{DIST}/{CONFIG}" in reader.files:  # (dist_checkpointing opens its JSON config by path: checked first)
             reader.read(tag_dir / DIST / CONFIG)
         with verified_reads(reader):  # (its pickled .metadata, the .distcp tensors, an older release's common.pt)
-            loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(tag_dir / DIST))
+            loaded = dist_checkpointing.load(self._sharded(is_loading=not fresh), str(tag_dir / DIST))
         for i, chunk in enumerate(mg.chunks):
             key = f"model{i}" if len(mg.chunks) > 1 else "model"
             _unwrap(chunk).load_state_dict(loaded[key])
@@ -222,6 +226,14 @@ def _distributed(optimizer) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in _optimizers(optimizer))
 
 
+def _stateless(optimizer) -> bool:
+    """No update applied yet (fp16's scale search skipped them): no moments to save. Such a snapshot loads the optimizer
+    fresh, as it was then -- not asked for moments it never had. (Not the distributed one: its dummies, load().)"""
+    from megatron_hooks import _optimizers
+
+    return not _distributed(optimizer) and not any(getattr(o, "optimizer", o).state for o in _optimizers(optimizer))
+
+
 def _step_from_groups(optimizer) -> None:
     """The distributed optimizer over torch's Adam (no apex/TE) keeps the step count twice: in its
     param groups (what its state_dict saves, and loads correctly) and in each parameter's Adam
@@ -231,12 +243,8 @@ def _step_from_groups(optimizer) -> None:
     bias correction is off after every resume and rollback."""
     from megatron_hooks import _optimizers
 
-    for o in _optimizers(optimizer):
-        if not _distributed(o):
-            continue
-        for group in o.optimizer.param_groups:
-            if "step" not in group:
-                continue
+    for o in (o for o in _optimizers(optimizer) if _distributed(o)):
+        for group in (g for g in o.optimizer.param_groups if "step" in g):
             for p in group["params"]:
                 state = o.optimizer.state.get(p)
                 if state and torch.is_tensor(state.get("step")):

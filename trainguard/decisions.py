@@ -27,6 +27,23 @@ class Decision:
     remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it
     onset_skipped: bool = False     # ROLLBACK: the onset step itself was skipped, so a checkpoint saved
                                     # at it holds the state from before the anomaly and may be chosen
+    target: str | None = None       # ROLLBACK: "latest_valid" / "stable" (None: recovery.rollback_to)
+
+
+def forced(action: str, step: int, lr_factor: float) -> Decision:
+    """The decision a ``force_action`` fault puts in place of a healthy step's (trainguard.faults): what the policy
+    could decide, forced where no detector would -- so that every recovery path is tried in the states a run really
+    reaches (its first step, fp16's scale search, the step after a restart)."""
+    why = f"forced by a force_action fault: {action}"
+    if action == "skip":
+        return Decision(Action.SKIP_STEP, why)
+    if action == "bf16_fallback":
+        return Decision(Action.ROLLBACK, why, onset_step=step, anomaly=Anomaly.LOSS_SCALE,
+                        remedy=Remedy.BF16_FALLBACK, onset_skipped=True)
+    return Decision(Action.ROLLBACK, why, onset_step=step, anomaly=Anomaly.INSTANT_BURST, onset_skipped=True,
+                    lower_lr=action in ("lr_cut", "restart"), lr_scale=lr_factor if action in ("lr_cut", "restart")
+                    else None, restart=action == "restart",
+                    target={"rollback_newest": "latest_valid", "rollback_stable": "stable"}.get(action))
 
 
 def onset_of(verdicts: Sequence[Verdict], cls: Anomaly, step: int) -> int:

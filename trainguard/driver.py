@@ -20,6 +20,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterator
 
+from trainguard import decisions, degrade
 from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
@@ -54,6 +55,10 @@ class StepDriver:
             guard.lr_now = self.step_lr if self.step_lr is not None else _lr(fw.lr_groups())  # (it rides the table)
             obs = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None)
             decision = guard.on_decide(step, obs)
+            if decision.action in (Action.CONTINUE, Action.SKIP_STEP) and self.cfg.faults:  # (force_action: fuzzing)
+                forced = self.faults.forced_action(step)
+                if forced is not None:
+                    decision = decisions.forced(forced, step, self.cfg.recovery.lr_factor)
             if decision.action is Action.ABORT:
                 raise guard.abort(step, decision)
             if fw.data is not None and fw.rank in guard.culprit_samples:  # (a skip's or a rollback's)
@@ -146,24 +151,29 @@ class StepDriver:
                     scale = rc.lr_factor
                     reason += f", LR x{scale:.3g} instead"
                 decision = dataclasses.replace(decision, lr_scale=scale, restart=False, reason=reason)
+        mode = decision.target or rc.rollback_to
         if tag is None:
             tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
-                cp.rollback_target(root, decision.onset_step or step, rc.rollback_to,
-                                   inclusive=decision.onset_skipped)
+                cp.rollback_target(root, decision.onset_step or step, mode, inclusive=decision.onset_skipped)
+        failures: list[dict] = []
+        if tag is not None:  # (a target that fails to load: the next, or on where we are -- trainguard.degrade)
+            position = data.state_dict() if data is not None else None
+            cp.wait_pending()
+            decision, root, tag, why, failures = degrade.rollback_load(cp, guard, fw.lr_groups(), decision, step,
+                                                                       root, tag, why, mode, rc.lr_factor)
+            scale, restart = decision.lr_scale, decision.restart
         if tag is None:
             if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
                 self.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
                 guard.lr_lowered()
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
-            self.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
+            self.policy.rollback_unavailable(step, None if decision.lower_lr or failures else decision.anomaly)
             guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
+                **({"failed_targets": [f["to_tag"] for f in failures]} if failures else {}),
                 "lr_factor": self.policy.lr_factor if decision.lower_lr else None,
                 "quarantined": {str(r): ids for r, ids in quarantined.items()}, "remedy": remedy})
             return False
-        position = data.state_dict() if data is not None else None
-        cp.wait_pending()
-        cp.load(root, tag=tag, purpose="rollback")
         to_step = fw.completed_steps()           # the checkpoint's step
         loop = fw.after_rollback(step)           # a loop that cannot rewind goes on at ``step``: what it kept
         goes_on = fw.completed_steps()
@@ -206,9 +216,15 @@ class StepDriver:
                 fw.checkpointer.wait_pending()
             try:
                 detail = self.to_bf16(step)
-            except FallbackUnavailable as e:
-                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
-                                                 decision.verdicts)) from None
+            except FallbackUnavailable as e:  # (said before anything changed: the run goes on in fp16, its scale reset)
+                guard.emit(step, Record.RECOVERY_FAILED, [], Remedy.RESET_SCALE.value, {
+                    "action": Remedy.BF16_FALLBACK.value, "error": f"bf16 fallback unavailable: {e}",
+                    "reason": decision.reason, "instead": "the loss scale reset, in fp16"})
+                return self.scale_remedy(step, dataclasses.replace(decision, remedy=Remedy.RESET_SCALE), rolled_back)
+            except Exception as e:  # noqa: BLE001 - a conversion that failed part-way: no state to go on from
+                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: the bf16 fallback failed part-way "
+                                                 f"({type(e).__name__}: {e}); stopped here, every checkpoint kept",
+                                                 decision.verdicts)) from e
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}
             self.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)

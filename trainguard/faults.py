@@ -25,6 +25,7 @@ fp16_overflow          BACKWARD     the same, on every step of its window while 
                                     stands for a model whose values exceed fp16's range, which
                                     no loss scale fixes (bf16 does)
 lr_ramp                STEP         LR x factor**(k+1) on the k-th step of the ramp, all ranks
+force_action           DECIDE       the step's decision becomes ``action`` on every rank (recovery fuzzing)
 kill_rank, hang_rank   FORWARD      the process SIGKILLs / SIGSTOPs itself (restart attempt
                                     ``attempt`` only: the restarted job must get past it);
                                     kill_rank ``during: snapshot`` / ``save``: in a writer
@@ -70,8 +71,8 @@ def _map_floats(x: Any, fn) -> tuple[Any, bool]:
 
 class FaultInjector:
     def __init__(self, faults: Sequence[FaultSpec], rank: int):
-        # lr_ramp acts on the optimizer, which every rank must change alike
-        self.faults = [f for f in faults if f.rank == rank or f.type == "lr_ramp"]
+        # lr_ramp acts on the optimizer, which every rank must change alike; a forced decision is every rank's
+        self.faults = [f for f in faults if f.rank == rank or f.type in ("lr_ramp", "force_action")]
         self.rank = rank
         self.fired: list[tuple[int, str]] = []  # (step, type), for the record
         self._scale_loss: dict[int, float] = {}
@@ -241,6 +242,13 @@ class FaultInjector:
         return OSError(28, "No space left on device (injected: checkpoint_write_error)")
 
     # STEP ------------------------------------------------------------------------------------
+    def forced_action(self, step: int) -> str | None:
+        """force_action: the decision this step is forced to (the same on every rank), None when none is."""
+        for f in self._due("force_action", step):
+            self._fire(step, "force_action")
+            return f.action
+        return None
+
     def lr_multiplier(self, step: int) -> float:
         mult = 1.0
         for f in self._due("lr_ramp", step):

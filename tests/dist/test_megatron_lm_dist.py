@@ -255,6 +255,26 @@ def test_tp_skips_then_rolls_back_keeping_iteration_consumed_samples_and_lr(tmp_
     assert math.isfinite(last) and last < first - 0.1
 
 
+def test_fp16_whose_first_iterations_were_skipped_restarts_from_its_first_iteration_and_lives(tmp_path, release):
+    """Issue 50's run: fp16, the loss scale's search overflows (and skips) the first iterations, so the first step's
+    checkpoint is written before any update -- it holds no Adam moments --, then iterations are applied and the
+    optimizer has moments; a restart to that first step's checkpoint (forced at 9: what the loss trend did to a young
+    run that was too hot) asked dist_checkpointing for moments the checkpoint never had (KeyError; a parameter of
+    the fp32 masters zeroed by the failed load) and killed both ranks. Now the optimizer is loaded as it was then
+    (fresh) and Megatron-LM's loop runs to its end, training again."""
+    block = {"allow_faults": True, "faults": [{"type": "force_action", "step": 9, "action": "restart"}],
+             "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 4}}
+    run = launch(release, tmp_path, "fp16", "tp", block, ["--fp16", "--initial-loss-scale", "1048576"]).ok()
+    assert run.iterations[1]["skipped"] == 1 and run.iterations[8]["skipped"] == 0  # (skipped first; applied later)
+    first = json.loads((tmp_path / "snapshots" / ".first" / "step00000001" / "manifest.json").read_text())
+    assert first["layout"]["optimizer_state"] == "empty"
+    (rb,) = run.events("rollback")
+    assert rb["step"] == 9 and rb["detail"]["to_step"] == 1 and "from_first_step" in rb["detail"]
+    assert not run.events("recovery_failed") and not run.events("abort")
+    losses = [float(run.iterations[i]["loss"]) for i in range(10, ITERS + 1) if not run.iterations[i]["skipped"]]
+    assert losses and all(math.isfinite(x) and x > 0 for x in losses), losses
+
+
 def test_megatron_lms_weight_hash_check_passes_across_a_rollback_at_dp2(tmp_path, release, plain):
     """DP=2 (two replicas of the whole model), where Megatron-LM's --check-weight-hash-across-dp-replicas-interval
     compares something (at DP=1 it cannot fail): rank 1's copy of a weight is damaged in memory at iteration 8, the

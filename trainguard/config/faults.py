@@ -18,7 +18,8 @@ class FaultSpec(_Section):
 
     type: Literal["nan_loss", "inf_grad", "nan_batch", "spike_batch", "lr_ramp", "inf_activation",
                   "attention_collapse", "bad_label", "fp16_overflow", "corrupt_checkpoint", "kill_rank",
-                  "hang_rank", "checkpoint_write_error", "slow_rank", "nan_weights", "bitflip", "sdc_compute"] = Field(
+                  "hang_rank", "checkpoint_write_error", "slow_rank", "nan_weights", "bitflip", "sdc_compute",
+                  "force_action"] = Field(
         description="nan_loss: the loss passed to backward becomes NaN. inf_grad: one parameter's local gradient "
         "gets +Inf. nan_batch: the batch's floating-point tensors become NaN (an integer-only batch poisons the "
         "output of the model's first leaf module instead). spike_batch: the batch's floating-point tensors are "
@@ -42,7 +43,11 @@ class FaultSpec(_Section):
         "is non-finite until a rollback reloads them). bitflip: at the start of `step`, bit `bit` of the first element of "
         "`param` flips on `rank` (silent data corruption: finite, and nothing else notices). sdc_compute: on every "
         "step of [step, step+steps) the output of `module` on `rank` is multiplied by 1 + `eps` in every forward of "
-        "that rank -- training and replays alike: it stands for a device that computes wrong (finite, silent).")
+        "that rank -- training and replays alike: it stands for a device that computes wrong (finite, silent). "
+        "force_action: at `step`, on every rank, the step's decision becomes `action` (what the policy could decide, "
+        "forced where no detector would: recovery fuzzing -- bench/recovery_fuzz.py -- and drills of a recovery path "
+        "in the states a run really reaches); once, like every fault: a rollback that re-runs the step does not force "
+        "it again.")
     step: int = Field(ge=1, description="Optimizer step (1-based, as logged) at which the fault fires.")
     rank: int = Field(0, ge=0, description="Global rank on which the fault fires (lr_ramp: all ranks).")
     steps: int = Field(1, ge=1, description="For how many steps it fires (lr_ramp: how long the ramp lasts).")
@@ -55,6 +60,12 @@ class FaultSpec(_Section):
         None, ge=0, description="nan_batch: only this row of the micro-batch (0-based) becomes NaN -- one corrupted "
         "sample in an otherwise healthy batch; default every row. On megatron (token ids) it poisons that row of "
         "the first leaf module's output, in the step's first micro-batch.")
+    action: Optional[Literal["skip", "rollback", "rollback_newest", "rollback_stable", "restart", "lr_cut",
+                             "bf16_fallback"]] = Field(
+        None, description="force_action: the decision forced. skip: the step is skipped. rollback: to the target "
+        "recovery.rollback_to names; rollback_newest / rollback_stable: to that target. restart: to the first step's "
+        "checkpoint with the LR cut (recovery.lr_factor). lr_cut: a rollback with the LR cut. bf16_fallback: the "
+        "loss_scale ladder's top rung (a rollback, then bf16; an fp16 run only).")
     module: Optional[str] = Field(None, description="inf_activation, attention_collapse, sdc_compute: module path.")
     eps: Optional[float] = Field(None, gt=0, description="sdc_compute: the relative error of the module's output "
                                  "(default 1e-3).")
@@ -86,6 +97,9 @@ class FaultSpec(_Section):
             raise ValueError(f"'eps' applies only to type 'sdc_compute', not '{self.type}'")
         if self.during != "step" and self.type != "kill_rank":
             raise ValueError(f"'during' applies only to type 'kill_rank', not '{self.type}'")
+        if (self.action is None) == (self.type == "force_action"):
+            raise ValueError("type 'force_action' needs 'action'" if self.action is None else
+                             f"'action' applies only to type 'force_action', not '{self.type}'")
         if self.factor is not None and self.type not in ("spike_batch", "lr_ramp", "attention_collapse", "slow_rank"):
             raise ValueError(f"'factor' does not apply to type '{self.type}'")
         return self
