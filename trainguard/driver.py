@@ -59,6 +59,8 @@ class StepDriver:
                 forced = self.faults.forced_action(step)
                 if forced is not None:
                     decision = decisions.forced(forced, step, self.cfg.recovery.lr_factor)
+                    guard.emit(step, Record.FAULT_INJECTED, [], decision.action.value, {"faults": [
+                        {"type": "force_action", "step": step, "action": forced}], "reason": decision.reason})
             if decision.action is Action.ABORT:
                 raise guard.abort(step, decision)
             if fw.data is not None and fw.rank in guard.culprit_samples:  # (a skip's or a rollback's)

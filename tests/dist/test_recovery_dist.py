@@ -229,3 +229,25 @@ def test_default_ladder_goes_to_bf16_at_once_at_zero_0_and_aborts_at_zero_3(tmp_
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
     after = [m for m in run.metrics if m["time"] > fb["time"] and m["step"] > fb["step"]]
     assert after and all(m["applied"] and m["loss_scale"] == 1.0 for m in after)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_whose_first_steps_were_skipped_restarts_from_its_first_step_and_lives(tmp_path, torchrun, stage):
+    """The shape of issue 50's Megatron-LM run on DeepSpeed: fp16 whose first steps overflow (the
+    first step's checkpoint is written before any update was applied), then updates, then a restart to that first
+    step's checkpoint (forced at 12), at every ZeRO stage: the run reaches its last step with finite weights, the
+    same on both ranks, and nothing failed to load."""
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 1,
+                     "min_loss_scale": 1}}
+    cfg = make_config(tmp_path, block={"checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 5}},
+                      faults=[{"type": "fp16_overflow", "step": 1, "steps": 3, "rank": 1},  # (the scale's search)
+                              {"type": "force_action", "step": 12, "action": "restart"}],
+                      zero_optimization={"stage": stage}, **fp16)
+    run = torchrun(cfg, 20).ok()
+    metrics = [m for m in run.metrics if m["step"] < 12]
+    assert not metrics[0]["applied"] and metrics[-1]["applied"], [m["applied"] for m in metrics]
+    (rb,) = events(run, "rollback")
+    assert rb["step"] == 12 and rb["detail"]["to_step"] == 1 and "from_first_step" in rb["detail"]
+    assert not events(run, "recovery_failed") and not events(run, "abort")
+    assert all(r["global_steps"] == 20 and r["weights_finite"] for r in run.results)
+    assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]

@@ -24,7 +24,7 @@ from trainguard.checkpoint import auth, first, loading, resume, rollback
 from trainguard.checkpoint.first import FIRST, FIRST_KEPT
 from trainguard.checkpoint.fsio import atomic_write_json, beat_from_training_thread
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import STABLE, TRAJECTORY
+from trainguard.checkpoint.layout import STABLE, TRAJECTORY, step_tag
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import apply as apply_retention
@@ -32,7 +32,7 @@ from trainguard.checkpoint.saving import Saver
 from trainguard.checkpoint.runid import RUN_ID
 from trainguard.checkpoint.snapshots import MEMORY, memory_tag, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import barrier, rank, world
+from trainguard.isolation import all_true, barrier, rank, world
 
 __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 
@@ -120,9 +120,8 @@ class CheckpointManager:
         self.pacer.tick(time.perf_counter())  # (the step times a snapshot's cost shows in: max_overhead)
         saved = bool(c.dir and c.every_steps and step % c.every_steps == 0)
         if c.dir and c.every_steps and c.first_step and (step == 1 and not saved or step >= FIRST_KEPT):
-            first.on_step(self, step)
-        if saved:
-            self.save(c.dir)
+            self.insure(step, Path(c.dir) / FIRST, lambda: first.on_step(self, step))
+        if saved and self.insure(step, Path(c.dir), lambda: self.save(c.dir)):
             self.pacer.disk_saved()
             if self.pacer.paced and self.pacer.due(step):
                 self.pacer.stood_in(step)
@@ -139,6 +138,23 @@ class CheckpointManager:
             self.guard.emit(step, Record.FAULT_INJECTED, [rank()], None, {
                 "faults": [{"type": "corrupt_checkpoint", "step": step, "rank": rank()}], "file": path},
                 rank_local=True)
+
+    def insure(self, step: int, root: Path, save) -> bool:
+        """Every rank: trainguard's own save (the insurance: periodic, the first step's) -- one that fails on any rank
+        is a ``checkpoint_failed`` record and training goes on, never the run's death (a framework whose state cannot
+        be written yet: megatron's distributed optimizer before its first update). Returns whether it committed."""
+        error = None
+        try:
+            save()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - (torch's distributed checkpoint raises BaseExceptions)
+            error = f"{type(e).__name__}: {e}"[-2000:]
+        if all_true(error is None):
+            return True
+        self.emit(step, Record.CHECKPOINT_FAILED, {"tag": step_tag(self.step_count()), "dir": str(root), "sync": True,
+                                                   "error": error or "failed on another rank"})
+        return False
 
     # ------------------------------------------------------------------ the first step's (trainguard.checkpoint.first)
     def first_target(self) -> tuple[Path | None, str | None, str]:
