@@ -218,11 +218,9 @@ class StepDriver:
                 fw.checkpointer.wait_pending()
             try:
                 detail = self.to_bf16(step)
-            except FallbackUnavailable as e:  # (said before anything changed: the run goes on in fp16, its scale reset)
-                guard.emit(step, Record.RECOVERY_FAILED, [], Remedy.RESET_SCALE.value, {
-                    "action": Remedy.BF16_FALLBACK.value, "error": f"bf16 fallback unavailable: {e}",
-                    "reason": decision.reason, "instead": "the loss scale reset, in fp16"})
-                return self.scale_remedy(step, dataclasses.replace(decision, remedy=Remedy.RESET_SCALE), rolled_back)
+            except FallbackUnavailable as e:  # (where the framework itself stops -- fp16 at its floor: named)
+                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
+                                                 decision.verdicts)) from None
             except Exception as e:  # noqa: BLE001 - a conversion that failed part-way: no state to go on from
                 raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: the bf16 fallback failed part-way "
                                                  f"({type(e).__name__}: {e}); stopped here, every checkpoint kept",

@@ -121,7 +121,7 @@ class Record(str, enum.Enum):
     SAMPLES_REJECTED = "samples_rejected"      # the sanitiser dropped samples or quarantined a batch
     ROLLBACK = "rollback"                      # in-process rollback carried out (to_tag, skipped batches, LR)
     ROLLBACK_UNAVAILABLE = "rollback_unavailable"  # no checkpoint predates the onset: the step was skipped
-    RECOVERY_FAILED = "recovery_failed"        # a recovery action failed (a target's load, the bf16 fallback): the next one
+    RECOVERY_FAILED = "recovery_failed"        # a rollback target failed to load: the next one, or on
     OVERFLOW = "overflow"                      # fp16: gradients overflowed, losses finite (the scaler's routine)
     LOSS_SCALE = "loss_scale"                  # fp16 scaler collapsed (overflow at its floor / endless streak)
     LOSS_SCALE_RESET = "loss_scale_reset"      # scale reset (and floor raised) after a loss_scale rollback

@@ -1,0 +1,38 @@
+"""Recovery fuzzing in CI's selection: ``bench/recovery_fuzz.py --sample`` -- one seeded draw per stack (DeepSpeed ZeRO
+0-3 fp16/bf16 with and without accumulation, HF's Trainer, megatron-core TP/PP/distributed optimizer, Megatron-LM's
+pretrain_gpt.py TP/PP), each forcing one or two recovery actions at drawn steps of a healthy run. Every run must reach
+its last step with finite weights, and what was forced must have been carried out (the long run of >= 200 draws keeps
+its JSON under bench/results/)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.require import unavailable
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_one_seeded_draw_per_stack_lives(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from bench.recovery_fuzz import STACKS, available
+
+    for stack in STACKS:
+        why = available(stack)
+        if why:
+            unavailable("megatron_lm" if stack.startswith("mlm") else "megatron_releases", f"{stack}: {why}")
+    out = tmp_path / "fuzz.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "recovery_fuzz.py"), "--sample", "--seed", "50",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kept = json.loads(out.read_text())
+    assert kept["draws"] == len(STACKS) and kept["deaths_by_trainguard"] == 0
+    assert sorted(d["stack"] for d in kept["every_draw"]) == sorted(STACKS)
+    for d in kept["every_draw"]:
+        done = d["trainguard"]
+        assert d["lived"] and done["forced"] == len(d["forced"]), d  # (each forced decision fired, once)
+        acted = sum(1 for f in d["forced"] if f["action"] != "skip")
+        assert done["rollback"] + done["rollback_unavailable"] >= acted, d  # (and was carried out, or said why not)
