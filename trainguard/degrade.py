@@ -20,6 +20,7 @@ Every rank learns whether every rank's load succeeded (one small collective, on 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from pathlib import Path
 from typing import Callable
@@ -54,14 +55,16 @@ def step_of(cp, root: Path, tag: str) -> int:
 
 
 def load_degrading(cp, groups: list[dict], root: Path, tag: str, older: Callable[[str, int], tuple],
-                   failed: Callable[[dict], None]) -> tuple[Path | None, str | None, bool, list[dict]]:
-    """Load ``root/tag`` for a rollback; on failure (on any rank) the next of ``older(tag, its step)`` -> (root, tag)
+                   failed: Callable[[dict], None], step: int = 0) -> tuple[Path | None, str | None, bool, list[dict]]:
+    """Load ``root/tag`` for the rollback decided at ``step``; on failure (on any rank) the next of ``older(tag, its step)`` -> (root, tag)
     or (root, None). ``failed``: called with each failure's record (every rank). Returns ``(root, tag, intact,
     failures)``: the target loaded (tag None: none did) and whether the weights are still those from before."""
     before = fingerprint(groups)
     failures: list[dict] = []
     for _ in range(MAX_TRIES):
         error = None
+        if cp.faults is not None and cp.faults.dies_writing(step, "rollback"):
+            os.kill(os.getpid(), 9)  # (the kill_rank fault, during: rollback -- a node lost mid-recovery)
         try:
             cp.load(root, tag=tag, purpose="rollback")
         except (TrainguardAbort, KeyboardInterrupt, SystemExit, GeneratorExit):
@@ -106,7 +109,7 @@ def rollback_load(cp, guard, groups: list[dict], decision, step: int, root: Path
         return cp.rollback_root(), found[0]
 
     root, tag, intact, failures = load_degrading(cp, groups, root, tag, older, lambda f: guard.emit(
-        step, Record.RECOVERY_FAILED, [], None, {"action": "rollback", **f, "reason": decision.reason}))
+        step, Record.RECOVERY_FAILED, [], None, {"action": "rollback", **f, "reason": decision.reason}), step)
     if failures and decision.restart and not tried["restart"]:
         decision = dataclasses.replace(decision, restart=False, lr_scale=lr_factor if decision.lower_lr else None,
                                        reason=decision.reason + "; the first step's checkpoint did not load")

@@ -142,15 +142,18 @@ class FaultInjector:
         self._slow(step)
         attempt = restart_attempt()
         for kind, sig in (("kill_rank", signal.SIGKILL), ("hang_rank", signal.SIGSTOP)):
-            if generation() == 0 and any(f.attempt == attempt and f.during == "step" for f in self._due(kind, step)):
+            if any(f.attempt == attempt and f.generation == generation() and f.during == "step"
+                   for f in self._due(kind, step)):
                 self._fire(step, kind)
                 os.kill(os.getpid(), sig)
 
     def dies_writing(self, step: int, what: str = "snapshot") -> bool:
-        """kill_rank during snapshot / save: whether this rank's writer of the snapshot of ``step`` ends the process
-        after its first file (trainguard.checkpoint.memory_tier), or its save once its files are written."""
-        due = [f for f in self._due("kill_rank", step) if f.during == what and f.attempt == restart_attempt()]
-        if generation() != 0 or not due:
+        """kill_rank during snapshot / save / rollback: whether this rank's writer of the snapshot of ``step`` ends the
+        process after its first file (trainguard.checkpoint.memory_tier), its save once its files are written, or its
+        rollback's load before the framework's (trainguard.degrade)."""
+        due = [f for f in self._due("kill_rank", step) if f.during == what and f.attempt == restart_attempt()
+               and f.generation == generation()]
+        if not due:
             return False
         self._fire(step, "kill_rank")
         return True

@@ -74,11 +74,15 @@ class FaultSpec(_Section):
                                     "step slept, default 0.5).")
     head: int = Field(0, ge=0, description="attention_collapse: the head whose logits are scaled.")
     attempt: int = Field(0, ge=0, description="kill_rank, hang_rank: the restart attempt in which it fires.")
-    during: Literal["step", "snapshot", "save"] = Field(
+    generation: int = Field(0, ge=0, description="kill_rank, hang_rank: the generation of a supervised world "
+                            "(trainguard.supervise) in which it fires: 0, the ranks launched; 1, the world after the "
+                            "first replacement (its spare included) -- a spare that dies after taking a rank.")
+    during: Literal["step", "snapshot", "save", "rollback"] = Field(
         "step", description="kill_rank: where the rank dies. step: at the start of `step`. snapshot: in the writer of "
         "the node-memory snapshot taken at the end of `step`, after its first file and before its commit (a node lost "
         "mid-write: that snapshot must never be chosen; needs checkpoint.snapshot.every_steps and a snapshot at `step`)."
-        " save: in a disk save at `step` (trainguard's, or HF's Trainer's), its files written, before the commit.")
+        " save: in a disk save at `step` (trainguard's, or HF's Trainer's), its files written, before the commit. "
+        "rollback: in a rollback's load at `step`, before the framework's load (a node lost mid-recovery).")
 
     @model_validator(mode="after")
     def _fields_fit_the_type(self):
@@ -95,6 +99,8 @@ class FaultSpec(_Section):
                              f"'{self.type}'")
         if self.eps is not None and self.type != "sdc_compute":
             raise ValueError(f"'eps' applies only to type 'sdc_compute', not '{self.type}'")
+        if self.generation and self.type not in ("kill_rank", "hang_rank"):
+            raise ValueError(f"'generation' applies only to types 'kill_rank' and 'hang_rank', not '{self.type}'")
         if self.during != "step" and self.type != "kill_rank":
             raise ValueError(f"'during' applies only to type 'kill_rank', not '{self.type}'")
         if (self.action is None) == (self.type == "force_action"):
