@@ -120,7 +120,10 @@ class CheckpointManager:
         self.pacer.tick(time.perf_counter())  # (the step times a snapshot's cost shows in: max_overhead)
         saved = bool(c.dir and c.every_steps and step % c.every_steps == 0)
         if c.dir and c.every_steps and c.first_step and (step == 1 and not saved or step >= FIRST_KEPT):
-            self.insure(step, Path(c.dir) / FIRST, lambda: first.on_step(self, step))
+            if step == 1:  # (the save: insured; the drop at FIRST_KEPT is rank 0's alone, with no collective)
+                self.insure(step, Path(c.dir) / FIRST, lambda: first.on_step(self, step))
+            else:
+                first.on_step(self, step)
         if saved and self.insure(step, Path(c.dir), lambda: self.save(c.dir)):
             self.pacer.disk_saved()
             if self.pacer.paced and self.pacer.due(step):
