@@ -54,7 +54,8 @@ class Judgement:
         # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host;
         # judged on anomaly steps only -- each judgement sorts the loss window)
         unhealthy = self.stats.unhealthy(ctx.view) if verdicts else []
-        self.suspects.observe(step, self.culprit_samples, self.log.emit, failing=unhealthy)
+        self.suspects.observe(step, self.culprit_samples, self.log.emit, failing=unhealthy,
+                              data_blamed=weights == "healthy")
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self.everyone = everyone

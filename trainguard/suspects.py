@@ -31,7 +31,7 @@ class SuspectWatch:
         self.replicas: int | None = None   # how many data-parallel replicas the world has
         self.dp_of: list[int] | None = None
 
-    def observe(self, step: int, culprits: dict[int, list[int]], emit, failing=()) -> None:
+    def observe(self, step: int, culprits: dict[int, list[int]], emit, failing=(), data_blamed: bool = False) -> None:
         """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit.
 
         A rank's anomalies count against it only while they are its own (issue 33): a step on which every
@@ -41,9 +41,14 @@ class SuspectWatch:
         sent every host to suspect_hosts.json, which a launcher excludes and drains. Hardware is a rank that
         fails again and again while the other replicas stay healthy. ``failing``: the ranks whose own values were not
         healthy this step beside the culprits (a loss spike names the rank with the highest loss; a stretch of bad
-        data reaches every rank)."""
-        if not culprits and not failing:
+        data reaches every rank). ``data_blamed``: the replay found the weights healthy -- the data was bad, no
+        evidence against a host. Nor is a culprit where every rank reads the same batch (one data-parallel replica:
+        TP/PP alone, or one process): nothing to compare it with -- a Slurm script reading the file drains a healthy
+        node."""
+        if not culprits and not failing or data_blamed:
             return  # (a healthy step: nothing to count, and nothing here may cost more in a bigger world)
+        if self.world <= 1 or self.replicas == 1:
+            return
         if self.world > 1:
             # (by data-parallel replica: under tensor/pipeline parallelism one origin per model-parallel group is named)
             if self.replicas is None:  # (known at BEGIN from the coordinates: see :meth:`begin`)

@@ -327,6 +327,27 @@ def test_under_model_parallelism_every_replica_failing_names_no_suspect():
     assert watch.suspected == {2}
 
 
+def test_no_host_is_suspected_when_the_replay_blames_the_data_or_every_rank_reads_the_same_batch():
+    """Megatron-LM at TP=2, DP=1 (both ranks read every batch) at a user's own high LR: 12 skips of one bad-looking
+    sample each, the replay blaming the data -- and yet suspect_rank and a suspect_hosts.json naming the host, which a
+    Slurm script drains. Neither a culprit the replay cleared nor one with no other replica to compare with is
+    evidence against a host; the same culprits on a rank alone at DP=2, the weights not cleared, still are."""
+    from trainguard.suspects import SuspectWatch
+
+    dp1 = SuspectWatch(3, rank=0, jsonl=None, coords_of=lambda r: {"rank": r, "dp": 0}, world=2)
+    dp1.begin([type("C", (), {"dp": 0})(), type("C", (), {"dp": 0})()])
+    for step in range(183, 282, 9):
+        dp1.observe(step, {0: [step]}, lambda *a: None)
+    assert dp1.suspected == set()
+    dp2 = SuspectWatch(3, rank=0, jsonl=None, coords_of=lambda r: {"rank": r, "host": f"h{r}"}, world=2)
+    for step in (100, 110, 120, 130):
+        dp2.observe(step, {1: [step]}, lambda *a: None, data_blamed=True)
+    assert dp2.suspected == set()
+    for step in (200, 210, 220):
+        dp2.observe(step, {1: [step]}, lambda *a: None)
+    assert dp2.suspected == {1}
+
+
 def test_ranks_failing_in_turn_are_shared_numerics_not_hardware():
     """Issue 33, as measured: fp16 at too high an LR, the ranks' forwards overflowed on *different* steps (rank 0
     at 40, rank 1 at 41, ...): no step had every rank failing, and both were named suspect. A culprit on another
