@@ -95,3 +95,15 @@ def test_each_forced_decision_is_carried_out_and_the_run_reaches_its_end(tmp_pat
         assert (rb["detail"]["lr_factor"] is not None) == (action in ("restart", "lr_cut"))
     if action == "bf16_fallback":
         assert fw.precision == "bf16" and _named(records, "precision_fallback")
+
+
+def test_the_demos_summary_says_why_a_run_stopped():
+    """The demo's natural section printed ``completed False`` with no reason for a guarded run that stopped."""
+    from trainguard.demo.run import stopped_why
+
+    abort = [{"event": "abort", "detail": {"reason": "rollback budget exhausted (5 rollbacks within 1000 steps)"}}]
+    assert stopped_why([{"aborted": {"message": "x"}}, {"aborted": {"message": "x"}}], 0, abort) == \
+        "trainguard stopped it: rollback budget exhausted (5 rollbacks within 1000 steps)"
+    assert stopped_why([{"died": "Exception: Current loss scale already at minimum"}, None], 1, []) == \
+        "Exception: Current loss scale already at minimum"
+    assert stopped_why([{"aborted": None}, None], 1, []) == "1 rank(s) wrote no result (killed?); the launch exited 1"

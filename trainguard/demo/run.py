@@ -163,12 +163,12 @@ def natural_case(config: Path, out: Path, extra: Sequence[str] = (), stream=sys.
     print("  run 2/2: plain DeepSpeed ...", file=stream, flush=True)
     rc_p, res_p = run_worker(path, out / "plain", NATURAL["steps"], extra=[*extra, *NATURAL["args"], "--plain"])
     g, p = summarise(res_g), summarise(res_p)
-    if rc_g != 0:
-        g["completed"] = False
-    if rc_p != 0:
-        p["completed"] = False
     log = out / "trainguard" / "trainguard.jsonl"
     events = [e for e in read(log) if e.get("type") == "event"] if log.exists() else []
+    for r, rc, results, evs in ((g, rc_g, res_g, events), (p, rc_p, res_p, [])):
+        if rc != 0 or not r.get("completed"):
+            r["completed"] = False
+            r["why"] = stopped_why(results, rc, evs)
     acts = [_did(e) for e in events if e["event"] in ("rollback", "rollback_unavailable", "precision_fallback")]
     skipped = sum(1 for e in events if e.get("action") == "skip_step" and e["event"] != "rollback_unavailable")
     did = "; ".join(acts[:4] + ([f"{skipped} step(s) skipped"] if skipped else [])) or "nothing"
@@ -183,9 +183,26 @@ def natural_case(config: Path, out: Path, extra: Sequence[str] = (), stream=sys.
     print(f"{'completed':<26}{str(g.get('completed')):<22}{str(p.get('completed')):<22}", file=stream)
     print(f"{'held-out loss (final)':<26}{fmt(g):<22}{fmt(p):<22}", file=stream)
     print(f"what trainguard did: {did}", file=stream)
-    if p.get("died"):
-        print(f"plain DeepSpeed stopped at step {p.get('steps')}: {p['died']}", file=stream)
+    for name, r in (("trainguard", g), ("plain DeepSpeed", p)):
+        if not r.get("completed"):
+            print(f"{name} stopped at step {r.get('steps')}: {r['why']}", file=stream)
     return {"trainguard": g, "plain": p, "did": did, "events": events}
+
+
+def stopped_why(results: list[dict | None], rc: int, events: list[dict]) -> str:
+    """Why a run did not complete, in a line: the framework's error, trainguard's abort (its reason), a rank that wrote
+    no result, or the launch's exit code."""
+    ok = [r for r in results if r]
+    died = next((r["died"] for r in ok if r.get("died")), None)
+    if died:
+        return str(died)
+    aborted = next((e["detail"].get("reason") for e in events if e.get("event") == "abort"), None) or \
+        next(((r["aborted"] or {}).get("message") for r in ok if r.get("aborted")), None)
+    if aborted:
+        return f"trainguard stopped it: {aborted}"
+    if len(ok) < len(results):
+        return f"{len(results) - len(ok)} rank(s) wrote no result (killed?); the launch exited {rc}"
+    return f"the launch exited {rc}"
 
 
 def _did(e: dict) -> str:
