@@ -98,7 +98,7 @@ class Policy:
                 onset = self.history[c][0] if c == "nonfinite" else onset_of(verdicts, c, step)
                 if c == "slow_rise" and rise_onset:  # (the gradient's creep may have begun before the loss's best)
                     onset = min(onset, rise_onset)
-        reason = f"{driver or sorted(classes)[0]} on rank(s) {ranks}"
+        reason = f"{driver or sorted(classes)[0]} " + (f"on rank(s) {ranks}" if ranks else "on every rank (a trend they share)")
         if weights is not None and self.recovery.enabled and driver in DATA_OR_WEIGHTS:
             if weights == "healthy" and chosen in ("rollback", "rollback_lower_lr"):
                 chosen = "skip_step"

@@ -53,6 +53,12 @@ class Verdict:
     detail: dict = field(default_factory=dict)
 
 
+def shared_or(anomaly: str, ranks) -> tuple[int, ...]:
+    """A verdict's ranks: none for a ``slow_rise`` -- a climb of the run's loss or gradient norm is the LR's, a trend
+    every rank shares, not the doing of the rank that happened to hold the highest value -- else ``ranks``."""
+    return () if anomaly == "slow_rise" else tuple(ranks)
+
+
 @dataclass
 class PeerContext:
     """What the guard hands the detector at DECIDE (the same shape on every rank)."""

@@ -365,3 +365,22 @@ def test_ranks_failing_in_turn_are_shared_numerics_not_hardware():
         watch.observe(step, {1: [step]}, lambda *a: records.append(a))
     assert watch.suspected == {1} and records[0][1].value == "suspect_rank"
     assert records[0][4]["occurrences"] == [100, 110, 120]
+
+
+def test_a_shared_trend_names_no_rank_as_its_cause():
+    """A gradient norm creeping up on every rank was reported as "slow_rise on rank(s) [1]" (the rank that happened to
+    hold the largest norm): a climb is the LR's, shared; a surge or a burst still names its rank."""
+    from trainguard.config import GradNormConfig, NonfiniteConfig, RecoveryConfig
+    from trainguard.detectors.grad_norm import GradNormDetector
+    from trainguard.policy import Policy
+
+    det = GradNormDetector(GradNormConfig(min_history=5, trend_steps=10))
+    found = []
+    for step in range(1, 80):
+        found += det.observe(step, 1.0 * 1.08 ** max(0, step - 20), ranks=[1])
+    rises = [v for v in found if v.anomaly == "slow_rise"]
+    assert rises and all(v.ranks == () for v in rises)
+    surge = det.observe(80, 1e4, ranks=[1])  # (a jump far above the window: a surge, which keeps its rank)
+    assert [v.ranks for v in surge if v.anomaly == "grad_surge"] == [(1,)]
+    decision = Policy(NonfiniteConfig(), RecoveryConfig()).decide(rises[:1], step=60)
+    assert "on every rank (a trend they share)" in decision.reason and "rank(s) [" not in decision.reason

@@ -99,7 +99,7 @@ class GradNormDetector:
                 detail.update({"surges": list(self.surges), "why": f"{len(self.surges)} gradient-norm surges within "
                                f"{self.cfg.surge_window} steps", "onset_step": self.surges[0]})
             self.rise_at = step
-            verdicts.append(Verdict(self.name, "slow_rise", tuple(ranks), detail))
+            verdicts.append(Verdict(self.name, "slow_rise", (), detail))  # (a trend of the run: no rank its cause)
         elif not rising_now and not repeated:
             self.in_rise = False
         return verdicts

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from trainguard.config import LossSpikeConfig
-from trainguard.verdicts import Verdict
+from trainguard.verdicts import shared_or, Verdict
 from trainguard.stats import RollingWindow
 
 REMEDY = {
@@ -53,7 +53,7 @@ class LossSpikeDetector:
             return None
         lr_jumped = lr_ratio is not None and lr_ratio > LR_JUMP
         kind = "slow_rise" if trend == "rising" or lr_jumped else "instant_burst"
-        return Verdict(detector=self.name, anomaly=kind, ranks=tuple(ranks), detail={
+        return Verdict(detector=self.name, anomaly=kind, ranks=shared_or(kind, ranks), detail={
             "loss": loss, "median": self.window.median(), "mad": self.window.mad(), "z": round(z, 2),
             "grad_z": round(grad_z, 2), "class": kind, "remedy": REMEDY[kind],
             **({"lr_ratio": round(lr_ratio, 3), "why": f"the LR rose x{lr_ratio:.2f} within the last {LR_LOOKBACK} "

@@ -27,7 +27,7 @@ from collections import deque
 from typing import Callable
 
 from trainguard.config import LossTrendConfig
-from trainguard.verdicts import Verdict
+from trainguard.verdicts import shared_or, Verdict
 
 REMEDY = {
     "slow_rise": "lower the LR (or lengthen the warmup): the loss has been climbing away from its best",
@@ -117,7 +117,7 @@ class LossTrendDetector:
         # (``grad_ratio(since)``: the gradient norm over the climb against its baseline, asked only for a verdict)
         grad_ratio = grad_ratio(self.best_step) if grad_ratio is not None else None
         kind, why = classify(lr_ratio, grad_ratio, self._jumped(band))
-        return Verdict(detector=self.name, anomaly=kind, ranks=tuple(ranks), detail={
+        return Verdict(detector=self.name, anomaly=kind, ranks=shared_or(kind, ranks), detail={
             "loss": loss, "smoothed": round(s, 4), "best": round(self.best, 4), "best_step": self.best_step,
             "rise": round((s - self.best) / abs(self.best), 4) if self.best else None, "limit_rise": self.cfg.rise,
             "lr_ratio": None if lr_ratio is None else round(lr_ratio, 3),
