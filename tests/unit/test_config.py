@@ -150,3 +150,22 @@ def test_megatron_lms_checkpoint_directory_is_refused_for_trainguards_snapshots(
     with pytest.raises(ConfigError) as e:
         _check_dirs(cfg, SimpleNamespace(save=None, load=str(tmp_path / "ckpt")))
     assert e.value.problems[0][0] == "trainguard.checkpoint.dir" and "--load" in str(e.value)
+
+
+def test_a_misspelt_top_level_block_is_an_error_not_an_unguarded_run(tmp_path):
+    """'trainguad' passed validate ("no trainguard block", exit 0) and the run trained unguarded without a word."""
+    import json
+    import subprocess
+    import sys
+
+    from trainguard.config import load
+    from trainguard.errors import ConfigError
+
+    for key in ("trainguad", "Trainguard", "train_guard"):
+        with pytest.raises(ConfigError, match=f"{key}: not a key DeepSpeed knows.*did you mean \"trainguard\""):
+            load({"zero_optimization": {"stage": 2}, key: {}})
+    assert load({"zero_optimization": {"stage": 2}, "train_batch_size": 8}) [1] is None  # (no block: plain)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "trainguad": {"enabled": True}}))
+    res = subprocess.run([sys.executable, "-m", "trainguard.cli", "validate", str(path)], capture_output=True, text=True)
+    assert res.returncode == 2 and "trainguad" in res.stderr, (res.stdout, res.stderr)

@@ -77,8 +77,23 @@ def load(config: str | os.PathLike | dict | None) -> tuple[dict | None, Traingua
     if not isinstance(config, dict):
         raise ConfigError([("<config>", f"expected a path or a dict, got {type(config).__name__}")])
     if BLOCK not in config:
+        near = misspelt_block(config)
+        if near is not None:  # (a typo would train unguarded, silently: the user asked for a guard)
+            raise ConfigError([(near, f"not a key DeepSpeed knows, and one edit from \"{BLOCK}\": did you mean "
+                                      f"\"{BLOCK}\"? (as it is, the run would train unguarded)")], source)
         return config, None
     return config, parse_block(config[BLOCK], source)
+
+
+def misspelt_block(config: dict) -> str | None:
+    """A top-level key that is "trainguard" mistyped (case, or one or two edits), else None."""
+    import difflib
+
+    for key in config:
+        if isinstance(key, str) and key != BLOCK and (key.lower() == BLOCK or
+                                                      difflib.SequenceMatcher(None, key.lower(), BLOCK).ratio() >= 0.85):
+            return key
+    return None
 
 
 def block_of(config: Any, caller: str = "trainguard") -> TrainguardConfig:
