@@ -59,12 +59,10 @@ class MegatronState:
         over torch's Adam (without apex/TE)."""
         from megatron_hooks import _unwrap
 
-        model_sd = {}
-        sd = {}
+        model_sd, sd = {}, {}
         for i, chunk in enumerate(self.mg.chunks):
-            key = f"model{i}" if len(self.mg.chunks) > 1 else "model"
-            sd[key] = _unwrap(chunk).sharded_state_dict()
-            model_sd.update(sd[key])
+            model_sd.update(sd.setdefault(f"model{i}" if len(self.mg.chunks) > 1 else "model",
+                                          _unwrap(chunk).sharded_state_dict()))
         sd["optimizer"] = self.mg.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_FORMAT})
         return sd
@@ -179,11 +177,10 @@ class MegatronState:
 
         from megatron_hooks import _optimizers, _unwrap
 
-        mg = self.mg
-        tag_dir = root / tag
-        now = self.layout()
+        mg, tag_dir, now = self.mg, root / tag, self.layout()
         self._match_precision(man.layout.get("precision"), now["precision"], tag)
         fresh = man.layout.get("optimizer_state") == "empty"  # (written before any update: _stateless)
+        moments = [(o.optimizer.state, dict(o.optimizer.state)) for o in _optimizers(mg.optimizer) if fresh]
         for o in _optimizers(mg.optimizer):
             if fresh:
                 o.optimizer.state.clear()
@@ -193,11 +190,14 @@ class MegatronState:
                 o._init_optimizer_states_with_dummy_values()
         if f"{DIST}/{CONFIG}" in reader.files:  # (dist_checkpointing opens its JSON config by path: checked first)
             reader.read(tag_dir / DIST / CONFIG)
-        with verified_reads(reader):  # (its pickled .metadata, the .distcp tensors, an older release's common.pt)
-            loaded = dist_checkpointing.load(self._sharded(is_loading=not fresh), str(tag_dir / DIST))
+        try:
+            with verified_reads(reader):  # (its pickled .metadata, the .distcp tensors, an older release's common.pt)
+                loaded = dist_checkpointing.load(self._sharded(is_loading=not fresh), str(tag_dir / DIST))
+        except BaseException:
+            [state.update(was) for state, was in moments]  # (a failed load leaves the moments: trainguard.degrade)
+            raise
         for i, chunk in enumerate(mg.chunks):
-            key = f"model{i}" if len(mg.chunks) > 1 else "model"
-            _unwrap(chunk).load_state_dict(loaded[key])
+            _unwrap(chunk).load_state_dict(loaded[f"model{i}" if len(mg.chunks) > 1 else "model"])
         mg.optimizer.load_state_dict(loaded["optimizer"])
         _step_from_groups(mg.optimizer)
         if man.layout.get("precision") not in (None, now["precision"]):

@@ -27,41 +27,43 @@ from typing import Callable
 
 import torch
 
+from trainguard.checkpoint.rollback import target_key
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Record
-from trainguard.isolation import all_true
+from trainguard.isolation import all_true, gather_objects
 
 MAX_TRIES = 3  # targets tried before the run goes on (or stops) without a rollback
 
 
-def fingerprint(groups: list[dict]) -> list[str]:
-    """A cheap digest of the parameters the optimizer updates (their sum and sum of squares, in float64): whether a
-    failed load left the weights as they were. One pass over the parameters, on the recovery path only."""
-    out = []
-    with torch.no_grad():
-        for g in groups or []:
-            for p in g.get("params", []):
-                if isinstance(p, torch.Tensor) and p.numel():
-                    t = p.detach().double()
-                    out += [float(t.sum()).hex(), float((t * t).sum()).hex()]  # (hex: NaN equals NaN)
-    return out
+def fingerprint(fw) -> list[str] | None:
+    """A cheap digest of what a load writes that the run would go on from: the parameters the optimizer steps (their
+    float64 sum, min and max -- no copy of them), the framework's step counter and the groups' LRs (a load that set
+    the counter or the schedule back failed after it began). On the recovery path only; None when it cannot be taken
+    (then a failed load is taken to have touched the weights)."""
+    try:
+        out = [str(fw.completed_steps())]
+        with torch.no_grad():
+            for g in fw.lr_groups() or []:
+                out.append(repr(g.get("lr")))
+                for p in g.get("params", []):
+                    if isinstance(p, torch.Tensor) and p.numel():
+                        lo, hi = torch.aminmax(p.detach())
+                        out += [float(p.detach().sum(dtype=torch.float64)).hex(), float(lo).hex(), float(hi).hex()]
+        return out  # (hex: NaN equals NaN)
+    except Exception:  # noqa: BLE001 - (out of memory, a sharded tensor: no digest is no reason to stop)
+        return None
 
 
-def step_of(cp, root: Path, tag: str) -> int:
-    """The step a rollback target holds (a disk tag's manifest, or a node-memory snapshot's name)."""
-    from trainguard.checkpoint.snapshots import snapshot_step
-
-    return snapshot_step(tag) if tag.startswith("memory:") else cp.disk_step(root, tag)
-
-
-def load_degrading(cp, groups: list[dict], root: Path, tag: str, older: Callable[[str, int], tuple],
-                   failed: Callable[[dict], None], step: int = 0) -> tuple[Path | None, str | None, bool, list[dict]]:
-    """Load ``root/tag`` for the rollback decided at ``step``; on failure (on any rank) the next of ``older(tag, its step)`` -> (root, tag)
-    or (root, None). ``failed``: called with each failure's record (every rank). Returns ``(root, tag, intact,
-    failures)``: the target loaded (tag None: none did) and whether the weights are still those from before."""
-    before = fingerprint(groups)
+def load_degrading(cp, fw, root: Path, tag: str, older: Callable[[], tuple], failed: Callable[[dict], None],
+                   step: int = 0) -> tuple[Path | None, str | None, bool, list[dict]]:
+    """Load ``root/tag`` for the rollback decided at ``step``; when it fails on any rank, the target is unloadable for
+    the rest of the process (``cp.unloadable``: no later rollback chooses it) and the next, ``older()`` -> (root, tag or
+    None), is tried. ``failed``: called with each failure's record (every rank; every rank's error in it). Returns
+    ``(root, tag, intact, failures)``: the target loaded (tag None: none did) and whether the weights, the step counter
+    and the LRs are those from before the first try."""
+    before = fingerprint(fw)
     failures: list[dict] = []
-    for _ in range(MAX_TRIES):
+    for attempt in range(MAX_TRIES):
         error = None
         if cp.faults is not None and cp.faults.dies_writing(step, "rollback"):
             os.kill(os.getpid(), 9)  # (the kill_rank fault, during: rollback -- a node lost mid-recovery)
@@ -70,53 +72,50 @@ def load_degrading(cp, groups: list[dict], root: Path, tag: str, older: Callable
         except (TrainguardAbort, KeyboardInterrupt, SystemExit, GeneratorExit):
             raise  # (a decision already taken on every rank, or the process asked to stop: not a failed load)
         except BaseException as e:  # noqa: BLE001 - whatever the framework's load raised (torch's distributed
-            error = f"{type(e).__name__}: {e}"[:2000]  # checkpoint raises a BaseException): the run must not die of it
-        if all_true(error is None):
+            error = f"{type(e).__name__}: {e}"[-1500:]  # checkpoint raises a BaseException): the run must not die of it
+        errors = gather_objects(error)  # (every rank learns every rank's: the failure path's records name them all)
+        if not any(errors):
             return root, tag, True, failures
-        import sys; _f = fingerprint(groups); print("DBG", [(i, float.fromhex(a), float.fromhex(b)) for i, (a, b) in enumerate(zip(before, _f)) if a != b], file=sys.stderr)
-        failure = {"to_tag": tag, "dir": str(root), "error": error or "failed on another rank"}
+        failure = {"to_tag": tag, "dir": str(root), "errors": {str(r): e for r, e in enumerate(errors) if e}}
         failures.append(failure)
         failed(failure)
-        try:
-            at = step_of(cp, root, tag)
-        except Exception:  # noqa: BLE001 - (an unreadable manifest: no older target can be ordered after it)
-            at = None
-        if not all_true(at is not None):
+        cp.unloadable.add(target_key(root, tag))
+        if attempt + 1 == MAX_TRIES:
             break
-        root, tag = older(tag, at)
+        root, tag = older()
         if tag is None:
             break
-    return None, None, all_true(fingerprint(groups) == before), failures
+    after = fingerprint(fw)
+    return None, None, all_true(before is not None and after == before), failures
 
 
-def rollback_load(cp, guard, groups: list[dict], decision, step: int, root: Path, tag: str, why: str, mode: str,
+def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why: str, mode: str,
                   lr_factor: float) -> tuple:
-    """The driver's rollback load (trainguard.driver): ``root/tag`` chosen for ``decision``, older targets after it
-    (``mode``: recovery.rollback_to or the decision's). A first step's checkpoint that fails: the ordinary target
-    before the onset, with the ordinary cut (``lr_factor``). Returns ``(decision, root, tag, why, failures)`` -- tag
-    None: none loaded and the weights are untouched (the caller goes on as without a target); none loaded and the
-    weights changed: a clean abort, every checkpoint kept."""
+    """The driver's rollback load (trainguard.driver): ``root/tag`` chosen for ``decision``, then the best target left
+    (``mode``: recovery.rollback_to or the decision's) while they fail. A first step's checkpoint that fails: the
+    ordinary target before the onset, with the ordinary cut (``lr_factor``). Returns ``(decision, root, tag, why,
+    failures)`` -- tag None: none loaded and nothing was touched (the caller goes on as without a target); none loaded
+    and something was: a clean abort naming every failure, nothing set aside (the abandoned trajectory moves only after
+    a load succeeded)."""
     onset = decision.onset_step or step
-    tried = {"restart": decision.restart, "why": why}
+    said = {"why": why}
 
-    def older(failed: str, at: int) -> tuple:
-        if tried["restart"]:
-            tried["restart"] = False
-            found = cp.rollback_target(cp.rollback_root(), onset, mode, inclusive=decision.onset_skipped)
-        else:
-            found = cp.rollback_target(cp.rollback_root(), min(at, onset), mode)
-        tried["why"] = found[1] + " (an earlier target failed to load: recovery_failed)"
-        return cp.rollback_root(), found[0]
+    def older() -> tuple:
+        found, said["why"] = cp.rollback_target(cp.rollback_root(), onset, mode, inclusive=decision.onset_skipped)
+        said["why"] += " (a target before it failed to load: recovery_failed)"
+        return cp.rollback_root(), found
 
-    root, tag, intact, failures = load_degrading(cp, groups, root, tag, older, lambda f: guard.emit(
+    root, tag, intact, failures = load_degrading(cp, fw, root, tag, older, lambda f: guard.emit(
         step, Record.RECOVERY_FAILED, [], None, {"action": "rollback", **f, "reason": decision.reason}), step)
-    if failures and decision.restart and not tried["restart"]:
+    if failures and decision.restart:  # (the first step's checkpoint is the one a restart tries first)
         decision = dataclasses.replace(decision, restart=False, lr_scale=lr_factor if decision.lower_lr else None,
                                        reason=decision.reason + "; the first step's checkpoint did not load")
     if tag is None and not intact:
+        named = "; ".join(f"{f['to_tag']}: " + ", ".join(f"rank {r}: {e}" for r, e in f["errors"].items())
+                          for f in failures)
         raise guard.abort(step, dataclasses.replace(decision, action=Action.ABORT, reason=(
-            f"{decision.reason}: no rollback target loaded and the failed load(s) changed the weights; stopped "
-            "here, every checkpoint kept: " + "; ".join(f"{f['to_tag']}: {f['error']}" for f in failures))))
-    why = tried["why"] if tag is not None else \
-        "every rollback target failed to load (recovery_failed); the weights are untouched: training on from here"
+            f"{decision.reason}: no rollback target loaded and a failed load changed the run's state; stopped here, "
+            f"no checkpoint set aside: {named}")))
+    why = said["why"] if tag is not None else \
+        "every rollback target failed to load (recovery_failed); nothing was changed: training on from here"
     return decision, root, tag, why, failures

@@ -161,15 +161,15 @@ class StepDriver:
         if tag is not None:  # (a target that fails to load: the next, or on where we are -- trainguard.degrade)
             position = data.state_dict() if data is not None else None
             cp.wait_pending()
-            decision, root, tag, why, failures = degrade.rollback_load(cp, guard, fw.lr_groups(), decision, step,
-                                                                       root, tag, why, mode, rc.lr_factor)
+            decision, root, tag, why, failures = degrade.rollback_load(cp, guard, fw, decision, step, root, tag, why,
+                                                                       mode, rc.lr_factor)
             scale, restart = decision.lr_scale, decision.restart
         if tag is None:
             if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
                 self.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
                 guard.lr_lowered()
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
-            self.policy.rollback_unavailable(step, None if decision.lower_lr or failures else decision.anomaly)
+            self.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
             guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
                 "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
                 **({"failed_targets": [f["to_tag"] for f in failures]} if failures else {}),
@@ -223,7 +223,7 @@ class StepDriver:
                                                  decision.verdicts)) from None
             except Exception as e:  # noqa: BLE001 - a conversion that failed part-way: no state to go on from
                 raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: the bf16 fallback failed part-way "
-                                                 f"({type(e).__name__}: {e}); stopped here, every checkpoint kept",
+                                                 f"({type(e).__name__}: {e}); stopped here, the checkpoint it rolled back to kept",
                                                  decision.verdicts)) from e
             detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
                       "after_rollback": rolled_back}

@@ -38,7 +38,7 @@ def test_a_target_that_fails_to_load_is_passed_over_for_the_next_older(tmp_path,
     assert ended is None and fw.steps == 20
     (failed,) = _named(records, "recovery_failed")
     assert failed["step"] == 12 and failed["detail"]["to_tag"] == "step00000010" and \
-        "KeyError" in failed["detail"]["error"]
+        "KeyError" in failed["detail"]["errors"]["0"]
     (rb,) = _named(records, "rollback")
     assert rb["detail"]["to_tag"] == "step00000005" and "failed to load" in rb["detail"]["why"]
     assert all(torch.isfinite(p).all() for p in fw.model.parameters())
@@ -59,7 +59,8 @@ def test_a_failed_load_that_touched_the_weights_stops_cleanly_keeping_every_chec
     fw, s, _, records, ended = run(tmp_path, ROLLBACK_AT_12, 20)
     assert ended is not None and fw.steps == 12  # (a TrainguardAbort at the step boundary, not the KeyError)
     (abort,) = _named(records, "abort")
-    assert "changed the weights" in abort["detail"]["reason"] and "step00000010: KeyError" in abort["detail"]["reason"]
+    assert "changed the run's state" in abort["detail"]["reason"]
+    assert "step00000010: rank 0: KeyError" in abort["detail"]["reason"]
     kept = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step"))
     assert kept == ["step00000005", "step00000010"] and not (tmp_path / "ck" / ".abandoned").exists()
 
@@ -97,13 +98,42 @@ def test_each_forced_decision_is_carried_out_and_the_run_reaches_its_end(tmp_pat
         assert fw.precision == "bf16" and _named(records, "precision_fallback")
 
 
-def test_the_demos_summary_says_why_a_run_stopped():
-    """The demo's natural section printed ``completed False`` with no reason for a guarded run that stopped."""
-    from trainguard.demo.run import stopped_why
+def test_targets_that_failed_are_not_tried_again(tmp_path, monkeypatch):
+    """Every target fails at the rollback of 12 (the run goes on where it was); the rollback of 14 does not read the
+    broken checkpoints again -- a recurring burst would re-read them at every occurrence."""
+    calls = []
+    real = TorchState.load
 
-    abort = [{"event": "abort", "detail": {"reason": "rollback budget exhausted (5 rollbacks within 1000 steps)"}}]
-    assert stopped_why([{"aborted": {"message": "x"}}, {"aborted": {"message": "x"}}], 0, abort) == \
-        "trainguard stopped it: rollback budget exhausted (5 rollbacks within 1000 steps)"
-    assert stopped_why([{"died": "Exception: Current loss scale already at minimum"}, None], 1, []) == \
-        "Exception: Current loss scale already at minimum"
-    assert stopped_why([{"aborted": None}, None], 1, []) == "1 rank(s) wrote no result (killed?); the launch exited 1"
+    def load(self, root, tag, *a, **k):
+        calls.append(tag)
+        raise KeyError("optimizer.state.exp_avg not in state dict")
+
+    monkeypatch.setattr(TorchState, "load", load)
+    block = {"faults": [{"type": "force_action", "step": 12, "action": "rollback_newest"},
+                        {"type": "force_action", "step": 14, "action": "rollback_newest"}]}
+    fw, s, _, records, ended = run(tmp_path, block, 16)
+    assert ended is None and fw.steps == 16
+    assert calls == ["step00000010", "step00000005"]
+    assert [r["step"] for r in _named(records, "rollback_unavailable")] == [12, 14]
+
+
+def test_a_new_checkpoint_under_a_failed_ones_name_is_loadable(tmp_path, monkeypatch):
+    """Step 10 fails once at the rollback of 12 (which goes to 5); the re-run saves a new step 10, and the rollback of
+    13 loads it."""
+    calls = []
+    real = TorchState.load
+
+    def load(self, root, tag, *a, **k):
+        calls.append(tag)
+        if tag == "step00000010" and calls.count(tag) == 1:
+            raise KeyError("optimizer.state.exp_avg not in state dict")
+        return real(self, root, tag, *a, **k)
+
+    monkeypatch.setattr(TorchState, "load", load)
+    block = {"faults": [{"type": "force_action", "step": 12, "action": "rollback_newest"},
+                        {"type": "force_action", "step": 13, "action": "rollback_newest"}]}
+    fw, s, _, records, ended = run(tmp_path, block, 16)
+    assert ended is None and fw.steps == 16
+    assert [(r["step"], r["detail"]["to_tag"]) for r in _named(records, "rollback")] == \
+        [(12, "step00000005"), (13, "step00000010")]
+    assert calls == ["step00000010", "step00000005", "step00000010"]

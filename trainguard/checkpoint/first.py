@@ -75,7 +75,8 @@ def first_target(cp) -> tuple[Path | None, str | None, str]:
     if rank() == 0:
         try:  # (rank 0 never raises before the broadcast: the others would wait for it)
             choice = (None, "no checkpoint of the first step", []) if root is None or not root.exists() else \
-                choose_rollback(root, 1, "latest_valid", floor, inclusive=True, key=cp.key)
+                choose_rollback(root, 1, "latest_valid", floor, inclusive=True, key=cp.key,
+                                skip=cp.unloadable)
         except OSError as e:
             choice = (None, f"the first step's checkpoint could not be listed: {e}", [])
     tag, why, bad = broadcast_from_rank0(choice)

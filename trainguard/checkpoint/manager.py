@@ -30,9 +30,10 @@ from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import apply as apply_retention
 from trainguard.checkpoint.saving import Saver
 from trainguard.checkpoint.runid import RUN_ID
+from trainguard.checkpoint.rollback import target_key
 from trainguard.checkpoint.snapshots import MEMORY, memory_tag, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import all_true, barrier, rank, world
+from trainguard.isolation import all_true, barrier, gather_objects, rank, world
 
 __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 
@@ -58,6 +59,7 @@ class CheckpointManager:
         self.key = auth.key_from(self.cfg)     # checkpoint.hmac_key_env's key: sign and require signatures
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
+        self.unloadable: set[str] = set()  # rollback targets that failed to load in this process (trainguard.degrade)
         self._first_dropped = False            # the first step's checkpoint was removed (checkpoint.first_step)
         beat_from_training_thread(heart)  # (hashing and verifying are progress: trainguard.checkpoint.fsio)
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
@@ -152,11 +154,12 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - (torch's distributed checkpoint raises BaseExceptions)
-            error = f"{type(e).__name__}: {e}"[-2000:]
+            error = f"{type(e).__name__}: {e}"[-1500:]
         if all_true(error is None):
             return True
+        errors = gather_objects(error)  # (rank 0 writes the record: every rank's error in it)
         self.emit(step, Record.CHECKPOINT_FAILED, {"tag": step_tag(self.step_count()), "dir": str(root), "sync": True,
-                                                   "error": error or "failed on another rank"})
+                                                   "errors": {str(r): e for r, e in enumerate(errors) if e}})
         return False
 
     # ------------------------------------------------------------------ the first step's (trainguard.checkpoint.first)
@@ -224,6 +227,7 @@ class CheckpointManager:
         """This rank's shard to node memory, no collective; None when the tier is off on this rank."""
         tag = self.snapshots.take()
         if tag is not None:
+            self.unloadable.discard(memory_tag(tag))  # (a new snapshot of that name: loadable until it fails itself)
             self.health.saved(memory_tag(tag), self.step_count())  # (stable marks: "stable" rollbacks)
         return tag
 
@@ -241,6 +245,7 @@ class CheckpointManager:
     def saved(self, root: Path, tag: str, step: int) -> None:
         """A save of ``tag`` committed (or, async, begun): its root known for marks, its health watched."""
         self.roots[tag] = root
+        self.unloadable.discard(target_key(Path(root), tag))  # (a new checkpoint of that name: not the one that failed)
         self.health.saved(tag, step)
 
 

@@ -37,17 +37,25 @@ def fitting_after(root: Path, key: str, value) -> int:
     return floor
 
 
+def target_key(root: Path, tag: str) -> str:
+    """A rollback target's name among those that failed to load in this process (``cp.unloadable``; a node-memory
+    snapshot's ``memory:`` tag is its own)."""
+    return tag if tag.startswith("memory:") else f"{root}/{tag}"
+
+
 def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
-                    inclusive: bool = False, key: bytes | None = None) -> tuple[str | None, str, list[dict]]:
+                    inclusive: bool = False, key: bytes | None = None,
+                    skip: frozenset | set = frozenset()) -> tuple[str | None, str, list[dict]]:
     """The newest checkpoint from before ``onset`` that verifies, stable if ``mode`` is "stable"
     (else, or failing that, the newest valid one). ``inclusive``: one saved at ``onset`` itself
     qualifies (that step was skipped, so its state is the state before the anomaly).
-    ``not_before``: older checkpoints do not fit the engine any more (a precision change).
+    ``not_before``: older checkpoints do not fit the engine any more (a precision change). ``skip``: targets that
+    failed to load in this process (:func:`target_key`), passed over.
     Returns ``(tag or None, why, [newer invalid ones: {tag, bad_file, reason, dir}])``."""
     layout = CheckpointLayout(root)
     seen = []  # (tag, verify result), newest first
     for tag, step in reversed(layout.steps()):
-        if not_before <= step < onset + (1 if inclusive else 0):
+        if not_before <= step < onset + (1 if inclusive else 0) and target_key(root, tag) not in skip:
             seen.append((tag, verify(layout.tag_dir(tag), key=key)))
     valid = [t for t, res in seen if res.ok]
     stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
@@ -96,7 +104,8 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
     snapshot in memory when one is newer than the disk's choice (in "stable" mode, one this process saw become
     stable: ``stable_after`` clean steps after it)."""
     floor = cp.not_before(root)
-    choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key) if rank() == 0 else None
+    choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable) \
+        if rank() == 0 else None
     tag, why, bad = broadcast_from_rank0(choice)
     for b in bad:
         cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, b)
@@ -105,7 +114,7 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
     only = {disk_tag(t)[0] for t in cp.stable_snapshots} if mode == "stable" else None
     found = cp.snapshots.choose(lo=max(cp.disk_step(root, tag) + 1, floor),
                                 hi=onset + (1 if inclusive else 0), only=only)
-    if found is None:
+    if found is None or memory_tag(found[0]) in cp.unloadable:
         return tag, why
     return memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset"
 
