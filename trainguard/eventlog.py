@@ -86,6 +86,10 @@ class EventLog:
                 self.rank_log = JsonlSink(per_rank_path(m.jsonl, self.rank))
         if self.rank != 0:
             return
+        if m.console:
+            from trainguard.metrics.console import ConsoleSink
+
+            self.mirrors.append(ConsoleSink(cfg))
         if m.tensorboard:
             from trainguard.metrics.tensorboard import TensorBoardSink
 

@@ -170,7 +170,7 @@ def test_prometheus_endpoint_is_scraped(tmp_path):
     from trainguard.guard import StepGuard
     from trainguard.isolation import RankCoords
 
-    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0}})
+    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0, "console": False}})
     g = StepGuard(cfg, rank=0, world=1)
     g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
     (sink,) = g.events.mirrors
@@ -202,7 +202,7 @@ def test_prometheus_bind_address_is_the_configured_one(tmp_path):
 
     assert parse_block({}).metrics.prometheus_addr == "0.0.0.0"  # (documented: Prometheus scrapes from another host)
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0,
-                                   "prometheus_addr": "127.0.0.1"}})
+                                   "prometheus_addr": "127.0.0.1", "console": False}})
     g = StepGuard(cfg, rank=0, world=1)
     g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {})
     (sink,) = g.events.mirrors

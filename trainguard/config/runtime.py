@@ -87,6 +87,10 @@ class MetricsConfig(_Section):
                               "alert of a kind opens one and is written; the same kind within this many steps is "
                               "folded into it (counted, worst value kept); this many steps without one closes it "
                               "(an incident_closed record). 0: every alert written.")
+    console: bool = Field(True, description="Rank 0 says on the console (stderr) what trainguard does: a banner at "
+                          "start (what is on, where the log and checkpoints go), one line per incident and per action "
+                          "(at most 30 a minute; the rest counted), a line at the end with the run's story in numbers. "
+                          "false: silent (the log has it all).")
     tensorboard: Optional[PathStr] = Field(None, description="Directory for TensorBoard scalars (rank 0). null: off.")
     prometheus_port: Optional[int] = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics over HTTP from rank 0 on this port "

@@ -1,0 +1,52 @@
+"""The console (trainguard.metrics.console): a guarded run says on the terminal that it is guarded, what it does as it
+does it, and its story at the end -- a new user found the console silent, every action only in the JSONL."""
+import io
+
+from tests.unit.test_session import run
+from trainguard.config import parse_block
+from trainguard.metrics.console import ConsoleSink
+
+NAN_LADDER = {"faults": [{"type": "nan_loss", "step": k} for k in (8, 9, 10)]}
+
+
+def _said(err: str) -> list[str]:
+    return [x for x in err.splitlines() if x.startswith("[trainguard]")]
+
+
+def test_a_guarded_run_says_it_is_guarded_what_it_does_and_how_it_ended(tmp_path, capsys):
+    fw, s, _, records, ended = run(tmp_path, NAN_LADDER, 16)
+    lines = _said(capsys.readouterr().err)
+    assert "guarding this run" in lines[0] and "nonfinite" in lines[0] and str(tmp_path / "tg.jsonl") in lines[0]
+    assert "checkpoints: " + str(tmp_path / "ck") + " every 5 steps" in lines[0]
+    acted = [x for x in lines if x.startswith("[trainguard] step ")]
+    assert [x.split(":")[0] for x in acted if x.split(": ", 1)[1].startswith("nonfinite")] == ["[trainguard] step 8", "[trainguard] step 9",
+                                                                      "[trainguard] step 10"]
+    assert any("step 8: nonfinite on rank(s) [0] -> skip_step" in x and "samples rank 0: [56," in x for x in acted)
+    assert any("step 10: rollback" in x and "to_tag: step00000005" in x for x in acted)
+    assert lines[-1].startswith("[trainguard] run ended at step 16, 3 step(s) skipped") and \
+        "1 rollback(s)" in lines[-1] and "trainguard report " + str(tmp_path / "tg.jsonl") in lines[-1]
+
+
+def test_console_false_is_silent(tmp_path):
+    from trainguard.eventlog import EventLog
+
+    for console, sinks in ((True, ["ConsoleSink"]), (False, [])):
+        log = EventLog(0)
+        log.open(parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl"), "console": console}}))
+        assert [type(m).__name__ for m in log.mirrors] == sinks
+        log.close()
+    other = EventLog(1)  # (rank 0 alone speaks)
+    other.open(parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl")}}))
+    assert other.mirrors == []
+
+
+def test_lines_are_rate_limited_and_what_was_held_is_said():
+    out = io.StringIO()
+    sink = ConsoleSink(parse_block({"metrics": {"jsonl": "logs/tg.jsonl"}}), stream=out, per_minute=2)
+    for step in range(1, 6):
+        sink.event(step, "grad_surge", [1], None, {"z": 9.0})
+    sink.event(6, "metric_only", [], None, {})  # (a record the console does not say)
+    sink.close()
+    lines = out.getvalue().splitlines()
+    assert lines == ["[trainguard] step 1: grad_surge on rank(s) [1]", "[trainguard] step 2: grad_surge on rank(s) [1]",
+                     "[trainguard] ... 3 more record(s) in the last minute: logs/tg.jsonl"]

@@ -1,0 +1,109 @@
+"""The console: what a person watching the terminal sees of a guarded run (rank 0, on stderr, beside the framework's
+own lines). A banner at start (what is on, where the log and the checkpoints go, the framework and its release), one
+line per incident and per action (what, step, rank, what was done), rate-limited, and a line at the end with the run's
+story in numbers. Everything it says is also in the JSONL log, in full; ``metrics.console: false`` turns it off.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+PREFIX = "[trainguard]"
+PER_MINUTE = 30  # lines a minute at most (the banner and the end line aside); the rest are counted, and said
+
+# the records a person should see as they happen: actions, incidents, liveness, checkpoints that could not be used
+SAID = {"nonfinite", "instant_burst", "slow_rise", "grad_surge", "entropy_collapse", "entropy_saturation",
+        "activation_range", "replica_mismatch", "compute_mismatch", "custom_alert", "straggler", "samples_rejected",
+        "rollback", "rollback_unavailable", "recovery_failed", "loss_scale", "loss_scale_reset", "precision_fallback",
+        "suspect_rank", "abort", "checkpoint_failed", "checkpoint_invalid", "resume", "resume_skipped",
+        "resume_discontinuity", "hang_detected", "restart", "rank_replaced", "snapshots_off", "handover",
+        "fp16_where_bf16", "no_warmup", "short_warmup", "no_clipping"}
+# what of a record's detail a line says, in this order, where present
+SHOWN = ("reason", "why", "to_tag", "to_step", "lr_factor", "tag", "errors", "error", "advice")
+
+
+class ConsoleSink:
+    """trainguard.plugins.Sink for the terminal. ``cfg``: the parsed block (the banner says what it switches on)."""
+
+    def __init__(self, cfg, stream=None, per_minute: int = PER_MINUTE):
+        self.cfg, self.stream, self.per_minute = cfg, stream, per_minute
+        self.window_start, self.said, self.held = time.monotonic(), 0, 0
+        self.rollbacks = 0
+
+    def _write(self, text: str) -> None:
+        print(f"{PREFIX} {text}", file=self.stream or sys.stderr, flush=True)
+
+    def metric(self, step: int, values: dict[str, Any]) -> None:
+        return None
+
+    def event(self, step: int, event: str, ranks, action: str | None, detail: dict) -> None:
+        detail = detail or {}
+        if event == "run_start":
+            return self._write(self.banner(detail))
+        if event == "run_end":
+            return self._write(self.ending(step, detail))
+        if event not in SAID:
+            return
+        self.rollbacks += event == "rollback"
+        now = time.monotonic()
+        if now - self.window_start >= 60:
+            self._release(now)
+        if self.said >= self.per_minute:
+            self.held += 1
+            return
+        self.said += 1
+        self._write(line(step, event, ranks, action, detail))
+
+    def _release(self, now: float) -> None:
+        if self.held:
+            self._write(f"... {self.held} more record(s) in the last minute: {self.cfg.metrics.jsonl or 'the log'}")
+        self.window_start, self.said, self.held = now, 0, 0
+
+    def banner(self, start: dict) -> str:
+        c = self.cfg
+        d = c.detectors
+        on = [n for n in ("nonfinite", "loss_spike", "grad_norm", "loss_trend", "attention_entropy", "activation_range",
+                          "straggler", "replica_check", "peer_replay") if getattr(getattr(d, n, None), "enabled", False)]
+        releases = ", ".join(f"{k} {v}" for k, v in (start.get("releases") or {}).items())
+        world = start.get("world")
+        ck = c.checkpoint
+        saves = f"{ck.dir} every {ck.every_steps} steps" if ck.dir and ck.every_steps else (ck.dir or "off")
+        return (f"guarding this run -- {start.get('framework') or 'framework'}"
+                + (f" ({releases})" if releases else "") + (f", {world} rank{'s' if world != 1 else ''}" if world else "")
+                + f"; detectors: {', '.join(on) or 'none'}; recovery: "
+                + (f"on (rollback to {c.recovery.rollback_to})" if c.recovery.enabled else "off")
+                + f"; checkpoints: {saves}; log: {c.metrics.jsonl or 'none'}"
+                + " (these lines: metrics.console)")
+
+    def ending(self, step: int, end: dict) -> str:
+        g = end.get("goodput") or {}
+        parts = [f"run ended at step {end.get('global_steps', end.get('iterations', step))}",
+                 f"{end.get('guard_skipped_steps', 0)} step(s) skipped by trainguard",
+                 f"{self.rollbacks} rollback(s)"]
+        if g:
+            parts.append(f"goodput {g.get('goodput')} ({g.get('steps_lost', 0)} step(s) lost)")
+        story = f"; the story: trainguard report {self.cfg.metrics.jsonl}" if self.cfg.metrics.jsonl else ""
+        return ", ".join(parts) + story
+
+    def close(self) -> None:
+        if self.held:
+            self._release(time.monotonic())
+
+
+def line(step: int, event: str, ranks, action: str | None, detail: dict) -> str:
+    """One record as one line: what, step, rank(s), what was done, and the detail a person needs first."""
+    ranks = list(ranks or [])
+    head = f"step {step}: {event}" + (f" on rank(s) {ranks}" if ranks else "") + (f" -> {action}" if action else "")
+    said = []
+    per = detail.get("per_rank") or {}
+    ids = {r: v["sample_ids"] for r, v in per.items() if isinstance(v, dict) and v.get("sample_ids")}
+    if ids:  # (the culprit samples: what a person sets aside or looks at first)
+        said.append("samples " + "; ".join(f"rank {r}: {v[:8]}" + ("..." if len(v) > 8 else "") for r, v in ids.items()))
+    for key in SHOWN:
+        value = detail.get(key)
+        if value in (None, "", [], {}):
+            continue
+        text = str(value)
+        said.append(f"{key}: {text[:160] + '...' if len(text) > 160 else text}")
+    return head + (f" ({'; '.join(said)})" if said else "")
