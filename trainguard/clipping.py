@@ -4,7 +4,9 @@ Pure arithmetic; the adapter hands the threshold to the framework's own clipping
 optimizers clip inside their step, on the partitioned gradients) or clamps the local gradient in
 its tensor hook (by value). Adaptive: the limit for a step is ``mean + z * std`` of an EMA of the
 previous (clipped) global norms -- a norm that far above the recent distribution is cut back to
-it, and the EMA is fed the clipped value so one burst does not raise the bar.
+it, and the EMA is fed the clipped value so one burst does not raise the bar. It only tightens the framework's own
+clip (DeepSpeed's ``gradient_clipping``, Megatron's ``--clip-grad``): never looser, unless
+``clipping.exceed_framework_clip``.
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ class Clipper:
         if self.cfg.mode == "norm":
             return self.cfg.max_norm
         if self.cfg.mode == "adaptive":
-            if self.ema.count < self.cfg.warmup_steps:
-                return self.cfg.max_norm
-            return max(self.ema.mean + self.cfg.z * self.ema.std, 1e-6)
+            limit = self.cfg.max_norm if self.ema.count < self.cfg.warmup_steps else \
+                max(self.ema.mean + self.cfg.z * self.ema.std, 1e-6)
+            if self.framework_max_norm > 0 and not self.cfg.exceed_framework_clip:
+                limit = min(limit, self.framework_max_norm)  # (never looser than the clip you configured)
+            return limit
         return None
 
     def clipped(self, raw: float | None, limit: float) -> float | None:

@@ -97,6 +97,21 @@ def test_clipper_modes():
     assert Clipper(ClippingConfig(mode="value", value=0.1)).value_bound() == 0.1
 
 
+def test_adaptive_clipping_is_never_looser_than_the_clip_you_configured():
+    """gradient_clipping 1.0 under adaptive clipping: a healthy run's norms (~2) put the EMA's limit at ~2.6, looser
+    than what the user asked for. It only tightens the framework's clip, unless the user opts in by name."""
+    for opt_in, at_most in ((False, 1.0), (True, None)):
+        c = Clipper(ClippingConfig(mode="adaptive", max_norm=1.0, z=2.0, warmup_steps=5, ema=0.9,
+                                   exceed_framework_clip=opt_in), framework_max_norm=1.0)
+        for x in [2.0, 2.2, 1.8, 2.0, 2.1, 1.9, 2.0, 2.3]:
+            c.observe(x, c.max_norm())
+        assert (c.max_norm() == at_most) if at_most else c.max_norm() > 1.0
+    tight = Clipper(ClippingConfig(mode="adaptive", warmup_steps=5, ema=0.9), framework_max_norm=1.0)
+    for x in [0.2, 0.22, 0.18, 0.2, 0.21, 0.19]:
+        tight.observe(x, tight.max_norm())
+    assert tight.max_norm() < 0.5  # (tighter than the framework's: what adaptive clipping is for)
+
+
 def test_sanitize_checks_and_actions():
     cfg = SanitizeConfig(vocab_size=10, max_seq_len=4, pad_id=0)
     ok = {"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([2, 3, -100])}

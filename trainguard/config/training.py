@@ -21,6 +21,10 @@ class ClippingConfig(_Section):
     z: float = Field(2.5, gt=0, description="adaptive: clip norms more than z EMA deviations above the EMA mean.")
     ema: float = Field(0.97, gt=0, lt=1, description="adaptive: decay of the norm's EMA mean and variance.")
     warmup_steps: int = Field(25, ge=2, description="adaptive: steps of EMA before it replaces max_norm.")
+    exceed_framework_clip: bool = Field(
+        False, description="adaptive: may the limit rise above the clip your framework is configured with (DeepSpeed's "
+        "gradient_clipping, Megatron's --clip-grad)? false: it only ever tightens it -- a healthy run's norms put the "
+        "EMA's limit above a clip of 1.0, which loosened what you asked for.")
 
 
 class SanitizeConfig(_Section):
