@@ -84,15 +84,21 @@ def _report(args) -> int:
     from trainguard.report import render
     from trainguard.summary import summarize
 
+    from pathlib import Path
+
     try:
         text = summarize(read(args.log))
         print(text)  # (the answer first: then the plots)
-        files = render(args.log, args.out)
+        try:
+            files = render(args.log, args.out)
+        except ImportError as e:  # (the pictures need the [monitor] extra; the summary does not)
+            files = []
+            print(f"trainguard report: no pictures -- {e.name or 'matplotlib'} is not installed "
+                  "(pip install 'trainguard[monitor]' draws them)", file=sys.stderr)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as e:
         print(f"trainguard report: {e}", file=sys.stderr)
         return 2
-    from pathlib import Path
-
     (Path(args.out) / "summary.txt").write_text(text + "\n")
     for f in [*files, Path(args.out) / "summary.txt"]:
         print(f)
