@@ -181,16 +181,16 @@ class MegatronState:
         self._match_precision(man.layout.get("precision"), now["precision"], tag)
         fresh = man.layout.get("optimizer_state") == "empty"  # (written before any update: _stateless)
         moments = [(o.optimizer.state, dict(o.optimizer.state)) for o in _optimizers(mg.optimizer) if fresh]
-        for o in _optimizers(mg.optimizer):
-            if fresh:
-                o.optimizer.state.clear()
-            elif _distributed(o) and not o.optimizer.state:
-                # a distributed optimizer before its first step has no state to load into, and without
-                # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
-                o._init_optimizer_states_with_dummy_values()
-        if f"{DIST}/{CONFIG}" in reader.files:  # (dist_checkpointing opens its JSON config by path: checked first)
-            reader.read(tag_dir / DIST / CONFIG)
         try:
+            for o in _optimizers(mg.optimizer):
+                if fresh:
+                    o.optimizer.state.clear()
+                elif _distributed(o) and not o.optimizer.state:
+                    # a distributed optimizer before its first step has no state to load into, and without
+                    # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
+                    o._init_optimizer_states_with_dummy_values()
+            if f"{DIST}/{CONFIG}" in reader.files:  # (dist_checkpointing opens its JSON config by path: checked first)
+                reader.read(tag_dir / DIST / CONFIG)
             with verified_reads(reader):  # (its pickled .metadata, the .distcp tensors, an older release's common.pt)
                 loaded = dist_checkpointing.load(self._sharded(is_loading=not fresh), str(tag_dir / DIST))
         except BaseException:

@@ -30,14 +30,14 @@ import torch
 from trainguard.checkpoint.rollback import target_key
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Record
-from trainguard.isolation import all_true, gather_objects
+from trainguard.isolation import all_true, by_error, gather_objects
 
 MAX_TRIES = 3  # targets tried before the run goes on (or stops) without a rollback
 
 
 def fingerprint(fw) -> list[str] | None:
     """A cheap digest of what a load writes that the run would go on from: the parameters the optimizer steps (their
-    float64 sum, min and max -- no copy of them), the framework's step counter and the groups' LRs (a load that set
+    sum, min and max, each in the tensor's own dtype: no copy of them), the framework's step counter and the groups' LRs (a load that set
     the counter or the schedule back failed after it began). On the recovery path only; None when it cannot be taken
     (then a failed load is taken to have touched the weights)."""
     try:
@@ -48,7 +48,7 @@ def fingerprint(fw) -> list[str] | None:
                 for p in g.get("params", []):
                     if isinstance(p, torch.Tensor) and p.numel():
                         lo, hi = torch.aminmax(p.detach())
-                        out += [float(p.detach().sum(dtype=torch.float64)).hex(), float(lo).hex(), float(hi).hex()]
+                        out += [float(p.detach().sum()).hex(), float(lo).hex(), float(hi).hex()]
         return out  # (hex: NaN equals NaN)
     except Exception:  # noqa: BLE001 - (out of memory, a sharded tensor: no digest is no reason to stop)
         return None
@@ -72,11 +72,11 @@ def load_degrading(cp, fw, root: Path, tag: str, older: Callable[[], tuple], fai
         except (TrainguardAbort, KeyboardInterrupt, SystemExit, GeneratorExit):
             raise  # (a decision already taken on every rank, or the process asked to stop: not a failed load)
         except BaseException as e:  # noqa: BLE001 - whatever the framework's load raised (torch's distributed
-            error = f"{type(e).__name__}: {e}"[-1500:]  # checkpoint raises a BaseException): the run must not die of it
+            error = f"{type(e).__name__}: {str(e)[-1500:]}"  # checkpoint raises a BaseException): the run must not die
         errors = gather_objects(error)  # (every rank learns every rank's: the failure path's records name them all)
         if not any(errors):
             return root, tag, True, failures
-        failure = {"to_tag": tag, "dir": str(root), "errors": {str(r): e for r, e in enumerate(errors) if e}}
+        failure = {"to_tag": tag, "dir": str(root), "errors": by_error(errors)}
         failures.append(failure)
         failed(failure)
         cp.unloadable.add(target_key(root, tag))
@@ -111,7 +111,7 @@ def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why:
         decision = dataclasses.replace(decision, restart=False, lr_scale=lr_factor if decision.lower_lr else None,
                                        reason=decision.reason + "; the first step's checkpoint did not load")
     if tag is None and not intact:
-        named = "; ".join(f"{f['to_tag']}: " + ", ".join(f"rank {r}: {e}" for r, e in f["errors"].items())
+        named = "; ".join(f"{f['to_tag']}: " + ", ".join(f"rank(s) {g['ranks']}: {g['error']}" for g in f["errors"])
                           for f in failures)
         raise guard.abort(step, dataclasses.replace(decision, action=Action.ABORT, reason=(
             f"{decision.reason}: no rollback target loaded and a failed load changed the run's state; stopped here, "

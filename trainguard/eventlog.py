@@ -133,7 +133,10 @@ class EventLog:
         if self.rank != 0 or not to_run_log:
             return
         for m in self.mirrors:
-            m.event(step, record.value, ranks, action, detail)
+            try:
+                m.event(step, record.value, ranks, action, detail)
+            except Exception as e:  # noqa: BLE001 - a mirror (the console, a dashboard) never stops rank 0 alone
+                log.warning("trainguard: %s failed on %s: %s: %s", type(m).__name__, record.value, type(e).__name__, e)
         if self.callbacks is not None:
             self.callbacks.put(clean({"type": "event", "step": step, "event": record.value, "ranks": ranks,
                                       "action": action, "detail": detail or {}, **extra}))

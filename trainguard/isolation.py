@@ -183,6 +183,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def by_error(errors: list) -> list[dict]:
+    """Every rank's error (gathered; None: none), grouped: ``[{"error", "ranks"}]`` -- a thousand ranks failing alike
+    is one entry."""
+    grouped: dict[str, list[int]] = {}
+    for r, e in enumerate(errors):
+        if e:
+            grouped.setdefault(e, []).append(r)
+    return [{"error": e, "ranks": ranks} for e, ranks in grouped.items()]
+
+
 def all_true(flag: bool) -> bool:
     """Every rank's ``flag``, and-ed: one small all-reduce (MIN) on the collective's device -- cheap enough to run
     each step while something is pending (an object gather pickles, and on NCCL syncs the host twice)."""

@@ -54,11 +54,8 @@ class Judgement:
         # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host;
         # judged on anomaly steps only -- each judgement sorts the loss window)
         unhealthy = self.stats.unhealthy(ctx.view) if verdicts else []
-        # (the data is to blame where the weights replayed healthy *and* the culprit samples, replayed alone, failed
-        # again: a flaky device's skipped step also replays healthy, but its samples do not fail twice)
-        blamed = weights == "healthy" and any(((everyone or {}).get(r) or {}).get("narrowed")
-                                              for r in self.culprit_samples)
-        self.suspects.observe(step, self.culprit_samples, self.log.emit, failing=unhealthy, data_blamed=blamed)
+        self.suspects.observe(step, self.culprit_samples, self.log.emit, failing=unhealthy,
+                              data_blamed=weights == "healthy")  # (the replay blamed the data: no host is suspect)
         if verdicts:
             self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
         self.everyone = everyone

@@ -41,8 +41,8 @@ class SuspectWatch:
         sent every host to suspect_hosts.json, which a launcher excludes and drains. Hardware is a rank that
         fails again and again while the other replicas stay healthy. ``failing``: the ranks whose own values were not
         healthy this step beside the culprits (a loss spike names the rank with the highest loss; a stretch of bad
-        data reaches every rank). ``data_blamed``: the replays blamed the data (the weights replayed healthy and the
-        culprit samples failed again alone) -- no evidence against a host. Nor is a culprit where every rank reads the same batch (one data-parallel replica:
+        data reaches every rank). ``data_blamed``: the replay blamed the data (the last healthy micro-batch replayed
+        healthy on these weights) -- no evidence against a host. Nor is a culprit where every rank reads the same batch (one data-parallel replica:
         TP/PP alone, or one process): nothing to compare it with -- a Slurm script reading the file drains a healthy
         node."""
         if not culprits and not failing or data_blamed:

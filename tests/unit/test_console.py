@@ -50,3 +50,34 @@ def test_lines_are_rate_limited_and_what_was_held_is_said():
     lines = out.getvalue().splitlines()
     assert lines == ["[trainguard] step 1: grad_surge on rank(s) [1]", "[trainguard] step 2: grad_surge on rank(s) [1]",
                      "[trainguard] ... 3 more record(s) in the last minute: logs/tg.jsonl"]
+
+
+def test_odd_details_never_stop_rank_0_and_actions_pass_the_rate_limit(tmp_path):
+    """A custom detector's detail is yours (a per_rank list, sample ids as a set): the console says what it can, and a
+    mirror that raises is logged, never raised on rank 0 alone (its peers would wait in the next collective)."""
+    from trainguard.eventlog import EventLog
+    from trainguard.events import Record
+
+    out = io.StringIO()
+    sink = ConsoleSink(parse_block({}), stream=out, per_minute=1)
+    sink.event(1, "custom_alert", ["3"], None, {"per_rank": [1, 2], "reason": {"a": 1}})
+    sink.event(2, "custom_alert", [0], None, {"per_rank": {"0": {"sample_ids": {1, 2}}}})
+    sink.event(3, "abort", [0], "abort", {"reason": "budget"})  # (said whatever the rate)
+    sink.event(4, "run_start", [], None, {"releases": "odd", "world": 2})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[trainguard] step 1: custom_alert on rank(s) ['3']")
+    assert lines[1] == "[trainguard] step 3: abort on rank(s) [0] -> abort (reason: budget)"
+    assert "guarding this run" in lines[2]
+
+    class Broken:
+        def event(self, *a):
+            raise KeyError("boom")
+
+        def close(self):
+            pass
+
+    log = EventLog(0)
+    log.open(parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl"), "console": False}}))
+    log.mirrors.append(Broken())
+    log.emit(5, Record.ROLLBACK, [0], "rollback", {"to_tag": "step00000005"})  # (no exception)
+    log.close()

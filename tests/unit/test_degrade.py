@@ -38,7 +38,7 @@ def test_a_target_that_fails_to_load_is_passed_over_for_the_next_older(tmp_path,
     assert ended is None and fw.steps == 20
     (failed,) = _named(records, "recovery_failed")
     assert failed["step"] == 12 and failed["detail"]["to_tag"] == "step00000010" and \
-        "KeyError" in failed["detail"]["errors"]["0"]
+        failed["detail"]["errors"][0]["ranks"] == [0] and "KeyError" in failed["detail"]["errors"][0]["error"]
     (rb,) = _named(records, "rollback")
     assert rb["detail"]["to_tag"] == "step00000005" and "failed to load" in rb["detail"]["why"]
     assert all(torch.isfinite(p).all() for p in fw.model.parameters())
@@ -60,7 +60,7 @@ def test_a_failed_load_that_touched_the_weights_stops_cleanly_keeping_every_chec
     assert ended is not None and fw.steps == 12  # (a TrainguardAbort at the step boundary, not the KeyError)
     (abort,) = _named(records, "abort")
     assert "changed the run's state" in abort["detail"]["reason"]
-    assert "step00000010: rank 0: KeyError" in abort["detail"]["reason"]
+    assert "step00000010: rank(s) [0]: KeyError" in abort["detail"]["reason"]
     kept = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step"))
     assert kept == ["step00000005", "step00000010"] and not (tmp_path / "ck" / ".abandoned").exists()
 

@@ -33,7 +33,7 @@ from trainguard.checkpoint.runid import RUN_ID
 from trainguard.checkpoint.rollback import target_key
 from trainguard.checkpoint.snapshots import MEMORY, memory_tag, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import all_true, barrier, gather_objects, rank, world
+from trainguard.isolation import all_true, barrier, by_error, gather_objects, rank, world
 
 __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 
@@ -154,12 +154,12 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - (torch's distributed checkpoint raises BaseExceptions)
-            error = f"{type(e).__name__}: {e}"[-1500:]
+            error = f"{type(e).__name__}: {str(e)[-1500:]}"
         if all_true(error is None):
             return True
         errors = gather_objects(error)  # (rank 0 writes the record: every rank's error in it)
         self.emit(step, Record.CHECKPOINT_FAILED, {"tag": step_tag(self.step_count()), "dir": str(root), "sync": True,
-                                                   "errors": {str(r): e for r, e in enumerate(errors) if e}})
+                                                   "errors": by_error(errors)})
         return False
 
     # ------------------------------------------------------------------ the first step's (trainguard.checkpoint.first)

@@ -79,8 +79,9 @@ def load(config: str | os.PathLike | dict | None) -> tuple[dict | None, Traingua
     if BLOCK not in config:
         near = misspelt_block(config)
         if near is not None:  # (a typo would train unguarded, silently: the user asked for a guard)
-            raise ConfigError([(near, f"not a key DeepSpeed knows, and one edit from \"{BLOCK}\": did you mean "
-                                      f"\"{BLOCK}\"? (as it is, the run would train unguarded)")], source)
+            raise ConfigError([(near, f"a typo of \"{BLOCK}\"? did you mean \"{BLOCK}\" (as it is, the run would "
+                                      f"train unguarded; to switch the guard off, keep the block with \"enabled\": "
+                                      "false)")], source)
         return config, None
     return config, parse_block(config[BLOCK], source)
 

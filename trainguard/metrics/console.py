@@ -19,6 +19,9 @@ SAID = {"nonfinite", "instant_burst", "slow_rise", "grad_surge", "entropy_collap
         "suspect_rank", "abort", "checkpoint_failed", "checkpoint_invalid", "resume", "resume_skipped",
         "resume_discontinuity", "hang_detected", "restart", "rank_replaced", "snapshots_off", "handover",
         "fp16_where_bf16", "no_warmup", "short_warmup", "no_clipping"}
+# what is said whatever the rate (what was done, and liveness): the rate limit holds back alerts only
+ALWAYS = {"rollback", "rollback_unavailable", "recovery_failed", "precision_fallback", "abort", "restart",
+          "rank_replaced", "hang_detected", "resume", "suspect_rank"}
 # what of a record's detail a line says, in this order, where present
 SHOWN = ("reason", "why", "to_tag", "to_step", "lr_factor", "tag", "errors", "error", "advice")
 
@@ -38,7 +41,7 @@ class ConsoleSink:
         return None
 
     def event(self, step: int, event: str, ranks, action: str | None, detail: dict) -> None:
-        detail = detail or {}
+        detail = detail if isinstance(detail, dict) else {}
         if event == "run_start":
             return self._write(self.banner(detail))
         if event == "run_end":
@@ -49,7 +52,7 @@ class ConsoleSink:
         now = time.monotonic()
         if now - self.window_start >= 60:
             self._release(now)
-        if self.said >= self.per_minute:
+        if self.said >= self.per_minute and event not in ALWAYS:
             self.held += 1
             return
         self.said += 1
@@ -65,7 +68,8 @@ class ConsoleSink:
         d = c.detectors
         on = [n for n in ("nonfinite", "loss_spike", "grad_norm", "loss_trend", "attention_entropy", "activation_range",
                           "straggler", "replica_check", "peer_replay") if getattr(getattr(d, n, None), "enabled", False)]
-        releases = ", ".join(f"{k} {v}" for k, v in (start.get("releases") or {}).items())
+        rel = start.get("releases")
+        releases = ", ".join(f"{k} {v}" for k, v in rel.items()) if isinstance(rel, dict) else ""
         world = start.get("world")
         ck = c.checkpoint
         saves = f"{ck.dir} every {ck.every_steps} steps" if ck.dir and ck.every_steps else (ck.dir or "off")
@@ -77,7 +81,7 @@ class ConsoleSink:
                 + " (these lines: metrics.console)")
 
     def ending(self, step: int, end: dict) -> str:
-        g = end.get("goodput") or {}
+        g = end.get("goodput") if isinstance(end.get("goodput"), dict) else {}
         parts = [f"run ended at step {end.get('global_steps', end.get('iterations', step))}",
                  f"{end.get('guard_skipped_steps', 0)} step(s) skipped by trainguard",
                  f"{self.rollbacks} rollback(s)"]
@@ -96,8 +100,9 @@ def line(step: int, event: str, ranks, action: str | None, detail: dict) -> str:
     ranks = list(ranks or [])
     head = f"step {step}: {event}" + (f" on rank(s) {ranks}" if ranks else "") + (f" -> {action}" if action else "")
     said = []
-    per = detail.get("per_rank") or {}
-    ids = {r: v["sample_ids"] for r, v in per.items() if isinstance(v, dict) and v.get("sample_ids")}
+    per = detail.get("per_rank") if isinstance(detail.get("per_rank"), dict) else {}
+    ids = {r: list(v["sample_ids"]) for r, v in per.items()
+           if isinstance(v, dict) and isinstance(v.get("sample_ids"), (list, tuple)) and v["sample_ids"]}
     if ids:  # (the culprit samples: what a person sets aside or looks at first)
         said.append("samples " + "; ".join(f"rank {r}: {v[:8]}" + ("..." if len(v) > 8 else "") for r, v in ids.items()))
     for key in SHOWN:
