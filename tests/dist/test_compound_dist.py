@@ -38,6 +38,7 @@ def _run(tmp_path, torchrun, faults, **more):
     return torchrun(cfg, STEPS, launcher=RESTART, out_name="run").ok()
 
 
+@pytest.mark.long  # (a whole-job restart and resume, as test_elastic_dist's SIGKILL test; CI keeps the kill inside a rollback and the spare's death)
 def test_two_ranks_killed_at_once_restart_and_resume_exactly(tmp_path, torchrun, uninterrupted):
     run = _run(tmp_path, torchrun, [{"type": "kill_rank", "step": 18, "rank": r} for r in (0, 1)])
     (restart,) = events(run, "restart")
@@ -47,6 +48,7 @@ def test_two_ranks_killed_at_once_restart_and_resume_exactly(tmp_path, torchrun,
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == uninterrupted.results[0]["param_sha256"]
 
 
+@pytest.mark.long  # (the short fire drill and test_elastic_dist's node-memory case make the same claim; CI's time)
 def test_a_corrupted_newest_checkpoint_and_a_kill_resume_from_the_one_before(tmp_path, torchrun, uninterrupted):
     run = _run(tmp_path, torchrun, [{"type": "corrupt_checkpoint", "step": 15, "rank": 0},
                                     {"type": "kill_rank", "step": 18, "rank": 1}])
@@ -55,6 +57,7 @@ def test_a_corrupted_newest_checkpoint_and_a_kill_resume_from_the_one_before(tmp
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"] == uninterrupted.results[0]["param_sha256"]
 
 
+@pytest.mark.long  # (a restart and a skip, each CI-tested alone; CI's time)
 def test_a_nan_on_the_step_after_a_restart_is_skipped(tmp_path, torchrun):
     """Rank 1 dies at the start of step 16; the restarted job resumes from 15 and meets a NaN loss on rank 0 at 16,
     its first step: skipped (every rank), the run goes on to its end."""
