@@ -4,18 +4,17 @@ together, and what the run does when none loads.
 A rollback meets framework states no one chose for it: a first step's checkpoint written before any update was
 applied (fp16's scale search skipped them: no optimizer moments in it), a checkpoint of another layout, storage that
 answers with an error. The framework's own behaviour is the floor -- a run it would have finished must not end
-because trainguard tried to help -- so a load that fails is recorded (``recovery_failed``, with the error) and the
-next possible action is taken:
+because trainguard tried to help -- so a load that fails is recorded (``recovery_failed``, every rank's error), the
+target is not chosen again in this process, and the next possible action is taken:
 
-1. the next older target (a failed first step's checkpoint: the ordinary target before the onset, with the ordinary
-   LR cut);
-2. none loads and the weights are what they were before the first try (a load that failed before touching them,
-   as most do: they fail reading or matching): the step stays skipped, the run goes on where it was, alerted --
-   what the framework alone would have done;
-3. none loads and the weights were touched: a clean abort at this step boundary naming every failure; nothing was set
+1. the best target left (a failed first step's checkpoint: the ordinary target before the onset, with the ordinary
+   LR cut), up to MAX_TRIES;
+2. none loads and the run's state is what it was before the first try (:func:`fingerprint`): the step stays skipped,
+   the run goes on where it was, alerted -- what the framework alone would have done;
+3. none loads and the state was touched: a clean abort at this step boundary naming every failure; nothing was set
    aside (the abandoned trajectory is moved only after a load succeeded), so the newest good checkpoint is intact.
 
-Every rank learns whether every rank's load succeeded (one small collective, on the recovery path only).
+Every rank learns whether every rank's load succeeded (one flag all-reduced; the errors gathered only on a failure).
 """
 from __future__ import annotations
 
@@ -30,15 +29,15 @@ import torch
 from trainguard.checkpoint.rollback import target_key
 from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Record
-from trainguard.isolation import all_true, by_error, gather_objects
+from trainguard.isolation import all_true, failures_of
 
 MAX_TRIES = 3  # targets tried before the run goes on (or stops) without a rollback
 
 
 def fingerprint(fw) -> list[str] | None:
     """A cheap digest of what a load writes that the run would go on from: the parameters the optimizer steps (their
-    sum, min and max, each in the tensor's own dtype: no copy of them), the framework's step counter and the groups' LRs (a load that set
-    the counter or the schedule back failed after it began). On the recovery path only; None when it cannot be taken
+    sum, min and max, each in the tensor's own dtype: no copy of them), the framework's step counter and the groups'
+    LRs (a load that set the counter or the schedule back failed after it began). On the recovery path only; None when it cannot be taken
     (then a failed load is taken to have touched the weights)."""
     try:
         out = [str(fw.completed_steps())]
@@ -64,19 +63,13 @@ def load_degrading(cp, fw, root: Path, tag: str, older: Callable[[], tuple], fai
     before = fingerprint(fw)
     failures: list[dict] = []
     for attempt in range(MAX_TRIES):
-        error = None
         if cp.faults is not None and cp.faults.dies_writing(step, "rollback"):
             os.kill(os.getpid(), 9)  # (the kill_rank fault, during: rollback -- a node lost mid-recovery)
-        try:
-            cp.load(root, tag=tag, purpose="rollback")
-        except (TrainguardAbort, KeyboardInterrupt, SystemExit, GeneratorExit):
-            raise  # (a decision already taken on every rank, or the process asked to stop: not a failed load)
-        except BaseException as e:  # noqa: BLE001 - whatever the framework's load raised (torch's distributed
-            error = f"{type(e).__name__}: {str(e)[-1500:]}"  # checkpoint raises a BaseException): the run must not die
-        errors = gather_objects(error)  # (every rank learns every rank's: the failure path's records name them all)
-        if not any(errors):
+        # (a TrainguardAbort is a decision already taken on every rank, not a failed load)
+        errors = failures_of(lambda: cp.load(root, tag=tag, purpose="rollback"), passthrough=(TrainguardAbort,))
+        if not errors:
             return root, tag, True, failures
-        failure = {"to_tag": tag, "dir": str(root), "errors": by_error(errors)}
+        failure = {"to_tag": tag, "dir": str(root), "errors": errors}
         failures.append(failure)
         failed(failure)
         cp.unloadable.add(target_key(root, tag))

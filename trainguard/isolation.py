@@ -183,11 +183,22 @@ def barrier() -> None:
         dist.barrier()
 
 
-def by_error(errors: list) -> list[dict]:
-    """Every rank's error (gathered; None: none), grouped: ``[{"error", "ranks"}]`` -- a thousand ranks failing alike
-    is one entry."""
+def failures_of(action, passthrough: tuple = ()) -> list[dict]:
+    """Every rank: run ``action()`` -- a recovery's load, an insurance save -- whatever it raises (torch's distributed
+    checkpoint raises BaseExceptions), and agree on the outcome: ``[]`` when it succeeded on every rank (one flag
+    all-reduced), else every rank's error, gathered and grouped ``[{"error", "ranks"}]`` (a thousand ranks failing
+    alike is one entry). ``passthrough``: exceptions that are not a failure of the action (raised on)."""
+    error = None
+    try:
+        action()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, *passthrough):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the caller goes on from a failure; it must not die of it
+        error = f"{type(e).__name__}: {str(e)[-1500:]}"
+    if all_true(error is None):
+        return []
     grouped: dict[str, list[int]] = {}
-    for r, e in enumerate(errors):
+    for r, e in enumerate(gather_objects(error)):
         if e:
             grouped.setdefault(e, []).append(r)
     return [{"error": e, "ranks": ranks} for e, ranks in grouped.items()]

@@ -33,7 +33,7 @@ from trainguard.checkpoint.runid import RUN_ID
 from trainguard.checkpoint.rollback import target_key
 from trainguard.checkpoint.snapshots import MEMORY, memory_tag, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import all_true, barrier, by_error, gather_objects, rank, world
+from trainguard.isolation import barrier, failures_of, rank, world
 
 __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 
@@ -148,19 +148,11 @@ class CheckpointManager:
         """Every rank: trainguard's own save (the insurance: periodic, the first step's) -- one that fails on any rank
         is a ``checkpoint_failed`` record and training goes on, never the run's death (a framework whose state cannot
         be written yet: megatron's distributed optimizer before its first update). Returns whether it committed."""
-        error = None
-        try:
-            save()
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 - (torch's distributed checkpoint raises BaseExceptions)
-            error = f"{type(e).__name__}: {str(e)[-1500:]}"
-        if all_true(error is None):
-            return True
-        errors = gather_objects(error)  # (rank 0 writes the record: every rank's error in it)
-        self.emit(step, Record.CHECKPOINT_FAILED, {"tag": step_tag(self.step_count()), "dir": str(root), "sync": True,
-                                                   "errors": by_error(errors)})
-        return False
+        errors = failures_of(save)
+        if errors:  # (rank 0 writes the record: every rank's error in it)
+            self.emit(step, Record.CHECKPOINT_FAILED, {"tag": step_tag(self.step_count()), "dir": str(root),
+                                                       "sync": True, "errors": errors})
+        return not errors
 
     # ------------------------------------------------------------------ the first step's (trainguard.checkpoint.first)
     def first_target(self) -> tuple[Path | None, str | None, str]:
