@@ -57,7 +57,8 @@ class StepGuard:
                  replay: Callable[[MicroBatch, int | None], float | None] | None = None, narrow_rows: bool = False,
                  replay_peers: Sequence[int] | None = None, peer_replay: Callable[[Any, int], tuple] | None = None,
                  collective=None, policy: Policy | None = None, goodput: GoodputMeter | None = None,
-                 faults: FaultInjector | None = None, clipper: Clipper | None = None, hints: dict | None = None):
+                 faults: FaultInjector | None = None, clipper: Clipper | None = None, hints: dict | None = None,
+                 lr_history: LrHistory | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank, self.world, self.group = rank, world, group
@@ -66,7 +67,8 @@ class StepGuard:
         self.policy = policy if policy is not None else Policy(cfg.detectors.nonfinite, cfg.recovery)
         self.faults = faults if faults is not None else FaultInjector(cfg.faults, rank)
         self.lr_now: float | None = None  # this rank's LR of the coming update (the driver sets it before AGREE)
-        self.lr_history = LrHistory()     # the LR each recent step used (rank 0's): the LR cut's evidence
+        # the LR each recent step used (rank 0's): the LR cut's evidence (the session's: its checkpoints read it too)
+        self.lr_history = lr_history if lr_history is not None else LrHistory.for_trend(cfg.detectors.loss_trend)
         self.goodput = goodput if goodput is not None else GoodputMeter()
         self._scaled = False  # an fp16 loss scale is on (set at AGREE)
         self.clipper = clipper if clipper is not None else Clipper(cfg.clipping)

@@ -31,7 +31,6 @@ from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.decisions import DATA_OR_WEIGHTS, Decision, anomaly_class, from_forward, onset_of
 from trainguard.verdicts import Verdict
 from trainguard.events import Action, Anomaly, Remedy
-from trainguard.lrcut import YOUNG
 
 SEVERITY = {"alert": 0, "skip_step": 1, "rollback": 2, "rollback_lower_lr": 3, "raise_floor": 3,
             "bf16_fallback": 3, "abort": 4}
@@ -159,7 +158,7 @@ class Policy:
                 remedy = Remedy.BF16_FALLBACK
                 reason += ("; the fp16 forward overflowed again after a rollback: its range is exceeded, no loss "
                            f"scale helps -> {remedy}")
-                if onset < YOUNG and not lower and lr_rising is not None and lr_rising(onset):
+                if not lower and lr_rising is not None and lr_rising(onset):
                     # (a young run starts over in bf16 from its first step: its fp16 trouble began before the newest
                     # checkpoint, and from the first step a later climb can restart again, in bf16)
                     restart = True
@@ -191,7 +190,7 @@ class Policy:
             return exhausted
         remedy = REMEDY.get(rung, Remedy.RESET_SCALE)  # rollback_lower_lr here means a plain rollback too
         onset = verdict.detail.get("onset_step") or step
-        restart = remedy is Remedy.BF16_FALLBACK and onset < YOUNG and lr_rising is not None and lr_rising(onset)
+        restart = remedy is Remedy.BF16_FALLBACK and lr_rising is not None and lr_rising(onset)
         if restart:
             reason += "; a young run, its LR still rising into the trouble: it starts over in bf16 from its first step"
         return Decision(Action.ROLLBACK, f"{reason} -> {remedy}", (verdict,), lower_lr=rung == "rollback_lower_lr",

@@ -32,6 +32,7 @@ from trainguard.driver import StepDriver, scaled_lr
 from trainguard.events import Action, Phase, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
+from trainguard.lrcut import LrHistory
 from trainguard.guard import StepGuard
 from trainguard.policy import Decision, Policy
 from trainguard.replays import check_replayable
@@ -63,6 +64,7 @@ class GuardSession:
         self.faults = injector if cfg.faults else None
         self.goodput = GoodputMeter() if guard_enabled else None
         self.clipper = Clipper(cfg.clipping) if guard_enabled else None
+        self.lr_history = LrHistory.for_trend(cfg.detectors.loss_trend) if guard_enabled else None  # (a young run's)
         # trainguard.replays.Replays: what the adapter hands its micro-batches to (record, measured); its ``book``
         # holds them (the step's, the last healthy one: what an adapter's replay runs)
         self.replays = None
@@ -71,7 +73,7 @@ class GuardSession:
             self.guard = StepGuard(cfg, rank, world, group=None, device=device, localize=localize, replay=replay,
                                    narrow_rows=narrow_rows, replay_peers=replay_peers, peer_replay=peer_replay,
                                    policy=policy, goodput=self.goodput, faults=injector, clipper=self.clipper,
-                                   hints=hints)
+                                   hints=hints, lr_history=self.lr_history)
             self.replays = self.guard.replays
             self.driver = StepDriver(fw, self.guard, cfg, self.heart, policy, self.goodput, injector, self.clipper,
                                      self.to_bf16)
@@ -125,7 +127,8 @@ class GuardSession:
         (trainguard.protocols.State)."""
         from trainguard.checkpoint.manager import CheckpointManager
 
-        return CheckpointManager(self.cfg, self.guard, self.heart, state, faults=self.faults, goodput=self.goodput)
+        return CheckpointManager(self.cfg, self.guard, self.heart, state, faults=self.faults, goodput=self.goodput,
+                                 lr_history=self.lr_history)
 
     def start(self, state, coords, framework: dict[str, Any], facts=None):
         """BEGIN, in the order every adapter needs: the checkpoint manager over ``state`` (returned: the adapter keeps

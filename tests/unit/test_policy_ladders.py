@@ -1,6 +1,7 @@
 from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.verdicts import Verdict
 from trainguard.events import Action
+from trainguard.lrcut import LrHistory
 from trainguard.policy import Policy
 
 
@@ -185,15 +186,20 @@ def test_an_fp16_forward_overflowing_again_after_a_rollback_goes_to_bf16():
     d = climb(p, fp16=True, first=20)
     assert d.action is Action.ROLLBACK and d.remedy is Remedy.BF16_FALLBACK and "range" in d.reason
     assert not d.restart  # (no LR evidence given: from the newest checkpoint before the onset)
-    for first, rising, restart in ((20, True, True), (20, False, False), (400, True, False)):
-        # a young run whose LR was still rising into the trouble starts over from its first step
+    for first, warmup, restart in ((20, 100, True), (20, 1, False), (400, 1000, True), (400, 100, False)):
+        # a young run whose LR was still rising into the trouble starts over from its first step -- young measured
+        # against its own warmup (trainguard.lrcut.LrHistory.young), not a step count: 400 steps into a warmup of
+        # 1,000 is young, 400 steps after a warmup of 100 is not
+        lrs = LrHistory()
+        for s in range(1, first + 13):
+            lrs.record(s, 0.1 * min(s, warmup) / warmup)
         p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig())
         climb(p, fp16=True, first=first)
         p.rolled_back(first + 2, False, {"to_step": first - 5, "anomaly": "nonfinite"})
         for s in (first + 10, first + 11):
-            p.decide([forward()], step=s, fp16=True, lr_rising=lambda onset: rising)
-        d = p.decide([forward(1)], step=first + 12, fp16=True, lr_rising=lambda onset: rising)
-        assert d.remedy is Remedy.BF16_FALLBACK and d.restart is restart, (first, rising)
+            p.decide([forward()], step=s, fp16=True, lr_rising=lrs.rising_into)
+        d = p.decide([forward(1)], step=first + 12, fp16=True, lr_rising=lrs.rising_into)
+        assert d.remedy is Remedy.BF16_FALLBACK and d.restart is restart, (first, warmup)
     for fp16, fallback, origin in ((False, "bf16", "loss"), (True, "none", "loss"), (True, "bf16", "gradients")):
         p = Policy(NonfiniteConfig(max_consecutive=10), RecoveryConfig(fp16_fallback=fallback))
         p.rolled_back(12, False, {"to_step": 5, "anomaly": "nonfinite"})

@@ -426,14 +426,19 @@ def test_a_young_runs_bf16_fallback_starts_over_from_its_first_step_and_keeps_on
     assert not (tmp_path / "ck" / ".first" / "step00000001" / "stable.json").exists()
 
 
-def test_the_first_steps_checkpoint_is_removed_once_the_run_is_grown(tmp_path, monkeypatch):
+def test_the_first_steps_checkpoint_is_removed_once_the_run_is_grown(tmp_path):
     """checkpoint.first_step: kept while a climb that began young can still be seen, then removed -- also when the
     run was resumed past that step (a resumed run never sees its step 1 again)."""
-    import trainguard.checkpoint.manager as manager
-
-    monkeypatch.setattr(manager, "FIRST_KEPT", 12)
     fw, s, seen, records, ended = run(tmp_path, {}, 11)
     assert (tmp_path / "ck" / ".first" / "step00000001").is_dir()
-    s.driver.fw.checkpointer.after_step(13)  # (as a run resumed at 13 would)
+    cp, h = s.driver.fw.checkpointer, s.lr_history
+    assert h.ramp_end is None and not h.grown(11)  # (its LR has not held yet)
+    h.ramp_end = 500  # (a warmup of 500 steps, as a resumed run's guard state would say): still young at 400
+    cp.after_step(400)
+    assert (tmp_path / "ck" / ".first" / "step00000001").is_dir()
+    h.ramp_end = 1  # (no warmup): grown once past twice the loss trend's settling time, and that time again
+    cp.after_step(3 * h.settle)
+    assert (tmp_path / "ck" / ".first" / "step00000001").is_dir()
+    cp.after_step(3 * h.settle + 1)  # (as a run resumed there would)
     assert not (tmp_path / "ck" / ".first").exists()
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".first")]

@@ -10,10 +10,10 @@ from pathlib import Path
 from trainguard.checkpoint.rollback import choose_rollback
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, rank
-from trainguard.lrcut import YOUNG
+from trainguard.lrcut import SETTLE, YOUNG
 
 FIRST = ".first"  # dir/.first: the first step's checkpoint (checkpoint.first_step)
-FIRST_KEPT = 2 * YOUNG  # the first step's checkpoint is removed at this step
+FIRST_KEPT = 4 * YOUNG * SETTLE  # without the guard's LR history: the first step's checkpoint is removed at this step
 
 
 def first_root(cp) -> Path | None:
@@ -21,8 +21,9 @@ def first_root(cp) -> Path | None:
 
 
 def on_step(cp, step: int) -> None:
-    """After a fresh run's first step: a checkpoint apart from the periodic ones (checkpoint.first_step). At
-    step FIRST_KEPT: removed (a restart from it is for a climb that began young, which is seen a little later)."""
+    """After a fresh run's first step: a checkpoint apart from the periodic ones (checkpoint.first_step). Once
+    the run has grown (trainguard.lrcut.LrHistory.grown: past the young horizon and the settling time a verdict takes
+    after it): removed (a restart from it is for a climb that began young)."""
     if step == 1:
         save_first(cp)
     elif not cp._first_dropped:  # (once per process: a run resumed past FIRST_KEPT drops it too)

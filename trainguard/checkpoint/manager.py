@@ -43,7 +43,7 @@ class CheckpointManager:
     ``guard``: the StepGuard (records, its state); ``faults``, ``goodput``: the session's (the checkpoint faults, a
     save's overhead); ``heart``: the rank's heartbeat (saves and loads count as progress)."""
 
-    def __init__(self, cfg, guard, heart, state, faults, goodput):
+    def __init__(self, cfg, guard, heart, state, faults, goodput, lr_history=None):
         self.state = state
         self.block = cfg
         self.cfg = cfg.checkpoint
@@ -61,6 +61,7 @@ class CheckpointManager:
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
         self.unloadable: set[str] = set()  # rollback targets that failed to load in this process (trainguard.degrade)
         self._first_dropped = False            # the first step's checkpoint was removed (checkpoint.first_step)
+        self.lr_history = lr_history           # trainguard.lrcut.LrHistory: when the run has grown past young
         beat_from_training_thread(heart)  # (hashing and verifying are progress: trainguard.checkpoint.fsio)
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
         self.snapshots = None                  # trainguard.checkpoint.memory_tier.MemoryTier (use_memory_tier)
@@ -116,12 +117,17 @@ class CheckpointManager:
                 atomic_write_json(root / tag / STABLE, {"stable_at_step": value, "stable_after": self.cfg.stable_after})
                 self.emit(step, Record.CHECKPOINT_STABLE, {"tag": tag, "dir": str(root)})
 
+    def _grown(self, step: int) -> bool:
+        """Past the young horizon (the guard's LR history; FIRST_KEPT without a guard): the first step's checkpoint
+        can go."""
+        return self.lr_history.grown(step) if self.lr_history is not None else step >= FIRST_KEPT
+
     def after_step(self, step: int) -> None:
         """A periodic save when one is due, and the corrupt_checkpoint fault (tests, drills)."""
         c = self.cfg
         self.pacer.tick(time.perf_counter())  # (the step times a snapshot's cost shows in: max_overhead)
         saved = bool(c.dir and c.every_steps and step % c.every_steps == 0)
-        if c.dir and c.every_steps and c.first_step and (step == 1 and not saved or step >= FIRST_KEPT):
+        if c.dir and c.every_steps and c.first_step and (step == 1 and not saved or self._grown(step)):
             if step == 1:  # (the save: insured; the drop at FIRST_KEPT is rank 0's alone, with no collective)
                 self.insure(step, Path(c.dir) / FIRST, lambda: first.on_step(self, step))
             else:

@@ -33,6 +33,11 @@ class LossSpikeConfig(_Section):
     window: int = Field(128, ge=8, description="Healthy steps kept for the median and MAD.")
     z: float = Field(6.0, gt=0, description="Spike when (loss - median) / MAD exceeds this.")
     min_history: int = Field(20, ge=3, description="Steps observed before any alert.")
+    min_regain: float = Field(0.1, ge=0, le=1, description="... and only when the loss stands this fraction of what "
+                              "the run has learnt above the median: (loss - median) >= min_regain x (first level - "
+                              "median), the first level being the median of the first 5 losses. A loss near "
+                              "its floor has a tail of single hard samples that is its own noise, where a bad batch "
+                              "scores near the first level (0: off).")
 
 
 class LossTrendConfig(_Section):
@@ -46,6 +51,12 @@ class LossTrendConfig(_Section):
                         "best (0.2: 20%) ...")
     patience: int = Field(2, ge=1, description="... for this many steps in a row.")
     min_history: int = Field(20, ge=3, description="Steps observed before any verdict.")
+    noise_z: float = Field(3.0, ge=0, description="The band is also at least this many robust spreads of the raw "
+                           "loss (1.4826 x MAD of the window that set the best) above the best: a rise the loss's own "
+                           "noise makes is no climb (0: off).")
+    min_regain: float = Field(0.05, ge=0, le=1, description="... and at least this fraction of what the loss has "
+                              "fallen from its first level (the median of its first `smooth` losses) to its best: a relative rise "
+                              "on a loss near its floor is noise, a divergence gives back what was learnt (0: off).")
 
 
 class GradNormConfig(_Section):

@@ -10,7 +10,10 @@ A spike is a step whose loss lies more than ``z`` robust deviations (median / MA
   Remedy: skip the batch, roll back past it. Unless the LR itself jumped within the last ``LR_LOOKBACK`` steps
   (a run resumed with a raised schedule): then it is the LR's, ``slow_rise``.
 
-Spikes are not pushed into the window, so one bad batch does not shift the baseline.
+Spikes are not pushed into the window, so one bad batch does not shift the baseline. A spike must also give back
+``min_regain`` of what the run has learnt (its height over the median against the first level's): once a loss
+has fallen near its floor, its MAD is tiny and single hard samples stand many MADs above it -- the loss's own
+tail, not a bad batch, which scores near where the run began.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ REMEDY = {
 
 LR_LOOKBACK = 10  # steps over which an LR jump is measured ...
 LR_JUMP = 1.5     # ... and the ratio that makes a spike an LR's, not a batch's
+FIRST = 5         # the first level: the median of the first FIRST losses
 
 
 class LossSpikeDetector:
@@ -36,6 +40,7 @@ class LossSpikeDetector:
     def __init__(self, cfg: LossSpikeConfig):
         self.cfg = cfg
         self.window = RollingWindow(cfg.window)
+        self.first: float | None = None  # the first level: the median of the first FIRST losses
 
     def observe(self, step: int, loss: float, trend: str | None, grad_z: float, ranks=(),
                 lr_ratio: float | None = None) -> Verdict | None:
@@ -46,9 +51,14 @@ class LossSpikeDetector:
             return None  # the non-finite detector owns this step
         if len(self.window) < self.cfg.min_history:
             self.window.push(loss)
+            if self.first is None and len(self.window) == FIRST:
+                self.first = self.window.median()  # (where the run began, before its fast first fall)
             return None
+        median = self.window.median()
+        if self.first is None:  # (a window loaded from a guard state of before)
+            self.first = median
         z = self.window.robust_z(loss)
-        if z <= self.cfg.z:
+        if z <= self.cfg.z or loss - median < self.cfg.min_regain * max(self.first - median, 0.0):
             self.window.push(loss)
             return None
         lr_jumped = lr_ratio is not None and lr_ratio > LR_JUMP
@@ -65,7 +75,8 @@ class LossSpikeDetector:
         self.window = RollingWindow(self.window.size)
 
     def state_dict(self) -> dict:
-        return {"window": self.window.state_dict()}
+        return {"window": self.window.state_dict(), "first": self.first}
 
     def load_state_dict(self, state: dict) -> None:
         self.window.load_state_dict(state["window"])
+        self.first = state.get("first")

@@ -6,8 +6,11 @@ above the last, so none is a spike, and the window's median follows the loss up 
 loss falling to ~2.4, then climbing for ~30 iterations to ~7.0, unanswered). This detector keeps the
 *smoothed* loss (the median of the last ``smooth`` steps: one bad batch cannot move it) and the best level it
 has reached (the median of ``4 x smooth`` steps: noise alone does not set it low); when the smoothed loss has
-stood more than ``rise`` (relative) above that best for ``patience`` steps, the run is diverging, whatever shape
-the gradient norm has.
+stood above that best by more than its band for ``patience`` steps, the run is diverging, whatever shape the
+gradient norm has. The band knows the loss's own noise, not only a relative rise: it is the widest of ``rise`` x
+the best, ``noise_z`` robust spreads of the raw losses of the window that set the best, and ``min_regain`` x what
+the loss has fallen from its first level (its first smoothed loss) to its best (a loss near its floor wiggles by half itself and more;
+a divergence gives back what was learnt).
 
 Its class comes from three signals together (:func:`classify`), not from one:
 
@@ -63,7 +66,9 @@ class LossTrendDetector:
         self.best_step = 0
         self.best_lr: float | None = None
         self.above = 0          # consecutive steps the smoothed loss stood above the band
-        self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr) at each new best
+        self.spread = 0.0       # the robust spread of the raw losses of the window that set the best
+        self.first: float | None = None  # the loss's first level (the median of its first ``smooth`` losses)
+        self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr, spread) at each new best
         self.reported = False   # one verdict per episode (until the loss is back in its band)
 
     def smoothed(self) -> float | None:
@@ -79,8 +84,13 @@ class LossTrendDetector:
         return statistics.median(v for _, v in self.raw)
 
     def band(self) -> float | None:
-        """The smoothed loss above which the run counts as climbing away from its best."""
-        return None if self.best is None else self.best + self.cfg.rise * abs(self.best)
+        """The smoothed loss above which the run counts as climbing away from its best: the widest of the relative
+        rise, the loss's noise at its best and the fraction of what it learnt."""
+        if self.best is None:
+            return None
+        learnt = max((self.first or self.best) - self.best, 0.0)
+        return self.best + max(self.cfg.rise * abs(self.best), self.cfg.noise_z * self.spread,
+                               self.cfg.min_regain * learnt)
 
     def standing_above(self, fraction: float) -> bool:
         """Whether the smoothed loss of the steps so far stands more than ``fraction`` above the best level (True
@@ -98,11 +108,14 @@ class LossTrendDetector:
         s = self.smoothed()
         if s is None:
             return None
+        if self.first is None and len(self.raw) >= self.cfg.smooth:
+            self.first = s  # (the first smoothed loss: where the run began, before its fast first fall)
         level = self.level()
         if level is not None and (self.best is None or level < self.best):
             # (the step at the centre of the window that set it: a rollback goes back before the climb, not to its top)
             self.best, self.best_step, self.best_lr = level, self.raw[len(self.raw) // 2][0], lr
-            self.bests.append((step, self.best, self.best_step, self.best_lr))
+            self.spread = 1.4826 * statistics.median(abs(v - level) for _, v in self.raw)
+            self.bests.append((step, self.best, self.best_step, self.best_lr, self.spread))
         if self.best is None:
             return None
         band = self.band()
@@ -120,6 +133,7 @@ class LossTrendDetector:
         return Verdict(detector=self.name, anomaly=kind, ranks=shared_or(kind, ranks), detail={
             "loss": loss, "smoothed": round(s, 4), "best": round(self.best, 4), "best_step": self.best_step,
             "rise": round((s - self.best) / abs(self.best), 4) if self.best else None, "limit_rise": self.cfg.rise,
+            "band": round(band, 4), "noise": round(self.spread, 4), "first_level": self.first,
             "lr_ratio": None if lr_ratio is None else round(lr_ratio, 3),
             "grad_ratio": None if grad_ratio is None else round(grad_ratio, 3),
             "class": kind, "evidence": why, "onset_step": self.best_step + 1, "remedy": REMEDY[kind]})
@@ -143,16 +157,19 @@ class LossTrendDetector:
             self.bests.pop()
         if self.bests and self.bests[-1][0] > to_step:  # (no best known as of to_step: learnt again)
             self.bests.pop()
-        _, self.best, self.best_step, self.best_lr = self.bests[-1] if self.bests else (0, None, 0, None)
+        _, self.best, self.best_step, self.best_lr, self.spread = self.bests[-1] if self.bests else \
+            (0, None, 0, None, 0.0)
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen}
+        return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
+                "spread": self.spread, "first": self.first}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step = state.get("best"), int(state.get("best_step", 0))
         self.best_lr, self.seen = state.get("best_lr"), int(state.get("seen", 0))
+        self.spread, self.first = float(state.get("spread") or 0.0), state.get("first")
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
-        self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr)] if self.best is not None else [],
-                           maxlen=self.bests.maxlen)
+        self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]
+                           if self.best is not None else [], maxlen=self.bests.maxlen)
         self.raw.clear()
         self.above, self.reported = 0, False
