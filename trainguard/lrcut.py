@@ -9,7 +9,8 @@ history says more:
   schedule ended 1.8% above healthy instead of 5.9% after two halvings);
 - **a young run** (the climb began within twice its LR's first rise -- the warmup --, or within twice the steps
   the loss trend needs before it can speak when the run had no warmup; :meth:`LrHistory.young`: its LR settings
-  are what fails there, a peak far too high, a warmup too short; no step count of a corpus decides it): a tenth of the LR at the loss's best -- the LR range test's rule (Smith, 2017;
+  are what fails there, a peak far too high, a warmup too short; no step count of a corpus decides it): a tenth
+  of the LR at the loss's best -- the LR range test's rule (Smith, 2017;
   fastai's ``lr_find``: the LR where the loss stops falling, divided by ten) -- *and a restart* from the run's
   first step's checkpoint (``checkpoint.first_step``), once. The restart is what makes the cut work: a rollback to
   the first periodic save lands on weights the too-high LR had already pushed away, and from there a sane LR walks
@@ -71,7 +72,7 @@ class LrHistory:
             self.steps.pop()
         if self.ramp_end is None and not self.steps and step > self.settle:
             self.ramp_end = 0  # (a history that begins mid-run -- a resume without the guard's state: not young)
-        if self.ramp_end is None:  # (the first rise: the warmup; a later rise -- a cut's end, a raised schedule -- is not)
+        if self.ramp_end is None:  # (the first rise: the warmup; a later one -- a cut's end, a raised schedule -- not)
             if not self.steps or lr > self.steps[-1][1] * (1 + 1e-3):
                 self.last_rise = step
             elif step - self.last_rise >= RAMP:
@@ -130,7 +131,7 @@ class LrHistory:
         self.last_rise = int(state.get("last_rise") or 0)
         end = state.get("ramp_end")
         self.ramp_end = int(end) if end is not None else None
-        if "ramp_end" not in state and self.steps:  # (a guard state from before: its first rise is unknown -- not young)
+        if "ramp_end" not in state and self.steps:  # (a guard state from before: its first rise unknown -- not young)
             self.ramp_end = 0
 
     def rewound(self, to_step: int) -> None:

@@ -19,8 +19,10 @@ An fp16 ``overflow`` (gradients overflowed, every loss finite) is the scaler's r
 is skipped and the scaler lowers its scale, outside any ladder.
 
 Budgets: at most ``max_rollbacks`` rollbacks per ``rollback_window`` steps, and the accumulated LR
-factor never below ``lr_floor``; exhausting either -- like ``nonfinite.action: "abort"`` or
-``max_consecutive`` non-finite steps -- is ABORT, with a report of what was tried.
+factor never below ``lr_floor``. Exhausting either trains on as the framework would (``recovery.when_exhausted:
+"train_on"``: alerts, a non-finite step still skipped -- a recovery never ends a run its framework would have
+finished), or is ABORT with a report of what was tried (``"abort"``, like ``nonfinite.action: "abort"`` or
+``max_consecutive`` non-finite steps).
 """
 from __future__ import annotations
 
@@ -119,7 +121,7 @@ class Policy:
             return Decision(Action.CONTINUE, f"{reason}: no checkpoint predates its onset (step {stuck}); skipping "
                             "again would freeze the weights: training on (alert)", verdicts, anomaly=driver)
         if chosen in ("rollback", "rollback_lower_lr"):
-            exhausted = self._budget_exhausted(reason, verdicts, step)
+            exhausted = self._budget_exhausted(reason, verdicts, step, skip="nonfinite" in classes, anomaly=driver)
             if exhausted is not None:
                 return exhausted
             lower = chosen == "rollback_lower_lr"
@@ -133,8 +135,8 @@ class Policy:
                 floor = self.recovery.lr_floor
                 if self.lr_factor * scale < floor:
                     if self.lr_factor * self.recovery.lr_factor < floor:
-                        return self._abort(f"{reason}: the LR factor would fall below lr_floor {floor}", verdicts,
-                                           step)
+                        return self._exhausted(f"{reason}: the LR factor would fall below lr_floor {floor}", verdicts,
+                                               step, skip="nonfinite" in classes, anomaly=driver)
                     scale, why = floor / self.lr_factor, (why + "; " if why else "") + f"held at lr_floor {floor}"
                 if why:
                     reason += f"; LR x{scale:.3g}: {why}"
@@ -185,7 +187,7 @@ class Policy:
         if rung == "bf16_fallback" and self.recovery.fp16_fallback == "none":
             return self._abort(f"{reason}: the ladder reached bf16_fallback and recovery.fp16_fallback is 'none'",
                                (verdict,), step)
-        exhausted = self._budget_exhausted(reason, (verdict,), step)
+        exhausted = self._budget_exhausted(reason, (verdict,), step, anomaly=Anomaly.LOSS_SCALE)
         if exhausted is not None:
             return exhausted
         remedy = REMEDY.get(rung, Remedy.RESET_SCALE)  # rollback_lower_lr here means a plain rollback too
@@ -207,13 +209,21 @@ class Policy:
         ladder = self.recovery.ladders.get(cls) or ["alert"]
         return ladder[min(len(h), len(ladder)) - 1]
 
-    def _budget_exhausted(self, reason: str, verdicts, step: int) -> Decision | None:
+    def _budget_exhausted(self, reason: str, verdicts, step: int, skip: bool = False, anomaly=None) -> Decision | None:
         while self.rollback_steps and self.rollback_steps[0] <= step - self.recovery.rollback_window:
             self.rollback_steps.popleft()
         if len(self.rollback_steps) >= self.recovery.max_rollbacks:
-            return self._abort(f"{reason}: rollback budget exhausted ({len(self.rollback_steps)} rollbacks "
-                               f"within {self.recovery.rollback_window} steps)", verdicts, step)
+            return self._exhausted(f"{reason}: rollback budget exhausted ({len(self.rollback_steps)} rollbacks "
+                                   f"within {self.recovery.rollback_window} steps)", verdicts, step, skip, anomaly)
         return None
+
+    def _exhausted(self, reason: str, verdicts, step: int, skip: bool, anomaly) -> Decision:
+        """A budget spent: train on as the framework would (a non-finite step still skipped), or abort."""
+        if self.recovery.when_exhausted == "abort":
+            return self._abort(reason, verdicts, step)
+        return Decision(Action.SKIP_STEP if skip else Action.CONTINUE, f"{reason}: training on as the framework "
+                        "would, alerts only (recovery.when_exhausted: \"abort\" stops here)", tuple(verdicts),
+                        anomaly=anomaly)
 
     def lr_applied(self, completed: int) -> float:
         """The LR factor applied at this point (1.0 once the cooldown is over: the expired factor is forgotten, so a

@@ -128,7 +128,8 @@ def test_instant_burst_rolls_back_and_slow_rise_lowers_the_lr(tmp_path, torchrun
 
 def test_rollback_budget_exhausted_aborts_with_a_report(tmp_path, torchrun):
     faults = [{"type": "spike_batch", "step": 27, "rank": 1}, {"type": "spike_batch", "step": 31, "rank": 1}]
-    cfg = make_config(tmp_path, block=block(tmp_path, max_rollbacks=1, replay_check=False), faults=faults)
+    cfg = make_config(tmp_path, block=block(tmp_path, max_rollbacks=1, replay_check=False, when_exhausted="abort"),
+                      faults=faults)
     run = torchrun(cfg, 45).ok()
     assert len(events(run, "rollback")) == 1
     for r in run.results:

@@ -66,7 +66,8 @@ def test_the_policy_applies_the_cut_and_says_why_and_holds_at_the_floor():
     assert d.lr_scale == pytest.approx(0.1) and "held at lr_floor" in d.reason
     p.rolled_back(300, True, {"to_step": 250, "anomaly": "slow_rise"}, scale=d.lr_scale)
     assert p.lr_factor == pytest.approx(0.01)
-    assert p.decide([_rise(500, 480)], 500, lr_cut=lambda onset: (0.5, "", False)).action is Action.ABORT
+    # (at the floor: trains on as the framework would, alerts only -- recovery.when_exhausted)
+    assert p.decide([_rise(500, 480)], 500, lr_cut=lambda onset: (0.5, "", False)).action is Action.CONTINUE
 
 
 def test_without_a_cut_the_configured_factor_as_before():

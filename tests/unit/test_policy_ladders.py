@@ -36,17 +36,32 @@ def test_burst_and_rise_ladders_and_severity():
 
 
 def test_budgets_abort_with_what_was_tried():
-    p = Policy(NonfiniteConfig(), RecoveryConfig(max_rollbacks=1, rollback_window=100))
+    p = Policy(NonfiniteConfig(), RecoveryConfig(max_rollbacks=1, rollback_window=100, when_exhausted="abort"))
     assert p.decide([v("instant_burst")], step=10).action is Action.ROLLBACK
     p.rolled_back(10, False, {"to_tag": "t"})
     d = p.decide([v("instant_burst")], step=20)
     assert d.action is Action.ABORT and "rollback budget exhausted" in d.reason
     assert p.decide([v("instant_burst")], step=200).action is Action.ROLLBACK  # the window moved on
 
-    q = Policy(NonfiniteConfig(), RecoveryConfig(lr_factor=0.5, lr_floor=0.3))
+    q = Policy(NonfiniteConfig(), RecoveryConfig(lr_factor=0.5, lr_floor=0.3, when_exhausted="abort"))
     q.rolled_back(5, True, {})
     d = q.decide([v("slow_rise")], step=50)
     assert d.action is Action.ABORT and "lr_floor" in d.reason  # 0.5 * 0.5 < 0.3
+
+
+def test_a_spent_budget_trains_on_as_the_framework_would_by_default():
+    # (a recovery never ends a run its framework would have finished: alerts, a non-finite step still skipped)
+    p = Policy(NonfiniteConfig(max_consecutive=100), RecoveryConfig(max_rollbacks=1, rollback_window=100))
+    p.rolled_back(10, False, {"to_tag": "t"})
+    d = p.decide([v("instant_burst")], step=20)
+    assert d.action is Action.CONTINUE and "rollback budget exhausted" in d.reason and "training on" in d.reason
+    for s in (30, 31, 32):
+        d = p.decide([v("nonfinite")], step=s)
+    assert d.action is Action.SKIP_STEP and "rollback budget exhausted" in d.reason
+    q = Policy(NonfiniteConfig(), RecoveryConfig(lr_factor=0.5, lr_floor=0.3))
+    q.rolled_back(5, True, {})
+    d = q.decide([v("slow_rise")], step=50)
+    assert d.action is Action.CONTINUE and "lr_floor" in d.reason and q.lr_factor == 0.5
 
 
 def test_custom_ladder_and_recovery_off():

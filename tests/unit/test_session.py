@@ -331,15 +331,30 @@ def test_the_loss_scale_ladder_resets_raises_the_floor_and_falls_back_to_bf16(tm
     assert all(x["grad_norm_clipped"] is not None and math.isfinite(x["grad_norm_clipped"]) for x in after), after
 
 
-def test_an_exhausted_budget_aborts_with_the_report(tmp_path):
-    """One rollback allowed: the second non-finite rollback aborts, on every rank, with the report."""
+def test_an_exhausted_budget_aborts_with_the_report_when_asked(tmp_path):
+    """One rollback allowed, when_exhausted "abort": the second non-finite rollback aborts, on every rank, with the
+    report."""
     fw, s, seen, records, ended = run(tmp_path, {
         "faults": [{"type": "nan_loss", "step": k} for k in (8, 12)],
-        "recovery": {"skip_batches": 0, "ladders": {"nonfinite": ["rollback"]}, "max_rollbacks": 1}}, 20)
+        "recovery": {"skip_batches": 0, "ladders": {"nonfinite": ["rollback"]}, "max_rollbacks": 1,
+                     "when_exhausted": "abort"}}, 20)
     assert isinstance(ended, TrainguardAbort)
     ev = _events(records)
     assert ("nonfinite", 8, "rollback") in ev and ("abort", 12, "abort") in [(e[0], e[1], e[2]) for e in ev]
     assert fw.steps < 20
+
+
+def test_an_exhausted_budget_trains_on_by_default(tmp_path):
+    """The same, by default: the run reaches its end (as the framework would), the second NaN step skipped and
+    said, no abort."""
+    fw, s, seen, records, ended = run(tmp_path, {
+        "faults": [{"type": "nan_loss", "step": k} for k in (8, 12)],
+        "recovery": {"skip_batches": 0, "ladders": {"nonfinite": ["rollback"]}, "max_rollbacks": 1}}, 20)
+    assert ended is None and fw.steps == 20
+    assert all(torch.isfinite(p).all() for p in fw.model.parameters())
+    (nf12,) = [r for r in records if r["event"] == "nonfinite" and r["step"] == 12]
+    assert nf12["action"] == "skip_step" and "training on" in nf12["detail"]["reason"]
+    assert not [r for r in records if r["event"] == "abort"]
 
 
 def test_without_the_guard_the_session_runs_the_faults_alone():

@@ -64,7 +64,9 @@ class RecoveryConfig(_Section):
     lr_cut: Literal["evidence", "factor"] = Field(
         "evidence", description="How far rollback_lower_lr lowers the LR. evidence: if the LR jumped (one step >= "
         "1.5x the one before, from 10 steps before the climb's onset on -- a schedule raised on resume), back to the LR "
-        "before the jump; else, for a slow_rise that began in a run's first 200 steps, a tenth of the LR at the loss's "
+        "before the jump; else, for a slow_rise that began young (within twice the LR's first rise -- its warmup --, "
+        "or twice the steps the loss trend takes to speak in a run without one: min_history + 4 x smooth + "
+        "patience), a tenth of the LR at the loss's "
         "best and a restart from the first step's checkpoint (checkpoint.first_step), once per run; else lr_factor. "
         "Never less of a cut than lr_factor; never below lr_floor (held there once). factor: always lr_factor.")
     lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts.")
@@ -73,8 +75,12 @@ class RecoveryConfig(_Section):
                             "30x too high (bench/natural) needs five.")
     reset_optimizer_moments: bool = Field(False, description="On a rollback, zero Adam's moment estimates (as SPAM "
                                           "does) instead of keeping the checkpoint's.")
-    max_rollbacks: int = Field(5, ge=0, description="Rollbacks allowed within rollback_window steps; one more aborts.")
+    max_rollbacks: int = Field(5, ge=0, description="Rollbacks allowed within rollback_window steps (then: when_exhausted).")
     rollback_window: int = Field(1000, ge=1, description="Window of the rollback budget, in steps.")
+    when_exhausted: Literal["train_on", "abort"] = Field(
+        "train_on", description="When max_rollbacks or lr_floor is spent: train_on -- go on as the framework would, "
+        "alerts only (a non-finite step still skipped; a recovery never ends a run its framework would have "
+        "finished) --, or abort on every rank with the report of what was tried.")
     fp16_fallback: Literal["bf16", "none"] = Field(
         "bf16", description="bf16_fallback rung: re-create the engine in bf16 from the rolled-back state (DeepSpeed "
         "ZeRO 0-2: the optimizer state is carried over where the optimizer class stays the same; megatron-core: the "

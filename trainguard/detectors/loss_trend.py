@@ -9,7 +9,8 @@ has reached (the median of ``4 x smooth`` steps: noise alone does not set it low
 stood above that best by more than its band for ``patience`` steps, the run is diverging, whatever shape the
 gradient norm has. The band knows the loss's own noise, not only a relative rise: it is the widest of ``rise`` x
 the best, ``noise_z`` robust spreads of the raw losses of the window that set the best, and ``min_regain`` x what
-the loss has fallen from its first level (its first smoothed loss) to its best (a loss near its floor wiggles by half itself and more;
+the loss has fallen from its first level (its first smoothed loss) to its best (a loss near its floor wiggles by
+half itself and more;
 a divergence gives back what was learnt).
 
 Its class comes from three signals together (:func:`classify`), not from one:
