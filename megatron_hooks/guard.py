@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard import config as tg_config
-from trainguard.ports import (
-    bf16_supported, collective_device, gather_coords, releases, RunFacts, StepOutcome, zero_adam_moments,
-)
+from trainguard.ports import (bf16_supported, collective_device, gather_coords, releases, RunFacts, StepOutcome,
+                              zero_adam_moments)
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly
 from trainguard.session import GuardSession
@@ -165,14 +164,13 @@ class MegatronGuard:
                 o.config.clip_grad = float(max_norm)
 
     def apply(self, decision, base_step) -> StepOutcome:
-        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK) and decision.anomaly is not Anomaly.OVERFLOW:
+        ours = decision.action in (Action.SKIP_STEP, Action.ROLLBACK) and decision.anomaly is not Anomaly.OVERFLOW
+        if ours:
             self.optimizer.zero_grad()
             for chunk in self.chunks:
                 if hasattr(chunk, "zero_grad_buffer"):
                     chunk.zero_grad_buffer()
             result, applied, norm = (False, None, None), False, None
-            if self.loop is not None:
-                self.loop.not_applied()
         else:  # (an fp16 overflow too: megatron finds it, skips and lowers its scale itself)
             result = base_step()
             applied = bool(result[0]) if isinstance(result, tuple) else True
@@ -180,6 +178,8 @@ class MegatronGuard:
         self.not_applied += not applied
         self.last_applied = applied
         self.iteration += 1
+        if ours and self.loop is not None:  # (after the count: the LR its scheduler sets is the next iteration's)
+            self.loop.not_applied()
         limit = self._clip_grad()
         return StepOutcome(result, applied, norm, limit or None)
 

@@ -160,12 +160,12 @@ class LMRun:
         self.closed = False
         loaded = int(getattr(margs, "iteration", 0) or 0)  # (Megatron-LM's own --load, if any)
         from megatron_hooks.replay import Replayer
-
         # data or weights: a micro-batch replayed through Megatron-LM's own forward step (set at train())
         self.replayer = Replayer(model, None, margs.seq_length, margs.micro_batch_size, args=margs) \
             if cfg.recovery.replay_check else None
         self.guard = megatron_hooks.install(model, optimizer, cfg, start_iteration=loaded,
                                             data_state=self.loop_state, loop=self, replayer=self.replayer)
+        self.guard.session.scale_in_scheduler(scheduler)  # (a lowered LR is the one Megatron-LM logs and saves)
         if self.guard.resumed_data_state is not None:
             self.restore(self.guard.resumed_data_state)
         for handover in handovers:

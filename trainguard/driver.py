@@ -26,6 +26,7 @@ from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly, Record, Remedy
 from trainguard.guard import StepGuard
+from trainguard.lrapply import first_lr, scaled_lr
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
 from trainguard.policy import Decision, Policy
@@ -52,7 +53,7 @@ class StepDriver:
         before = scaler.state() if scaler is not None else None
         with self._lr_scaled(step):
             loss_scale, divisor = fw.agree_scale()
-            guard.lr_now = self.step_lr if self.step_lr is not None else _lr(fw.lr_groups())  # (it rides the table)
+            lr = guard.lr_now = self.step_lr if self.step_lr is not None else first_lr(fw.lr_groups())  # (the table's)
             obs = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None)
             decision = guard.on_decide(step, obs)
             if decision.action in (Action.CONTINUE, Action.SKIP_STEP) and self.cfg.faults:  # (force_action: fuzzing)
@@ -76,7 +77,7 @@ class StepDriver:
         guard.on_end(step, obs, {
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
             "applied_grad_sq": meter.take() if meter is not None else None,
-            "lr": self.step_lr if self.step_lr is not None else _lr(fw.lr_groups()),
+            "lr": lr,  # (this update's: a skipped step's scheduler may already have set the next one's)
             "loss_scale": before.scale if before is not None else 1.0,
             "loss_scale_min": before.min_scale if before is not None else None,  # (the floor alert's other half)
             "skipped_steps": fw.skipped_steps(),
@@ -108,19 +109,30 @@ class StepDriver:
         cp.after_step(step)
 
     # ------------------------------------------------------------------ the LR
+    def lr_multiplier(self, step: int) -> float:
+        """What trainguard multiplies step ``step``'s scheduled LR by: (lr_ramp fault) x (recovery's lowered LR, during
+        its cooldown)."""
+        mult = self.faults.lr_multiplier(step) if self.cfg.faults else 1.0
+        return mult * self.policy.lr_applied(step - 1)  # (1.0 unless a lowering's cooldown runs)
+
     @contextlib.contextmanager
     def _lr_scaled(self, step: int) -> Iterator[None]:
-        """The LR for this step's update x (lr_ramp fault) x (recovery's lowered LR, during its
-        cooldown); afterwards the scheduled LR is put back (unless the scheduler set a new one)."""
-        mult = self.faults.lr_multiplier(step) if self.cfg.faults else 1.0
-        mult *= self.policy.lr_applied(self.fw.completed_steps())  # (1.0 unless a lowering's cooldown runs)
+        """The LR for this step's update x :meth:`lr_multiplier`; afterwards the scheduled LR is put back (unless the
+        scheduler set a new one). Not where the scheduler itself applies it (:func:`schedule_scaled`)."""
+        mult = self.lr_multiplier(step)
         self.step_lr = None
-        if mult == 1.0:
+        if mult == 1.0 or getattr(self.fw, "lr_scaled_by_scheduler", False):
             yield
             return
         with scaled_lr(self.fw.lr_groups(), mult) as lr:
             self.step_lr = lr
             yield
+
+    def _lr_changed(self) -> None:
+        """Where the framework's scheduler applies trainguard's multiplier, it sets the lowered LR now."""
+        refresh = getattr(self.fw, "lr_scaled_by_scheduler", None)
+        if callable(refresh):
+            refresh()
 
     # ------------------------------------------------------------------ recovery
     def rollback(self, step: int, decision: Decision) -> bool:
@@ -168,6 +180,7 @@ class StepDriver:
             if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
                 self.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
                 guard.lr_lowered()
+                self._lr_changed()
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
             self.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
             guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
@@ -189,6 +202,8 @@ class StepDriver:
                                                            "restart": restart and not scale_case,
                                                            "anomaly": decision.anomaly}, scale=scale,
                                  until=goes_on + rc.lr_cooldown_steps)
+        if decision.lower_lr:
+            self._lr_changed()
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.rewound(step, to_step, restart=restart)
         guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {
@@ -243,22 +258,6 @@ class StepDriver:
         return detail
 
 
-@contextlib.contextmanager
-def scaled_lr(groups: list[dict], mult: float) -> Iterator[float | None]:
-    """Every group's LR x ``mult`` for one step (yields the first group's); afterwards the
-    scheduled LR is put back, unless the scheduler set a new one meanwhile."""
-    saved = [g["lr"] for g in groups]
-    for g in groups:
-        g["lr"] = g["lr"] * mult
-    boosted = [g["lr"] for g in groups]
-    try:
-        yield boosted[0] if boosted else None
-    finally:
-        for g, old, new in zip(groups, saved, boosted):
-            if g["lr"] == new:
-                g["lr"] = old
-
-
 def zero_adam_moments(optimizer) -> int:
     """Zero Adam's moment estimates (SPAM-style reset after a spike) of a torch optimizer; returns how
     many elements were zeroed (0: no moments where they were looked for)."""
@@ -279,10 +278,3 @@ def health_loss(view) -> float | None:
     pipeline stage holds the loss under megatron), None when any of them is not finite."""
     mean = view.summary.loss_mean
     return mean if math.isfinite(mean) else None
-
-
-def _lr(groups: list[dict]) -> float | None:
-    try:
-        return float(groups[0]["lr"]) if groups else None
-    except (KeyError, TypeError, ValueError):
-        return None

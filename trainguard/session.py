@@ -28,7 +28,8 @@ import torch
 
 from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
-from trainguard.driver import StepDriver, scaled_lr
+from trainguard.driver import StepDriver
+from trainguard.lrapply import scaled_lr, schedule_scaled
 from trainguard.events import Action, Phase, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
@@ -169,6 +170,12 @@ class GuardSession:
         self.watchdog = Watchdog(self.cfg, self.guard, self.heart, self.rank, self.world, self.fw.completed_steps,
                                  goodput=self.goodput)
         self.watchdog.start()
+
+    def scale_in_scheduler(self, scheduler) -> None:
+        """The framework's closed-form LR scheduler applies trainguard's LR multiplier (its log tells the truth)."""
+        if self.driver is not None and scheduler is not None and callable(getattr(scheduler, "get_lr", None)):
+            schedule_scaled(scheduler, lambda: self.driver.lr_multiplier(self.fw.completed_steps() + 1))
+            self.fw.lr_scaled_by_scheduler = lambda: scheduler.step(increment=0)  # (a lowering takes effect at once)
 
     def beat(self, phase: Phase, step: int | None = None) -> None:
         self.heart.beat(Phase(phase).value, step)

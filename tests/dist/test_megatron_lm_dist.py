@@ -275,6 +275,32 @@ def test_fp16_whose_first_iterations_were_skipped_restarts_from_its_first_iterat
     assert losses and all(math.isfinite(x) and x > 0 for x in losses), losses
 
 
+def test_the_lowered_lr_is_what_megatron_lm_logs_and_it_comes_back_when_its_cooldown_ends(tmp_path, release, plain):
+    """Issue 51: a rollback with an LR cut (forced at iteration 5: what the ladder's rollback_lower_lr does) lowers
+    the LR Megatron-LM's own log prints for exactly the cooldown's iterations -- the LR each update used, the one
+    trainguard's metric lines report --, then the schedule's LR comes back; iteration, consumed samples and skipped
+    count stay Megatron-LM's own (the iteration it rolled back on counted as skipped)."""
+    cooldown = 4
+    block = {"allow_faults": True, "faults": [{"type": "force_action", "step": 5, "action": "lr_cut"}],
+             "recovery": {"lr_cooldown_steps": cooldown},
+             "checkpoint": {"dir": str(tmp_path / "snapshots"), "every_steps": 3, "stable_after": 1}}
+    run = launch(release, tmp_path, "cut", "tp", block).ok()
+    (rb,) = run.events("rollback")
+    factor = rb["detail"]["lr_factor"]
+    assert rb["step"] == 5 and factor == 0.5
+    # (Megatron-LM logs, at iteration i, the LR its scheduler set for the next one)
+    ratio = {i: float(run.iterations[i]["lr"]) / float(plain.iterations[i]["lr"]) for i in range(1, ITERS)}
+    lowered = [i for i, r in ratio.items() if r == pytest.approx(factor, rel=1e-4)]
+    assert lowered == list(range(5, 5 + cooldown)), ratio
+    assert all(r == pytest.approx(1.0, rel=1e-4) for i, r in ratio.items() if i not in lowered), ratio
+    # the LR trainguard says each update used is the one Megatron-LM logged the iteration before
+    used = {m["step"]: m["lr"] for m in run.lines if m.get("type") == "metric" and m.get("lr") is not None}
+    for i in range(2, ITERS + 1):
+        assert used[i] == pytest.approx(float(run.iterations[i - 1]["lr"]), rel=1e-5), (i, used)
+    assert [(run.iterations[i]["consumed"], run.iterations[i]["skipped"]) for i in (4, 5, 6)] == \
+        [(plain.iterations[i]["consumed"], s) for i, s in ((4, 0), (5, 1), (6, 0))]
+
+
 def test_megatron_lms_weight_hash_check_passes_across_a_rollback_at_dp2(tmp_path, release, plain):
     """DP=2 (two replicas of the whole model), where Megatron-LM's --check-weight-hash-across-dp-replicas-interval
     compares something (at DP=1 it cannot fail): rank 1's copy of a weight is damaged in memory at iteration 8, the
