@@ -32,8 +32,13 @@ from trainguard.errors import ConfigError
 
 
 def _validate(args) -> int:
+    from pathlib import Path
+
+    from trainguard.prelaunch import check
+
     try:
-        ds, block = tg_config.load(args.file)
+        ds, _ = tg_config.load(args.file)
+        block = check(Path(args.file))  # (and the callbacks, detectors and sinks it names, imported)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -155,6 +160,16 @@ def _run(args) -> int:
         print("trainguard run: give the command to run, e.g. trainguard run -- torchrun --nproc_per_node 8 "
               "train.py --deepspeed ds_config.json", file=sys.stderr)
         return 2
+    from trainguard.prelaunch import check_command
+
+    try:  # (before anything is launched: one message per job, not a traceback per rank after the framework's output)
+        checked = check_command(command)
+    except ConfigError as e:
+        print(f"trainguard run: nothing launched -- {e}", file=sys.stderr)
+        return 2
+    for path, block in checked:
+        if block is not None and getattr(block, "enabled", True):
+            print(f"trainguard run: {path}: the trainguard block is valid", file=sys.stderr)
     bootstrap = str(Path(__file__).resolve().parent / "bootstrap" / "site")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([bootstrap] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

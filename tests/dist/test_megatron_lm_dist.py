@@ -490,8 +490,9 @@ def test_a_rotated_key_stops_the_resume_after_megatron_lms_load_and_moves_nothin
     assert listing() == before  # nothing moved or deleted
 
 
-def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path, release):
-    """One process, no process group yet: Megatron-LM's argument parser rejects the block, naming the key."""
+def test_a_bad_key_stops_the_launch_before_anything_runs(tmp_path, release):
+    """``trainguard run`` checks the block before it launches the command (issue 53): one message naming the key and
+    the file, exit 2, no argparse usage dumped, Megatron-LM never started."""
     out = tmp_path / "bad"
     out.mkdir()
     cfg = out / "tg.json"
@@ -502,7 +503,8 @@ def test_a_bad_key_stops_the_launch_at_argument_parsing(tmp_path, release):
                            *TINY, "--train-iters", "2", "--trainguard-config", str(cfg)],
                           cwd=out, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "--trainguard-config" in done.stderr and "ladders.nonfinite" in done.stderr and "teleport" in done.stderr
+    assert "nothing launched" in done.stderr and str(cfg) in done.stderr and "ladders.nonfinite" in done.stderr
+    assert "teleport" in done.stderr and "usage:" not in done.stderr and len(done.stderr.splitlines()) <= 4
 
 
 @pytest.mark.parametrize("flags", [["--inprocess-restart"], ["--non-persistent-ckpt-type", "local"]])

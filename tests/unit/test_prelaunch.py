@@ -1,0 +1,88 @@
+"""``trainguard run`` checks every block its command names before it launches anything (issue 53): one message,
+exit 2, naming the key -- a bad key, a top-level typo of "trainguard", a callback that does not import -- and
+nothing launched; a good block and a JSON that is not a ds_config launch as before. Every example block of README
+and configs/ passes the same check as written."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainguard.prelaunch import check, named_files
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def trainguard_run(tmp_path, *args):
+    """``trainguard run -- python -c <print> ARGS``: what it prints, and whether the command was launched."""
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--", sys.executable, "-c", "print('launched')", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return p.returncode, p.stderr, "launched" in p.stdout
+
+
+def write(tmp_path, name, data) -> str:
+    (tmp_path / name).write_text(json.dumps(data))
+    return name
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"trainguard": {"detectors": {"nonfinite": {"actoin": "skip"}}}}, "trainguard.detectors.nonfinite.actoin"),
+    ({"train_batch_size": 8, "trainguad": {"enabled": True}}, "trainguad"),
+    ({"trainguard": {"callbacks": ["mypkg.alerts:page_oncall"]}}, "trainguard.callbacks[0]"),
+    ({"trainguard": {"metrics": {"sinks": [{"type": "nopkg.sinks:Statsd"}]}}}, "trainguard.metrics.sinks[0].type"),
+])
+def test_a_bad_block_stops_the_launch_with_one_message_naming_the_key(tmp_path, data, key):
+    for form in (["--deepspeed", "ds.json"], ["--deepspeed_config=ds.json"], ["--trainguard-config", "ds.json"]):
+        write(tmp_path, "ds.json", data)
+        rc, err, launched = trainguard_run(tmp_path, *form)
+        assert rc == 2 and not launched, (form, rc, err)
+        assert key in err and "nothing launched" in err and err.count("problem(s)") == 1 and "Traceback" not in err
+
+
+def test_a_good_block_and_a_json_that_is_no_ds_config_launch(tmp_path):
+    write(tmp_path, "ds.json", {"train_batch_size": 8, "trainguard": {"checkpoint": {"every_steps": 50}}})
+    write(tmp_path, "vocab.json", {"the": 0, "a": 1})
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken.json").write_text("{not json")
+    rc, err, launched = trainguard_run(tmp_path, "--deepspeed", "ds.json", "vocab.json", "list.json", "broken.json",
+                                       "missing.json")
+    assert rc == 0 and launched and "ds.json: the trainguard block is valid" in err, err
+    assert named_files(["--deepspeed", str(tmp_path / "ds.json"), f"--x={tmp_path / 'vocab.json'}", "plain"]) == \
+        [tmp_path / "ds.json", tmp_path / "vocab.json"]
+
+
+def test_validate_finds_the_modules_the_block_names(tmp_path):
+    write(tmp_path, "ds.json", {"trainguard": {"callbacks": ["mypkg.alerts:page_oncall"]}})
+    p = subprocess.run([sys.executable, "-m", "trainguard.cli", "validate", "ds.json"], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "trainguard.callbacks[0]: cannot import 'mypkg.alerts': no module 'mypkg'" in \
+        p.stderr, p.stderr
+    write(tmp_path, "ds.json", {"trainguard": {"callbacks": ["json:dumps"]}})  # (a callable that imports)
+    assert subprocess.run([sys.executable, "-m", "trainguard.cli", "validate", "ds.json"], capture_output=True,
+                          timeout=120, cwd=tmp_path).returncode == 0
+
+
+def readme_blocks():
+    text = (ROOT / "README.md").read_text()
+    for m in re.finditer(r"```json\n(.*?)```", text, re.S):
+        body = m.group(1).strip()
+        if body.startswith('"trainguard"'):
+            yield json.loads("{" + body + "}")
+        elif '"trainguard"' in body and body.startswith("{"):
+            yield json.loads(body)
+
+
+def test_every_example_block_passes_as_written(tmp_path):
+    examples = list(readme_blocks())
+    assert examples, "README's example blocks were not found"
+    for i, data in enumerate(examples):
+        assert check(tmp_path / write(tmp_path, f"readme{i}.json", data)) is not None
+    configs = sorted((ROOT / "configs").glob("*.json"))
+    for path in configs:
+        if path.name == "trainguard.schema.json":
+            continue
+        data = json.loads(path.read_text())
+        if "trainguard" in data:
+            assert check(path) is not None, path
