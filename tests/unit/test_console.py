@@ -81,3 +81,22 @@ def test_odd_details_never_stop_rank_0_and_actions_pass_the_rate_limit(tmp_path)
     log.mirrors.append(Broken())
     log.emit(5, Record.ROLLBACK, [0], "rollback", {"to_tag": "step00000005"})  # (no exception)
     log.close()
+
+
+def test_a_resume_the_script_did_not_ask_for_is_said_with_how_to_turn_it_off(tmp_path, capsys):
+    # (issue 53: an HF user's relaunch with resume_from_checkpoint=None resumed, silently)
+    run(tmp_path, {}, 10)
+    capsys.readouterr()
+    fw, s, _, records, ended = run(tmp_path, {}, 14)
+    (resumed,) = [x for x in _said(capsys.readouterr().err) if ": resume" in x]
+    assert "step 10: resume" in resumed and "step00000010" in resumed, resumed
+    assert 'checkpoint.resume: "latest_valid"' in resumed and 'checkpoint.resume: "none"' in resumed, resumed
+    (rec,) = [r for r in records if r["event"] == "resume"]
+    assert rec["detail"]["advice"].startswith("to start fresh instead")
+
+
+def test_a_record_on_every_rank_of_a_large_world_is_one_short_line():
+    from trainguard.metrics.console import line
+
+    said = line(7, "resume", range(1024), None, {"tag": "step00000007"})
+    assert said == "step 7: resume on 1024 ranks (tag: step00000007)"

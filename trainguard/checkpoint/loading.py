@@ -68,7 +68,7 @@ def load_memory(cp, tag: str, purpose: str, skipped: list, kwargs: dict):
         return result
     load_guard_state(cp, reader, own / tag)
     cp.resumed_tag = memory_tag(tag)
-    cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={
+    cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={**said(cp, own),
         "tag": memory_tag(tag), "dir": str(own), "step": cp.step_count(), "tier": "memory",
         "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0, **detail,
         "verified_on_load": len(reader.read_files)})
@@ -144,10 +144,18 @@ def resumed(cp, root: Path, tag: str, step: int, detail: dict) -> None:
     cp.roots[tag] = root
     cp.resumed_tag = tag
     start_resume_check(cp, tag, root / tag)
-    cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={
+    cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={**said(cp, root),
         "tag": tag, "dir": str(root), "step": step, "tier": "disk", **detail,
         "verify_steps": len(cp.resume_check.expected) if cp.resume_check else 0})
     report_pending(cp.guard, cp.step_count())  # (a rank's replacement that re-entered this run: trainguard.replacement)
+
+
+def said(cp, where: Path) -> dict:
+    """Why a resume happened and how to turn it off (the console says it: a resume the user's script did not ask
+    for -- HF's ``resume_from_checkpoint=None`` -- is trainguard's, and must not be silent)."""
+    return {"why": f"checkpoint.resume: \"{cp.cfg.resume}\" -- trainguard loads the newest checkpoint that verifies, "
+                   f"newer than the step the run was at, from {where}",
+            "advice": "to start fresh instead: checkpoint.resume: \"none\" (or another checkpoint.dir)"}
 
 
 def start_resume_check(cp, tag: str, tag_dir: Path) -> None:

@@ -98,7 +98,8 @@ class ConsoleSink:
 def line(step: int, event: str, ranks, action: str | None, detail: dict) -> str:
     """One record as one line: what, step, rank(s), what was done, and the detail a person needs first."""
     ranks = list(ranks or [])
-    head = f"step {step}: {event}" + (f" on rank(s) {ranks}" if ranks else "") + (f" -> {action}" if action else "")
+    who = f" on rank(s) {ranks}" if 0 < len(ranks) <= 8 else f" on {len(ranks)} ranks" if ranks else ""
+    head = f"step {step}: {event}" + who + (f" -> {action}" if action else "")
     said = []
     per = detail.get("per_rank") if isinstance(detail.get("per_rank"), dict) else {}
     ids = {r: list(v["sample_ids"]) for r, v in per.items()
