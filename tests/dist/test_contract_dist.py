@@ -7,8 +7,9 @@ import pytest
 from tests.dist.conftest import make_config
 from trainguard.demo.run import run_worker
 from trainguard.metrics.jsonl import read
+from tests.support.require import imported
 
-pytest.importorskip("megatron.core")
+imported("megatron.core")
 pytestmark = pytest.mark.dist
 
 RECORDS = {"nonfinite", "instant_burst", "slow_rise", "overflow", "rollback", "rollback_unavailable", "loss_scale",

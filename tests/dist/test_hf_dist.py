@@ -9,9 +9,10 @@ import pytest
 
 from trainguard.demo.run import run_worker
 from trainguard.metrics.jsonl import read
+from tests.support.require import imported
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+imported("transformers")
+imported("accelerate")
 pytestmark = pytest.mark.dist
 
 PREFIX = [sys.executable, "-m", "trainguard.cli", "run", "--"]

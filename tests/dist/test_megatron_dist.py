@@ -10,13 +10,13 @@ import os
 
 import pytest
 
-from tests.support.require import unavailable
+from tests.support.require import imported, unavailable
 
 from tests.support import releases
 from trainguard.demo.run import run_worker
 from trainguard.metrics.jsonl import read
 
-pytest.importorskip("megatron.core")
+imported("megatron.core")
 pytestmark = pytest.mark.dist
 
 LAYOUTS = {"tp": ["--tp", "2"], "pp": ["--pp", "2"], "dp": []}

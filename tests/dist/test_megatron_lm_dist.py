@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.require import unavailable
+from tests.support.require import imported, unavailable
 
 from tests.support import releases
 from trainguard.demo.run import run_bounded
 from trainguard.metrics.jsonl import read
 
-pytest.importorskip("megatron.core")
+imported("megatron.core")
 pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.conftest import make_config
+from tests.support.require import imported
 
 pytestmark = pytest.mark.dist
 
@@ -53,7 +54,7 @@ def test_megatron_replicas_that_disagree_are_named_and_rolled_back(tmp_path):
     the replicas apart, names both, and the run rolls back to the snapshot from before the last agreeing check
     (5): iteration 4 -- the peer replay of 10, whose outputs differ because the weights do, is left to the weight
     check. The re-run iteration 5 meets the wrong device again (named, skipped); the replicas end bit-identical."""
-    pytest.importorskip("megatron.core")
+    imported("megatron.core")
     from tests.dist.test_megatron_dist import run
 
     ck = tmp_path / "ck"

@@ -7,6 +7,7 @@ import pytest
 
 from trainguard import releases
 from trainguard.errors import ConfigError, UnsupportedSetup
+from tests.support.require import imported
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,7 @@ def test_a_series_known_not_to_run_says_why():
 def test_deepspeed_refuses_at_initialize_before_anything_is_built(monkeypatch):
     """ds_plugins.initialize checks DeepSpeed's release (and, under the zero-code entry, transformers' and
     Accelerate's) before any engine, process group or loader exists."""
-    pytest.importorskip("deepspeed")
+    imported("deepspeed")
     import deepspeed
 
     import ds_plugins
@@ -93,7 +94,7 @@ def test_under_the_zero_code_entry_a_framework_is_checked_only_when_it_builds_th
     import sys
     import types
 
-    pytest.importorskip("deepspeed")
+    imported("deepspeed")
     import ds_plugins
     from trainguard import config as tg_config
 

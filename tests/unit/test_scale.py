@@ -14,6 +14,7 @@ from bench import scale
 from trainguard.agreement import Agreement, TABLE_UP_TO
 from trainguard.isolation import FIELDS, F, observations
 from trainguard.reduced import SUMS, Summary, as_floats, contribution, decode, keys, rank_bits
+from tests.support.require import imported
 
 
 def _random_rows(world: int, rng: random.Random, trial: int) -> list[list[float]]:
@@ -172,7 +173,7 @@ def test_a_sampled_check_has_every_ranks_row_on_its_steps_only(tmp_path, monkeyp
 def test_above_64_ranks_prometheus_gets_the_oldest_heartbeat_and_the_followed_stragglers():
     """The alert rules' series from a summary-way line: the oldest clock as rank "oldest"'s heartbeat, the slowest
     time, and the straggler ratio of the ranks the detector follows -- a rank it stops following leaves the gauge."""
-    pytest.importorskip("prometheus_client")
+    imported("prometheus_client")
     from trainguard.metrics.prometheus import PrometheusSink
 
     sink = PrometheusSink(port=0, addr="127.0.0.1")
