@@ -21,10 +21,8 @@ from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_fac
 from ds_plugins.guarded import _guarded_class, _plain_class
 from ds_plugins.loss_scale import _loss_scale, ScalerView
 from ds_plugins.skip import find_strategy, forced_skip
-from trainguard.ports import (
-    DataPosition, ModuleReplays, output_value, PoisonFirstLeaf, rng_state, rows_of, StepOutcome, surviving,
-    take_tags, zero_adam_moments,
-)
+from trainguard.ports import (DataPosition, goes_on, ModuleReplays, output_value, PoisonFirstLeaf, rng_state, rows_of,
+                              StepOutcome, surviving, take_tags, zero_adam_moments)
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
@@ -104,6 +102,7 @@ class EngineGuard:
             self._hooks += self.faults.install_module_faults(self.engine.module, self.step_number)
         self._install_grad_hooks()
         self.after_load()
+        self.session.scale_in_scheduler(self.engine.lr_scheduler)  # (a closed-form one: a lowered LR is what it says)
 
     def _install_grad_hooks(self) -> None:
         from trainguard.ports import install_grad_hooks
@@ -116,8 +115,7 @@ class EngineGuard:
                                          [self._clamp_grad] if clamp else [])  # (clipping by value: last)
 
     def _on_grad(self, grad):
-        self.session.backward(grad)
-        return None
+        self.session.backward(grad)  # (returns None: the gradient as it was)
 
     def _clamp_grad(self, grad):
         # the hook sees loss-scaled gradients divided by the accumulation steps: scale the bound alike
@@ -211,7 +209,9 @@ class EngineGuard:
         return self.engine.optimizer.param_groups
 
     def after_rollback(self, step: int) -> dict:
-        return {}  # (the engine's global_steps came back with the checkpoint: the loop rewinds with it)
+        # (your DeepSpeed loop rewinds with the engine's global_steps, back with the checkpoint; HF's Trainer and
+        # Accelerate's loops cannot: the engine and its LR schedule go on with them -- trainguard.lrapply.goes_on)
+        return goes_on(self.engine, "global_steps", self.engine.lr_scheduler, step) if self.entry == "auto" else {}
 
     def skipped_steps(self) -> int:
         return self.engine.skipped_steps

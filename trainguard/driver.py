@@ -43,6 +43,7 @@ class StepDriver:
         self.policy, self.goodput, self.faults, self.clipper = policy, goodput, faults, clipper
         self.to_bf16 = to_bf16  # (the session's: the framework's fallback, then what depends on the precision re-armed)
         self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
+        self.applying: int | None = None   # the step whose update the framework is applying (its scheduler sets the next)
 
     # ------------------------------------------------------------------ the step
     def step(self, base_step: Callable[[], Any]) -> Any:
@@ -72,7 +73,11 @@ class StepDriver:
             meter = getattr(fw, "applied_grad", None)
             if meter is not None and guard.line_due(step):
                 meter.arm()  # (the line written for this step says what the update really used)
-            out = fw.apply(decision, base_step)
+            self.applying = step
+            try:
+                out = fw.apply(decision, base_step)
+            finally:
+                self.applying = None
         scale_decision = guard.on_step(step, decision, out.applied, before)
         guard.on_end(step, obs, {
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
@@ -202,8 +207,7 @@ class StepDriver:
                                                            "restart": restart and not scale_case,
                                                            "anomaly": decision.anomaly}, scale=scale,
                                  until=goes_on + rc.lr_cooldown_steps)
-        if decision.lower_lr:
-            self._lr_changed()
+        self._lr_changed()  # (the loaded optimizer's LRs were the checkpoint's: the scheduler's, x the factor now)
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.rewound(step, to_step, restart=restart)
         guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {

@@ -23,6 +23,7 @@ from trainguard.verdicts import ScalerState
 from trainguard.appliedgrad import AppliedGradMeter
 from trainguard.bits import digest
 from trainguard.driver import zero_adam_moments
+from trainguard.lrapply import goes_on
 from trainguard.poison import PoisonFirstLeaf
 from trainguard.gradhooks import install as install_grad_hooks
 from trainguard.localize import OutputFlags
@@ -60,7 +61,7 @@ from trainguard.support import Refusal, check_release, check_supported, refuse_f
 
 __all__ = [
     "CORE_VERSION", "releases", "DataControl", "Framework", "Loop", "ScalerControl", "ShardSource", "State",
-    "StepOutcome", "ScalerState", "AppliedGradMeter", "digest", "zero_adam_moments", "PoisonFirstLeaf",
+    "StepOutcome", "ScalerState", "AppliedGradMeter", "digest", "zero_adam_moments", "goes_on", "PoisonFirstLeaf",
     "install_grad_hooks", "OutputFlags", "finite_proxy", "output_value", "rng_state", "row_of", "rows_of",
     "scalar_loss", "set_rng_state", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
     "save_hashed", "STAGING", "CheckpointError", "first_resumable", "newest_resumable_folder", "load_weights", "verified_reads", "hashed_writes",

@@ -29,7 +29,7 @@ import torch
 from trainguard.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.driver import StepDriver
-from trainguard.lrapply import scaled_lr, schedule_scaled
+from trainguard.lrapply import closed_form, scaled_lr, schedule_scaled
 from trainguard.events import Action, Phase, Record
 from trainguard.faults import FaultInjector
 from trainguard.goodput import GoodputMeter
@@ -172,10 +172,13 @@ class GuardSession:
         self.watchdog.start()
 
     def scale_in_scheduler(self, scheduler) -> None:
-        """The framework's closed-form LR scheduler applies trainguard's LR multiplier (its log tells the truth)."""
-        if self.driver is not None and scheduler is not None and callable(getattr(scheduler, "get_lr", None)):
-            schedule_scaled(scheduler, lambda: self.driver.lr_multiplier(self.fw.completed_steps() + 1))
-            self.fw.lr_scaled_by_scheduler = lambda: scheduler.step(increment=0)  # (a lowering takes effect at once)
+        """The framework's closed-form LR scheduler applies trainguard's LR multiplier (its log tells the truth);
+        another scheduler is left as it is (the driver scales each update's LR, and puts the scheduled one back)."""
+        self.fw.lr_scaled_by_scheduler = None
+        if self.driver is not None and closed_form(scheduler):
+            driver = self.driver  # (a scheduler steps inside the update of step N -- DeepSpeed's -- or after it)
+            self.fw.lr_scaled_by_scheduler = schedule_scaled(scheduler, lambda: driver.lr_multiplier(
+                (driver.applying if driver.applying is not None else self.fw.completed_steps()) + 1))
 
     def beat(self, phase: Phase, step: int | None = None) -> None:
         self.heart.beat(Phase(phase).value, step)

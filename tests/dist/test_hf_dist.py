@@ -21,11 +21,12 @@ DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "
 
 
 def trainer(tmp_path, name, block, *extra, steps=10, prefix=PREFIX, launcher=(), ok=True,
-            module="tests.support.hf_worker"):
-    """One 2-rank Trainer run in tmp_path/name with ``block`` in its ds_config (None: no block)."""
+            module="tests.support.hf_worker", ds=None):
+    """One 2-rank Trainer run in tmp_path/name with ``block`` in its ds_config (None: no block); ``ds``: more of the
+    ds_config."""
     out = tmp_path / name
     out.mkdir()
-    cfg = dict(DS)
+    cfg = {**DS, **(ds or {})}
     if block is not None:
         cfg["trainguard"] = {"metrics": {"jsonl": str(out / "trainguard.jsonl"), "per_rank": True}, **block}
     (out / "ds_config.json").write_text(json.dumps(cfg))
@@ -76,6 +77,50 @@ def test_a_dirty_sample_is_named_with_its_rank_and_the_step_skipped_everywhere(t
         assert r["guard_closed_after_train"] is True
     (end,) = [x for x in lines if x.get("event") == "run_end"]
     assert end["detail"]["global_steps"] == 10
+
+
+DS_SCHEDULER = {"scheduler": {"type": "WarmupDecayLR", "params": {
+    "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
+
+
+@pytest.mark.parametrize("schedule", ["trainer", "deepspeed"])
+def test_after_a_rollback_with_an_lr_cut_the_trainers_step_log_and_checkpoints_agree_with_the_engine(tmp_path,
+                                                                                                    schedule):
+    """Issue 51: HF's Trainer cannot rewind its global_step; a rollback moved the engine's global_steps (and a
+    DeepSpeed-side LR schedule) back while the Trainer's step, log and checkpoint-N names went on. Now the engine and
+    its schedule go on with the Trainer (the weights come back): a rollback with an LR cut forced at step 6 (cooldown
+    3) -- the updates of exactly the next 3 steps use half plain's LR, the engine ends at the Trainer's step, every
+    checkpoint-N holds DeepSpeed's global_stepN. The Trainer's logged learning_rate: with a DeepSpeed scheduler
+    (ds_config "scheduler") it is the LR the updates used, the cut included; with the Trainer's own (Accelerate steps
+    it, DeepSpeed never sees it) it stays the schedule's -- not yet the cut (docs/integrations.md)."""
+    ds = DS_SCHEDULER if schedule == "deepspeed" else None
+    _, plain, plain_lines = trainer(tmp_path, "plain", None, "--save-steps", "4", prefix=(), ds=ds)
+    block = {"allow_faults": True, "faults": [{"type": "force_action", "step": 6, "action": "lr_cut"}],
+             "recovery": {"lr_cooldown_steps": 3},
+             "checkpoint": {"dir": str(tmp_path / "cut" / "tgck"), "every_steps": 2}}
+    _, results, lines = trainer(tmp_path, "cut", block, "--save-steps", "4", ds=ds)
+    (rb,) = [x for x in lines if x.get("event") == "rollback"]
+    assert rb["step"] == 6 and rb["detail"]["lr_factor"] == 0.5
+    want = dict(plain[0]["lrs"])
+    # (the Trainer logs, at step s, its scheduler's get_last_lr(): DeepSpeed's has stepped by then -- the next update's
+    # LR --, Accelerate steps the Trainer's own after the log -- this update's)
+    lag = 1 if schedule == "deepspeed" else 0
+    used = {m["step"]: m["lr"] for m in lines if m.get("type") == "metric" and m.get("applied")}
+    for s in (7, 8, 9, 10):  # (the LR each update used: trainguard's metric line)
+        assert used[s] == pytest.approx(want[s - lag] * (0.5 if s < 10 else 1.0), rel=1e-6), (s, used, want)
+    for r in results:
+        assert r["global_step"] == r["engine_steps"] == 10
+        got = dict(r["lrs"])
+        assert sorted(got) == sorted(want) == list(range(1, 11))
+        ratio = {s: got[s] / want[s] for s in want if want[s]}
+        cut = [6, 7, 8] if schedule == "deepspeed" else []  # (the LRs of updates 7-9, logged a step early)
+        assert [s for s, x in ratio.items() if x == pytest.approx(0.5, rel=1e-6)] == cut, ratio
+        assert all(x == pytest.approx(1.0, rel=1e-6) for s, x in ratio.items() if s not in cut), ratio
+    hf = tmp_path / "cut" / "hf"
+    assert sorted(p.name for p in hf.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-4", "checkpoint-8"]
+    for folder in hf.glob("checkpoint-*"):
+        n = folder.name.split("-")[1]
+        assert (folder / f"global_step{n}").is_dir(), sorted(p.name for p in folder.iterdir())
 
 
 SHAPES = (pytest.param("trainer_first", marks=pytest.mark.smoke("zero-code HF Trainer")), "transformers_attribute",

@@ -75,12 +75,14 @@ def main(argv=None, make_trainer=None) -> int:
         deepspeed=args.config, use_cpu=True, bf16=args.bf16, report_to=[], seed=1, **_data_seed(1),
         dataloader_num_workers=0, disable_tqdm=True, warmup_steps=2)
 
-    losses = []
+    losses, lrs = [], []
 
     class Record(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 losses.append((state.global_step, logs["loss"]))
+            if logs and "learning_rate" in logs:  # (what the Trainer's log says: its scheduler's get_last_lr())
+                lrs.append((state.global_step, logs["learning_rate"]))
 
     if make_trainer is None:
         def make_trainer(model, targs, dataset, callbacks):
@@ -92,7 +94,7 @@ def main(argv=None, make_trainer=None) -> int:
     trainer.train(resume_from_checkpoint=resume or None)
     # (whether trainguard closed its run when train() returned: the Trainer never destroys its engine)
     closed = getattr(getattr(getattr(trainer.model_wrapped, "_trainguard", None), "session", None), "closed", None)
-    return finish(out, trainer.model, trainer.model_wrapped, losses=losses, global_step=trainer.state.global_step,
+    return finish(out, trainer.model, trainer.model_wrapped, losses=losses, lrs=lrs, global_step=trainer.state.global_step,
                   restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), guard_closed_after_train=closed)
 
 if __name__ == "__main__":
