@@ -16,10 +16,19 @@ class RunFacts:
     framework_clip: float           # the framework's own gradient clipping (0: off)
 
 
-def start_checks(facts: RunFacts, cfg: TrainguardConfig) -> list[Verdict]:
-    if not cfg.checks.enabled:
-        return []
+def start_checks(facts: RunFacts, cfg: TrainguardConfig, replicas: int | None = None) -> list[Verdict]:
+    """``replicas``: the data-parallel size (None: unknown) -- what a check needs a second replica for is said off."""
     out = []
+    if replicas == 1:  # (said whatever checks.enabled: it is what the block switched on, not advice)
+        for key, on in (("detectors.replica_check", cfg.detectors.replica_check.enabled),
+                        ("detectors.peer_replay", cfg.detectors.peer_replay.enabled)):
+            if on:
+                out.append(Verdict("checks", "off_at_this_layout", (), {
+                    "key": key, "replicas": 1,
+                    "why": "one data-parallel replica: no other replica holds the same weights to compare with",
+                    "advice": f"it does nothing in this run; {key}.enabled: false says so in your block"}))
+    if not cfg.checks.enabled:
+        return out
     if facts.dtype == "fp16" and facts.bf16_supported:
         out.append(Verdict("checks", "fp16_where_bf16", (), {
             "advice": "bf16 is available here: it has fp32's exponent range, so softmax and layer-norm "

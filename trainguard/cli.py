@@ -45,6 +45,7 @@ def _validate(args) -> int:
     if block is None:
         print(f"{args.file}: no \"trainguard\" block: DeepSpeed's own behaviour (nothing to validate)")
         return 0
+    ds_keys = [k for k in ds if k != "trainguard"]  # (none: a block alone -- Megatron's --trainguard-config)
     nf = block.detectors.nonfinite
     d = block.detectors
     on = [name for name in ("loss_spike", "grad_norm", "attention_entropy", "activation_range", "localize",
@@ -53,7 +54,7 @@ def _validate(args) -> int:
         "enabled" if block.enabled else "DISABLED",
         f"nonfinite={'on' if nf.enabled else 'off'}({nf.action}, grads {'checked' if nf.check_grads else 'not checked'})",
         f"detectors={'+'.join(on) or 'none'}",
-        f"clipping={block.clipping.mode}",
+        f"clipping={block.clipping.mode if block.clipping.mode != 'deepspeed' or ds_keys else 'the framework' + chr(39) + 's'}",
         f"checkpoint={block.checkpoint.dir or 'on save_checkpoint calls'}"
         + (f" every {block.checkpoint.every_steps}" if block.checkpoint.every_steps else ""),
         f"recovery={'on' if block.recovery.enabled else 'off'}",
@@ -62,7 +63,10 @@ def _validate(args) -> int:
     ]
     zero = ds.get("zero_optimization", {}).get("stage", 0)
     dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
-    print(f"{args.file}: OK: trainguard {', '.join(parts)}; DeepSpeed ZeRO-{zero} {dtype}")
+    under = f"DeepSpeed ZeRO-{zero} {dtype}" if ds_keys else (
+        "a block alone, for Megatron-LM's --trainguard-config or megatron_hooks.install: precision, parallel layout "
+        "and clipping come from Megatron's own arguments")
+    print(f"{args.file}: OK: trainguard {', '.join(parts)}; {under}")
     return 0
 
 

@@ -132,6 +132,7 @@ class Record(str, enum.Enum):
     NO_WARMUP = "no_warmup"
     SHORT_WARMUP = "short_warmup"
     NO_CLIPPING = "no_clipping"
+    OFF_AT_THIS_LAYOUT = "off_at_this_layout"  # a check the block switched on that this layout cannot run (DP=1)
     FRAMEWORK_SKIP = "framework_skip"  # DeepSpeed skipped a step the guard did not flag (e.g. fp16 scaler)
     FAULT_INJECTED = "fault_injected"  # a configured fault fired (tests, demo, drills)
     ABORT = "abort"                  # the run stops on every rank; detail holds the report

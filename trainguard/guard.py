@@ -133,7 +133,7 @@ class StepGuard:
             self.log.run_start(self.world, self.coords, framework, self.probes, self.agreement,
                                self.detectors.rows_every_step)
         if facts is not None:
-            for v in start_checks(facts, self.cfg):
+            for v in start_checks(facts, self.cfg, replicas=len({c.dp for c in self.coords}) or None):
                 self.emit(0, Record(v.anomaly), [], "warn", v.detail)
         self.timer.start()
 

@@ -179,6 +179,12 @@ def test_start_checks():
     assert [v.anomaly for v in start_checks(short, cfg)] == ["short_warmup"]
     good = RunFacts(dtype="bf16", bf16_supported=True, warmup_steps=2000, scheduler="WarmupLR", framework_clip=1.0)
     assert start_checks(good, cfg) == []
+    # (issue 53: a check the block switched on that one data-parallel replica cannot run is said at start)
+    both = parse_block({"detectors": {"replica_check": {"enabled": True}, "peer_replay": {"enabled": True}}})
+    off = start_checks(good, both, replicas=1)
+    assert [(v.anomaly, v.detail["key"]) for v in off] == [("off_at_this_layout", "detectors.replica_check"),
+                                                         ("off_at_this_layout", "detectors.peer_replay")]
+    assert start_checks(good, both, replicas=2) == [] and start_checks(good, both) == []
 
 
 def test_prometheus_endpoint_is_scraped(tmp_path):

@@ -86,3 +86,17 @@ def test_every_example_block_passes_as_written(tmp_path):
         data = json.loads(path.read_text())
         if "trainguard" in data:
             assert check(path) is not None, path
+
+
+def test_validate_describes_the_block_for_the_framework_it_will_run_under(tmp_path):
+    # (issue 53: a Megatron-LM block was described as "clipping=deepspeed ... DeepSpeed ZeRO-0 fp32")
+    def said(data):
+        write(tmp_path, "x.json", data)
+        p = subprocess.run([sys.executable, "-m", "trainguard.cli", "validate", "x.json"], capture_output=True,
+                           text=True, timeout=120, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+    alone = said({"trainguard": {"checkpoint": {"dir": "ck"}}})
+    assert "Megatron-LM's --trainguard-config" in alone and "DeepSpeed" not in alone and "clipping=the framework" in alone
+    ds = said({"train_batch_size": 8, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "trainguard": {}})
+    assert ds.rstrip().endswith("DeepSpeed ZeRO-2 bf16") and "clipping=deepspeed" in ds

@@ -18,12 +18,12 @@ SAID = {"nonfinite", "instant_burst", "slow_rise", "grad_surge", "entropy_collap
         "rollback", "rollback_unavailable", "recovery_failed", "loss_scale", "loss_scale_reset", "precision_fallback",
         "suspect_rank", "abort", "checkpoint_failed", "checkpoint_invalid", "resume", "resume_skipped",
         "resume_discontinuity", "hang_detected", "restart", "rank_replaced", "snapshots_off", "handover",
-        "fp16_where_bf16", "no_warmup", "short_warmup", "no_clipping"}
+        "fp16_where_bf16", "no_warmup", "short_warmup", "no_clipping", "off_at_this_layout"}
 # what is said whatever the rate (what was done, and liveness): the rate limit holds back alerts only
 ALWAYS = {"rollback", "rollback_unavailable", "recovery_failed", "precision_fallback", "abort", "restart",
           "rank_replaced", "hang_detected", "resume", "suspect_rank"}
 # what of a record's detail a line says, in this order, where present
-SHOWN = ("reason", "why", "to_tag", "to_step", "lr_factor", "tag", "errors", "error", "advice")
+SHOWN = ("reason", "key", "why", "to_tag", "to_step", "lr_factor", "tag", "errors", "error", "advice")
 
 
 class ConsoleSink:
