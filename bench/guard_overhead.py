@@ -12,6 +12,7 @@ show as the difference. Targets (issue 3): ratio <= 1.01, at most one extra sync
 step at default sampling.
 
     python bench/guard_overhead.py [--ranks 2] [--steps 150] [--d-model 256] [--layers 4] [--zero 2] [--dtype bf16]
+    python bench/guard_overhead.py --proxies [--json FILE]   (the CPU proxies of issue 52: bench/guard_proxies.py)
 
 ``--ranks 1`` runs as a single rank (no launcher). On a GPU machine it uses the GPU, and
 ``--sync-debug`` additionally turns on ``torch.cuda.set_sync_debug_mode("warn")`` and counts, per step and
@@ -46,6 +47,11 @@ def _relaunch_under_torchrun() -> None:
         sys.exit(done.returncode)
 
 
+if "--proxies" in sys.argv:  # (issue 52: the CPU proxies -- counts that carry to a GPU -- bench/guard_proxies.py)
+    sys.argv.remove("--proxies")
+    import guard_proxies
+
+    sys.exit(guard_proxies.main())
 _relaunch_under_torchrun()
 single_rank_env(29500)
 

@@ -1,0 +1,207 @@
+"""The guard's cost on the GPU's critical path, read off the CPU (issue 52): counts, not times, that carry to a GPU.
+
+    python bench/guard_overhead.py --proxies [--json FILE]      (or: python bench/guard_proxies.py)
+
+One rank, DeepSpeed ZeRO-0 bf16, a plain engine and a guarded one (every default detector) over the same model, for
+two models: 20 parameter tensors and 400 (a stack of small Linear layers), healthy steps only, after a warmup.
+Printed on one line, each against its goal (exit 1 when one is missed):
+
+- ``ops_small``, ``ops_large``: ATen ops the guard adds per healthy step (the guarded step's dispatched ops -- forward,
+  backward, step, counted by a TorchDispatchMode -- minus the plain step's). Goal: the same for both, <= 30 (a handful
+  of multi-tensor launches, whatever the number of parameters: on a GPU each op is a kernel launch or more);
+- ``py_calls_per_param``: Python calls into trainguard and ds_plugins during the backward, per parameter tensor per
+  micro-batch (a profile hook counts them). Goal: 0 (no per-parameter Python on the healthy path);
+- ``added_syncs``: host-synchronising tensor calls (``.item()``, ``.cpu()``, ``.tolist()``, ``bool()``, ``float()``,
+  ``int()``) the guard adds per healthy step, median, and where (the calling frames, printed). Goal: 0 on the critical
+  path;
+- ``decide_ms``: the guard's host time in ``engine.step()`` beyond plain's (the backward's end to the optimizer
+  step's launch, and after it), median. Goal: <= 0.2 ms.
+
+These are the proxies the issue names; the GPU figures (bench/gpu_check.sh) are what they stand for.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _single_rank import single_rank_env  # noqa: E402
+
+single_rank_env(29700)
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GOALS = {"ops": 30, "py_calls_per_param": 0, "added_syncs": 0, "decide_ms": 0.2}
+SYNC_METHODS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
+OURS = (str(ROOT / "trainguard"), str(ROOT / "ds_plugins"))
+TORCH = str(Path(torch.__file__).parent)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Syncs:
+    """Host-synchronising tensor calls while active, with the first frame of ours that made each."""
+
+    def __init__(self):
+        self.active, self.count, self.where, self.ours = False, 0, collections.Counter(), False
+        self._orig = {}
+        for name in SYNC_METHODS:
+            orig = getattr(torch.Tensor, name)
+            self._orig[name] = orig
+
+            def wrapper(t, *a, _orig=orig, _name=name, **k):
+                if self.active:
+                    self.count += 1
+                    f = sys._getframe(1)  # (the first caller outside torch: ours, or the framework's own sync)
+                    while f is not None and TORCH in f.f_code.co_filename:
+                        f = f.f_back
+                    if f is not None and f.f_code.co_filename.startswith(OURS) and self.ours:
+                        self.where[f"{Path(f.f_code.co_filename).relative_to(ROOT)}:{f.f_lineno} .{_name}()"] += 1
+                return _orig(t, *a, **k)
+
+            setattr(torch.Tensor, name, wrapper)
+
+    def close(self):
+        for name, orig in self._orig.items():
+            setattr(torch.Tensor, name, orig)
+
+
+def model_of(tensors: int, width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(tensors // 2):  # (a Linear: a weight and a bias)
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return Net(torch.nn.Sequential(*layers))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, batch):
+        return self.body(batch["x"]).pow(2).mean()
+
+
+def engine_of(tensors: int, guarded: bool, out: Path):
+    import deepspeed
+
+    import ds_plugins
+
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+           "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}
+    if guarded:
+        cfg["trainguard"] = {"metrics": {"jsonl": str(out / f"proxies-{tensors}.jsonl"), "console": False}}
+    model = model_of(tensors)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    init = ds_plugins.initialize if guarded else deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def measure(tensors: int, steps: int, warmup: int, out: Path, syncs: Syncs) -> dict:
+    engines = {"plain": engine_of(tensors, False, out), "guarded": engine_of(tensors, True, out)}
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(4, 16, generator=g)} for _ in range(8)]
+    ops = {k: [] for k in engines}
+    sync = {k: [] for k in engines}
+    step_s = {k: [] for k in engines}
+    calls = []
+
+    def ours_counting(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(OURS):
+            calls[-1] += 1
+
+    for i in range(warmup + steps):
+        keep = i >= warmup
+        for name, eng in (engines.items() if i % 2 == 0 else reversed(list(engines.items()))):
+            batch = {k: v.to(eng.device).to(torch.bfloat16) for k, v in batches[i % len(batches)].items()}
+            counter = OpCounter()
+            syncs.count, syncs.active, syncs.ours = 0, keep, name == "guarded"
+            with counter:
+                loss = eng(batch)
+                if name == "guarded" and keep:
+                    calls.append(0)
+                    sys.setprofile(ours_counting)
+                eng.backward(loss)
+                sys.setprofile(None)
+                t0 = time.perf_counter()
+                eng.step()
+                dt = time.perf_counter() - t0
+            syncs.active = False
+            if keep:
+                ops[name].append(counter.count)
+                step_s[name].append(dt)
+                sync[name].append(syncs.count)
+    n = sum(1 for p in engines["plain"].module.parameters() if p.requires_grad)
+    for eng in engines.values():
+        eng.destroy()
+    return {"tensors": n, "ops": statistics.median(ops["guarded"]) - statistics.median(ops["plain"]),
+            "py_calls_per_param": round(statistics.median(calls) / n, 3),
+            "added_syncs": statistics.median(sync["guarded"]) - statistics.median(sync["plain"]),
+            "decide_ms": round((statistics.median(step_s["guarded"]) - statistics.median(step_s["plain"])) * 1e3, 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--json", help="keep the figures here (bench/_results.keep: date, commit, clean)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    syncs = Syncs()
+    try:
+        small = measure(20, args.steps, args.warmup, out, syncs)
+        where_small = dict(syncs.where)
+        syncs.where.clear()
+        large = measure(400, args.steps, args.warmup, out, syncs)
+    finally:
+        syncs.close()
+    figures = {"ops_small": small["ops"], "ops_large": large["ops"],
+               "py_calls_per_param": max(small["py_calls_per_param"], large["py_calls_per_param"]),
+               "added_syncs": max(small["added_syncs"], large["added_syncs"]),
+               "decide_ms": max(small["decide_ms"], large["decide_ms"]),
+               "tensors": [small["tensors"], large["tensors"]], "steps": args.steps, "device": "cpu",
+               "torch": torch.__version__, "sync_sites": {k: v / (args.steps) for k, v in where_small.items()},
+               "goals": GOALS}
+    missed = [k for k, ok in (
+        ("ops", figures["ops_small"] == figures["ops_large"] <= GOALS["ops"]),
+        ("py_calls_per_param", figures["py_calls_per_param"] <= GOALS["py_calls_per_param"]),
+        ("added_syncs", figures["added_syncs"] <= GOALS["added_syncs"]),
+        ("decide_ms", figures["decide_ms"] <= GOALS["decide_ms"])) if not ok]
+    figures["missed"] = missed
+    print(f"proxies: ops_small={figures['ops_small']:g} ops_large={figures['ops_large']:g} "
+          f"py_calls_per_param={figures['py_calls_per_param']:g} added_syncs={figures['added_syncs']:g} "
+          f"decide_ms={figures['decide_ms']:g}")
+    print(f"  goals: ops the same for 20 and 400 tensors and <= {GOALS['ops']}; py_calls_per_param "
+          f"{GOALS['py_calls_per_param']}; added_syncs {GOALS['added_syncs']}; decide_ms <= {GOALS['decide_ms']}"
+          f" -- {'met' if not missed else 'missed: ' + ', '.join(missed)}")
+    for site, per_step in sorted(figures["sync_sites"].items(), key=lambda kv: -kv[1]):
+        print(f"  sync per healthy step: {per_step:g} at {site}")
+    if args.json:
+        from bench._results import keep
+
+        keep(args.json, figures)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
