@@ -31,8 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _single_rank import single_rank_env  # noqa: E402
 
-single_rank_env(29700)
-
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -165,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--json", help="keep the figures here (bench/_results.keep: date, commit, clean)")
     args = ap.parse_args(argv)
+    single_rank_env(29700)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     syncs = Syncs()

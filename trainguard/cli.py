@@ -64,7 +64,7 @@ def _validate(args) -> int:
     zero = ds.get("zero_optimization", {}).get("stage", 0)
     dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
     under = f"DeepSpeed ZeRO-{zero} {dtype}" if ds_keys else (
-        "a block alone, for Megatron-LM's --trainguard-config or megatron_hooks.install: precision, parallel layout "
+        "a block alone, for Megatron-LM's --trainguard-config or your megatron-core loop: precision, parallel layout "
         "and clipping come from Megatron's own arguments")
     print(f"{args.file}: OK: trainguard {', '.join(parts)}; {under}")
     return 0

@@ -145,8 +145,9 @@ def resume_on_start(cp, newer_than: int = 0) -> Any:
             "trainguard: the run goes on from step %d; the checkpoints after it (%s) belong to another "
             "trajectory and were moved to %s", cp.step_count(), ", ".join(set_aside), root / ".abandoned")
     if cp.resumed_tag is None and tags:  # (the framework loaded its own, newer_than: nothing newer here)
-        reason = f"no checkpoint newer than step {newer_than} (loaded by the framework) verifies" + \
-            (" and is stable" if c.resume == "stable" else "")
+        reason = (f"the framework loaded its own checkpoint of step {newer_than}, and trainguard has none newer than "
+                  f"step {newer_than} that verifies" + (" and is stable" if c.resume == "stable" else "") +
+                  ": nothing to load over it, the run goes on from the framework's (not a failure)")
         cp.emit(cp.step_count(), Record.RESUME_SKIPPED, {
             "dir": str(root), "mode": c.resume, "checkpoints": tags, "reason": reason,
             "starting_at_step": cp.step_count(), "set_aside": set_aside})
