@@ -30,11 +30,15 @@ class Decision:
     target: str | None = None       # ROLLBACK: "latest_valid" / "stable" (None: recovery.rollback_to)
 
 
-def forced(action: str, step: int, lr_factor: float) -> Decision:
+def forced(action: str, step: int, lr_factor: float, fp16: bool = True) -> Decision:
     """The decision a ``force_action`` fault puts in place of a healthy step's (trainguard.faults): what the policy
     could decide, forced where no detector would -- so that every recovery path is tried in the states a run really
-    reaches (its first step, fp16's scale search, the step after a restart)."""
+    reaches (its first step, fp16's scale search, the step after a restart). ``fp16``: the run has an fp16 dynamic
+    loss scale -- without one (bf16 from the start, or after a fallback) the policy never reaches a bf16 fallback
+    (the loss-scale ladder is fp16's), and a forced one is the skip it would be."""
     why = f"forced by a force_action fault: {action}"
+    if action == "bf16_fallback" and not fp16:
+        return Decision(Action.SKIP_STEP, why + " (no fp16 loss scale here: the policy never reaches it, skipped)")
     if action == "skip":
         return Decision(Action.SKIP_STEP, why)
     if action == "bf16_fallback":

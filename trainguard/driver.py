@@ -60,7 +60,7 @@ class StepDriver:
             if decision.action in (Action.CONTINUE, Action.SKIP_STEP) and self.cfg.faults:  # (force_action: fuzzing)
                 forced = self.faults.forced_action(step)
                 if forced is not None:
-                    decision = decisions.forced(forced, step, self.cfg.recovery.lr_factor)
+                    decision = decisions.forced(forced, step, self.cfg.recovery.lr_factor, fp16=before is not None)
                     guard.emit(step, Record.FAULT_INJECTED, [], decision.action.value, {"faults": [
                         {"type": "force_action", "step": step, "action": forced}], "reason": decision.reason})
             if decision.action is Action.ABORT:

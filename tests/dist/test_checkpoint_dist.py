@@ -169,7 +169,7 @@ def test_stable_marks_and_retention(tmp_path, torchrun):
 KILL_TRIALS = int(os.environ.get("TRAINGUARD_KILL_TRIALS", "4"))
 
 
-@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("async_save", [pytest.param(False, marks=pytest.mark.long), True])  # (sync: -m long, CI's time)
 def test_sigkill_during_saves_never_leaves_a_torn_checkpoint(tmp_path, async_save):
     """SIGKILL a rank at random moments while the run saves every step; after each kill, every
     visible checkpoint verifies and the resume choice is a verified one. Then DeepSpeed loads it.

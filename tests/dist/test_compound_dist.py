@@ -84,6 +84,7 @@ def test_a_kill_during_a_rollbacks_load_restarts_and_the_rollback_is_taken_again
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
 
 
+@pytest.mark.long  # (~90 s: a replacement and a whole-job restart, each CI-tested alone -- test_inprocess_dist; CI's time)
 def test_a_spare_that_dies_after_taking_a_rank_falls_back_to_a_whole_job_restart(tmp_path):
     """3 ranks and one spare: rank 1 killed at 9 (the spare takes it, generation 1), then the spare itself -- rank 1 of
     generation 1 -- killed at 14: no spare is left, so the whole job restarts (torchrun --max-restarts 1) and resumes

@@ -83,7 +83,7 @@ DS_SCHEDULER = {"scheduler": {"type": "WarmupDecayLR", "params": {
     "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
 
 
-@pytest.mark.parametrize("schedule", ["trainer", "deepspeed"])
+@pytest.mark.parametrize("schedule", [pytest.param("trainer", marks=pytest.mark.long), "deepspeed"])  # (-m long: CI's time)
 def test_after_a_rollback_with_an_lr_cut_the_trainers_step_log_and_checkpoints_agree_with_the_engine(tmp_path,
                                                                                                     schedule):
     """Issue 51: HF's Trainer cannot rewind its global_step; a rollback moved the engine's global_steps (and a

@@ -522,7 +522,8 @@ def test_your_own_loop_survives_a_killed_rank_in_process_with_a_spare(tmp_path):
     assert res[0]["param_sha256"] == res[1]["param_sha256"] == clean[0]["param_sha256"]
 
 
-@pytest.mark.parametrize("layout,more", [("tp", []), ("pp", []), ("dp", ["--dist-opt"])], ids=["tp", "pp", "dp-distopt"])
+@pytest.mark.parametrize("layout,more", [("tp", []), pytest.param("pp", [], marks=pytest.mark.long),
+                                         ("dp", ["--dist-opt"])], ids=["tp", "pp", "dp-distopt"])  # (pp: -m long)
 def test_fp16_whose_first_steps_were_skipped_restarts_from_its_first_step_and_lives(tmp_path, layout, more):
     """Issue 50's shape on a megatron-core loop: fp16 whose first steps overflow (the first step's snapshot holds no
     optimizer moments), then updates, then a restart to that snapshot (forced at 10) -- at TP=2, at PP=2 (pipeline

@@ -137,3 +137,14 @@ def test_a_new_checkpoint_under_a_failed_ones_name_is_loadable(tmp_path, monkeyp
     assert [(r["step"], r["detail"]["to_tag"]) for r in _named(records, "rollback")] == \
         [(12, "step00000005"), (13, "step00000010")]
     assert calls == ["step00000010", "step00000005", "step00000010"]
+
+
+def test_a_forced_bf16_fallback_without_an_fp16_scale_is_the_skip_the_policy_would_make():
+    # (the fuzz drew a second bf16 fallback after the first had switched Megatron-LM to bf16: the policy never reaches
+    # that rung without an fp16 loss scale, and the forced one aborted the run)
+    from trainguard.decisions import forced
+    from trainguard.events import Action
+
+    d = forced("bf16_fallback", 15, 0.5, fp16=False)
+    assert d.action is Action.SKIP_STEP and "never reaches it" in d.reason
+    assert forced("bf16_fallback", 15, 0.5).action is Action.ROLLBACK
