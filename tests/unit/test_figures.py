@@ -1,0 +1,72 @@
+"""Every figure the docs take from a kept run is the run's (issue 55): a ``bench/results/*.json`` named in README.md or
+docs/ exists, says its date and commit, its commit is one of this history's, a commit named beside the citation is
+the JSON's, and the figures below -- parsed from the text -- equal the file's."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+KEPT = re.compile(r"bench/results/([\w.-]+\.json)")
+
+# (doc, a regex whose groups are figures, the JSON, its keys in the groups' order)
+FIGURES = [
+    ("docs/detection.md", r"adds \*\*([\d,]+) ATen ops\*\* a healthy\s+step at 20 parameter tensors and \*\*([\d,]+) at 400",
+     "overhead-proxies-2026-12-06.json", ("ops_small", "ops_large")),
+    ("docs/detection.md", r"\*\*([\d.]+) Python calls\*\* into trainguard", "overhead-proxies-2026-12-06.json",
+     ("py_calls_per_param",)),
+    ("docs/detection.md", r"\*\*(\d+) host synchronisation\*\* \(the AGREE read", "overhead-proxies-2026-12-06.json",
+     ("added_syncs",)),
+    ("README.md", r"([\d,]+) ATen ops a healthy step at 20 parameter tensors, ([\d,]+) at 400",
+     "overhead-proxies-2026-12-06.json", ("ops_small", "ops_large")),
+    ("docs/recovery.md", r"(\d+) draws, \d+ forced actions", "recovery-fuzz-2026-12-06.json", ("draws",)),
+]
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _in_history(commit: str) -> bool | None:
+    done = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT, capture_output=True)
+    return None if done.returncode not in (0, 1) else done.returncode == 0
+
+
+def test_every_kept_result_the_docs_name_exists_with_its_commit_in_this_history():
+    wrong = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in KEPT.finditer(text):
+            path = ROOT / "bench" / "results" / m.group(1)
+            if not path.is_file():
+                wrong.append(f"{doc.name}: {m.group(0)} is not kept")
+                continue
+            kept = json.loads(path.read_text())
+            if not kept.get("date") or not kept.get("commit"):
+                wrong.append(f"{m.group(0)}: no date or commit")
+                continue
+            if _in_history(kept["commit"]) is False:
+                wrong.append(f"{m.group(0)}: commit {kept['commit']} is not in this history")
+            near = text[max(0, m.start() - 300):m.end() + 300]
+            for named in re.findall(r"commit ([0-9a-f]{7,40})\b", near):
+                if not kept["commit"].startswith(named[:7]):
+                    # (another JSON's commit may stand near too: only a mismatch with every JSON named there counts)
+                    others = [json.loads((ROOT / "bench" / "results" / o).read_text()).get("commit", "")
+                              for o in KEPT.findall(near) if (ROOT / "bench" / "results" / o).is_file()]
+                    if not any(c and c.startswith(named[:7]) for c in others):
+                        wrong.append(f"{doc.name}: commit {named} beside {m.group(0)} is not its commit")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+@pytest.mark.parametrize("doc,pattern,kept,keys", FIGURES, ids=[f"{f[0]}:{f[3][0]}" for f in FIGURES])
+def test_a_figure_in_the_text_is_the_kept_runs(doc, pattern, kept, keys):
+    m = re.search(pattern, (ROOT / doc).read_text())
+    assert m, f"{doc}: the figure is no longer said as {pattern!r} -- say it, or change this test with it"
+    data = json.loads((ROOT / "bench" / "results" / kept).read_text())
+    for group, key in zip(m.groups(), keys):
+        assert _number(group) == pytest.approx(float(data[key])), (doc, key, group, data[key])
