@@ -15,7 +15,8 @@ unnormalised output logits -- run
 One table: the plain outcome (its held-out loss against healthy's, or how it died), what the guarded run did and
 when, the steps it lost, its held-out loss against healthy's, and the detection delay: the first action's step
 minus the step where the plain run's loss left its band (its 8-step median more than 10% above the best it had
-reached, or non-finite; none when it never climbed). The goals of issue 33 are checked at the end. No fault injection anywhere:
+reached, or non-finite; none when it never climbed). The goals of issue 33 are checked at the end (exit 1 when one
+is missed; ``--json`` keeps the rows and goals with the date, commit and a clean-tree flag). No fault injection anywhere:
 ``trainguard.faults`` is not configured in any run.
 
 The DeepSpeed cases run the demo's model (trainguard/demo) under DeepSpeed's own loop; the HF cases the same model
@@ -285,11 +286,16 @@ def main(argv=None) -> int:
     print()
     print(table(rows))
     print()
-    for name, ok, figure in goals(rows):
+    judged = goals(rows)
+    for name, ok, figure in judged:
         print(f"  [{'met' if ok else 'NOT met'}] {name}: {figure}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
-    return 0
+    if args.json:  # (kept with its date, commit and whether the tree was clean: bench/_results.keep)
+        from bench._results import keep
+
+        keep(args.json, {"steps_override": args.steps, "goals": [{"goal": n, "met": ok, "figure": f}
+                                                                   for n, ok, f in judged],
+                         "rows": json.loads(json.dumps(rows, default=str))})
+    return 0 if all(ok for _, ok, _ in judged) else 1
 
 
 if __name__ == "__main__":
