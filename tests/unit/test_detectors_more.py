@@ -160,6 +160,11 @@ def test_entropy_of_collapsed_and_uniform_attention():
     assert [x.anomaly for x in v] == ["entropy_collapse"] and v[0].detail["heads"][0]["head"] == 0
     v = detect_attention(900, {1: {"L": {"entropy": [1.38], "ratio": [0.999]}}}, AttentionEntropyConfig())
     assert [x.anomaly for x in v] == ["entropy_saturation"] and v[0].ranks == (1,)
+    # (issue 51: saturation is a change -- a head that never focused raises nothing; one that had focused does)
+    focused, cfg = set(), AttentionEntropyConfig()
+    assert detect_attention(50, {1: {"L": {"entropy": [1.38, 1.0], "ratio": [0.999, 0.7]}}}, cfg, focused) == []
+    v = detect_attention(900, {1: {"L": {"entropy": [1.38, 1.38], "ratio": [0.999, 0.999]}}}, cfg, focused)
+    assert [(x.anomaly, [h["head"] for h in x.detail["heads"]]) for x in v] == [("entropy_saturation", [1])]
 
 
 def test_activation_verdicts():

@@ -140,9 +140,12 @@ class AttentionEntropyConfig(_Section):
         0.05, ge=0, le=1, description="Alert when a head's entropy falls below this fraction of its maximum "
         "(log of the number of keys it may attend to): the head attends to one token.")
     saturation: float = Field(
-        0.995, gt=0, le=1, description="Alert when a head's entropy exceeds this fraction of its maximum "
-        "(uniform attention), once the run is past min_step.")
-    min_step: int = Field(500, ge=0, description="No saturation alerts before this step (heads start uniform).")
+        0.995, gt=0, le=1, description="Alert when a head that had focused (below focused_below at a sample) is back "
+        "above this fraction of its maximum entropy (uniform attention: it stopped attending), once the run is past "
+        "min_step. A head that never focused is no change (heads start uniform; a small model keeps some so).")
+    focused_below: float = Field(0.9, gt=0, le=1, description="A head counts as having focused once its entropy was "
+                                 "below this fraction of its maximum at a sample.")
+    min_step: int = Field(0, ge=0, description="No saturation alerts before this step.")
 
 
 class ActivationRangeConfig(_Section):

@@ -1,5 +1,8 @@
 """Attention entropy (sampled): a head whose entropy collapses toward 0 attends to a single token
-(a known precursor of training instability); a head saturated at log(keys) attends uniformly."""
+(a known precursor of training instability); a head that had learnt to focus and is saturated again at log(keys)
+attends uniformly -- it stopped attending. A head that never focused is no change: small models and short sequences
+keep heads near uniform for their whole run (bench/natural/healthy.py: every healthy run alerted on it at a fixed
+step 500 before)."""
 from __future__ import annotations
 
 from trainguard.config import AttentionEntropyConfig
@@ -7,8 +10,11 @@ from trainguard.detectors.registry import Decide, Registration
 from trainguard.verdicts import Verdict
 
 
-def detect_attention(step: int, per_rank: dict[int, dict[str, dict]], cfg: AttentionEntropyConfig) -> list[Verdict]:
-    """``per_rank[rank][layer] = {"entropy": [per head, nats], "ratio": [per head, of the maximum]}``."""
+def detect_attention(step: int, per_rank: dict[int, dict[str, dict]], cfg: AttentionEntropyConfig,
+                     focused: set | None = None) -> list[Verdict]:
+    """``per_rank[rank][layer] = {"entropy": [per head, nats], "ratio": [per head, of the maximum]}``. ``focused``: the
+    (rank, layer, head) that have been below ``cfg.focused_below`` at a sample (updated here); a saturated head counts
+    only when it is one of them (None: every head counts)."""
     collapsed, saturated = [], []
     for rank, layers in sorted(per_rank.items()):
         for layer, v in layers.items():
@@ -17,8 +23,11 @@ def detect_attention(step: int, per_rank: dict[int, dict[str, dict]], cfg: Atten
                         "ratio": round(ratio, 4)}
                 if ratio < cfg.collapse:
                     collapsed.append(item)
-                elif step >= cfg.min_step and ratio > cfg.saturation:
+                elif step >= cfg.min_step and ratio > cfg.saturation and (focused is None or
+                                                                         (rank, layer, head) in focused):
                     saturated.append(item)
+                if focused is not None and ratio < cfg.focused_below:
+                    focused.add((rank, layer, head))
     out = []
     if collapsed:
         out.append(Verdict("attention_entropy", "entropy_collapse", tuple(sorted({c["rank"] for c in collapsed})),
@@ -34,11 +43,13 @@ class AttentionEntropy:
 
     def __init__(self, cfg: AttentionEntropyConfig, device=None):
         self.cfg = cfg
+        self.focused: set = set()  # the heads seen focused (the same on every rank: every rank's entropies gathered)
 
     def observe(self, step: int, ctx: Decide) -> list[Verdict]:
         if not ctx.everyone or ctx.probed.get("entropy") is None:
             return []
-        return detect_attention(step, {r: e["entropy"] or {} for r, e in ctx.everyone.items()}, self.cfg)
+        return detect_attention(step, {r: e["entropy"] or {} for r, e in ctx.everyone.items()}, self.cfg,
+                                self.focused)
 
 
 REGISTRATION = Registration(key="attention_entropy", build=AttentionEntropy, order=40)

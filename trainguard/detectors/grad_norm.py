@@ -65,10 +65,11 @@ class GradNormDetector:
         return None
 
     def observe(self, step: int, norm: float | None, ranks=(), loss_up: bool = True) -> list[Verdict]:
-        """``loss_up``: the loss has stopped improving (its smoothed value stands above its best level:
-        trainguard.detectors.loss_trend). Repeated surges escalate only then: a heavy-tailed norm surges now and
-        then while the loss goes on improving (bench/natural: a one-head model, its LR halved seven times by
-        surges alone until lr_floor aborted a run that was learning)."""
+        """``loss_up``: the loss has stopped improving (its smoothed value stands above its best level, past its noise
+        and the floor of what it learnt: trainguard.detectors.loss_trend). Repeated surges and a creep escalate only
+        then: a heavy-tailed norm surges now and then while the loss goes on improving (bench/natural: a one-head
+        model, its LR halved seven times by surges alone until lr_floor aborted a run that was learning), and near a
+        loss floor the norm creeps and surges by half itself (bench/natural/healthy.py's Megatron-LM run)."""
         self.last_z = 0.0
         if norm is None or not math.isfinite(norm):
             return []
@@ -89,6 +90,8 @@ class GradNormDetector:
         rising_now = self.trend()
         self.surges = [s for s in self.surges if s > step - self.cfg.surge_window] + ([step] if verdicts else [])
         repeated = 0 < self.cfg.surges_to_rise <= len(self.surges) and loss_up
+        rising_now = rising_now and loss_up  # (a creep while the loss stays in its band -- a loss near its floor, whose
+        # norm wiggles by half itself -- is no divergence: Megatron-LM at --lr 0.01 was rolled back three times for it)
         if (rising_now or repeated) and not self.in_rise:  # (once per episode: a remedy's reset_trend ends it)
             self.in_rise = True
             detail = {"grad_norm": norm, "median": self.window.median(), "steps": self.cfg.trend_steps,

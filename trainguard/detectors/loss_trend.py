@@ -84,20 +84,21 @@ class LossTrendDetector:
             return None
         return statistics.median(v for _, v in self.raw)
 
-    def band(self) -> float | None:
+    def band(self, rise: float | None = None) -> float | None:
         """The smoothed loss above which the run counts as climbing away from its best: the widest of the relative
-        rise, the loss's noise at its best and the fraction of what it learnt."""
+        rise (``rise``, default the config's), the loss's noise at its best and the fraction of what it learnt."""
         if self.best is None:
             return None
         learnt = max((self.first or self.best) - self.best, 0.0)
-        return self.best + max(self.cfg.rise * abs(self.best), self.cfg.noise_z * self.spread,
-                               self.cfg.min_regain * learnt)
+        rise = self.cfg.rise if rise is None else rise
+        return self.best + max(rise * abs(self.best), self.cfg.noise_z * self.spread, self.cfg.min_regain * learnt)
 
     def standing_above(self, fraction: float) -> bool:
-        """Whether the smoothed loss of the steps so far stands more than ``fraction`` above the best level (True
-        while no best is known: no evidence either way)."""
+        """Whether the smoothed loss of the steps so far stands above the best level by more than ``fraction`` of it
+        -- and more than the loss's noise and the floor of what it learnt (:meth:`band`) -- (True while no best is
+        known: no evidence either way)."""
         s = self.smoothed()
-        return self.best is None or s is None or s > self.best + fraction * abs(self.best)
+        return self.best is None or s is None or s > self.band(fraction)
 
     def observe(self, step: int, loss: float, lr: float | None = None,
                 grad_ratio: Callable[[int], float | None] | None = None,
