@@ -4,6 +4,7 @@ LR the update uses)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator
 
 
@@ -28,6 +29,13 @@ def scaled_lr(groups: list[dict], mult: float) -> Iterator[float | None]:
 CLOSED_FORM = ("OptimizerParamScheduler", "LambdaLR", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 
 
+_MULTIPLIER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # scheduler -> trainguard's multiplier
+
+
+def _one() -> float:
+    return 1.0
+
+
 def closed_form(scheduler) -> bool:
     return scheduler is not None and type(scheduler).__name__ in CLOSED_FORM and callable(getattr(scheduler, "get_lr",
                                                                                                   None))
@@ -42,12 +50,13 @@ def schedule_scaled(scheduler, multiplier: Callable[[], float]) -> Callable[[], 
     set from the scheduler now, its step count unmoved (a lowering takes effect at once)."""
     import warnings
 
+    _MULTIPLIER[scheduler] = multiplier  # (looked up at each get_lr: a later session's replaces an earlier one's)
     cls = type(scheduler)
     if getattr(cls, "_trainguard_refresh", None) is not None:  # (scaled already: an engine rebuilt around it)
         return cls._trainguard_refresh
     if cls.__name__ == "OptimizerParamScheduler":  # (Megatron's: get_lr(param_group), step(increment))
         def get_lr(self, group):
-            return cls.get_lr(self, group) * multiplier()
+            return cls.get_lr(self, group) * _MULTIPLIER.get(self, _one)()
 
         def refresh_one() -> None:
             scheduler.step(increment=0)
@@ -56,7 +65,8 @@ def schedule_scaled(scheduler, multiplier: Callable[[], float]) -> Callable[[], 
         return refresh_one
 
     def get_lr_all(self):
-        return [lr * multiplier() for lr in cls.get_lr(self)]
+        mult = _MULTIPLIER.get(self, _one)()
+        return [lr * mult for lr in cls.get_lr(self)]
 
     def refresh() -> None:
         with warnings.catch_warnings():  # (torch warns of get_lr() called outside step(): here on purpose)

@@ -45,8 +45,9 @@ class LrHistory:
         self.steps: deque[tuple[int, float]] = deque(maxlen=maxlen)
         self.agreed: float | None = None  # this step's LR as every rank reads it (None: unknown)
         self.settle = settle
-        self.last_rise = 0                # the newest step whose LR rose over the step before (the first rise's)
+        self.last_rise = 0                # the newest step whose LR rose above every LR before it (the first rise's)
         self.ramp_end: int | None = None  # the last step of the LR's first rise, once it held RAMP steps (frozen)
+        self.peak = 0.0                   # the highest LR of the first rise so far
 
     @classmethod
     def for_trend(cls, trend) -> "LrHistory":
@@ -73,8 +74,8 @@ class LrHistory:
         if self.ramp_end is None and not self.steps and step > self.settle:
             self.ramp_end = 0  # (a history that begins mid-run -- a resume without the guard's state: not young)
         if self.ramp_end is None:  # (the first rise: the warmup; a later one -- a cut's end, a raised schedule -- not)
-            if not self.steps or lr > self.steps[-1][1] * (1 + 1e-3):
-                self.last_rise = step
+            if not self.steps or lr > self.peak * (1 + 1e-6):  # (against the peak, not the step before: a long
+                self.last_rise, self.peak = step, max(self.peak, lr)  # linear or log warmup rises by < 0.1% a step)
             elif step - self.last_rise >= RAMP:
                 self.ramp_end = self.last_rise
         self.steps.append((step, lr))
@@ -122,13 +123,13 @@ class LrHistory:
         """The newest ``last`` steps' LRs: saved with the guard, so that a resume at a raised schedule still sees the
         LR it jumped from (and a young run its LR's rise)."""
         return {"steps": [[s, lr] for s, lr in list(self.steps)[-last:]], "ramp_end": self.ramp_end,
-                "last_rise": self.last_rise}
+                "last_rise": self.last_rise, "peak": self.peak}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps.clear()
         for s, lr in state.get("steps", []):
             self.steps.append((int(s), float(lr)))
-        self.last_rise = int(state.get("last_rise") or 0)
+        self.last_rise, self.peak = int(state.get("last_rise") or 0), float(state.get("peak") or 0.0)
         end = state.get("ramp_end")
         self.ramp_end = int(end) if end is not None else None
         if "ramp_end" not in state and self.steps:  # (a guard state from before: its first rise unknown -- not young)

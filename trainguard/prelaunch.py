@@ -19,19 +19,31 @@ from trainguard.config.parsing import misspelt_block
 from trainguard.errors import ConfigError
 
 
-def named_files(command: Iterable[str]) -> list[Path]:
-    """The ``.json`` files the command line names (as an argument or an ``--option=value``), existing, in order."""
-    seen: list[Path] = []
+OURS = ("--trainguard-config",)  # the block alone, or a ds_config-style file (megatron_hooks/args.py, supervise)
+CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config", *OURS)
+UNNAMED_MAX = 1 << 20  # a .json argument no config flag names, larger than this, is data (a dataset), not read
+
+
+def named_files(command: Iterable[str]) -> list[tuple[Path, bool]]:
+    """The ``.json`` files the command line names (an argument, ``--option value`` or ``--option=value``), existing,
+    in order, each with whether ``--trainguard-config`` names it (then it may hold the block alone)."""
+    seen: list[tuple[Path, bool]] = []
+    previous = ""
     for arg in command:
-        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
-        if value.endswith(".json"):
-            p = Path(value)
-            if p.is_file() and p not in seen:
-                seen.append(p)
+        flag, value = (arg.split("=", 1) if arg.startswith("-") and "=" in arg else (previous, arg))
+        previous = arg
+        if not value.endswith(".json"):
+            continue
+        p = Path(value)
+        named = flag in CONFIG_FLAGS
+        if p.is_file() and p not in [q for q, _ in seen] and (named or p.stat().st_size <= UNNAMED_MAX):
+            seen.append((p, flag in OURS))
     return seen
 
 
-def _holds_a_block(path: Path) -> bool:
+def _holds_a_block(path: Path, alone: bool) -> bool:
+    if alone:
+        return True  # (--trainguard-config: the block itself, or a file holding it -- judged whatever it holds)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
@@ -39,7 +51,17 @@ def _holds_a_block(path: Path) -> bool:
     return isinstance(data, dict) and (BLOCK in data or misspelt_block(data) is not None)
 
 
-def findable(spec: str, key: str) -> None:
+def _search_path(command: Iterable[str]) -> list[str]:
+    """Where the launched script will import from, beside this process's path: the working directory and each
+    ``.py`` argument's folder (``python train.py`` puts its folder first; ``-m pkg.mod`` the working directory)."""
+    import os
+    import sys
+
+    extra = [os.getcwd()] + [str(Path(a).resolve().parent) for a in command if a.endswith(".py")]
+    return [p for p in dict.fromkeys(extra + [p or os.getcwd() for p in sys.path])]
+
+
+def findable(spec: str, key: str, path: list[str] | None = None) -> None:
     """The module of ``"package.module:name"`` found on the path without running any of it (a block's extensions are
     code: validating must not execute them -- issue 25); a ConfigError naming ``key`` otherwise."""
     import importlib.machinery
@@ -48,7 +70,7 @@ def findable(spec: str, key: str) -> None:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ConfigError([(key, f"{spec!r} is neither a registered name nor of the form 'package.module:name'")])
-    parts, search, name = module.split("."), None, ""
+    parts, search, name = module.split("."), path, ""
     for part in parts:
         name = f"{name}.{part}" if name else part
         found = sys.modules.get(name)
@@ -60,9 +82,9 @@ def findable(spec: str, key: str) -> None:
         search = spec_.submodule_search_locations
 
 
-def check_imports(block) -> None:
+def check_imports(block, path: list[str] | None = None) -> None:
     """Find every callback, custom detector and sink module the block names (a ConfigError naming each key that
-    fails), without importing them."""
+    fails), without importing them. ``path``: where to look (None: this process's ``sys.path``)."""
     from trainguard.plugins import DETECTORS, SINKS
 
     problems = []
@@ -74,19 +96,28 @@ def check_imports(block) -> None:
         if spec in registry:
             continue
         try:
-            findable(spec, key)
+            findable(spec, key, path)
         except ConfigError as e:
             problems += e.problems
     if problems:
         raise ConfigError(problems)
 
 
-def check(path: Path):
-    """The block of ``path`` parsed and its extensions imported (None: the file has no block); ConfigError else."""
-    _, block = load(path)
+def check(path: Path, alone: bool = False, search: list[str] | None = None):
+    """The block of ``path`` parsed (``alone``: it may be the block itself, as ``--trainguard-config`` takes it) and
+    its extensions found (None: the file has no block); ConfigError else."""
+    if alone:
+        from trainguard.config.parsing import block_of
+
+        try:
+            block = block_of(path)
+        except TypeError as e:  # (JSON, but not an object)
+            raise ConfigError([("<file>", str(e))], str(path)) from None
+    else:
+        _, block = load(path)
     if block is not None:
         try:
-            check_imports(block)
+            check_imports(block, search)
         except ConfigError as e:
             raise ConfigError(e.problems, str(path)) from None
     return block
@@ -94,4 +125,6 @@ def check(path: Path):
 
 def check_command(command: Iterable[str]) -> list[tuple[Path, object]]:
     """Every block the command names, checked: ``[(file, block)]``; the first ConfigError raised as it is."""
-    return [(p, check(p)) for p in named_files(command) if _holds_a_block(p)]
+    command = list(command)
+    search = _search_path(command)
+    return [(p, check(p, alone, search)) for p, alone in named_files(command) if _holds_a_block(p, alone)]

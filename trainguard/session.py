@@ -174,11 +174,14 @@ class GuardSession:
     def scale_in_scheduler(self, scheduler) -> None:
         """The framework's closed-form LR scheduler applies trainguard's LR multiplier (its log tells the truth);
         another scheduler is left as it is (the driver scales each update's LR, and puts the scheduled one back)."""
+        rebuilt = getattr(self.fw, "lr_scaled_by_scheduler", None) is not None  # (again: an engine rebuilt around it)
         self.fw.lr_scaled_by_scheduler = None
         if self.driver is not None and closed_form(scheduler):
             driver = self.driver  # (a scheduler steps inside the update of step N -- DeepSpeed's -- or after it)
             self.fw.lr_scaled_by_scheduler = schedule_scaled(scheduler, lambda: driver.lr_multiplier(
                 (driver.applying if driver.applying is not None else self.fw.completed_steps()) + 1))
+            if rebuilt:  # (the new engine's scheduler was built afresh and its counter loaded: its LR set now)
+                self.fw.lr_scaled_by_scheduler()
 
     def beat(self, phase: Phase, step: int | None = None) -> None:
         self.heart.beat(Phase(phase).value, step)

@@ -37,7 +37,9 @@ def test_a_lambda_schedule_reports_and_sets_the_scaled_lr_and_saves_as_before():
     state = sched.state_dict()
     assert "get_lr" not in state and "_trainguard_refresh" not in state
     torch.save(state, io.BytesIO())  # (what HF's Trainer saves: picklable as before)
-    assert schedule_scaled(sched, lambda: 100.0) is refresh  # (scaled once)
+    assert schedule_scaled(sched, lambda: 0.25) is refresh  # (scaled once: the class is not swapped again ...)
+    refresh()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # (... and the newer session's multiplier is the one read)
 
 
 def test_deepspeeds_warmup_schedule_is_scaled_too():

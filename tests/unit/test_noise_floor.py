@@ -105,3 +105,15 @@ def test_young_is_measured_against_the_runs_own_warmup_not_a_step_count():
 def test_the_detectors_settling_time_follows_their_config():
     h = LrHistory.for_trend(LossTrendConfig(min_history=100, smooth=20, patience=5))
     assert h.settle == 185
+
+
+def test_a_long_or_logarithmic_warmup_is_one_rise_to_its_end():
+    # (from a review: a rise counted against the step before ended a linear warmup of 4,000 steps at ~1,000 -- its
+    # step-to-step increase falls below 0.1% -- and DeepSpeed's log warmup at ~190)
+    h = ramp(4000, 4100)
+    assert h.ramp_end == h.last_rise == 4000 and h.young(7900) and not h.young(8100)
+    import math as m
+    log = LrHistory()
+    for s in range(1, 2100):
+        log.record(s, 0.01 * min(1.0, m.log(s + 1) / m.log(2000)))
+    assert log.last_rise >= 1990 and log.young(3900)

@@ -50,7 +50,24 @@ def test_a_good_block_and_a_json_that_is_no_ds_config_launch(tmp_path):
                                        "missing.json")
     assert rc == 0 and launched and "ds.json: the trainguard block is valid" in err, err
     assert named_files(["--deepspeed", str(tmp_path / "ds.json"), f"--x={tmp_path / 'vocab.json'}", "plain"]) == \
-        [tmp_path / "ds.json", tmp_path / "vocab.json"]
+        [(tmp_path / "ds.json", False), (tmp_path / "vocab.json", False)]
+
+
+def test_a_block_alone_is_checked_a_module_beside_the_script_is_found_and_big_data_is_not_read(tmp_path):
+    # (from a review: --trainguard-config takes the block itself; python train.py imports from its own folder)
+    write(tmp_path, "tg.json", {"detectors": {"loss_spike": {"zz": 1}}})
+    rc, err, launched = trainguard_run(tmp_path, "--trainguard-config", "tg.json")
+    assert rc == 2 and not launched and "zz" in err, err
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "train.py").write_text("")
+    (tmp_path / "app" / "myalerts.py").write_text("def page(record): pass\n")
+    write(tmp_path, "tg.json", {"callbacks": ["myalerts:page"]})
+    rc, err, launched = trainguard_run(tmp_path, "app/train.py", "--trainguard-config", "tg.json")
+    assert rc == 0 and launched, err
+    big = tmp_path / "data.json"
+    big.write_text('{"trainguard": {"detectors": {"nope": 1}}, "pad": "' + "x" * (1 << 20) + '"}')
+    rc, err, launched = trainguard_run(tmp_path, "--train_file", "data.json")
+    assert rc == 0 and launched, err  # (a dataset argument: not read)
 
 
 def test_validate_finds_the_modules_the_block_names(tmp_path):
