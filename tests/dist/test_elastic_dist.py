@@ -222,6 +222,7 @@ def _umount(path):
     subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+@pytest.mark.long  # (an edge of the memory tier's sizing, ~30 s: CI's time)
 def test_node_memory_too_small_is_refused_at_start_and_a_full_one_turns_the_tier_off(tmp_path, torchrun):
     """Issue 25 item 3: node memory full (/dev/shm: Docker's default is 64 MB) had no check: staging stayed
     behind and the loaders' workers and NCCL's shared-memory transport then failed. A tmpfs too small for what

@@ -467,6 +467,7 @@ def test_the_distributed_optimizer_comes_back_from_node_memory_exactly(tmp_path)
     assert res[0]["param_sha256"] == res[1]["param_sha256"] == clean[0]["param_sha256"]
 
 
+@pytest.mark.long  # (~31 s: another layout's node memory -- the reshard from disk is CI-tested alone; CI's time)
 def test_node_memory_of_another_layout_is_passed_over_for_the_disk_snapshots(tmp_path):
     """A shard in node memory is one rank's slices: the job killed at TP=2 (its node memory surviving) and
     relaunched at DP=2 on the same world size resumes from the disk snapshot, which dist_checkpointing

@@ -28,6 +28,7 @@ def playbook_commands() -> list[str]:
     return sorted(set(found))
 
 
+@pytest.mark.long  # (~30 s: the playbook's commands on a changed dataset; CI's time)
 def test_the_playbook_commands_on_a_run_whose_data_changed(tmp_path, torchrun):
     d = tmp_path / "ck"
 
