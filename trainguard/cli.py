@@ -32,13 +32,12 @@ from trainguard.errors import ConfigError
 
 
 def _validate(args) -> int:
-    from pathlib import Path
-
-    from trainguard.prelaunch import check
+    from trainguard.prelaunch import check_imports
 
     try:
-        ds, _ = tg_config.load(args.file)
-        block = check(Path(args.file))  # (and the callbacks, detectors and sinks it names, imported)
+        ds, block = tg_config.load(args.file)
+        if block is not None:  # (and the modules of the callbacks, detectors and sinks it names found, not run)
+            check_imports(block, source=args.file)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -63,11 +63,17 @@ SINKS: dict[str, Callable[..., Sink]] = {"tensorboard": _tensorboard, "prometheu
 DETECTORS: dict[str, Callable[..., Detector]] = {}
 
 
-def resolve(spec: str, key: str) -> Any:
-    """``"package.module:attr"`` -> the object; a ConfigError naming ``key`` otherwise."""
+def split_spec(spec: str, key: str) -> tuple[str, str]:
+    """``"package.module:attr"`` -> ``(module, attr)``; a ConfigError naming ``key`` otherwise."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError([(key, f"{spec!r} is neither a registered name nor of the form 'package.module:name'")])
+    return module_name, attr
+
+
+def resolve(spec: str, key: str) -> Any:
+    """``"package.module:attr"`` -> the object; a ConfigError naming ``key`` otherwise."""
+    module_name, attr = split_spec(spec, key)
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's path

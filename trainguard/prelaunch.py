@@ -58,7 +58,7 @@ def _search_path(command: Iterable[str]) -> list[str]:
     import sys
 
     extra = [os.getcwd()] + [str(Path(a).resolve().parent) for a in command if a.endswith(".py")]
-    return [p for p in dict.fromkeys(extra + [p or os.getcwd() for p in sys.path])]
+    return list(dict.fromkeys(extra + [p or os.getcwd() for p in sys.path]))
 
 
 def findable(spec: str, key: str, path: list[str] | None = None) -> None:
@@ -67,9 +67,9 @@ def findable(spec: str, key: str, path: list[str] | None = None) -> None:
     import importlib.machinery
     import sys
 
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ConfigError([(key, f"{spec!r} is neither a registered name nor of the form 'package.module:name'")])
+    from trainguard.plugins import split_spec
+
+    module, _ = split_spec(spec, key)
     parts, search, name = module.split("."), path, ""
     for part in parts:
         name = f"{name}.{part}" if name else part
@@ -82,9 +82,9 @@ def findable(spec: str, key: str, path: list[str] | None = None) -> None:
         search = spec_.submodule_search_locations
 
 
-def check_imports(block, path: list[str] | None = None) -> None:
+def check_imports(block, path: list[str] | None = None, source: str | None = None) -> None:
     """Find every callback, custom detector and sink module the block names (a ConfigError naming each key that
-    fails), without importing them. ``path``: where to look (None: this process's ``sys.path``)."""
+    fails, and ``source``, the file), without importing them. ``path``: where to look (None: ``sys.path``)."""
     from trainguard.plugins import DETECTORS, SINKS
 
     problems = []
@@ -100,7 +100,7 @@ def check_imports(block, path: list[str] | None = None) -> None:
         except ConfigError as e:
             problems += e.problems
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, source)
 
 
 def check(path: Path, alone: bool = False, search: list[str] | None = None):
@@ -116,10 +116,7 @@ def check(path: Path, alone: bool = False, search: list[str] | None = None):
     else:
         _, block = load(path)
     if block is not None:
-        try:
-            check_imports(block, search)
-        except ConfigError as e:
-            raise ConfigError(e.problems, str(path)) from None
+        check_imports(block, search, str(path))
     return block
 
 
