@@ -137,7 +137,12 @@ def _ckpt(args) -> int:
                         print(f"trainguard ckpt sign: {weak(key, args.key_env)}", file=sys.stderr)
                         return 2
             if args.ckpt_command == "sign":
-                return ck.ckpt_sign(args.dir, key, args.tag, force=args.force)
+                old = key_in(args.old_key_env) if args.old_key_env else None
+                if args.old_key_env and old is None:
+                    print(f"trainguard ckpt sign: the environment variable {args.old_key_env} is not set",
+                          file=sys.stderr)
+                    return 2
+                return ck.ckpt_sign(args.dir, key, args.tag, old_key=old)
             return ck.ckpt_verify(args.dir, args.tag, key=key)
         if args.ckpt_command == "diff":
             from trainguard.checkpoint.diff import diff, format_diff
@@ -270,7 +275,8 @@ def main(argv=None) -> int:
     cs.add_argument("tag", nargs="?")
     cs.add_argument("--key-env", metavar="NAME", required=True, help="the environment variable holding the key "
                     "(the one checkpoint.hmac_key_env names)")
-    cs.add_argument("--force", action="store_true", help="replace a signature of another key (a key rotation)")
+    cs.add_argument("--old-key-env", metavar="NAME", help="a key rotation: the variable holding the key the "
+                    "checkpoints were signed with; each is verified with it, then its verified manifest signed anew")
     ci = csub.add_parser("inspect", help="contents, lineage, health of one checkpoint")
     ci.add_argument("dir")
     ci.add_argument("tag")

@@ -435,7 +435,7 @@ def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_openin
 
     save(10, m.key)
     save(20, None)  # unsigned
-    tag, skipped = m.choose(tmp_path / "ck", "latest_valid")
+    tag, skipped, _ = m.choose(tmp_path / "ck", "latest_valid")
     assert tag == "step00000010"
     assert skipped[0]["tag"] == "step00000020" and skipped[0]["bad_file"] == "manifest.hmac"
     assert "unauthenticated" in skipped[0]["reason"]
@@ -445,7 +445,7 @@ def test_authenticated_checkpoints_refuse_unsigned_or_altered_ones_before_openin
     man = _json.loads((d / "manifest.json").read_text())
     man["files"] = hash_files(d, ["model.pt"])
     (d / "manifest.json").write_text(_json.dumps(man))
-    tag, skipped = m.choose(tmp_path / "ck", "latest_valid")
+    tag, skipped, _ = m.choose(tmp_path / "ck", "latest_valid")
     assert tag is None and {s["bad_file"] for s in skipped} == {"manifest.hmac"}
     assert any("HMAC mismatch" in s["reason"] for s in skipped)
     # without a key configured the same directory verifies (sha256 only: rot, not tampering)
@@ -502,6 +502,8 @@ def test_ckpt_sign_turns_authentication_on_for_an_existing_run(tmp_path, monkeyp
     """Issue 25 items 1 and 10: `trainguard ckpt sign DIR --key-env VAR` signs verified checkpoints (so a job
     that turns checkpoint.hmac_key_env on resumes from them); a corrupt one is never signed; `ckpt list` and
     `verify` without a key say "unsigned" instead of a bare OK."""
+    import json as _json
+
     from trainguard.checkpoint.auth import problem
     from trainguard.cli import main
 
@@ -516,10 +518,24 @@ def test_ckpt_sign_turns_authentication_on_for_an_existing_run(tmp_path, monkeyp
     assert problem(root / "step00000020", b"key-one-0123456789") is None and problem(root / "step00000010", b"key-one-0123456789") is not None
     m = _manager({"dir": str(root), "hmac_key_env": "TG_SIGN_KEY"})
     assert m.resume_on_start() == "step00000020"
-    monkeypatch.setenv("TG_SIGN_KEY", "key-two-0123456789")  # another key: refused unless --force
+    monkeypatch.setenv("TG_SIGN_KEY", "key-two-0123456789")  # another key: a rotation, verified with the old key
     assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY"]) == 1
     assert "another key" in capsys.readouterr().out
-    assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY", "--force"]) == 0
+    monkeypatch.setenv("TG_OLD_KEY", "key-one-0123456789")
+    # issue 54 probe 5: a payload planted with a manifest rewritten to match is never signed under the new key
+    d = root / "step00000020"
+    good = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    (d / "weights.bin").write_bytes(b"a pickle that runs code")
+    man = _json.loads((d / "manifest.json").read_text())
+    man["files"] = hash_files(d, list_files(d))
+    (d / "manifest.json").write_text(_json.dumps(man))
+    assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY", "--old-key-env",
+                 "TG_OLD_KEY"]) == 1
+    assert "NOT SIGNED" in capsys.readouterr().out and problem(d, b"key-two-0123456789") is not None
+    for path, data in good.items():  # (the checkpoint as signed with the old key)
+        path.write_bytes(data)
+    assert main(["ckpt", "sign", str(root), "step00000020", "--key-env", "TG_SIGN_KEY", "--old-key-env",
+                 "TG_OLD_KEY"]) == 0
     assert main(["ckpt", "verify", str(root), "step00000020", "--key-env", "TG_SIGN_KEY"]) == 0
     assert "signature valid" in capsys.readouterr().out
 
@@ -797,25 +813,28 @@ def test_a_storage_error_is_retried_and_then_stops_the_run_never_setting_the_new
     """Issue 35 item 4: an EIO while reading the newest manifest was reported "malformed", the resume loaded the
     checkpoint before it and set the newest aside -- an NFS hiccup silently rolled progress back. A storage error
     is retried; a transient one loads the newest; a persistent one stops the resume (every rank: the error is in
-    the broadcast choice) naming the file, nothing moved; a rollback does not go past it either."""
+    the broadcast choice) naming the file, nothing moved; a rollback does not go past it either (issue 54: nor is
+    any rollback chosen from a listing a storage error cut short)."""
     import errno
     from pathlib import Path
 
     from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint import layout as signed
     from trainguard.checkpoint.layout import CheckpointError
     from trainguard.checkpoint.rollback import choose_rollback
 
     monkeypatch.setattr(mf, "IO_BACKOFF_S", 0.01)
-    real_read = mf.Manifest.read.__func__
+    monkeypatch.setattr(signed, "IO_BACKOFF_S", 0.01)
+    real_read = signed.read_regular
     failures = {"left": 0}
 
-    def flaky(cls, tag_dir):
-        if Path(tag_dir).name == "step00000020" and failures["left"] > 0:
+    def flaky(path):
+        if Path(path).parent.name == "step00000020" and Path(path).name == "manifest.json" and failures["left"] > 0:
             failures["left"] -= 1
-            raise OSError(errno.EIO, "Input/output error", str(Path(tag_dir) / "manifest.json"))
-        return real_read(cls, tag_dir)
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_read(path)
 
-    monkeypatch.setattr(mf.Manifest, "read", classmethod(flaky))
+    monkeypatch.setattr(signed, "read_regular", flaky)
     # transient (two failures, three tries): the newest loads
     failures["left"] = 2
     m = _manager({"dir": str(_two(tmp_path / "transient"))})
@@ -829,18 +848,13 @@ def test_a_storage_error_is_retried_and_then_stops_the_run_never_setting_the_new
         m.resume_on_start()
     assert "step00000020" in str(e.value) and "I/O error" in str(e.value) and "roll progress back" in str(e.value)
     assert _listing(root) == before
-    # a rollback chooses nothing past it (its abandonment would set the newest aside) ...
-    tag, why, bad = choose_rollback(root, 30, "latest_valid")
-    assert tag is None and bad[0]["io_error"] and "no rollback past it" in why
-    # ... but an older checkpoint's storage error does not stop a rollback to a newer one
-    failures["left"] = 0
+    # a rollback chooses nothing from a listing the storage cut short (its abandonment would set the newest aside)
     for step in (30,):
         make_ckpt(root, f"step{step:08d}", step, {"weights.bin": b"n" * step})
-    failures["left"] = 10 ** 6
-    tag, why, bad = choose_rollback(root, 40, "latest_valid")
-    assert tag == "step00000030" and not bad
+    with pytest.raises(signed.StorageError, match="step00000020/manifest.json: I/O error .EIO"):
+        choose_rollback(root, 40, "latest_valid")
     # and an error that is a property of the checkpoint (a path through a file, a permission) passes it over
-    monkeypatch.setattr(mf.Manifest, "read", classmethod(lambda cls, d: (_ for _ in ()).throw(
-        NotADirectoryError(errno.ENOTDIR, "Not a directory", str(d)))))
+    monkeypatch.setattr(signed, "read_regular", lambda p: (_ for _ in ()).throw(
+        NotADirectoryError(errno.ENOTDIR, "Not a directory", str(p))))
     res = mf.verify(root / "step00000030")
     assert not res.ok and not res.io_error

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from trainguard.errors import ConfigError
 
-SIGNATURE = "manifest.hmac"
+from trainguard.checkpoint.layout import SIGNATURE  # noqa: E402 - (what this module writes: manifest.hmac)
 
 
 def key_from(cfg) -> bytes | None:
@@ -47,8 +47,8 @@ def weak(key: bytes, name: str | None = None) -> str | None:
     if len(key) >= MIN_KEY_BYTES:
         return None
     return (f"the key in {name or 'the variable'} is {len(key)} bytes: a signing key needs at least {MIN_KEY_BYTES} "
-            "(random bytes, e.g. `openssl rand -hex 32`); to move a run to a new key, `trainguard ckpt verify` with "
-            "the old one, then `trainguard ckpt sign --force` with the new one")
+            "(random bytes, e.g. `openssl rand -hex 32`); to move a run to a new key: `trainguard ckpt sign DIR "
+            "--key-env NEW --old-key-env OLD` (each checkpoint verified with the old key, then signed with the new)")
 
 
 def key_in(name: str) -> bytes | None:
@@ -75,22 +75,20 @@ def sign(tag_dir: str | os.PathLike, key: bytes) -> None:
 
 
 def problem(tag_dir: str | os.PathLike, key: bytes) -> str | None:
-    """None when the signature matches; else why not (reads only the manifest and its signature)."""
-    import stat
+    """None when the signature matches; else why not (reads the manifest and its signature once each, never through
+    a link). A storage error raises (trainguard.checkpoint.layout.StorageError): it is no verdict."""
+    from trainguard.checkpoint.layout import read_manifest
 
-    path = Path(tag_dir) / SIGNATURE
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return "manifest.hmac is not a regular file"
-        stored = path.read_bytes().strip()
-    except OSError:
-        return "unauthenticated: no manifest.hmac (this run requires checkpoints signed with its key)"
-    try:
-        if not stat.S_ISREG(os.lstat(Path(tag_dir) / "manifest.json").st_mode):
-            return "the manifest is not a regular file"
-        expected = signature(tag_dir, key).encode()
-    except OSError as e:
-        return f"unreadable manifest: {e}"
-    if not hmac.compare_digest(stored, expected):  # (bytes: a non-ASCII signature is a mismatch, not a TypeError)
-        return "HMAC mismatch: the manifest was altered, or signed with another key"
-    return None
+    return read_manifest(tag_dir, key).why
+
+
+def sign_verified(tag_dir: str | os.PathLike, key: bytes, digest: str) -> None:
+    """Sign the manifest bytes whose sha256 is ``digest`` -- those just verified -- and nothing else: a manifest
+    changed since is refused (a CheckpointError), never signed."""
+    from trainguard.checkpoint.fsio import atomic_write_text
+    from trainguard.checkpoint.layout import MANIFEST, CheckpointError, read_regular
+
+    raw = read_regular(Path(tag_dir) / MANIFEST)
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise CheckpointError(f"{Path(tag_dir) / MANIFEST} changed since it was verified: not signed")
+    atomic_write_text(Path(tag_dir) / SIGNATURE, signature_of(raw, key) + "\n")

@@ -87,11 +87,13 @@ def _signed(tag_dir: Path, key: bytes | None) -> str:
     return "signed, signature not checked: give --key-env" if (tag_dir / SIGNATURE).is_file() else "unsigned"
 
 
-def ckpt_sign(root: str, key: bytes, tag: str | None = None, force: bool = False) -> int:
+def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | None = None) -> int:
     """Sign committed checkpoints for a job that turns authentication on (checkpoint.hmac_key_env): each is
-    verified against its sha256 manifest first (a checkpoint that does not verify is never signed); one
-    signed with another key is left alone unless ``force`` (a key rotation, by the user's choice)."""
-    from trainguard.checkpoint.auth import SIGNATURE, problem, sign
+    verified against its sha256 manifest first (a checkpoint that does not verify is never signed). One signed with
+    another key is signed anew only in a key rotation (``old_key``): verified with the old key first -- its signature
+    and every file's sha256 -- and the exact manifest bytes verified signed with the new one (never a manifest any
+    writer of the folder could have rewritten to match planted files)."""
+    from trainguard.checkpoint.auth import SIGNATURE, problem, sign_verified
 
     layout, tags = _chosen(root, tag)
     if not tags:
@@ -99,19 +101,20 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, force: bool = False
     bad = 0
     for t in tags:
         d = layout.tag_dir(t)
-        res = verify(d)
+        signed = (d / SIGNATURE).is_file()
+        if signed and problem(d, key) is None:
+            print(f"{t}: already signed with this key")
+            continue
+        if signed and old_key is None:
+            bad += 1
+            print(f"{t}: NOT SIGNED: it carries a signature of another key (a key rotation: give --old-key-env, "
+                  "the variable holding the key it was signed with)")
+            continue
+        res = verify(d, key=old_key if signed else None)
         if not res.ok:
             bad += 1
             print(f"{t}: NOT SIGNED: {d / str(res.bad_file)}: {res.reason}")
             continue
-        if (d / SIGNATURE).is_file():
-            if problem(d, key) is None:
-                print(f"{t}: already signed with this key")
-                continue
-            if not force:
-                bad += 1
-                print(f"{t}: NOT SIGNED: it carries a signature of another key (give --force to replace it)")
-                continue
-        sign(d, key)
-        print(f"{t}: signed ({len(res.manifest.files)} files verified)")
+        sign_verified(d, key, res.digest)
+        print(f"{t}: signed ({len(res.manifest.files)} files verified{' with the old key' if signed else ''})")
     return 1 if bad else 0

@@ -1,8 +1,14 @@
-"""Where a checkpoint directory keeps things, and what a valid tag is."""
+"""Where a checkpoint directory keeps things, what a valid tag is, and its listing: each manifest read once and
+trusted only when signed (with the run's key), a storage error raised as one, never a verdict."""
 from __future__ import annotations
 
+import errno as errnos
+import hashlib
+import hmac
+import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainguard.errors import TrainguardError
@@ -14,6 +20,7 @@ LATEST = "latest"           # also DeepSpeed's pointer file: load_checkpoint(dir
 STAGING = ".staging"
 SIDECAR = "trainguard"      # per-rank RNG and data position, inside the tag directory
 GUARD_STATE = "guard.json"  # the guard's state (statistics, budgets, quarantine), in SIDECAR
+SIGNATURE = "manifest.hmac"  # the manifest's HMAC with the run's key (trainguard.checkpoint.auth writes it)
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -28,6 +35,101 @@ def validate_tag(tag: str) -> str:
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use letters, digits, '_', '-', '.' "
                               "(no path separators, no '..', at most 128 characters)")
     return tag
+
+
+# ------------------------------------------------------------ a record read once, trusted only when signed
+class StorageError(CheckpointError):
+    """The storage failed to read a checkpoint's record (EIO, ESTALE, ...): no verdict on the checkpoint."""
+
+    def __init__(self, path: Path, err: OSError):
+        self.path, self.errno = Path(path), err.errno
+        super().__init__(f"{path}: I/O error ({errnos.errorcode.get(err.errno, err.errno)}: {err.strerror}): the "
+                         "storage failed to read it; nothing is judged, moved or deleted on it -- fix the storage and "
+                         "restart")
+
+
+def storage_error(e: OSError) -> bool:
+    """A storage failure, not a property of the checkpoint (a missing file, a path through a file, a name too long,
+    a permission are verdicts on the checkpoint)."""
+    return e.errno in {errnos.EIO, errnos.ESTALE, errnos.ETIMEDOUT, errnos.EAGAIN, errnos.EINTR, errnos.ENOTCONN,
+                       getattr(errnos, "EREMOTEIO", -1), errnos.EBUSY, errnos.ENOLCK}
+
+
+def read_regular(path: Path) -> bytes:
+    """A regular file's bytes, never through a symlink, a FIFO or a device (a CheckpointError says which)."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: not a regular file: refused")
+        chunks = []
+        while True:
+            block = os.read(fd, 8 << 20)
+            if not block:
+                break
+            chunks.append(block)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+IO_TRIES, IO_BACKOFF_S = 3, 0.5  # (an NFS hiccup is retried before it is called a storage error)
+
+
+def read_optional(path: Path) -> bytes | None:
+    """:func:`read_regular`; None when the file is not there (or not a file: a verdict); StorageError on a storage
+    error that persists through ``IO_TRIES`` reads."""
+    import time
+
+    for attempt in range(IO_TRIES):
+        try:
+            return read_regular(path)
+        except OSError as e:
+            if not storage_error(e):
+                return None
+            if attempt == IO_TRIES - 1:
+                raise StorageError(path, e) from e
+            time.sleep(IO_BACKOFF_S * 2 ** attempt)
+        except CheckpointError:
+            return None
+
+
+@dataclass(frozen=True)
+class SignedManifest:
+    """A manifest as read once: its parsed content (None when unreadable), the sha256 of those bytes, and why it is
+    not to be trusted (None: it is -- signed with the key, or no key is set)."""
+    data: dict | None
+    digest: str | None
+    why: str | None
+
+    @property
+    def step(self) -> int | None:
+        step = (self.data or {}).get("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def read_manifest(tag_dir: str | os.PathLike, key: bytes | None) -> SignedManifest:
+    """The manifest of ``tag_dir``, read once; with ``key``, its HMAC checked on those bytes before they are parsed."""
+    tag_dir = Path(tag_dir)
+    raw = read_optional(tag_dir / MANIFEST)
+    if raw is None:
+        return SignedManifest(None, None, "no readable manifest (missing, or not a regular file)")
+    digest = hashlib.sha256(raw).hexdigest()
+    if key is not None:
+        stored = read_optional(tag_dir / SIGNATURE)
+        if stored is None:
+            return SignedManifest(None, digest, "unauthenticated: no manifest.hmac (this run requires checkpoints "
+                                                "signed with its key)")
+        if not hmac.compare_digest(stored.strip(), hmac.new(key, raw, hashlib.sha256).hexdigest().encode()):
+            return SignedManifest(None, digest, "HMAC mismatch: the manifest was altered, or signed with another key")
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        return SignedManifest(None, digest, f"unreadable manifest: {e}")
+    if not isinstance(data, dict):
+        return SignedManifest(None, digest, "malformed manifest: not a JSON object")
+    return SignedManifest(data, digest, None)
 
 
 def check_own_dir(mine: str | None, theirs: dict[str, str | None], framework: str) -> None:
@@ -47,9 +149,16 @@ def step_tag(step: int) -> str:
 
 
 class CheckpointLayout:
-    def __init__(self, root: str | os.PathLike):
+    """A checkpoint directory's listing. With ``key``, only checkpoints whose manifest verifies are listed: their
+    step is read from the verified bytes (trainguard.checkpoint.signed), and the others are passed over, named
+    (:meth:`passed_over`) -- never a reason to keep, delete, load, roll back to or set aside anything."""
+
+    def __init__(self, root: str | os.PathLike, key: bytes | None = None):
         self.root = Path(root)
+        self.key = key
         self.invalid_names: list[str] = []
+        self.unverified: dict[str, str] = {}  # tag -> why its manifest is not trusted (with a key)
+        self.digests: dict[str, str] = {}     # tag -> sha256 of the manifest bytes listed
 
     def tag_dir(self, tag: str) -> Path:
         return self.root / validate_tag(tag)
@@ -68,33 +177,41 @@ class CheckpointLayout:
         except CheckpointError:
             return None
 
-    def steps(self) -> list[tuple[str, int]]:
-        """``(tag, step)`` of the directories that look like committed checkpoints (a manifest
-        exists), oldest first by the step recorded in the manifest, then by name."""
-        import json
-
-        out = []
-        self.invalid_names = []  # committed-looking directories whose name is no valid tag: passed over
+    def committed(self) -> list[str]:
+        """The names of the directories that look like committed checkpoints (a manifest is there), trusted or not:
+        what tells a resume that the directory holds checkpoints (it fails closed when none is loadable)."""
         if not self.root.is_dir():
-            return out
-        for d in self.root.iterdir():
-            if d.is_symlink() or not d.is_dir() or d.name.startswith(".") or not (d / MANIFEST).is_file():
+            return []
+        return sorted(d.name for d in self.root.iterdir()
+                      if not d.is_symlink() and d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file())
+
+    def steps(self) -> list[tuple[str, int]]:
+        """``(tag, step)`` of the committed checkpoints, oldest first by the step their manifest records, then by
+        name. Each manifest is read once (with the key: verified on those bytes). Without a key a malformed one is
+        listed at step -1 (verify says why); with one, an unverified one is passed over. A storage error raises
+        StorageError (the file, the errno): never a step."""
+        out = []
+        self.invalid_names, self.unverified, self.digests = [], {}, {}
+        for name in self.committed():
+            if not _TAG.match(name) or ".." in name:
+                self.invalid_names.append(name)  # committed-looking, but no valid tag: passed over
                 continue
-            if not _TAG.match(d.name) or ".." in d.name:
-                self.invalid_names.append(d.name)
+            man = read_manifest(self.root / name, self.key)
+            if self.key is not None and (man.why is not None or man.step is None):
+                self.unverified[name] = man.why or "malformed manifest: no integer 'step'"
                 continue
-            try:
-                step = int(json.loads((d / MANIFEST).read_text()).get("step", -1))
-            except Exception:  # (malformed: verify says why; the listing never crashes rank 0)
-                step = -1
-            out.append((step, d.name))
+            self.digests[name] = man.digest
+            out.append((man.step if man.step is not None else -1, name))
         return [(name, step) for step, name in sorted(out)]
 
     def passed_over(self) -> list[dict]:
-        """What :meth:`steps` passed over (after a call): directories whose name is no valid tag,
-        in the shape of a ``checkpoint_invalid`` detail."""
+        """What :meth:`steps` passed over (after a call): directories whose name is no valid tag, and (with a key)
+        those whose manifest does not verify, in the shape of a ``checkpoint_invalid`` detail."""
         return [{"tag": name, "bad_file": name, "reason": "not a valid tag name: passed over", "dir": str(self.root)}
-                for name in self.invalid_names]
+                for name in self.invalid_names] + [
+                {"tag": name, "bad_file": "manifest.hmac" if why.startswith(("unauthenticated", "HMAC")) else MANIFEST,
+                 "reason": f"{why}: passed over, never used to decide", "dir": str(self.root)}
+                for name, why in sorted(self.unverified.items(), reverse=True)]  # (newest first, as verify's)
 
     def tags(self) -> list[str]:
         return [tag for tag, _ in self.steps()]

@@ -15,7 +15,8 @@ from trainguard.checkpoint import rng
 from trainguard.checkpoint.health import ResumeCheck
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, TRAJECTORY, CheckpointLayout
 from trainguard.checkpoint.manifest import Manifest
-from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
+from trainguard.checkpoint.signed import read_mark
+from trainguard.checkpoint.reader import VerifiedReader
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.checkpoint.verified_io import load_weights
 from trainguard.data import merge_positions
@@ -46,13 +47,13 @@ def load(cp, root, tag: str | None = None, mode: str = "latest_valid", purpose: 
         return cp.NOTHING
     tag_dir = CheckpointLayout(root).tag_dir(chosen)
     reader = VerifiedReader(tag_dir, cp.chosen_digest, cp.key)
-    man = Manifest.read(tag_dir)
+    man = reader.manifest  # (the bytes pinned to those rank 0 verified: never read again)
     result, detail = load_disk(cp, root, chosen, man, reader, purpose, **kwargs)
     cp.roots[chosen] = root
     if purpose == "rollback":
         return result
     load_guard_state(cp, reader, tag_dir)
-    resumed(cp, root, chosen, man.step, {"fell_back_past": skipped, **detail,
+    resumed(cp, root, chosen, man.step, reader.digest, {"fell_back_past": skipped, **detail,
                                           "verified_on_load": len(reader.read_files), "lineage": man.lineage})
     return result
 
@@ -92,7 +93,7 @@ def load_disk(cp, root: Path, tag: str, man: Manifest, reader: VerifiedReader, p
     if converted:
         from trainguard.checkpoint.conversion import converted as conversion
 
-        digest = cp.chosen_digest or manifest_digest(root / tag) or "unverified"
+        digest = cp.chosen_digest or reader.digest
         load_root, files = conversion(cp, root, tag, man, digest, reader)
     result, detail = state.load(load_root, tag, man, files, purpose, converted=converted, **kwargs)
     now = state.layout()
@@ -139,11 +140,11 @@ def restore_sidecars(cp, reader: VerifiedReader, tag_dir: Path, same: bool, purp
     return merge_positions([_data_of(side(f)) for f in names]), False
 
 
-def resumed(cp, root: Path, tag: str, step: int, detail: dict) -> None:
+def resumed(cp, root: Path, tag: str, step: int, digest: str, detail: dict) -> None:
     """After a resume's load (not a rollback's): the resume cp-test armed and the ``resume`` record."""
     cp.roots[tag] = root
     cp.resumed_tag = tag
-    start_resume_check(cp, tag, root / tag)
+    start_resume_check(cp, tag, root / tag, digest)
     cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={**said(cp, root),
         "tag": tag, "dir": str(root), "step": step, "tier": "disk", **detail,
         "verify_steps": len(cp.resume_check.expected) if cp.resume_check else 0})
@@ -158,10 +159,21 @@ def said(cp, where: Path) -> dict:
             "advice": "to start fresh instead: checkpoint.resume: \"none\" (or another checkpoint.dir)"}
 
 
-def start_resume_check(cp, tag: str, tag_dir: Path) -> None:
-    traj = tag_dir / TRAJECTORY
-    if cp.cfg.verify_steps and traj.exists():
-        losses = {int(k): v for k, v in json.loads(traj.read_text())["losses"].items()}
+def start_resume_check(cp, tag: str, tag_dir: Path, digest: str) -> None:
+    """The post-save trajectory (a mark bound to the manifest loaded; with a key, signed) armed as the resume's
+    self-test; one unsigned, altered or malformed is ignored, said in the log -- never a crash of the restart."""
+    if not cp.cfg.verify_steps:
+        return
+    mark, why = read_mark(tag_dir, TRAJECTORY, cp.key, digest)
+    try:
+        losses = {int(k): None if v is None else float(v) for k, v in mark["losses"].items()} if mark else None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        losses, why = None, f"{TRAJECTORY}: malformed ({type(e).__name__}: {e}): ignored"
+    if why is not None:
+        import logging
+
+        logging.getLogger("trainguard").warning("trainguard: %s: %s; the resume is not self-tested", tag_dir, why)
+    if losses:
         cp.resume_check = ResumeCheck(tag, losses, cp.cfg.verify_rtol)
 
 

@@ -15,6 +15,7 @@ does the rest, the same way for every framework.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,13 +23,13 @@ from typing import Any
 
 from trainguard.checkpoint import auth, first, loading, resume, rollback
 from trainguard.checkpoint.first import FIRST, FIRST_KEPT
-from trainguard.checkpoint.fsio import atomic_write_json, beat_from_training_thread
+from trainguard.checkpoint.fsio import beat_from_training_thread
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import STABLE, TRAJECTORY, step_tag
-from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.layout import STABLE, TRAJECTORY, CheckpointError, read_manifest, step_tag
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import apply as apply_retention
 from trainguard.checkpoint.saving import Saver
+from trainguard.checkpoint.signed import write_mark
 from trainguard.checkpoint.runid import RUN_ID
 from trainguard.checkpoint.rollback import target_key
 from trainguard.checkpoint.snapshots import MEMORY, memory_tag, snapshot_step
@@ -73,8 +74,7 @@ class CheckpointManager:
         root = Path(self.cfg.dir) if self.cfg.dir else None
         self._found = (root.is_dir(), (root / RUN_ID).is_file()) if root is not None and rank() == 0 else None
         if self.key is not None and self._found and self._found[0] and os.stat(root).st_mode & 0o022:
-            import logging  # (docs/checkpoints.md's threat model: who can rename in it can swap a folder in use)
-
+            # (docs/checkpoints.md's threat model: who can rename in it can swap a folder in use)
             logging.getLogger("trainguard").warning("trainguard: checkpoint.dir %s is writable by other users (mode "
                                                     "%o): signed checkpoints need it writable by the job's user only "
                                                     "(chmod go-w)", root, os.stat(root).st_mode & 0o777)
@@ -111,10 +111,12 @@ class CheckpointManager:
                 if self.pending_tag() == tag:
                     self._deferred.append(action)  # still being written: mark it once committed
                 continue
-            if kind == "trajectory":
-                atomic_write_json(root / tag / TRAJECTORY, {"losses": {str(k): v for k, v in value.items()}})
+            name, mark = (TRAJECTORY, {"losses": {str(k): v for k, v in value.items()}}) if kind == "trajectory" \
+                else (STABLE, {"stable_at_step": value, "stable_after": self.cfg.stable_after})
+            why = write_mark(root / tag, name, mark, self.key)  # (signed, bound to its verified manifest)
+            if why is not None:
+                logging.getLogger("trainguard").warning("trainguard: %s", why)
             elif kind == "stable":
-                atomic_write_json(root / tag / STABLE, {"stable_at_step": value, "stable_after": self.cfg.stable_after})
                 self.emit(step, Record.CHECKPOINT_STABLE, {"tag": tag, "dir": str(root)})
 
     def _grown(self, step: int) -> bool:
@@ -179,8 +181,9 @@ class CheckpointManager:
         the step the framework loaded itself (Megatron-LM's ``--load``). Returns what ``load`` returns."""
         return resume.resume_on_start(self, newer_than)
 
-    def choose(self, root: Path, mode: str) -> tuple[str | None, list[dict]]:
-        """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode), and what it passed over."""
+    def choose(self, root: Path, mode: str) -> tuple[str | None, list[dict], str | None]:
+        """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode), what it passed over, and the
+        digest of the manifest bytes it verified."""
         return resume.choose(self, root, mode)
 
     def choose_for_load(self, root: Path, tag: str | None, mode: str) -> tuple[str | None, list[dict]]:
@@ -196,7 +199,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ retention
     def retention(self, root: Path) -> None:
         """Rank 0, after a commit: ``keep_last`` and ``keep_stable`` (trainguard.checkpoint.retention.apply)."""
-        apply_retention(root, self.cfg.keep_last, self.cfg.keep_stable)
+        apply_retention(root, self.cfg.keep_last, self.cfg.keep_stable, self.key)
 
     # ------------------------------------------------------------------ rollback (trainguard.checkpoint.rollback)
     def rollback_root(self) -> Path | None:
@@ -216,9 +219,12 @@ class CheckpointManager:
         snapshots in memory dropped)."""
         return rollback.abandon_trajectory(self, root, step)
 
-    @staticmethod
-    def disk_step(root: Path, tag: str | None) -> int:
-        return Manifest.read(root / tag).step if tag is not None else -1
+    def disk_step(self, root: Path, tag: str | None) -> int:
+        """The step checkpoint ``tag`` signs (-1: none); one whose manifest does not verify any more is refused."""
+        man = read_manifest(root / tag, self.key) if tag is not None else None
+        if man is not None and (man.why is not None or man.step is None):
+            raise CheckpointError(f"{root / tag}: {man.why or 'no step in the manifest'}: refused")
+        return man.step if man is not None else -1
 
     # ------------------------------------------------------------------ the in-memory tier (every adapter)
     def snapshot(self) -> str | None:

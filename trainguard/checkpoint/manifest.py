@@ -44,7 +44,11 @@ class Manifest:
 
     @classmethod
     def read(cls, tag_dir: str | os.PathLike) -> "Manifest":
-        data = json.loads((Path(tag_dir) / MANIFEST).read_text())
+        return cls.parse(json.loads((Path(tag_dir) / MANIFEST).read_text()))
+
+    @classmethod
+    def parse(cls, data: dict) -> "Manifest":
+        """From a manifest's parsed JSON (the bytes a caller verified: never read again)."""
         return cls(tag=data["tag"], step=int(data["step"]), files=data["files"], layout=data.get("layout", {}),
                    lineage=data.get("lineage", {}), health=data.get("health", {}),
                    created=float(data.get("created", 0.0)), format=int(data.get("format", FORMAT)))
@@ -121,6 +125,7 @@ class VerifyResult:
     reason: str = ""
     manifest: Manifest | None = None
     io_error: bool = False  # the storage failed to read (EIO, ESTALE, ...): no verdict on the checkpoint itself
+    digest: str | None = None  # sha256 of the manifest bytes verified (what every rank then pins)
 
 
 def inside(rel: str) -> bool:
@@ -161,12 +166,9 @@ IO_TRIES, IO_BACKOFF_S = 3, 0.5
 
 
 def _storage_error(e: OSError) -> bool:
-    """A storage failure, not a property of the checkpoint (a missing file, a path through a file, a name too long,
-    a permission are verdicts on the checkpoint and pass it over as before)."""
-    import errno
+    from trainguard.checkpoint.layout import storage_error
 
-    return e.errno in {errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ENOTCONN,
-                       getattr(errno, "EREMOTEIO", -1), errno.EBUSY, errno.ENOLCK}
+    return storage_error(e)
 
 
 def _io_error(tag_dir: Path, e: OSError) -> VerifyResult:
@@ -192,22 +194,21 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
     tag = tag_dir.name
     if tag_dir.is_symlink() or not tag_dir.is_dir():
         return VerifyResult(False, tag, tag, "not a directory (a symlink, or gone)")
-    if key is not None:
-        from trainguard.checkpoint.auth import SIGNATURE, problem
+    from trainguard.checkpoint.layout import SIGNATURE, StorageError, read_manifest
 
-        why = problem(tag_dir, key)
-        if why is not None:
-            return VerifyResult(False, tag, SIGNATURE, why)
+    try:  # (read once: its HMAC checked on these bytes, these bytes parsed -- never read again)
+        signed = read_manifest(tag_dir, key)
+    except StorageError as e:
+        return _io_error(tag_dir, e.__cause__ or OSError(e.errno, str(e)))
+    if signed.data is None and signed.digest is None:
+        if not os.path.lexists(tag_dir / MANIFEST):
+            return VerifyResult(False, tag, MANIFEST, "no manifest: the checkpoint was never committed")
+        return VerifyResult(False, tag, MANIFEST, "the manifest is not a regular file")
+    if signed.why is not None:
+        unsigned = key is not None and signed.why.startswith(("unauthenticated", "HMAC"))
+        return VerifyResult(False, tag, SIGNATURE if unsigned else MANIFEST, signed.why)
     try:
-        if not stat.S_ISREG(os.lstat(tag_dir / MANIFEST).st_mode):
-            return VerifyResult(False, tag, MANIFEST, "the manifest is not a regular file")
-        man = Manifest.read(tag_dir)
-    except FileNotFoundError:
-        return VerifyResult(False, tag, MANIFEST, "no manifest: the checkpoint was never committed")
-    except OSError as e:
-        if _storage_error(e):
-            return _io_error(tag_dir, e)
-        return VerifyResult(False, tag, MANIFEST, f"unreadable manifest: {e}")
+        man = Manifest.parse(signed.data)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return VerifyResult(False, tag, MANIFEST, f"unreadable manifest: {e}")
     why = _well_formed(man)
@@ -242,4 +243,4 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
         extra = [r for r in extra if not _format1_unlisted(r)]  # it guaranteed is all an older checkpoint can give)
     if extra:
         return VerifyResult(False, tag, extra[0], "file not in the manifest", man)
-    return VerifyResult(True, tag, manifest=man)
+    return VerifyResult(True, tag, manifest=man, digest=signed.digest)

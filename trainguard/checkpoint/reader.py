@@ -46,8 +46,11 @@ class VerifiedReader:
             stored = _read_regular(self.tag_dir / SIGNATURE).strip()
             if not hmac.compare_digest(stored, signature_of(raw, key).encode()):
                 raise CheckpointError(f"{self.tag_dir / SIGNATURE}: HMAC mismatch on the manifest this rank read")
-        data = json.loads(raw)
-        self.files: dict[str, dict] = data["files"]
+        from trainguard.checkpoint.manifest import Manifest
+
+        self.digest = hashlib.sha256(raw).hexdigest()
+        self.manifest = Manifest.parse(json.loads(raw))  # (the bytes checked above: never read again)
+        self.files: dict[str, dict] = self.manifest.files
         self.read_files: list[str] = []
 
     def read(self, path: str | os.PathLike) -> bytes:
@@ -73,20 +76,6 @@ class VerifiedReader:
 
 def _read_regular(path: Path) -> bytes:
     """A regular file's bytes, never through a symlink, a FIFO or a device."""
-    import stat
+    from trainguard.checkpoint.layout import read_regular
 
-    from trainguard.checkpoint.layout import CheckpointError
-
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{path}: not a regular file: refused")
-        chunks = []
-        while True:
-            block = os.read(fd, 8 << 20)
-            if not block:
-                break
-            chunks.append(block)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    return read_regular(path)

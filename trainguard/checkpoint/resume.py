@@ -10,18 +10,23 @@ from typing import Any
 
 from trainguard.attempt import restart_attempt
 from trainguard.checkpoint.commit import restore_interrupted
-from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout
+from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout, StorageError
 from trainguard.checkpoint.manifest import verify
-from trainguard.checkpoint.reader import manifest_digest
+from trainguard.checkpoint.signed import read_mark
 from trainguard.checkpoint.runid import RUN_ID, agreed_run_id
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, rank
 
 
-def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict]]:
-    """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode)."""
-    layout = CheckpointLayout(root)
-    steps = layout.steps()
+def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | None]:
+    """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode), what it passed over, and the
+    sha256 of the manifest bytes it verified. A storage error while listing is an ``io_error`` entry: no choice."""
+    layout = CheckpointLayout(root, cp.key)
+    try:
+        steps = layout.steps()
+    except StorageError as e:
+        return None, [{"tag": e.path.parent.name, "bad_file": e.path.name, "reason": str(e), "dir": str(root),
+                       "io_error": True}], None
     skipped = layout.passed_over()
     for tag, step in reversed(steps):
         if step <= cp._newer_than:  # (older ones are older still)
@@ -32,15 +37,25 @@ def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict]]:
         if res.io_error:  # (never passed over for a storage error: an older one loaded would set it aside)
             skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root),
                             "io_error": True})
-            return None, skipped
+            return None, skipped, None
         if not res.ok:
             skipped.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
             continue
-        if mode == "stable" and not (layout.tag_dir(tag) / STABLE).exists():
+        if mode == "stable" and not _stable(layout, tag, res.digest):
             skipped.append({"tag": tag, "reason": "not stable", "dir": str(root)})
             continue
-        return tag, skipped
-    return None, skipped
+        return tag, skipped, res.digest
+    return None, skipped, None
+
+
+def _stable(layout: CheckpointLayout, tag: str, digest: str | None) -> bool:
+    """A stable mark the run trusts, bound (with a key) to the manifest bytes just verified."""
+    mark, why = read_mark(layout.tag_dir(tag), STABLE, layout.key, digest)
+    if why is not None:
+        import logging
+
+        logging.getLogger("trainguard").warning("trainguard: %s: %s", layout.tag_dir(tag), why)
+    return mark is not None
 
 
 def choose_for_load(cp, root: Path, tag: str | None, mode: str) -> tuple[str | None, list[dict]]:
@@ -52,11 +67,10 @@ def choose_for_load(cp, root: Path, tag: str | None, mode: str) -> tuple[str | N
             res = verify(CheckpointLayout(root).tag_dir(tag), key=cp.key)
             decision = (tag if res.ok else None,
                         [] if res.ok else [{"tag": tag, "bad_file": res.bad_file, "reason": res.reason,
-                                            "dir": str(root)}])
-        else:
+                                            "dir": str(root), **({"io_error": True} if res.io_error else {})}],
+                        res.digest)
+        else:  # (the manifest rank 0 verified, pinned by the digest of the bytes it verified: every rank loads that)
             decision = cp.choose(root, mode)
-        # the manifest rank 0 verified, pinned by its digest: every rank loads against that one
-        decision = (*decision, manifest_digest(CheckpointLayout(root).tag_dir(decision[0])) if decision[0] else None)
     chosen, skipped, cp.chosen_digest = broadcast_from_rank0(decision)
     cp.last_skipped = skipped
     for s in skipped:
@@ -110,7 +124,10 @@ def resume_on_start(cp, newer_than: int = 0) -> Any:
         set_aside = cp.abandon_after(root, -1)
         fresh_start(cp, root, existed, attempt, "checkpoint.resume is \"none\"", set_aside)
         return None
-    tags = broadcast_from_rank0(CheckpointLayout(root).tags() if rank() == 0 else None)
+    tags = committed(root) if rank() == 0 else None
+    tags = broadcast_from_rank0(tags)
+    if isinstance(tags, str):  # (rank 0's storage error, raised on every rank: nothing moved)
+        raise CheckpointError(tags)
     if not tags and not c.snapshot.every_steps:  # (with the in-memory tier, a run killed before its
         result = None                            # first disk checkpoint comes back from memory)
     else:
@@ -183,6 +200,15 @@ def refusal(cp, root: Path, tags: list[str], skipped: list[dict]) -> str:
             "(these are then set aside in .abandoned/, kept), set checkpoint.resume to \"none\".")
 
 
+def committed(root: Path) -> list[str] | str:
+    """Rank 0: the checkpoints ``root`` holds, trusted or not (a resume fails closed when it holds some and none
+    loads); a storage error's message instead (raised on every rank)."""
+    try:
+        return CheckpointLayout(root).committed()
+    except OSError as e:
+        return f"trainguard: checkpoint.dir {root} could not be listed ({e}): nothing moved, the run stops"
+
+
 def first_resumable(roots, mode: str, key: bytes | None = None) -> tuple[Path | None, list[str]]:
     """Of checkpoint roots, newest first (a trainer's ``checkpoint-N`` folders), the first whose newest checkpoint
     verifies against its manifest -- and is stable, in "stable" mode -- with why each before it was refused; roots
@@ -190,14 +216,18 @@ def first_resumable(roots, mode: str, key: bytes | None = None) -> tuple[Path | 
     were refused."""
     refused = []
     for root in map(Path, roots):
-        layout = CheckpointLayout(root)
-        tags = layout.tags()
+        layout = CheckpointLayout(root, key)
+        try:
+            tags = layout.tags()
+        except StorageError as e:  # (no verdict: the resume stops naming it)
+            return None, [*refused, str(e)]
+        refused += [f"{root.name}/{p['tag']}: {p['reason']}" for p in layout.passed_over()]
         if not tags:
             continue
         res = verify(layout.tag_dir(tags[-1]), key=key)
         if not res.ok:
             refused.append(f"{root.name}/{tags[-1]}: {res.bad_file}: {res.reason}")
-        elif mode == "stable" and not (layout.tag_dir(tags[-1]) / STABLE).exists():
+        elif mode == "stable" and not _stable(layout, tags[-1], res.digest):
             refused.append(f"{root.name}/{tags[-1]}: not stable")
         else:
             return root, refused

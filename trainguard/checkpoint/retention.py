@@ -15,15 +15,18 @@ def to_delete(tags_oldest_first: list[str], stable: set[str], keep_last: int, ke
     return [t for t in tags_oldest_first if t not in keep]
 
 
-def apply(root: Path, keep_last: int, keep_stable: int) -> list[str]:
+def apply(root: Path, keep_last: int, keep_stable: int, key: bytes | None = None) -> list[str]:
     """Rank 0, after a commit: the doomed checkpoints renamed into staging (gone from the listing at once), then
-    deleted -- a crash never leaves a half-deleted one that looks committed. Returns their tags."""
-    from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointLayout
+    deleted -- a crash never leaves a half-deleted one that looks committed. Returns their tags. With ``key``, only
+    checkpoints whose manifest verifies count, by the step they sign, and only signed stable marks: what a writer
+    without the key planted never deletes one (and is never deleted here: it is named at the next load)."""
+    from trainguard.checkpoint.layout import STAGING, CheckpointLayout
     from trainguard.checkpoint.private import own_dir
+    from trainguard.checkpoint.signed import stable as is_stable
 
-    layout = CheckpointLayout(root)
+    layout = CheckpointLayout(root, key)
     tags = layout.tags()
-    stable = {t for t in tags if (layout.tag_dir(t) / STABLE).exists()}
+    stable = {t for t in tags if is_stable(layout, t)}
     doomed = to_delete(tags, stable, keep_last, keep_stable)
     for t in doomed:
         trash = own_dir(layout.root / STAGING) / f"deleted.{t}.{uuid.uuid4().hex[:6]}"

@@ -10,28 +10,27 @@ import uuid
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir
-from trainguard.checkpoint.layout import LATEST, STABLE, CheckpointError, CheckpointLayout
+from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, StorageError, read_manifest
 from trainguard.checkpoint.manifest import verify
+from trainguard.checkpoint.signed import stable as is_stable
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag, snapshot_step
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, rank
 
 
-def fitting_after(root: Path, key: str, value) -> int:
-    """The first step from which checkpoints fit a run whose manifest layout says ``key: value``:
+def fitting_after(root: Path, field: str, value, key: bytes | None = None) -> int:
+    """The first step from which checkpoints fit a run whose manifest layout says ``field: value``:
     one past the newest checkpoint that says otherwise (0 when none does; a checkpoint that does
     not say is taken to fit). For ``not_before`` of :func:`choose_rollback` -- e.g. after a bf16
-    fallback, where the fp16 checkpoints before it do not load any more."""
-    from trainguard.checkpoint.manifest import Manifest
-
-    layout = CheckpointLayout(root)
+    fallback, where the fp16 checkpoints before it do not load any more. With ``key``: what signed manifests say
+    (an unsigned one decides nothing)."""
+    layout = CheckpointLayout(root, key)
     floor = 0
     for tag, step in layout.steps():
-        try:
-            had = Manifest.read(layout.tag_dir(tag)).layout  # (DeepSpeed's manifests before stop 42 say "dtype")
-            said = had.get(key, had.get("dtype", value) if key == "precision" else value)
-        except Exception:  # (unreadable: choose_rollback verifies it and reports it)
+        had = (read_manifest(layout.tag_dir(tag), key).data or {}).get("layout")
+        if not isinstance(had, dict):  # (unreadable: choose_rollback verifies it and reports it)
             continue
+        said = had.get(field, had.get("dtype", value) if field == "precision" else value)  # (before stop 42: dtype)
         if said != value:
             floor = max(floor, step + 1)
     return floor
@@ -52,13 +51,13 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     ``not_before``: older checkpoints do not fit the engine any more (a precision change). ``skip``: targets that
     failed to load in this process (:func:`target_key`), passed over.
     Returns ``(tag or None, why, [newer invalid ones: {tag, bad_file, reason, dir}])``."""
-    layout = CheckpointLayout(root)
+    layout = CheckpointLayout(root, key)
     seen = []  # (tag, verify result), newest first
     for tag, step in reversed(layout.steps()):
         if not_before <= step < onset + (1 if inclusive else 0) and target_key(root, tag) not in skip:
             seen.append((tag, verify(layout.tag_dir(tag), key=key)))
     valid = [t for t, res in seen if res.ok]
-    stable = [t for t in valid if (layout.tag_dir(t) / STABLE).exists()]
+    stable = [t for t in valid if is_stable(layout, t)]
     if mode == "stable" and stable:
         chosen, why = stable[0], "newest stable checkpoint before the onset"
     elif valid:
@@ -78,10 +77,11 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
     return chosen, why, bad
 
 
-def abandon_after(root: Path, step: int) -> list[str]:
+def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
     """After a rollback to ``step``: checkpoints of the abandoned trajectory move to ``.abandoned/``
-    (never deleted here), so that no later resume picks them (they may hold the damage)."""
-    layout = CheckpointLayout(root)
+    (never deleted here), so that no later resume picks them (they may hold the damage). With ``key``: those whose
+    signed manifest says a later step (an unsigned one is never moved on what it says)."""
+    layout = CheckpointLayout(root, key)
     moved = []
     for tag, saved_at in layout.steps():
         if saved_at > step:
@@ -104,8 +104,13 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
     snapshot in memory when one is newer than the disk's choice (in "stable" mode, one this process saw become
     stable: ``stable_after`` clean steps after it)."""
     floor = cp.not_before(root)
-    choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable) \
-        if rank() == 0 else None
+    choice = None
+    if rank() == 0:
+        try:
+            choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable)
+        except StorageError as e:  # (never before the broadcast: the others wait for it) no rollback past it
+            choice = (None, str(e), [{"tag": e.path.parent.name, "bad_file": e.path.name, "reason": str(e),
+                                      "dir": str(root), "io_error": True}])
     tag, why, bad = broadcast_from_rank0(choice)
     for b in bad:
         cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, b)
@@ -126,7 +131,7 @@ def abandon_trajectory(cp, root: Path, step: int) -> list[str]:
     outcome = None
     if rank() == 0:
         try:
-            outcome = (abandon_after(root, step), None)
+            outcome = (abandon_after(root, step, cp.key), None)
         except Exception as e:  # noqa: BLE001 - (never before the broadcast: the others wait for it)
             outcome = ([], f"{type(e).__name__}: {e}")
     cp.health.watching = [w for w in cp.health.watching if w.step <= step]
@@ -151,7 +156,7 @@ def not_before(cp, root: Path) -> int:
     floor = None
     if rank() == 0:
         try:
-            floor = fitting_after(root, "precision", cp.state.layout().get("precision"))
+            floor = fitting_after(root, "precision", cp.state.layout().get("precision"), cp.key)
         except Exception:  # noqa: BLE001 - (never before the broadcast: the others wait for it) every one verifies
             floor = 0
     return broadcast_from_rank0(floor)

@@ -1,0 +1,155 @@
+"""Issue 54: with a key, every decision about a checkpoint comes from bytes whose signature verified -- the probes of a
+writer of the checkpoint folder who holds no key, each planted and run over the fake framework
+(tests/unit/test_session.py), each asserting that nothing the writer wanted happened. Each fails without its fix: the
+listing read the manifest's ``step`` unverified, the marks were unsigned files, the loader read the manifest again
+after verifying it, a storage error read as a verdict."""
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_checkpoint_protocol import _manager
+from trainguard.checkpoint import layout as listing
+from trainguard.checkpoint import signed
+from trainguard.checkpoint.layout import STABLE, TRAJECTORY, CheckpointError, CheckpointLayout
+from trainguard.checkpoint.retention import apply as retention
+from trainguard.checkpoint.rollback import abandon_after, choose_rollback, fitting_after
+
+KEY = b"a-key-of-the-job-only"
+
+
+def _saved(tmp_path, monkeypatch, steps=(5, 10, 15), **checkpoint):
+    fw, cp, records = _manager(tmp_path, monkeypatch, **checkpoint)
+    root = Path(cp.cfg.dir)
+    for step in steps:
+        fw.steps = step
+        cp.save(root)
+    assert cp.key == KEY
+    return fw, cp, root, records
+
+
+def _edit(tag_dir: Path, **changes) -> None:
+    """What a writer without the key can do to a committed checkpoint's manifest."""
+    man = json.loads((tag_dir / "manifest.json").read_text())
+    man.update(changes)
+    (tag_dir / "manifest.json").write_text(json.dumps(man))
+
+
+def test_an_edited_step_in_old_manifests_never_makes_retention_delete_the_new_checkpoints(tmp_path, monkeypatch):
+    """Probe 1 (HIGH): ``step: 1000000000`` in the oldest manifests sorted them newest, and retention deleted every
+    new checkpoint right after its commit. Now unsigned manifests are passed over: they decide nothing."""
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch, keep_last=2)
+    assert CheckpointLayout(root, KEY).tags() == ["step00000010", "step00000015"]
+    _edit(root / "step00000010", step=1_000_000_000)
+    _edit(root / "step00000015", step=1_000_000_001)
+    fw.steps = 20
+    cp.save(root)
+    assert (root / "step00000020").is_dir(), "the new checkpoint was deleted on what an unsigned manifest says"
+    layout = CheckpointLayout(root, KEY)
+    assert layout.tags() == ["step00000020"]
+    assert {p["tag"] for p in layout.passed_over()} == {"step00000010", "step00000015"}
+    assert all("HMAC mismatch" in p["reason"] for p in layout.passed_over())
+    fw.steps = 0
+    assert cp.load(root) == "step00000020" and fw.steps == 20
+
+
+def test_an_edited_precision_never_moves_the_rollback_floor_past_every_checkpoint(tmp_path, monkeypatch):
+    """Probe 1 (HIGH): one old manifest edited to ``precision: fp16`` set ``not_before`` past every checkpoint: no
+    rollback target, training went on with damaged weights."""
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch)
+    assert fitting_after(root, "precision", "fp32", KEY) == 0
+    _edit(root / "step00000015", layout={"precision": "fp16"})
+    assert fitting_after(root, "precision", "fp32", KEY) == 0, "an unsigned manifest moved the floor"
+    tag, _, bad = choose_rollback(root, 16, "latest_valid", fitting_after(root, "precision", "fp32", KEY), key=KEY)
+    assert tag == "step00000010" and bad[0]["tag"] == "step00000015" and "HMAC" in bad[0]["reason"]
+
+
+def test_a_planted_stable_mark_neither_deletes_the_real_one_nor_is_resumed_from(tmp_path, monkeypatch):
+    """Probe 2 (MED): a planted ``stable.json`` on a damaged checkpoint made retention delete the real stable one and
+    ``resume: "stable"`` load the damaged weights. Marks are signed and bound to their checkpoint's manifest: a
+    planted one, or a real one copied from another checkpoint, reads as absent."""
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch)
+    assert signed.write_mark(root / "step00000005", STABLE, {"stable_at_step": 7, "stable_after": 2}, KEY) is None
+    (root / "step00000015" / STABLE).write_text(json.dumps({"stable_at_step": 17, "stable_after": 2}))  # planted
+    (root / "step00000010" / STABLE).write_bytes((root / "step00000005" / STABLE).read_bytes())  # a real one, copied
+    layout = CheckpointLayout(root, KEY)
+    layout.steps()
+    assert [t for t in layout.tags() if signed.stable(layout, t)] == ["step00000005"]
+    assert retention(root, 1, 1, KEY) == ["step00000010"]  # the newest one and the newest stable one kept
+    assert CheckpointLayout(root, KEY).tags() == ["step00000005", "step00000015"]
+    fw2, cp2, _ = _manager(tmp_path, monkeypatch, resume="stable")
+    assert cp2.resume_on_start() == "step00000005" and fw2.steps == 5
+    # without a key nothing is authenticated: a plain mark is taken as written (as before)
+    assert signed.stable(CheckpointLayout(root), "step00000005") is True
+
+
+def test_a_malformed_or_unsigned_trajectory_is_ignored_never_a_crash_of_the_restart(tmp_path, monkeypatch):
+    """Probe 2 (MED): a malformed ``trajectory.json`` crashed every restart. Now the resume's self-test is armed only
+    from a signed trajectory bound to the manifest loaded; anything else is said in the log and ignored."""
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch, verify_steps=2)
+    (root / "step00000015" / TRAJECTORY).write_text('{"losses": [1, 2')
+    fw2, cp2, _ = _manager(tmp_path, monkeypatch, verify_steps=2)
+    assert cp2.resume_on_start() == "step00000015" and cp2.resume_check is None
+    (root / "step00000015" / TRAJECTORY).write_text(json.dumps({"losses": {"16": "x"}}))
+    fw3, cp3, _ = _manager(tmp_path, monkeypatch, verify_steps=2)
+    assert cp3.resume_on_start() == "step00000015" and cp3.resume_check is None
+    assert signed.write_mark(root / "step00000015", TRAJECTORY, {"losses": {"16": 0.5, "17": 0.4}}, KEY) is None
+    fw4, cp4, _ = _manager(tmp_path, monkeypatch, verify_steps=2)
+    assert cp4.resume_on_start() == "step00000015" and cp4.resume_check.expected == {16: 0.5, 17: 0.4}
+
+
+def test_what_is_loaded_is_the_manifest_verified_never_one_read_again(tmp_path, monkeypatch):
+    """Probe 3 (MED): the loader read the manifest again after verifying it; what was swapped in that window set the
+    step, the reshard decision and the abandon. Now every rank pins the digest of the bytes rank 0 verified and uses
+    the manifest parsed from the bytes it checked."""
+    from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint import resume
+
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch)
+    real_verify = resume.verify
+    swapped = {}
+
+    def verify_then_swap(tag_dir, **kw):
+        res = real_verify(tag_dir, **kw)
+        if res.ok and not swapped:  # right after rank 0 verified: another (unsigned) manifest swapped in
+            swapped["tag"] = Path(tag_dir).name
+            _edit(Path(tag_dir), step=999)
+        return res
+
+    monkeypatch.setattr(resume, "verify", verify_then_swap)
+    fw2, cp2, _ = _manager(tmp_path, monkeypatch)
+    with pytest.raises(CheckpointError, match="changed since it was verified"):
+        cp2.resume_on_start()
+    assert swapped["tag"] == "step00000015" and fw2.steps == 0
+    assert CheckpointLayout(root).tags()[-1] == "step00000015" and not (root / ".abandoned").exists()
+    assert mf.verify(root / "step00000010", key=KEY).digest == listing.read_manifest(root / "step00000010", KEY).digest
+
+
+def test_a_storage_error_is_an_io_error_never_a_verdict(tmp_path, monkeypatch):
+    """Probe 8: an EIO on ``manifest.hmac`` read as "unauthenticated", and one while listing sorted the newest as step
+    -1 (the older one loaded, the newest set aside). Now it stops the resume naming the file and errno; nothing is
+    moved, deleted or judged."""
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch)
+    monkeypatch.setattr(listing, "IO_BACKOFF_S", 0.001)
+    real = listing.read_regular
+
+    def eio(path):
+        if Path(path).parent.name == "step00000015" and Path(path).name in ("manifest.hmac", "manifest.json"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path)
+
+    monkeypatch.setattr(listing, "read_regular", eio)
+    before = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+    fw2, cp2, _ = _manager(tmp_path, monkeypatch)
+    with pytest.raises(CheckpointError) as e:
+        cp2.resume_on_start()
+    assert "step00000015" in str(e.value) and "EIO" in str(e.value) and fw2.steps == 0
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == before
+    with pytest.raises(listing.StorageError):  # retention deletes nothing on it (its caller logs and goes on)
+        retention(root, 1, 0, KEY)
+    with pytest.raises(listing.StorageError):  # nor is anything set aside on it
+        abandon_after(root, 5, KEY)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == before

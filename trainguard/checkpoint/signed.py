@@ -1,0 +1,72 @@
+"""The marks written into a committed checkpoint after its commit -- the stable mark, the post-save trajectory --
+bound to their checkpoint's manifest and, with a key (``checkpoint.hmac_key_env``), signed: planted, copied from
+another checkpoint or edited, a mark reads as absent (said, never a decision). What the manifest itself says is read
+once and trusted only when signed (trainguard.checkpoint.layout.read_manifest). Without a key (no authentication
+asked for) marks are taken as written, as before."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from pathlib import Path
+
+from trainguard.checkpoint.layout import MANIFEST, STABLE, CheckpointLayout, read_optional, read_manifest
+
+def _mac(key: bytes, name: str, body: dict) -> str:
+    payload = json.dumps({k: v for k, v in body.items() if k != "hmac"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, f"trainguard-mark\0{name}\0{payload}".encode(), hashlib.sha256).hexdigest()
+
+
+def write_mark(tag_dir: str | os.PathLike, name: str, payload: dict, key: bytes | None) -> str | None:
+    """Write the mark ``name`` (the stable mark, the trajectory) into a committed checkpoint, bound to its manifest
+    and, with ``key``, signed -- only when that manifest verifies. Returns why it was not written (None: written)."""
+    from trainguard.checkpoint.fsio import atomic_write_json
+
+    tag_dir = Path(tag_dir)
+    man = read_manifest(tag_dir, key)
+    if man.why is not None:
+        return f"{tag_dir / MANIFEST}: {man.why}: the {name} mark is not written"
+    body = {**payload, "manifest_sha256": man.digest}
+    if key is not None:
+        body["hmac"] = _mac(key, name, body)
+    atomic_write_json(tag_dir / name, body)
+    return None
+
+
+def read_mark(tag_dir: str | os.PathLike, name: str, key: bytes | None,
+              digest: str | None = None) -> tuple[dict | None, str | None]:
+    """The mark ``name`` of ``tag_dir`` and why it is ignored: ``(payload, None)`` when it is there and trusted,
+    ``(None, None)`` when there is none, ``(None, why)`` when one is there and must be ignored (unsigned, altered,
+    copied from another checkpoint, malformed). ``digest``: the sha256 of the manifest the caller trusts (read
+    afresh, verified, when not given)."""
+    tag_dir = Path(tag_dir)
+    raw = read_optional(tag_dir / name)
+    if raw is None:
+        return None, None
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        return None, f"{name}: malformed ({e}): ignored"
+    if not isinstance(body, dict):
+        return None, f"{name}: malformed (not a JSON object): ignored"
+    if key is None:
+        return body, None
+    if digest is None:
+        man = read_manifest(tag_dir, key)
+        if man.why is not None:
+            return None, f"{name}: its checkpoint's manifest does not verify ({man.why}): ignored"
+        digest = man.digest
+    mac = body.get("hmac")
+    if not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), _mac(key, name, body).encode()):
+        return None, f"{name}: unsigned or altered (no valid HMAC with this run's key): ignored"
+    if body.get("manifest_sha256") != digest:
+        return None, f"{name}: signed for another manifest (copied from another checkpoint?): ignored"
+    return body, None
+
+
+def stable(layout: CheckpointLayout, tag: str, digest: str | None = None) -> bool:
+    """Whether ``tag`` of ``layout`` carries a stable mark the run trusts (with the layout's key: signed for the
+    manifest its listing verified, or ``digest``'s)."""
+    mark, _ = read_mark(layout.tag_dir(tag), STABLE, layout.key, digest or layout.digests.get(tag))
+    return mark is not None
