@@ -126,7 +126,7 @@ class DeepSpeedState:
     def convert(self, source: Path, out: Path) -> str | None:
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
                "--output_folder", str(out), "--inject_missing_state"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=source.parent)  # (private: never the job's cwd)
         return None if res.returncode == 0 else f"ds_to_universal: {res.stderr}"
 
     def load(self, root: Path, tag: str, man, reader, purpose: str, converted: bool = False, **kwargs):

@@ -1,8 +1,6 @@
 """Megatron-LM's "result rejected" tracker file (``--result-rejected-tracker-filename``), written when
 trainguard names a rank's non-finite iteration, so that Megatron-LM's own machinery skips it on a
-later run.
-
-Megatron-LM's rerun state machine appends one line per rejected result and, at argument validation,
+later run. Megatron-LM's rerun state machine appends one line per rejected result and, at argument validation,
 reads the file back (``RerunStateMachine.get_skipped_iterations_from_tracker_file``): an iteration
 rejected twice on the same rank, by one rank only, goes into ``--iterations-to-skip`` and is skipped
 (its data fast-forwarded) when the job reruns it. trainguard took over the NaN check that wrote those
@@ -16,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 
+from trainguard.ports import open_append
 from trainguard.events import Record
 
 __all__ = ["RerunTracker"]
@@ -43,7 +42,7 @@ class RerunTracker:
         if record != Record.NONFINITE.value or not ranks:
             return
         try:
-            with open(self.path, "a") as f:
+            with open_append(self.path) as f:  # (never through a link planted in the log folder)
                 for rank in ranks:
                     f.write(self.line(step, int(rank), detail or {}))
         except OSError:  # (Megatron-LM's own writer logs and goes on too: the tracker is advice, never fatal)

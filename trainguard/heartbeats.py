@@ -90,9 +90,9 @@ class DirBoard:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def publish(self, beat: Beat) -> None:
-        tmp = self.path / f".hb.rank{beat.rank}.{os.getpid()}"
-        tmp.write_text(json.dumps(asdict(beat)))
-        os.replace(tmp, self.path / f"hb.rank{beat.rank}.json")
+        from trainguard.checkpoint.fsio import atomic_write_text  # (a random, exclusive temporary: no planted link)
+
+        atomic_write_text(self.path / f"hb.rank{beat.rank}.json", json.dumps(asdict(beat)), durable=False)
 
     def read(self) -> dict[int, Beat]:
         out = {}

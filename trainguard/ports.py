@@ -39,6 +39,7 @@ from trainguard.checkpoint.layout import STAGING, CheckpointError, check_own_dir
 from trainguard.checkpoint.resume import first_resumable, newest_resumable_folder
 from trainguard.checkpoint.verified_io import load_weights, verified_reads
 from trainguard.checkpoint.write_hashes import hashed_writes
+from trainguard.sharedfs import open_append
 
 # the data: the position of a loader, the sanitiser, the sample ids carried through a loader a framework built
 from trainguard.data import DataPosition, TrackedLoader
@@ -69,5 +70,5 @@ __all__ = [
     "gather_coords", "rank", "world", "World", "check_backend", "forget_framework", "form",
     "close_window", "reentered", "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",
     "check_release", "check_supported", "refuse_flags", "check_own_dir", "ModuleReplays", "UNTAGGED", "tag_loader",
-    "take_tags", "untag", "open_default_group",
+    "take_tags", "untag", "open_default_group", "open_append",
 ]

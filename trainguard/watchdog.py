@@ -32,9 +32,9 @@ from typing import Callable
 from trainguard.attempt import restart_attempt
 from trainguard.events import Phase, Record
 from trainguard.heartbeats import (  # noqa: F401 - (Beat, DirBoard, process_start: this module's names before)
-    Beat, DirBoard, Heartbeat, HangVerdict, StoreBoard, _same_process, default_board, find_hung, process_start,
-)
+    Beat, DirBoard, Heartbeat, HangVerdict, StoreBoard, _same_process, default_board, find_hung, process_start)
 from trainguard.hung import replacing_hung
+from trainguard.sharedfs import open_append
 
 PHASES = tuple(p.value for p in Phase)
 
@@ -101,13 +101,13 @@ def install_stack_dump_signal(path: str | os.PathLike | None):
     file is opened now (a hung main thread runs no Python: faulthandler writes from C); returns it."""
     if not hasattr(signal, "SIGUSR1"):
         return None
-    target = open(path, "a") if path else sys.stderr  # noqa: SIM115 - kept open for the handler
+    target = open_append(path) if path else sys.stderr  # noqa: SIM115 - kept open for the handler
     faulthandler.register(signal.SIGUSR1, file=target, all_threads=True, chain=False)
     return target if path else None
 
 
 def dump_own_stacks(path: str | os.PathLike) -> None:
-    with open(path, "a") as f:
+    with open_append(path) as f:
         f.write(f"--- rank stacks at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}) ---\n")
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
@@ -136,7 +136,7 @@ def exit_for_restart(code: int, detail: dict | None = None) -> None:
     if marker:
         try:
             Path(marker).parent.mkdir(parents=True, exist_ok=True)
-            with open(marker, "a") as f:
+            with open_append(marker) as f:
                 f.write(json.dumps({"time": time.time(), "exit_code": code, "pid": os.getpid(), **(detail or {})})
                         + "\n")
         except OSError:

@@ -153,3 +153,52 @@ def test_a_storage_error_is_an_io_error_never_a_verdict(tmp_path, monkeypatch):
     with pytest.raises(listing.StorageError):  # nor is anything set aside on it
         abandon_after(root, 5, KEY)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == before
+
+
+def test_files_in_shared_folders_are_never_written_through_a_planted_link(tmp_path, monkeypatch):
+    """Probe 4 (MED): ``atomic_write_text``'s predictable ``.<name>.tmp.<pid>`` was opened and chmodded through a
+    planted link (a 0600 file of the victim overwritten and made 0644), and the logs were appended through one. Now
+    the temporary is exclusive under a random name, and appends refuse a link, a FIFO or a device."""
+    import os
+
+    from trainguard.checkpoint.fsio import atomic_write_text
+    from trainguard.metrics.jsonl import JsonlSink
+    from trainguard.sharedfs import open_append
+
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    victim.chmod(0o600)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.symlink(victim, shared / f".stable.json.tmp.{os.getpid()}")  # the old name, planted
+    atomic_write_text(shared / "stable.json", "{}")
+    assert victim.read_text() == "secret" and victim.stat().st_mode & 0o777 == 0o600
+    assert (shared / "stable.json").read_text() == "{}" and not (shared / "stable.json").is_symlink()
+    os.symlink(victim, shared / "tg.jsonl")
+    with pytest.raises(OSError):
+        JsonlSink(shared / "tg.jsonl")
+    os.mkfifo(shared / "marker")
+    with pytest.raises(OSError):
+        open_append(shared / "marker")
+    assert victim.read_text() == "secret"
+
+
+def test_the_universal_conversion_never_imports_from_the_jobs_working_directory(tmp_path, monkeypatch):
+    """Probe 7 (MED): ``python -m deepspeed.checkpoint.ds_to_universal`` ran a planted
+    ``deepspeed/checkpoint/ds_to_universal.py`` from the job's working directory. Now it runs from the private
+    folder of the verified copy."""
+    from tests.support.require import imported
+
+    imported("deepspeed", "extras")
+    from ds_plugins.checkpoint import DeepSpeedState
+
+    planted = tmp_path / "cwd" / "deepspeed" / "checkpoint"
+    planted.mkdir(parents=True)
+    for d in (planted.parent, planted):
+        (d / "__init__.py").write_text("")
+    (planted / "ds_to_universal.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('payload')\n")
+    source = tmp_path / "private" / ".source" / "step00000005"
+    source.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "cwd")
+    DeepSpeedState.convert(None, source, tmp_path / "private" / "step00000005")
+    assert not (tmp_path / "ran").exists(), "the converter imported a module planted in the working directory"

@@ -44,17 +44,30 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``path`` so that readers see the old content or the new one, never a mix."""
+def atomic_write_text(path: str | os.PathLike, text: str, durable: bool = True) -> None:
+    """Write ``path`` so that readers see the old content or the new one, never a mix. The temporary file is created
+    exclusively under a random name (``.<name>.tmp.<random>``, 0600 until written): never opened or chmodded through
+    a link someone who may write the folder planted. ``durable``: fsynced (the file and the folder)."""
+    import tempfile
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, FILE_MODE)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+            os.fchmod(f.fileno(), FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | os.PathLike, data) -> None:
@@ -104,7 +117,13 @@ def progressed() -> None:
 def sha256_file(path: str | os.PathLike, chunk: int = 8 << 20) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # (a FIFO swapped in after an lstat never blocks the reader)
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file: refused, never read")
+    with os.fdopen(fd, "rb") as f:
         while True:
             block = f.read(chunk)
             if not block:

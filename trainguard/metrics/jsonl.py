@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard.sharedfs import open_append
+
 
 def clean(value: Any) -> Any:
     """Make a value strict-JSON: non-finite floats -> None, tuples -> lists, tensors -> numbers."""
@@ -35,7 +37,7 @@ class JsonlSink:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open_append(self.path)  # (never through a link planted in a shared log folder)
 
     def write(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
