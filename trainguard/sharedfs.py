@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 
 
-def open_append(path: str | os.PathLike, binary: bool = False):
-    """``path`` opened for appending (created with the umask's mode when missing) -- never through a symlink someone
+def open_append(path: str | os.PathLike, binary: bool = False, mode: int = 0o666):
+    """``path`` opened for appending (created with ``mode`` less the umask when missing) -- never through a symlink someone
     planted in a folder others may write (O_NOFOLLOW), never a FIFO or a device (an OSError names it)."""
     import stat
 
     def opener(name, flags):
-        fd = os.open(name, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o666)
+        fd = os.open(name, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), mode)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(f"{name}: not a regular file: refused (a log or marker is appended to regular files only)")

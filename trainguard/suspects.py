@@ -107,5 +107,5 @@ class SuspectWatch:
         # into the log folder, excludes and drains nothing: scripts/launch/slurm_requeue.sh)
         atomic_write_json(path, {"job_id": os.environ.get("SLURM_JOB_ID"), "ranks": ranks,
                                  "hosts": sorted({str(self.coords_of(r).get("host")) for r in ranks}),
-                                 "coords": [self.coords_of(r) for r in ranks]})
+                                 "coords": [self.coords_of(r) for r in ranks]}, mode=0o600)  # (the job's own)
         return str(path)

@@ -136,7 +136,7 @@ def exit_for_restart(code: int, detail: dict | None = None) -> None:
     if marker:
         try:
             Path(marker).parent.mkdir(parents=True, exist_ok=True)
-            with open_append(marker) as f:
+            with open_append(marker, mode=0o600) as f:  # (the job script acts on it only when the job's own)
                 f.write(json.dumps({"time": time.time(), "exit_code": code, "pid": os.getpid(), **(detail or {})})
                         + "\n")
         except OSError:

@@ -17,6 +17,9 @@ LOG_DIR=${2:-$PWD}
 TRAINGUARD_HANG_MARKER=${TRAINGUARD_HANG_MARKER:-}
 
 say() { echo "trainguard: $*" >&2; }
+# a file this job's own user wrote and alone may write (a regular file, not a link): what a hang marker or the suspect
+# file must be before it is acted on -- one planted by anyone else who can write LOG_DIR changes nothing
+owned() { [ -n "$(find "$1" -maxdepth 0 -type f -user "$(id -u)" ! -perm /022 2>/dev/null)" ]; }
 
 # The suspect hosts this job may act on, one per line: LOG_DIR/suspect_hosts.json only when it carries this job's id
 # (a previous job's file, or one anyone who can write LOG_DIR left there, acts on nothing), and of its hosts only
@@ -35,11 +38,17 @@ suspects() {
   [ -s "$err" ] && say "scontrol show hostnames: $(cat "$err")"  # (a warning is logged, never taken for a node)
   rm -f "$err"
   "${PYTHON:-python3}" - "$file" "${SLURM_JOB_ID:-}" "$nodes" <<'PY'
-import json, re, sys
+import json, os, re, stat, sys
 path, job, nodes = sys.argv[1], sys.argv[2], set(sys.argv[3].split())
 name = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 try:
-    data = json.load(open(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        sys.exit(f"trainguard: {path} is not a regular file of this job's user that only it may write (owner uid "
+                 f"{st.st_uid}, mode {st.st_mode & 0o777:o}): ignored -- anyone who can write its folder could have "
+                 "put it there")
+    data = json.load(os.fdopen(fd))
     hosts, written_by = data["hosts"], data.get("job_id")
 except Exception as e:
     sys.exit(f"trainguard: {path} unreadable ({type(e).__name__}: {e}): no suspect host acted on")
@@ -58,7 +67,13 @@ for h in hosts:
 PY
 }
 
-if [ "$rc" -ne 0 ] && { { [ -n "$TRAINGUARD_HANG_MARKER" ] && [ -s "$TRAINGUARD_HANG_MARKER" ]; } || [ "$rc" -eq 75 ] || [ "$rc" -eq 137 ]; }; then
+hung=0
+if [ -n "$TRAINGUARD_HANG_MARKER" ] && [ -s "$TRAINGUARD_HANG_MARKER" ]; then
+  if owned "$TRAINGUARD_HANG_MARKER"; then hung=1
+  else say "$TRAINGUARD_HANG_MARKER is not this job's user's own file (a link, another owner, or writable by others): ignored"
+  fi
+fi
+if [ "$rc" -ne 0 ] && { [ "$hung" -eq 1 ] || [ "$rc" -eq 75 ] || [ "$rc" -eq 137 ]; }; then
   # the hosts trainguard named suspect (suspect_rank: repeated anomalies on different data, a replica outvoted by
   # its group, a persistent straggler), added to what this job already excludes: the exclusion outlives later
   # requeues of the job

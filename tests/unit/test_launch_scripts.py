@@ -154,3 +154,52 @@ def test_slurm_requeue_excludes_and_drains_only_this_jobs_own_nodes(tmp_path):
     # scontrol refusing: every failure is in the log (it was discarded before)
     asked, err = _requeue(tmp_path, {"job_id": "42", "hosts": ["n2"]}, fail=True)
     assert "could not drain n2" in err and "requeue 42 failed" in err and "could not exclude n2" in err
+
+
+def test_a_suspect_file_or_hang_marker_not_the_jobs_own_changes_nothing(tmp_path):
+    """Issue 54 probe 6: the suspect file and the hang marker were trusted on the job id alone -- a writer of the log
+    folder had all of the job's nodes drained and excluded, and a planted marker turned any crash into a requeue.
+    Now each is acted on only when it is a regular file of the job's own user that only it may write."""
+    import json
+    import sys
+
+    good = {"job_id": "42", "hosts": ["n2"]}
+    asked, err = _requeue(tmp_path, good)
+    assert "update JobId=42 ExcNodeList=n2" in asked
+    # the same content, writable by others (or, as root here, owned by another user): ignored, said
+    suspect = tmp_path / "logs" / "suspect_hosts.json"
+    suspect.chmod(0o666)
+    (tmp_path / "logs" / "planted.json").write_text(json.dumps(good))
+    planted = [lambda: suspect.chmod(0o666)]
+    if os.getuid() == 0:
+        planted.append(lambda: (suspect.chmod(0o644), os.chown(suspect, 12345, 12345)))
+    planted.append(lambda: (suspect.unlink(), suspect.symlink_to(tmp_path / "logs" / "planted.json")))
+    for plant in planted:
+        _requeue(tmp_path, good)  # (writes the file afresh, the job's own)
+        plant()
+        bin_dir = tmp_path / "bin"
+        env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                   SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_ID="42", SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+                   TRAINGUARD_DRAIN_SUSPECTS="1")
+        (tmp_path / "scontrol.log").unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(LAUNCH / "slurm_requeue.sh"), "75", str(tmp_path / "logs")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        asked = (tmp_path / "scontrol.log").read_text()
+        assert "ExcNodeList=n2" not in asked and "State=DRAIN" not in asked and "requeue 42" in asked, asked
+        assert "ignored" in done.stderr or "no suspect host acted on" in done.stderr, done.stderr
+    # a hang marker planted writable by others: a crash (exit 1) stays a crash -- no requeue
+    marker = tmp_path / "logs" / "trainguard-hang.42"
+    marker.write_text('{"exit_code": 75}\n')
+    marker.chmod(0o666)
+    env["TRAINGUARD_HANG_MARKER"] = str(marker)
+    (tmp_path / "scontrol.log").unlink(missing_ok=True)
+    done = subprocess.run(["bash", str(LAUNCH / "slurm_requeue.sh"), "1", str(tmp_path / "logs")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    log = tmp_path / "scontrol.log"
+    assert done.returncode == 1 and "requeue" not in (log.read_text() if log.exists() else "") \
+        and "not this job's user's own file" in done.stderr, done.stderr
+    marker.chmod(0o600)  # the job's own: the hang is requeued
+    (tmp_path / "scontrol.log").unlink(missing_ok=True)
+    subprocess.run(["bash", str(LAUNCH / "slurm_requeue.sh"), "1", str(tmp_path / "logs")], cwd=tmp_path, env=env,
+                   capture_output=True, text=True, timeout=60)
+    assert "requeue 42" in (tmp_path / "scontrol.log").read_text()

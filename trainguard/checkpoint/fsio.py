@@ -44,10 +44,11 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, durable: bool = True) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str, durable: bool = True, mode: int | None = None) -> None:
     """Write ``path`` so that readers see the old content or the new one, never a mix. The temporary file is created
     exclusively under a random name (``.<name>.tmp.<random>``, 0600 until written): never opened or chmodded through
-    a link someone who may write the folder planted. ``durable``: fsynced (the file and the folder)."""
+    a link someone who may write the folder planted. ``durable``: fsynced (the file and the folder). ``mode``: the
+    file's (the umask's by default)."""
     import tempfile
 
     path = Path(path)
@@ -58,7 +59,7 @@ def atomic_write_text(path: str | os.PathLike, text: str, durable: bool = True) 
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-            os.fchmod(f.fileno(), FILE_MODE)
+            os.fchmod(f.fileno(), FILE_MODE if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -70,8 +71,8 @@ def atomic_write_text(path: str | os.PathLike, text: str, durable: bool = True) 
         fsync_dir(path.parent)
 
 
-def atomic_write_json(path: str | os.PathLike, data) -> None:
-    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+def atomic_write_json(path: str | os.PathLike, data, mode: int | None = None) -> None:
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n", mode=mode)
 
 
 def write_json_hashed(path: str | os.PathLike, data) -> dict:
