@@ -14,7 +14,9 @@ INCIDENTS = ("abort", "hang_detected", "nonfinite", "overflow", "loss_scale", "i
              "grad_surge", "entropy_collapse", "entropy_saturation", "activation_range", "samples_rejected",
              "suspect_rank", "checkpoint_invalid", "checkpoint_failed", "resume_discontinuity", "straggler")
 # what trainguard did
-REMEDIES = ("rollback", "rollback_unavailable", "loss_scale_reset", "precision_fallback", "restart", "resume")
+REMEDIES = ("rollback", "rollback_unavailable", "loss_scale_reset", "precision_fallback", "rank_replaced", "restart",
+            "resume")
+LR_CLASSES = {"slow_rise"}  # (an LR problem: the samples of its steps are not its cause, so none are listed)
 
 
 def _samples(e: dict) -> set:
@@ -25,7 +27,33 @@ def _samples(e: dict) -> set:
             out |= {i for i in info.get("sample_ids") or [] if isinstance(i, int)}
     for ids in (d.get("quarantined") or {}).values():
         out |= {i for i in ids if isinstance(i, int)}
+    return out | {i for i, _ in _rejected(e)}
+
+
+def _rejected(e: dict) -> list[tuple[int, str]]:
+    """The samples a ``samples_rejected`` record names, each with why (its problems)."""
+    out = []
+    for info in ((e.get("detail") or {}).get("per_rank") or {}).values():
+        for r in (info.get("rejected") or []) if isinstance(info, dict) else []:
+            if isinstance(r, dict) and isinstance(r.get("sample_id"), int):
+                why = r.get("problems")
+                out.append((r["sample_id"], "; ".join(map(str, why)) if isinstance(why, list) else str(why or "?")))
     return out
+
+
+def _done(kind: str, es: list[dict]) -> str:
+    """One line of what was done: a rollback with its target and LR, a replaced rank with why and where it went on."""
+    if kind == "rollback":
+        what = ", ".join(f"{e['step']}->{(e.get('detail') or {}).get('to_step')}" + (
+            f" LR x{d['lr_factor']:g}" if isinstance((d := e.get("detail") or {}).get("lr_factor"), (int, float))
+            else "") for e in es)
+        return f"  rollback             x{len(es):<3} ({what})"
+    if kind == "rank_replaced":
+        what = "; ".join(f"rank {d.get('rank')} died ({str(d.get('why') or '?')[:60]}), a spare took its place, "
+                         f"resumed at step {d.get('resumed_at_step', e['step'])}" for e in es
+                         for d in [e.get("detail") or {}])
+        return f"  rank_replaced        x{len(es):<3} ({what})"
+    return f"  {kind:<20} x{len(es):<3} at steps {sorted({e['step'] for e in es})}"
 
 
 def _ranks(e: dict) -> set:
@@ -75,7 +103,7 @@ def summarize(lines: list[dict]) -> str:
         for kind, es in incidents:
             steps = sorted({e["step"] for e in es})
             ranks = sorted(set().union(*(_ranks(e) for e in es)))
-            samples = sorted(set().union(*(_samples(e) for e in es)))
+            samples = [] if kind in LR_CLASSES else sorted(set().union(*(_samples(e) for e in es)))
             count, grouped = len(es), _folded(es, by.get("incident_closed") or [], kind)
             if grouped:  # (alerts as incidents: what the closes say was folded in)
                 count, opened, last = grouped
@@ -93,14 +121,18 @@ def summarize(lines: list[dict]) -> str:
                 line += f"; action {', '.join(actions)}"
             out.append(line)
     done = [(k, by[k]) for k in REMEDIES if by.get(k)]
-    if done:
+    skips = sorted({e["step"] for e in events if e.get("action") == "skip_step"})
+    if done or skips:
         out.append("done about it:")
-        for kind, es in done:
-            if kind == "rollback":
-                what = ", ".join(f"{e['step']}->{(e.get('detail') or {}).get('to_step')}" for e in es)
-                out.append(f"  rollback             x{len(es):<3} ({what})")
-            else:
-                out.append(f"  {kind:<20} x{len(es):<3} at steps {sorted({e['step'] for e in es})}")
+        if skips:
+            out.append(f"  skip_step            x{len(skips):<3} at steps {skips[:12]}{' ...' if len(skips) > 12 else ''}"
+                       " (the step's update left out, the run went on)")
+        out += [_done(kind, es) for kind, es in done]
+    rejected = [(i, why, e["step"]) for e in by.get("samples_rejected") or [] for i, why in _rejected(e)]
+    if rejected:
+        out.append("samples rejected (id, step: why):")
+        out += [f"  {i}, step {step}: {why[:100]}" for i, why, step in rejected[:10]]
+        out += [f"  ... and {len(rejected) - 10} more (the samples_rejected records)"] if len(rejected) > 10 else []
     if by.get("abort"):
         reason = (by["abort"][-1].get("detail") or {}).get("reason")
         out.append(f"abort reason: {reason}")

@@ -28,3 +28,37 @@ def test_the_report_without_matplotlib_gives_its_summary_and_says_which_extra_dr
     out = capsys.readouterr()
     assert "nonfinite" in out.out and (tmp_path / "rep" / "summary.txt").read_text().strip()
     assert "pip install 'trainguard[monitor]'" in out.err and not list((tmp_path / "rep").glob("*.png"))
+
+
+def test_the_report_tells_the_runs_story(tmp_path):
+    """Issue 53: the summary left out a rank killed and replaced ("0 events"), gave a rejected sample's step but not
+    its id or reason, listed sample ids for an LR problem, left out a rollback's LR and what was done about skips.
+    A real run's log (an LR ramp rolled back with the LR lowered, a NaN step skipped), then the records a sanitiser
+    rejection and a spare's takeover write (built by the functions that write them)."""
+    import json
+
+    from tests.unit.test_session import run
+    from trainguard.records import rejections
+    from trainguard.summary import summarize
+
+    fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "lr_ramp", "step": 22, "steps": 30, "factor": 1.3},
+                                                            {"type": "nan_loss", "step": 6}],
+                                                 "recovery": {"lr_cooldown_steps": 100}}, 45)
+    assert ended is None
+    lines = [json.loads(x) for x in (tmp_path / "tg.jsonl").read_text().splitlines()]
+    text = summarize(lines)
+    (rb,) = [x for x in text.splitlines() if x.strip().startswith("rollback ")]
+    assert "LR x" in rb, text
+    (skip,) = [x for x in text.splitlines() if x.strip().startswith("skip_step")]
+    assert "6" in skip, text
+    assert all("samples" not in x for x in text.splitlines() if x.strip().startswith("slow_rise")), text
+    record, ranks, action, detail = rejections({1: {"rejected": [(17, ["token id 50300 >= vocab size 50257"])]}},
+                                               lambda r: {"dp": r}, "drop")
+    lines.append({"type": "event", "step": 30, "event": record.value, "ranks": ranks, "action": action,
+                  "detail": detail})
+    lines.append({"type": "event", "step": 33, "event": "rank_replaced", "ranks": [1], "action": None,
+                  "detail": {"rank": 1, "why": "SIGKILL", "generation": 1, "resumed_at_step": 31}})
+    text = summarize(lines)
+    assert "17, step 30: token id 50300 >= vocab size 50257" in text, text
+    (replaced,) = [x for x in text.splitlines() if x.strip().startswith("rank_replaced")]
+    assert "rank 1 died (SIGKILL)" in replaced and "resumed at step 31" in replaced, text
