@@ -202,3 +202,18 @@ def test_the_universal_conversion_never_imports_from_the_jobs_working_directory(
     monkeypatch.chdir(tmp_path / "cwd")
     DeepSpeedState.convert(None, source, tmp_path / "private" / "step00000005")
     assert not (tmp_path / "ran").exists(), "the converter imported a module planted in the working directory"
+
+
+def test_a_peer_that_announces_more_than_node_memory_holds_is_refused_never_allocated(tmp_path, monkeypatch):
+    """Probe 9 (LOW): ``_recv`` allocated whatever size a peer announced. Now a size larger than the node memory
+    left where the copy would go is refused, naming the rank, before any allocation."""
+    import torch
+
+    from trainguard.checkpoint import memory_tier as mt
+
+    monkeypatch.setattr(mt.dist, "recv", lambda t, src, group=None: t.fill_(1 << 60))
+    real_empty = torch.empty
+    monkeypatch.setattr(mt.torch, "empty", lambda *a, **k: pytest.fail("allocated") if a and a[0] > 1 << 40
+                        else real_empty(*a, **k))
+    with pytest.raises(RuntimeError, match="rank 3 announced a shard of 1152921504606846976 bytes"):
+        mt._recv(3, None, tmp_path)

@@ -30,12 +30,10 @@ from trainguard.checkpoint.runid import agreed_run_id
 from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice
 from trainguard.errors import ConfigError
 from trainguard.events import Record
-from trainguard.isolation import gather_objects, maxima
-from trainguard.isolation import rank as _rank
+from trainguard.isolation import gather_objects, maxima, rank as _rank
 from trainguard.protocols import ShardSource
 
 __all__ = ["MemoryTier", "ShardSource", "MAX_FAILURES", "PEER_TIMEOUT_S"]  # (ShardSource: trainguard.protocols)
-
 
 MAX_FAILURES = 3       # snapshots in a row that fail to write before the tier stops writing on that rank
 PEER_TIMEOUT_S = 300.0  # the peer copies' group: a send or receive that takes longer fails (a dead peer)
@@ -149,7 +147,7 @@ class MemoryTier:
             if data.numel():
                 reqs.append(dist.isend(data, self.peer, group=self.group))
         for q in self.sources:
-            payload_q = _recv(q, self.group)
+            payload_q = _recv(q, self.group, self.store.own)
             if payload_q:
                 self.store.unpack(payload_q, self.store.held(q))
         for req in reqs:
@@ -223,7 +221,7 @@ class MemoryTier:
                 dist.send(torch.tensor([data.numel()], dtype=torch.int64), r, group=self.group)
                 dist.send(data, r, group=self.group)
             elif _rank() == r:
-                self.store.unpack(_recv(holder, self.group), self.store.own)
+                self.store.unpack(_recv(holder, self.group, self.store.own), self.store.own)
         return [r for r, _ in moved]
 
     def close(self) -> None:
@@ -290,11 +288,13 @@ class _Off(Exception):
     """(the writer has nothing to write: the tier is off on this rank)"""
 
 
-def _recv(src: int, group) -> bytes:
+def _recv(src: int, group, room) -> bytes:  # (announced larger than the node memory left at room: never allocated)
     size = torch.zeros(1, dtype=torch.int64)
     dist.recv(size, src, group=group)
-    if not int(size.item()):
-        return b""
+    if not 0 < int(size.item()) <= shutil.disk_usage(room).free:  # (0: the peer had nothing to send)
+        if not int(size.item()):
+            return b""
+        raise RuntimeError(f"rank {src} announced a shard of {int(size.item())} bytes, more than node memory holds")
     buf = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(buf, src, group=group)
     return buf.numpy().tobytes()
