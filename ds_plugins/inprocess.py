@@ -1,4 +1,4 @@
-"""DeepSpeed's part in a dead rank's replacement in the same job (issue 38; trainguard.supervise, trainguard.world,
+"""DeepSpeed's part in a dead rank's replacement in the same job (trainguard.supervise, trainguard.world,
 trainguard.replacement).
 
 Under ``trainguard.supervise`` ``ds_plugins.initialize`` forms the world (a spare waits there, warm, until a rank is

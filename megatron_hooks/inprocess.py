@@ -1,4 +1,4 @@
-"""Megatron-LM's part in a dead rank's replacement in the same job (issue 38; trainguard.supervise, trainguard.world,
+"""Megatron-LM's part in a dead rank's replacement in the same job (trainguard.supervise, trainguard.world,
 trainguard.replacement.reentering).
 
 Megatron-LM's entry scripts hand ``pretrain`` to ``inprocess_restart.maybe_wrap_for_inprocess_restart`` (NVIDIA

@@ -1,4 +1,4 @@
-"""A hung rank in a supervised job (trainguard.supervise; issue 38): the watchdog of the live ranks names it, its
+"""A hung rank in a supervised job (trainguard.supervise): the watchdog of the live ranks names it, its
 process ends -- killed on its host at once, by its supervisor elsewhere -- and a spare takes its place through the
 survivors' usual way (trainguard.replacement), instead of every rank exiting for a restart. A rank left behind in
 an old generation (blocked while the others formed the next) fails its collective by its groups' connections

@@ -1,7 +1,7 @@
 """Alerts as incidents: a condition that persists is one incident, not a record per check per rank.
 
 An attention head collapsed for the rest of a run wrote ``entropy_collapse`` every sampled step on both ranks
-(issue 33: 14 records in 60 steps); an on-call person paged by it would mute it. Now the first alert of a kind
+(14 records in 60 steps); an on-call person paged by it would mute it. Now the first alert of a kind
 *opens* an incident -- its record is written, with ``incident: {"id", "state": "opened"}`` -- and the alerts of
 that kind that follow within ``gap`` steps are folded into it (counted, their worst value kept, their ranks
 merged; no record). When ``gap`` steps pass without one, the incident *closes*: one ``incident_closed`` record

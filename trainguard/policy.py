@@ -156,7 +156,7 @@ class Policy:
                         for t in self.tried):
                 # the fp16 forward overflowed again after a rollback: its range (max 65504) is exceeded by these
                 # weights' activations, which no loss scale changes (it scales the backward only) and another
-                # rollback to the same weights repeats -- continue in bf16 (issue 33: fp16 at too high an LR)
+                # rollback to the same weights repeats -- continue in bf16 (fp16 at too high an LR)
                 remedy = Remedy.BF16_FALLBACK
                 reason += ("; the fp16 forward overflowed again after a rollback: its range is exceeded, no loss "
                            f"scale helps -> {remedy}")

@@ -5,7 +5,7 @@ argparse usage); a callback that cannot be imported only when the guard was buil
 once per job: the JSON files the command line names (``--deepspeed ds.json``, ``--deepspeed_config=ds.json``,
 ``--trainguard-config tg.json``, any argument ending in ``.json`` that is a file) are read; each one holding a
 trainguard block -- or a top-level key one edit away from it -- is parsed as the ranks will parse it, and the
-modules of the callbacks, custom detectors and sinks it names are found on the path (not run: issue 25). A file that is not a ds_config (a tokenizer's
+modules of the callbacks, custom detectors and sinks it names are found on the path (not run). A file that is not a ds_config (a tokenizer's
 vocabulary, a dataset index) is left alone: only a file with the block, or its typo, is judged.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _search_path(command: Iterable[str]) -> list[str]:
 
 def findable(spec: str, key: str, path: list[str] | None = None) -> None:
     """The module of ``"package.module:name"`` found on the path without running any of it (a block's extensions are
-    code: validating must not execute them -- issue 25); a ConfigError naming ``key`` otherwise."""
+    code: validating must not execute them); a ConfigError naming ``key`` otherwise."""
     import importlib.machinery
     import sys
 

@@ -1,4 +1,4 @@
-"""A survivor's way through a rank's replacement in the same job (issue 38), for every adapter.
+"""A survivor's way through a rank's replacement in the same job, for every adapter.
 
 Under ``trainguard.supervise`` a collective that fails on a survivor because a rank died is survived where the
 adapter calls its framework (:func:`surviving`): the adapter's old run on this rank is closed (its guard,

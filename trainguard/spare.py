@@ -1,4 +1,4 @@
-"""A training process's way into a supervised job's world (trainguard.supervise, trainguard.world; issue 38): forming
+"""A training process's way into a supervised job's world (trainguard.supervise, trainguard.world): forming
 it (:func:`form`), and what a spare meets between joining and its first entry into the training function.
 
 A spare runs the user's script from its top, like any rank, and waits where the world forms -- inside the

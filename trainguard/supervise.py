@@ -1,5 +1,5 @@
 """One rank's supervisor: the training process runs as its child, so that a dead training process does not end
-the job, and a hot spare takes its rank (issue 38: the launch and the world; DeepSpeed's part is
+the job, and a hot spare takes its rank (the launch and the world; DeepSpeed's part is
 ds_plugins/inprocess.py, the survivors' trainguard/replacement.py).
 
     torchrun --nproc-per-node 5 -m trainguard.supervise --spares 1 -- train.py --your-args

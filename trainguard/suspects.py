@@ -34,7 +34,7 @@ class SuspectWatch:
     def observe(self, step: int, culprits: dict[int, list[int]], emit, failing=(), data_blamed: bool = False) -> None:
         """``culprits``: this step's culprit ranks and their samples. ``emit``: EventLog.emit.
 
-        A rank's anomalies count against it only while they are its own (issue 33): a step on which every
+        A rank's anomalies count against it only while they are its own: a step on which every
         data-parallel replica held a culprit is no evidence against any one of them, and a culprit on another
         replica voids the occurrences before it -- a numerics failure the run shares (an LR too high, an fp16
         scale collapsing) strikes the ranks in turn, on different steps; counted, it named every rank suspect and

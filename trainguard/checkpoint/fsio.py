@@ -89,7 +89,7 @@ _progress = None  # called per chunk hashed (trainguard.checkpoint.manager sets 
 
 def on_progress(fn) -> None:
     """``fn()`` is called after each chunk a hash reads: a checkpoint of terabytes takes longer to hash and verify
-    than the watchdog's hang_timeout_s, and must not look like a hang (issue 35 item 6)."""
+    than the watchdog's hang_timeout_s, and must not look like a hang."""
     global _progress
     _progress = fn
 

@@ -93,7 +93,7 @@ def resume_on_start(cp, newer_than: int = 0) -> Any:
     crash left in staging, then (unless ``resume`` is "none") load the newest checkpoint that
     verifies, or the newest stable one. Returns what ``load`` returns (None when nothing was loaded).
 
-    It fails closed (issue 25): when the directory holds checkpoints and none loads, or when a
+    It fails closed: when the directory holds checkpoints and none loads, or when a
     restarted attempt finds a directory that is not its run's (no run marker: unmounted, emptied or
     mistyped), it stops with a CheckpointError naming each checkpoint and why it was refused --
     never a fresh start over the run's work, and nothing is moved when nothing was loaded. A fresh
@@ -239,7 +239,7 @@ def newest_resumable_folder(parent: str, mode: str, key: bytes | None = None, ne
     """A trainer's automatic resume (HF's Trainer: ds_plugins.auto): of ``parent``'s numbered checkpoint folders, the
     newest whose checkpoint verifies against its manifest (and is stable, in "stable" mode) -- a trainer's own
     choice is the newest by name, torn or not. Rank 0 decides, every rank learns. None: no checkpoint trainguard
-    wrote is there (the trainer decides as usual). Fails closed (issue 25): when trainguard's checkpoints are there
+    wrote is there (the trainer decides as usual). Fails closed: when trainguard's checkpoints are there
     and none qualifies -- a rotated key, a torn disk -- a CheckpointError names each and why, instead of a fresh
     start whose saves and rotation would then replace them. ``needed``: a supervised job's survivors re-entering
     the trainer after a rank died (trainguard.replacement.reentering) -- None is then an error too."""

@@ -1,4 +1,4 @@
-"""Loads that deserialise only bytes this rank checked (issue 25 item 7), whoever opens the files.
+"""Loads that deserialise only bytes this rank checked, whoever opens the files.
 
 A framework's loader opens a checkpoint's files by path (or a file object opened on one), by itself: DeepSpeed's
 ``torch.load`` of each

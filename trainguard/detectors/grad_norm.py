@@ -9,7 +9,7 @@ verdicts:
 - ``slow_rise``: the log-norm has risen by more than ``trend_rise`` per step (least squares) over the
   last ``trend_steps`` steps and every one of them is above the median -- a sustained creep, which
   is how a too-high LR shows itself before the loss explodes. Reported once per episode. A surge that is
-  irregular never gives a clean slope (issue 33: Megatron-LM's norm jumping z 7.9, 13, 42, 28 with calm steps
+  irregular never gives a clean slope (Megatron-LM's norm jumping z 7.9, 13, 42, 28 with calm steps
   between): ``surges_to_rise`` surges within ``surge_window`` steps are a ``slow_rise`` too.
 """
 from __future__ import annotations

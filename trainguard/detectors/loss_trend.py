@@ -2,7 +2,7 @@
 
 The spike detector (:mod:`trainguard.detectors.loss_spike`) judges one step against a median/MAD window
 of healthy steps -- and a window absorbs a climb that comes one step at a time: each step is only a little
-above the last, so none is a spike, and the window's median follows the loss up (issue 33: Megatron-LM's
+above the last, so none is a spike, and the window's median follows the loss up (Megatron-LM's
 loss falling to ~2.4, then climbing for ~30 iterations to ~7.0, unanswered). This detector keeps the
 *smoothed* loss (the median of the last ``smooth`` steps: one bad batch cannot move it) and the best level it
 has reached (the median of ``4 x smooth`` steps: noise alone does not set it low); when the smoothed loss has

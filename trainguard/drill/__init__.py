@@ -254,7 +254,7 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
         print(f"  the insurance (trainguard without faults) against the clean run: "
               f"{rows[1]['insurance_cost'] * 100:+.1f}% training time (goal <= +2%)", file=stream)
     print("", file=stream)
-    print("cost per fault (steps and seconds lost against the clean run's step time; goals: issue 16):", file=stream)
+    print("cost per fault (steps and seconds lost against the clean run's step time):", file=stream)
     print(format_costs(costs), file=stream)
     print("", file=stream)
     print("goals:", file=stream)

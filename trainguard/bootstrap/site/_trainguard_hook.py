@@ -1,7 +1,7 @@
 """After-import hooks, with no dependencies (the bootstrap loads this before anything else, as a
 top-level module; the adapters import it as trainguard.bootstrap.site._trainguard_hook, through trainguard.bootstrap).
 
-Import-order proof (issue 32): a patch never touches a module whose own code is still running. A user's
+Import-order proof: a patch never touches a module whose own code is still running. A user's
 ``from transformers import Trainer`` executes ``transformers.trainer``, which imports Accelerate half-way,
 whose after-import hook loads the zero-code entry -- while ``transformers.trainer`` has no ``Trainer`` yet.
 :func:`when_complete` runs such a patch later: at the next import anywhere (every :class:`AfterImport`
