@@ -6,8 +6,8 @@ dist_checkpointing writes its ``metadata.json``, an older release ``common.pt`` 
 While :func:`hashed_writes` is open, every file opened for writing under ``root`` -- through ``open``, torch
 DCP's ``FileSystem.create_stream`` or ``torch.save`` of a path -- is hashed from the bytes passed to it, and a
 rename under ``root`` carries its hash along. A forked child reports its files through a pipe made before the
-fork. What is signed at the commit is then what this job wrote, never bytes read back from the folder
-item 1). A file written with a seek backwards cannot be hashed on the way: it is named in ``rewritten`` and the
+fork. What is signed at the commit is then what this job wrote, never bytes read back from the folder.
+A file written with a seek backwards cannot be hashed on the way: it is named in ``rewritten`` and the
 commit hashes it from the staging folder (the job's own, 0700). Reads, and writes elsewhere, pass through.
 """
 from __future__ import annotations
