@@ -217,3 +217,27 @@ def test_a_peer_that_announces_more_than_node_memory_holds_is_refused_never_allo
                         else real_empty(*a, **k))
     with pytest.raises(RuntimeError, match="rank 3 announced a shard of 1152921504606846976 bytes"):
         mt._recv(3, None, tmp_path)
+
+
+def test_the_snapshot_folders_name_taken_by_another_user_is_no_stop(tmp_path, caplog):
+    """Probe 9 (LOW): another local user who created ``/dev/shm/trainguard-<uid>`` first stopped every job with
+    snapshots at start. Now the tier takes a fresh folder of its own beside it (0700, a random name), said in the log;
+    a name the user chose (no ``{uid}``) is still checked and refused as before."""
+    import os
+
+    from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
+
+    uid = os.geteuid()
+    taken = tmp_path / f"trainguard-{uid}"
+    if uid == 0:
+        taken.mkdir()
+        os.chown(taken, 12345, 12345)
+    else:
+        (tmp_path / "theirs").mkdir()
+        taken.symlink_to(tmp_path / "theirs")
+    base = expand(tmp_path / "trainguard-{uid}")
+    assert base != taken and base.parent == tmp_path and base.name.startswith(taken.name + "-")
+    assert private_dir(base, "run", "node", "rank0").is_dir() and (base.stat().st_mode & 0o777) == 0o700
+    assert "another user took the name first" in caplog.text
+    with pytest.raises(UnsafeFolder):
+        private_dir(expand(taken), "run")

@@ -34,8 +34,24 @@ def expand(path: str | os.PathLike) -> Path:
         st = os.lstat(p)
     except OSError:
         return p
+    if "{uid}" in str(path) and (stat.S_ISLNK(st.st_mode) or st.st_uid != uid):
+        return _unsquatted(p, st)
     shared = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH
     return p / f"trainguard-{uid}" if shared else p
+
+
+def _unsquatted(p: Path, st: os.stat_result) -> Path:
+    """The per-user name (``trainguard-{uid}``) taken by someone else first (another user's folder, a link): never a
+    stop of the job -- a fresh folder of this process's own beside it (created 0700 under a random name, so it cannot
+    be taken first), said in the log. Snapshots there do not outlive this process (a restart resumes from disk)."""
+    import logging
+    import tempfile
+
+    fresh = Path(tempfile.mkdtemp(prefix=f"{p.name}-", dir=p.parent))
+    logging.getLogger("trainguard").warning(
+        "trainguard: %s is not this user's (%s): another user took the name first; the in-memory tier uses %s "
+        "instead (a fresh name of this process's: its snapshots do not outlive it)", p, _describe(st), fresh)
+    return fresh
 
 
 def _describe(st: os.stat_result) -> str:
