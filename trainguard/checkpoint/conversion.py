@@ -20,17 +20,18 @@ from pathlib import Path
 from trainguard.checkpoint.commit import commit_staged
 from trainguard.checkpoint.layout import CheckpointError
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
-from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
+from trainguard.checkpoint.reader import VerifiedReader
 from trainguard.checkpoint.private import own_dir
 from trainguard.isolation import broadcast_from_rank0, rank
 
 CACHE = ".universal"
 
 
-def bound(target: Path, digest: str, tag: str, step: int) -> str | None:
-    """Why the conversion at ``target`` is not the one of source ``digest`` (``tag`` at ``step``), or None."""
+def bound(target: Path | Manifest, digest: str, tag: str, step: int) -> str | None:
+    """Why the conversion at ``target`` (or its manifest, as verified) is not the one of source ``digest`` (``tag`` at
+    ``step``), or None."""
     try:
-        man = Manifest.read(target)
+        man = target if isinstance(target, Manifest) else Manifest.read(target)
     except Exception as e:  # noqa: BLE001 - unreadable: not bound
         return f"its manifest does not read: {type(e).__name__}: {e}"
     if man.layout.get("universal_of") != digest:
@@ -49,14 +50,15 @@ def converted(cp, root: Path, tag: str, man: Manifest, digest: str, reader: Veri
     error = pinned = None
     if rank() == 0:
         try:
-            if not (verify(target, key=cp.key).ok and bound(target, digest, tag, man.step) is None):
+            cached = verify(target, key=cp.key)
+            if not (cached.ok and bound(cached.manifest, digest, tag, man.step) is None):
                 error = _convert(cp, root, out_root, tag, man, digest, reader)
-            if error is None:
-                res = verify(target, key=cp.key)  # (what is about to be loaded, checked now)
-                why = bound(target, digest, tag, man.step) if res.ok else f"{res.bad_file}: {res.reason}"
+            if error is None:  # (what is about to be loaded, checked now: the manifest verified, its digest pinned)
+                res = verify(target, key=cp.key)
+                why = bound(res.manifest, digest, tag, man.step) if res.ok else f"{res.bad_file}: {res.reason}"
                 if why is not None:
                     error = f"the conversion {target} cannot be loaded: {why}"
-                pinned = manifest_digest(target)
+                pinned = res.digest
         except Exception as e:  # noqa: BLE001 - (never before the broadcast: the other ranks wait for it)
             error = f"the conversion of {root / tag} failed: {type(e).__name__}: {e}"
     error, pinned = broadcast_from_rank0((error, pinned))
