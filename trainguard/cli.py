@@ -8,7 +8,8 @@
                                    fire drill: a schedule of faults (NaN, poisoned batches, corrupt
                                    checkpoint, LR ramp, fp16 scale collapse) under trainguard and
                                    under plain DeepSpeed, against a clean run; exit 0 when the goals hold
-    trainguard ckpt list DIR | verify DIR [TAG] [--key-env NAME] | inspect DIR TAG | sign DIR [TAG] --key-env NAME [--old-key-env OLD]
+    trainguard ckpt list DIR | verify DIR [TAG] [--key-env NAME] | inspect DIR TAG
+                    | sign DIR [TAG] --key-env NAME [--old-key-env OLD]
                                    committed checkpoints: step, stable, size, checksums, lineage
     trainguard run -- COMMAND [ARGS...]
                                    run your launch command (torchrun, deepspeed, accelerate launch,
