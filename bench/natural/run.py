@@ -213,6 +213,13 @@ def judge(case: Case, runs: dict) -> dict:
     rel = lambda x: None if x is None or not h_eval else x / h_eval - 1  # noqa: E731
     plain_bad = plain["died"] is not None or plain["eval"] is None or rel(plain["eval"]) >= 0.20
     guarded_rel = rel(guarded["eval"])
+    # against plain too (the table is two-sided): the share of plain's gap to healthy the guarded run closed
+    gap = None
+    if guarded["eval"] is not None and h_eval:
+        if plain["eval"] is not None and not plain["died"] and plain["eval"] > h_eval:
+            gap = (plain["eval"] - guarded["eval"]) / (plain["eval"] - h_eval)
+        elif plain["died"] or plain["eval"] is None:
+            gap = 1.0 if abs(guarded_rel) <= 0.10 else 0.0  # (plain died: closed when guarded reached healthy)
     return {
         "case": case.name, "stack": case.stack, "what": case.what,
         "healthy_eval": h_eval, "healthy_actions": [e["event"] for e in healthy["events"]
@@ -224,6 +231,8 @@ def judge(case: Case, runs: dict) -> dict:
         "guarded_did": [f"{e['event']}@{e['step']}:{e['action']}" for e in acted][:6],
         "guarded_aborted": guarded["aborted"],
         "guarded_eval": guarded["eval"], "guarded_rel": guarded_rel, "steps_lost": guarded["lost"],
+        "gap_closed": None if gap is None else round(gap, 3),
+        "ended_by_trainguard": bool(guarded["aborted"]) and not plain["died"] and plain["eval"] is not None,
         "left_band": band, "first_action": first["step"] if first else None,
         "delay": (first["step"] - band) if first and band else None,
         "seconds": {k: v["seconds"] for k, v in runs.items()},
@@ -231,16 +240,17 @@ def judge(case: Case, runs: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'case':<20} {'stack':<9} {'plain vs healthy':<34} {'guarded did (first)':<36} "
-            f"{'lost':>5} {'guarded':>9} {'band':>5} {'delay':>6}")
+    head = (f"{'case':<20.20} {'stack':<9} {'plain vs healthy':<34} {'guarded did (first)':<36} "
+            f"{'lost':>5} {'guarded':>9} {'gap':>5} {'band':>5} {'delay':>6}")
     out = [head, "-" * len(head)]
     for r in rows:
         did = r["guarded_did"][0] if r["guarded_did"] else "nothing"
         if r["guarded_aborted"]:
             did = "ABORT: " + r["guarded_aborted"][:28]
         g = "died" if r["guarded_eval"] is None else f"{r['guarded_rel']:+.1%}"
-        out.append(f"{r['case']:<20} {r['stack']:<9} {r['plain']:<34.34} {did:<36.36} {str(r['steps_lost']):>5} "
-                   f"{g:>9} {str(r['left_band']):>5} {str(r['delay']):>6}")
+        gap = "-" if r.get("gap_closed") is None else f"{r['gap_closed']:.0%}"
+        out.append(f"{r['case']:<20.20} {r['stack']:<9} {r['plain']:<34.34} {did:<36.36} {str(r['steps_lost']):>5} "
+                   f"{g:>9} {gap:>5} {str(r['left_band']):>5} {str(r['delay']):>6}")
     return "\n".join(out)
 
 
@@ -260,6 +270,26 @@ def goals(rows: list[dict]) -> list[tuple[str, bool, str]]:
     ]
 
 
+def corpus_goals(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    """Issue 51's goals, for a generated corpus (judged on held-out seeds): every failing case acted on; guarded
+    within 10% of healthy either way, or >= 90% of plain's gap to healthy closed, in >= 85%; no action on a healthy
+    run; no run ended by trainguard that the framework finished."""
+    bad = [r for r in rows if r["plain_bad"]]
+    acted = [r for r in bad if r["guarded_did"]]
+    good = [r for r in rows if r["guarded_rel"] is not None and (abs(r["guarded_rel"]) <= 0.10 or (
+        r["plain_bad"] and (r.get("gap_closed") or 0) >= 0.9))]
+    false = [r for r in rows if r["healthy_actions"]]
+    ended = [r for r in rows if r.get("ended_by_trainguard")]
+    return [
+        ("every case the plain run fails is acted on", len(acted) == len(bad), f"{len(acted)}/{len(bad)}"),
+        ("guarded within 10% of healthy, or >= 90% of the gap from plain closed, in >= 85% of cases",
+         len(good) >= 0.85 * len(rows), f"{len(good)}/{len(rows)}"),
+        ("no action on a healthy run", not false, f"{len(false)} with actions: {[r['case'] for r in false][:4]}"),
+        ("no run ended by trainguard that the framework finished", not ended,
+         f"{len(ended)}: {[r['case'] for r in ended][:4]}"),
+    ]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
@@ -268,9 +298,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--reuse", action="store_true", help="judge the runs already in --out again (no run)")
     ap.add_argument("--steps", type=int, help="every case this many steps (a quick look; the goals need the cases' own)")
+    ap.add_argument("--corpus", choices=["dev", "held-out"], help="generated cases (bench/natural/corpus.py) instead "
+                    "of the hand-written ones: dev seeds to tune on, held-out seeds to report on")
+    ap.add_argument("--n", type=int, help="with --corpus: the first N seeds' cases (default: all 32)")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # (the HF stack's workers run ``-m bench.natural.hf_train``)
-    chosen = [c for c in CASES if (not args.cases or c.name in args.cases.split(","))
+    pool = CASES
+    if args.corpus:
+        from bench.natural.corpus import cases as generated
+
+        pool = [Case(**c) for c in generated(args.corpus, args.n)]
+    chosen = [c for c in pool if (not args.cases or c.name in args.cases.split(","))
               and (not args.stack or c.stack == args.stack)]
     from bench.natural import megatron_lm as megatron
 
@@ -286,13 +324,13 @@ def main(argv=None) -> int:
     print()
     print(table(rows))
     print()
-    judged = goals(rows)
+    judged = corpus_goals(rows) if args.corpus else goals(rows)
     for name, ok, figure in judged:
         print(f"  [{'met' if ok else 'NOT met'}] {name}: {figure}")
     if args.json:  # (kept with its date, commit and whether the tree was clean: bench/_results.keep)
         from bench._results import keep
 
-        keep(args.json, {"steps_override": args.steps, "goals": [{"goal": n, "met": ok, "figure": f}
+        keep(args.json, {"steps_override": args.steps, "corpus": args.corpus, "goals": [{"goal": n, "met": ok, "figure": f}
                                                                    for n, ok, f in judged],
                          "rows": json.loads(json.dumps(rows, default=str))})
     return 0 if all(ok for _, ok, _ in judged) else 1
