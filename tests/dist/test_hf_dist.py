@@ -123,8 +123,10 @@ def test_after_a_rollback_with_an_lr_cut_the_trainers_step_log_and_checkpoints_a
         assert (folder / f"global_step{n}").is_dir(), sorted(p.name for p in folder.iterdir())
 
 
-SHAPES = (pytest.param("trainer_first", marks=pytest.mark.smoke("zero-code HF Trainer")), "transformers_attribute",
-          "training_arguments_first", "accelerate_first", "deepspeed_first", "trl")  # (tests/support/hf_shapes.py)
+SHAPES = (pytest.param("trainer_first", marks=pytest.mark.smoke("zero-code HF Trainer")),
+          pytest.param("transformers_attribute", marks=pytest.mark.long),
+          pytest.param("training_arguments_first", marks=pytest.mark.long),
+          "accelerate_first", "deepspeed_first", "trl")  # (tests/support/hf_shapes.py; two shapes -m long: CI's time)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

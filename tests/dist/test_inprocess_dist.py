@@ -34,6 +34,7 @@ def _read(out: Path, name: str) -> dict:
     return json.loads((out / name).read_text())
 
 
+@pytest.mark.long  # (CI's time: test_deepspeed_a_killed_rank_is_replaced_by_a_spare_and_ends_bit_identical asserts the same)
 def test_a_killed_rank_is_replaced_by_a_spare_and_the_survivors_keep_their_processes(tmp_path):
     res = _launch(tmp_path, nproc=4, spares=1, max_restarts=0, KILL_RANK="1", KILL_STEP="10")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -49,6 +50,7 @@ def test_a_killed_rank_is_replaced_by_a_spare_and_the_survivors_keep_their_proce
     assert ends[1]["pid"] != _read(tmp_path, "start_rank1_active.json")["pid"]
 
 
+@pytest.mark.long  # (CI's time: test_deepspeed_with_no_spare_left_the_whole_job_restarts_from_node_memory runs the same)
 def test_with_no_spare_left_the_whole_job_restarts_and_says_so(tmp_path):
     res = _launch(tmp_path, nproc=3, spares=0, max_restarts=1, KILL_RANK="1", KILL_STEP="10")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -163,7 +165,8 @@ def test_deepspeed_a_hung_rank_is_named_killed_and_replaced_by_a_spare(tmp_path,
     assert len(starts[0]) == len(starts[2]) == 1 and len(starts[1]) == 2, starts
 
 
-@pytest.mark.parametrize("during,step,resumed", [("snapshot", 8, 6), ("save", 10, 8)])
+@pytest.mark.parametrize("during,step,resumed", [("snapshot", 8, 6),
+                                                 pytest.param("save", 10, 8, marks=pytest.mark.long)])  # (save: long)
 def test_deepspeed_a_rank_killed_while_writing_a_snapshot_is_replaced_and_its_partial_snapshot_never_chosen(
         tmp_path, clean, during, step, resumed):
     """Rank 1 dies inside the writer of its step-8 snapshot (after the first file, before the commit): the survivors

@@ -442,6 +442,8 @@ def test_a_hung_rank_is_named_and_the_restart_resumes(tmp_path):
     assert res[0]["param_sha256"] == res[1]["param_sha256"]
 
 
+@pytest.mark.long  # (CI's time: the in-memory tier on megatron runs in test_snapshots_resume_exactly_and_reshard_tp2_to_tp1
+# and Megatron-LM's test_a_killed_rank_comes_back_from_node_memory_losing_at_most_one_iteration)
 def test_the_distributed_optimizer_comes_back_from_node_memory_exactly(tmp_path):
     """The in-memory tier with megatron's distributed optimizer (issue 23 item 3), DP=2: each rank's snapshot
     holds its own shard of the fp32 main parameters and Adam's state (no gather). Rank 1 SIGKILLed at 9,
@@ -487,6 +489,7 @@ def test_node_memory_of_another_layout_is_passed_over_for_the_disk_snapshots(tmp
     assert all(r["guard_iteration"] == 10 and r["weights_finite"] for r in results)
 
 
+@pytest.mark.long  # (CI's time: a spare in megatron's process runs in Megatron-LM's own loop, test_megatron_lm_dist.py)
 def test_your_own_loop_survives_a_killed_rank_in_process_with_a_spare(tmp_path):
     """megatron_hooks.supervised (issue 38, your own megatron-core loop): DP=2 and a spare under
     ``torchrun ... -m trainguard.supervise --spares 1 -- -m tests.support.megatron_worker ...``; rank 1 SIGKILLed at
@@ -524,7 +527,8 @@ def test_your_own_loop_survives_a_killed_rank_in_process_with_a_spare(tmp_path):
 
 
 @pytest.mark.parametrize("layout,more", [("tp", []), pytest.param("pp", [], marks=pytest.mark.long),
-                                         ("dp", ["--dist-opt"])], ids=["tp", "pp", "dp-distopt"])  # (pp: -m long)
+                                         pytest.param("dp", ["--dist-opt"], marks=pytest.mark.long)],
+                         ids=["tp", "pp", "dp-distopt"])  # (pp, dp-distopt: -m long -- CI's time; the fuzz's long half)
 def test_fp16_whose_first_steps_were_skipped_restarts_from_its_first_step_and_lives(tmp_path, layout, more):
     """Issue 50's shape on a megatron-core loop: fp16 whose first steps overflow (the first step's snapshot holds no
     optimizer moments), then updates, then a restart to that snapshot (forced at 10) -- at TP=2, at PP=2 (pipeline
