@@ -38,7 +38,8 @@ def _edit(tag_dir: Path, **changes) -> None:
     (tag_dir / "manifest.json").write_text(json.dumps(man))
 
 
-def test_an_edited_step_in_old_manifests_never_makes_retention_delete_the_new_checkpoints(tmp_path, monkeypatch):
+def test_an_edited_step_in_old_manifests_never_makes_retention_delete_the_new_checkpoints(tmp_path, monkeypatch,
+                                                                                          caplog):
     """Probe 1 (HIGH): ``step: 1000000000`` in the oldest manifests sorted them newest, and retention deleted every
     new checkpoint right after its commit. Now unsigned manifests are passed over: they decide nothing."""
     fw, cp, root, _ = _saved(tmp_path, monkeypatch, keep_last=2)
@@ -52,6 +53,7 @@ def test_an_edited_step_in_old_manifests_never_makes_retention_delete_the_new_ch
     assert layout.tags() == ["step00000020"]
     assert {p["tag"] for p in layout.passed_over()} == {"step00000010", "step00000015"}
     assert all("HMAC mismatch" in p["reason"] for p in layout.passed_over())
+    assert "step00000010: HMAC mismatch" in caplog.text  # (named in the log by retention)
     fw.steps = 0
     assert cp.load(root) == "step00000020" and fw.steps == 20
 

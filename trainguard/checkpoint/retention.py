@@ -2,10 +2,14 @@
 newest ``keep_stable`` stable ones, and always keeping the newest ``keep_last``."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
+
+
+_SAID: set = set()  # (folder, tag) already named in the log
 
 
 def to_delete(tags_oldest_first: list[str], stable: set[str], keep_last: int, keep_stable: int) -> list[str]:
@@ -26,6 +30,11 @@ def apply(root: Path, keep_last: int, keep_stable: int, key: bytes | None = None
 
     layout = CheckpointLayout(root, key)
     tags = layout.tags()
+    for p in layout.passed_over():  # (named once per folder and tag: kept, never a reason to delete a verified one)
+        if (str(root), p["tag"]) not in _SAID:
+            _SAID.add((str(root), p["tag"]))
+            logging.getLogger("trainguard").warning("trainguard: %s/%s: %s (retention keeps it and counts it for "
+                                                    "nothing)", root, p["tag"], p["reason"])
     stable = {t for t in tags if is_stable(layout, t)}
     doomed = to_delete(tags, stable, keep_last, keep_stable)
     for t in doomed:
