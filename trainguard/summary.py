@@ -121,12 +121,12 @@ def summarize(lines: list[dict]) -> str:
                 line += f"; action {', '.join(actions)}"
             out.append(line)
     done = [(k, by[k]) for k in REMEDIES if by.get(k)]
-    skips = sorted({e["step"] for e in events if e.get("action") == "skip_step"})
+    skips = sorted({e["step"] for e in events if e.get("action") == "skip_step" and e["event"] != "overflow"})
     if done or skips:
         out.append("done about it:")
         if skips:
             out.append(f"  skip_step            x{len(skips):<3} at steps {skips[:12]}{' ...' if len(skips) > 12 else ''}"
-                       " (the step's update left out, the run went on)")
+                       " (the step's update left out, the run went on; an fp16 scaler's own: overflow above)")
         out += [_done(kind, es) for kind, es in done]
     rejected = [(i, why, e["step"]) for e in by.get("samples_rejected") or [] for i, why in _rejected(e)]
     if rejected:

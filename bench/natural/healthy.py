@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.natural.run import ACTIONS, BLOCK, Case, incidents, summarise_run  # noqa: E402
+from bench.natural.run import BLOCK, Case, acted_on, incidents, summarise_run  # noqa: E402
 from trainguard.demo.run import run_worker  # noqa: E402
 
 RUNS = {
@@ -59,8 +59,7 @@ def run_one(case: Case, out: Path) -> dict:
         rc, results = run_worker(d / "ds_config.json", d, case.steps, extra=case.args("guarded"), timeout=3600,
                                  **case.launch("guarded"))
         summary = summarise_run(d, rc, results, time.time() - t0)
-    acted = [{"step": e["step"], "event": e["event"], "action": e.get("action")} for e in summary["events"]
-             if e.get("action") in ACTIONS]
+    acted = [{"step": e["step"], "event": e["event"], "action": e.get("action")} for e in acted_on(summary["events"])]
     steps = summary["steps"] or 0
     per_1k = round(1000 * incidents(summary["events"]) / max(steps, 1), 2)
     finished = not summary["died"] and not summary["aborted"] and steps >= case.steps

@@ -64,6 +64,14 @@ HF_BASE = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_step
            "steps_per_print": 1000000}
 PREFIX = [sys.executable, "-m", "trainguard.cli", "run", "--"]
 ACTIONS = ("skip_step", "rollback", "rollback_lower_lr", "bf16_fallback", "abort")
+# records of what the framework did itself, not trainguard: an fp16 scaler's routine overflow (DeepSpeed skipped the
+# step and halved the scale; trainguard only says so) -- never counted as trainguard's action
+ROUTINE = ("overflow", "framework_skip")
+
+
+def acted_on(events: list) -> list:
+    """trainguard's own actions among a run's records."""
+    return [e for e in events if e.get("action") in ACTIONS and e["event"] not in ROUTINE]
 
 
 @dataclass
@@ -207,7 +215,7 @@ def incidents(events: list) -> int:
 def judge(case: Case, runs: dict) -> dict:
     healthy, plain, guarded = runs["healthy"], runs["plain"], runs["guarded"]
     h_eval = healthy["eval"]
-    acted = [e for e in guarded["events"] if e.get("action") in ACTIONS and e["event"] != "rollback"]
+    acted = [e for e in acted_on(guarded["events"]) if e["event"] != "rollback"]
     first = acted[0] if acted else None
     band = left_band(plain["losses"])
     rel = lambda x: None if x is None or not h_eval else x / h_eval - 1  # noqa: E731
@@ -222,8 +230,7 @@ def judge(case: Case, runs: dict) -> dict:
             gap = 1.0 if abs(guarded_rel) <= 0.10 else 0.0  # (plain died: closed when guarded reached healthy)
     return {
         "case": case.name, "stack": case.stack, "what": case.what,
-        "healthy_eval": h_eval, "healthy_actions": [e["event"] for e in healthy["events"]
-                                                    if e.get("action") in ACTIONS],
+        "healthy_eval": h_eval, "healthy_actions": [e["event"] for e in acted_on(healthy["events"])],
         "healthy_incidents_per_1k": round(1000 * incidents(healthy["events"]) / max(healthy["steps"] or 1, 1), 2),
         "plain": "died at step %s: %s" % (plain["steps"], (plain["died"] or "")[:60]) if plain["died"]
         else f"{plain['eval']:.3f} ({rel(plain['eval']):+.0%})" if plain["eval"] is not None else "NaN",
