@@ -95,7 +95,7 @@ if [ "$rc" -ne 0 ] && { [ "$hung" -eq 1 ] || [ "$rc" -eq 75 ] || [ "$rc" -eq 137
       fi
     done
   fi
-  say "requeueing job $SLURM_JOB_ID (exit $rc$( [ -n "$TRAINGUARD_HANG_MARKER" ] && [ -s "$TRAINGUARD_HANG_MARKER" ] && echo ', a hang'))${EXCLUDE:+ without $EXCLUDE}"
+  say "requeueing job $SLURM_JOB_ID (exit $rc$( [ "$hung" -eq 1 ] && echo ', a hang'))${EXCLUDE:+ without $EXCLUDE}"
   # Slurm changes the node list of a pending job only: requeue first, then exclude. The requeue sends this
   # script SIGTERM (and SIGKILL KillWait seconds later); the exclusion is made in between.
   trap '' TERM

@@ -243,3 +243,42 @@ def test_the_snapshot_folders_name_taken_by_another_user_is_no_stop(tmp_path, ca
     assert "another user took the name first" in caplog.text
     with pytest.raises(UnsafeFolder):
         private_dir(expand(taken), "run")
+
+
+def test_a_fresh_start_sets_aside_every_checkpoint_and_a_rotation_keeps_the_marks_it_verified(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """From a review of this work: ``resume: "none"`` with a key set aside only the verified checkpoints (one signed
+    with an old key stayed, and a later save of its tag deleted it); a key rotation dropped every stable mark (then
+    retention deleted what they protected); a rotation signed a checkpoint carrying no signature at all; a storage
+    error on a stable mark escaped rank 0's choice (the other ranks would wait in the broadcast)."""
+    import os
+
+    from trainguard.cli import main
+
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch)
+    assert signed.write_mark(root / "step00000010", STABLE, {"stable_at_step": 12, "stable_after": 2}, KEY) is None
+    # a rotation: the old key's marks signed anew for the manifest just verified; an unsigned checkpoint refused
+    monkeypatch.setenv("TG_OLD", KEY.decode())
+    monkeypatch.setenv("TG_NEW", "a-new-key-of-the-job-0123")
+    os.unlink(root / "step00000005" / "manifest.hmac")
+    assert main(["ckpt", "sign", str(root), "--key-env", "TG_NEW", "--old-key-env", "TG_OLD"]) == 1
+    out = capsys.readouterr().out
+    assert "step00000005: NOT SIGNED: it carries no signature of the old key" in out
+    assert "step00000010: signed" in out and "marks signed: stable.json" in out
+    new = CheckpointLayout(root, b"a-new-key-of-the-job-0123")
+    assert new.tags() == ["step00000010", "step00000015"] and signed.stable(new, "step00000010")
+    # a fresh start under the new key: every committed folder set aside, the unverifiable one too -- none deleted
+    fw2, cp2, _ = _manager(tmp_path, monkeypatch, resume="none")
+    cp2.key = b"a-new-key-of-the-job-0123"  # (the job's key is now the new one)
+    assert cp2.resume_on_start() is None
+    kept = sorted(p.name.split(".")[0] for p in (root / ".abandoned").iterdir())
+    assert kept == ["step00000005", "step00000010", "step00000015"] and CheckpointLayout(root).committed() == []
+    # a storage error on a stable mark: an io_error entry of rank 0's choice, never a raise before the broadcast
+    for p in (root / ".abandoned").iterdir():
+        os.replace(p, root / p.name.split(".")[0])
+    real = listing.read_regular
+    monkeypatch.setattr(listing, "IO_BACKOFF_S", 0.001)
+    monkeypatch.setattr(listing, "read_regular", lambda p: (_ for _ in ()).throw(OSError(errno.EIO, "EIO", str(p)))
+                        if Path(p).name == STABLE else real(p))
+    tag, skipped, _ = cp2.choose(root, "stable")
+    assert tag is None and skipped[-1]["io_error"] and "stable.json" in skipped[-1]["bad_file"]

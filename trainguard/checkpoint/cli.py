@@ -93,7 +93,11 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | No
     another key is signed anew only in a key rotation (``old_key``): verified with the old key first -- its signature
     and every file's sha256 -- and the exact manifest bytes verified signed with the new one (never a manifest any
     writer of the folder could have rewritten to match planted files)."""
+    import os
+
     from trainguard.checkpoint.auth import SIGNATURE, problem, sign_verified
+    from trainguard.checkpoint.layout import CheckpointError
+    from trainguard.checkpoint.signed import resign_marks
 
     layout, tags = _chosen(root, tag)
     if not tags:
@@ -101,9 +105,14 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | No
     bad = 0
     for t in tags:
         d = layout.tag_dir(t)
-        signed = (d / SIGNATURE).is_file()
+        signed = os.path.lexists(d / SIGNATURE)
         if signed and problem(d, key) is None:
             print(f"{t}: already signed with this key")
+            continue
+        if not signed and old_key is not None:  # (a rotation signs only what the old key signed)
+            bad += 1
+            print(f"{t}: NOT SIGNED: it carries no signature of the old key (sign it without --old-key-env if you "
+                  "trust it as it is)")
             continue
         if signed and old_key is None:
             bad += 1
@@ -115,6 +124,13 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | No
             bad += 1
             print(f"{t}: NOT SIGNED: {d / str(res.bad_file)}: {res.reason}")
             continue
-        sign_verified(d, key, res.digest)
-        print(f"{t}: signed ({len(res.manifest.files)} files verified{' with the old key' if signed else ''})")
+        try:
+            sign_verified(d, key, res.digest)
+            marks = resign_marks(d, old_key, key, res.digest)
+        except (OSError, CheckpointError) as e:
+            bad += 1
+            print(f"{t}: NOT SIGNED: {e}")
+            continue
+        print(f"{t}: signed ({len(res.manifest.files)} files verified{' with the old key' if signed else ''}"
+              f"{'; marks signed: ' + ', '.join(marks) if marks else ''})")
     return 1 if bad else 0

@@ -4,12 +4,13 @@ checkpoint saved again under the same tag replaces the old one only at that rena
 updated. A crash at any point leaves the old checkpoint or the new one, never half of one."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, atomic_write_text, fsync_dir, make_durable
-from trainguard.checkpoint.layout import LATEST, MANIFEST, STAGING, CheckpointLayout
+from trainguard.checkpoint.layout import LATEST, MANIFEST, STAGING, CheckpointLayout, read_manifest
 from trainguard.checkpoint.manifest import Manifest
 
 
@@ -63,6 +64,13 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
     fsync_dir(root)
     atomic_write_text(root / LATEST, tag)
     shutil.rmtree(staging_root, ignore_errors=True)
+    if aside.exists() and key is not None and read_manifest(aside, key).why is not None:
+        from trainguard.checkpoint.private import own_dir  # (not this run's to delete: set aside, kept, said)
+
+        kept = own_dir(root / ".abandoned") / f"{tag}.{nonce}"
+        os.replace(aside, kept)
+        logging.getLogger("trainguard").warning("trainguard: %s held a checkpoint whose manifest does not verify with "
+                                                "this run's key: moved to %s (kept), not deleted", final, kept)
     shutil.rmtree(aside, ignore_errors=True)
     return final
 

@@ -7,6 +7,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from trainguard.checkpoint.layout import CheckpointError
 from trainguard.checkpoint.rollback import choose_rollback
 from trainguard.events import Record
 from trainguard.isolation import broadcast_from_rank0, rank
@@ -78,7 +79,7 @@ def first_target(cp) -> tuple[Path | None, str | None, str]:
             choice = (None, "no checkpoint of the first step", []) if root is None or not root.exists() else \
                 choose_rollback(root, 1, "latest_valid", floor, inclusive=True, key=cp.key,
                                 skip=cp.unloadable)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # (a StorageError too: no verdict, no rollback chosen on it)
             choice = (None, f"the first step's checkpoint could not be listed: {e}", [])
     tag, why, bad = broadcast_from_rank0(choice)
     for b in bad:

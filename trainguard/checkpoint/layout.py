@@ -106,7 +106,12 @@ class SignedManifest:
     @property
     def step(self) -> int | None:
         step = (self.data or {}).get("step")
-        return step if isinstance(step, int) and not isinstance(step, bool) else None
+        if isinstance(step, bool) or not isinstance(step, (int, str)):
+            return None
+        try:
+            return int(step)  # (as Manifest.read takes it: "5" is 5)
+        except ValueError:
+            return None
 
 
 def read_manifest(tag_dir: str | os.PathLike, key: bytes | None) -> SignedManifest:
@@ -159,6 +164,7 @@ class CheckpointLayout:
         self.invalid_names: list[str] = []
         self.unverified: dict[str, str] = {}  # tag -> why its manifest is not trusted (with a key)
         self.digests: dict[str, str] = {}     # tag -> sha256 of the manifest bytes listed
+        self.data: dict[str, dict] = {}       # tag -> the manifest those bytes parse to (decisions read this)
 
     def tag_dir(self, tag: str) -> Path:
         return self.root / validate_tag(tag)
@@ -191,7 +197,7 @@ class CheckpointLayout:
         listed at step -1 (verify says why); with one, an unverified one is passed over. A storage error raises
         StorageError (the file, the errno): never a step."""
         out = []
-        self.invalid_names, self.unverified, self.digests = [], {}, {}
+        self.invalid_names, self.unverified, self.digests, self.data = [], {}, {}, {}
         for name in self.committed():
             if not _TAG.match(name) or ".." in name:
                 self.invalid_names.append(name)  # committed-looking, but no valid tag: passed over
@@ -200,7 +206,7 @@ class CheckpointLayout:
             if self.key is not None and (man.why is not None or man.step is None):
                 self.unverified[name] = man.why or "malformed manifest: no integer 'step'"
                 continue
-            self.digests[name] = man.digest
+            self.digests[name], self.data[name] = man.digest, man.data or {}
             out.append((man.step if man.step is not None else -1, name))
         return [(name, step) for step, name in sorted(out)]
 

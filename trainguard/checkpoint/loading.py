@@ -38,16 +38,17 @@ def load(cp, root, tag: str | None = None, mode: str = "latest_valid", purpose: 
     if tag is not None and disk_tag(tag)[1]:  # a rollback target in memory
         return load_memory(cp, disk_tag(tag)[0], purpose, [], kwargs)
     chosen, skipped = cp.choose_for_load(root, tag, mode)
+    tag_dir = CheckpointLayout(root).tag_dir(chosen) if chosen is not None else None
+    # (every rank: the manifest pinned to the bytes rank 0 verified, read once -- its step, layout, files)
+    reader = VerifiedReader(tag_dir, cp.chosen_digest, cp.key) if tag_dir is not None else None
     if tag is None and cp.snapshots is not None and mode != "stable":  # the newest valid tier
-        found = cp.snapshots.choose(lo=max(cp.disk_step(root, chosen) + 1, cp._newer_than + 1,
+        found = cp.snapshots.choose(lo=max((reader.manifest.step if reader else -1) + 1, cp._newer_than + 1,
                                              cp.not_before(root)))
         if found is not None:
             return load_memory(cp, found[0], purpose, skipped, kwargs)
     if chosen is None:
         return cp.NOTHING
-    tag_dir = CheckpointLayout(root).tag_dir(chosen)
-    reader = VerifiedReader(tag_dir, cp.chosen_digest, cp.key)
-    man = reader.manifest  # (the bytes pinned to those rank 0 verified: never read again)
+    man = reader.manifest
     result, detail = load_disk(cp, root, chosen, man, reader, purpose, **kwargs)
     cp.roots[chosen] = root
     if purpose == "rollback":

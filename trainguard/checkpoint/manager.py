@@ -25,7 +25,7 @@ from trainguard.checkpoint import auth, first, loading, resume, rollback
 from trainguard.checkpoint.first import FIRST, FIRST_KEPT
 from trainguard.checkpoint.fsio import beat_from_training_thread
 from trainguard.checkpoint.health import CheckpointHealth, ResumeCheck
-from trainguard.checkpoint.layout import STABLE, TRAJECTORY, CheckpointError, read_manifest, step_tag
+from trainguard.checkpoint.layout import STABLE, TRAJECTORY, CheckpointError, step_tag
 from trainguard.checkpoint.pacing import SnapshotPacer
 from trainguard.checkpoint.retention import apply as apply_retention
 from trainguard.checkpoint.saving import Saver
@@ -113,7 +113,10 @@ class CheckpointManager:
                 continue
             name, mark = (TRAJECTORY, {"losses": {str(k): v for k, v in value.items()}}) if kind == "trajectory" \
                 else (STABLE, {"stable_at_step": value, "stable_after": self.cfg.stable_after})
-            why = write_mark(root / tag, name, mark, self.key)  # (signed, bound to its verified manifest)
+            try:
+                why = write_mark(root / tag, name, mark, self.key)  # (signed, bound to its verified manifest)
+            except (OSError, CheckpointError) as e:  # (a mark is advice: its failure never stops rank 0 alone)
+                why = f"{root / tag}: the {name} mark could not be written: {e}"
             if why is not None:
                 logging.getLogger("trainguard").warning("trainguard: %s", why)
             elif kind == "stable":
@@ -219,12 +222,6 @@ class CheckpointManager:
         snapshots in memory dropped)."""
         return rollback.abandon_trajectory(self, root, step)
 
-    def disk_step(self, root: Path, tag: str | None) -> int:
-        """The step checkpoint ``tag`` signs (-1: none); one whose manifest does not verify any more is refused."""
-        man = read_manifest(root / tag, self.key) if tag is not None else None
-        if man is not None and (man.why is not None or man.step is None):
-            raise CheckpointError(f"{root / tag}: {man.why or 'no step in the manifest'}: refused")
-        return man.step if man is not None else -1
 
     # ------------------------------------------------------------------ the in-memory tier (every adapter)
     def snapshot(self) -> str | None:

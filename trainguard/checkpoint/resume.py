@@ -21,12 +21,16 @@ from trainguard.isolation import broadcast_from_rank0, rank
 def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | None]:
     """Rank 0: the newest checkpoint that verifies (and is stable, in 'stable' mode), what it passed over, and the
     sha256 of the manifest bytes it verified. A storage error while listing is an ``io_error`` entry: no choice."""
-    layout = CheckpointLayout(root, cp.key)
     try:
-        steps = layout.steps()
-    except StorageError as e:
+        return _choose(cp, root, mode)
+    except StorageError as e:  # (rank 0, before the broadcast: a storage error is the choice's answer, never a raise)
         return None, [{"tag": e.path.parent.name, "bad_file": e.path.name, "reason": str(e), "dir": str(root),
                        "io_error": True}], None
+
+
+def _choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | None]:
+    layout = CheckpointLayout(root, cp.key)
+    steps = layout.steps()
     skipped = layout.passed_over()
     for tag, step in reversed(steps):
         if step <= cp._newer_than:  # (older ones are older still)
@@ -110,11 +114,16 @@ def resume_on_start(cp, newer_than: int = 0) -> Any:
     state = None
     if rank() == 0:
         existed, marked = cp._found  # (as found at construction: rank 0 with a dir always has it)
-        restored = restore_interrupted(root) if root.is_dir() else []
-        if (root / STAGING).is_dir():
-            shutil.rmtree(root / STAGING, ignore_errors=True)  # never-committed saves
-        state = (existed, marked, restored)
-    existed, marked, restored = broadcast_from_rank0(state)
+        try:
+            restored = restore_interrupted(root) if root.is_dir() else []
+            if (root / STAGING).is_dir():
+                shutil.rmtree(root / STAGING, ignore_errors=True)  # never-committed saves
+            state = (existed, marked, restored, None)
+        except (OSError, CheckpointError) as e:  # (never before the broadcast: the others wait for it)
+            state = (existed, marked, [], f"trainguard: checkpoint.dir {root}: {e}: nothing moved, the run stops")
+    existed, marked, restored, error = broadcast_from_rank0(state)
+    if error:
+        raise CheckpointError(error)
     if restored:
         cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, {
             "dir": str(root), "tag": ", ".join(restored), "bad_file": STAGING,
@@ -221,7 +230,7 @@ def first_resumable(roots, mode: str, key: bytes | None = None) -> tuple[Path | 
             tags = layout.tags()
         except StorageError as e:  # (no verdict: the resume stops naming it)
             return None, [*refused, str(e)]
-        refused += [f"{root.name}/{p['tag']}: {p['reason']}" for p in layout.passed_over()]
+        refused += [f"{root.name}/{t}: {why}" for t, why in layout.unverified.items()]  # (with a key)
         if not tags:
             continue
         res = verify(layout.tag_dir(tags[-1]), key=key)
@@ -252,7 +261,10 @@ def newest_resumable_folder(parent: str, mode: str, key: bytes | None = None, ne
         if not os.path.isdir(parent):
             return None, []
         found = sorted((int(m.group(1)), name) for name in os.listdir(parent) if (m := re.fullmatch(pattern, name)))
-        root, refused = first_resumable([os.path.join(parent, name) for _, name in reversed(found)], mode, key)
+        try:  # (rank 0, before the broadcast: a storage error is a refusal, never a raise)
+            root, refused = first_resumable([os.path.join(parent, name) for _, name in reversed(found)], mode, key)
+        except (OSError, CheckpointError) as e:
+            return None, [str(e)]
         return (str(root) if root is not None else None), refused
 
     mine = choose() if not dist.is_initialized() or dist.get_rank() == 0 else None

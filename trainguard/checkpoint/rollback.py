@@ -10,7 +10,8 @@ import uuid
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir
-from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, StorageError, read_manifest
+from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, StorageError, read_manifest, \
+    validate_tag
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.signed import stable as is_stable
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag, snapshot_step
@@ -27,7 +28,7 @@ def fitting_after(root: Path, field: str, value, key: bytes | None = None) -> in
     layout = CheckpointLayout(root, key)
     floor = 0
     for tag, step in layout.steps():
-        had = (read_manifest(layout.tag_dir(tag), key).data or {}).get("layout")
+        had = layout.data.get(tag, {}).get("layout")  # (the bytes the listing verified: never read again)
         if not isinstance(had, dict):  # (unreadable: choose_rollback verifies it and reports it)
             continue
         said = had.get(field, had.get("dtype", value) if field == "precision" else value)  # (before stop 42: dtype)
@@ -57,7 +58,8 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
         if not_before <= step < onset + (1 if inclusive else 0) and target_key(root, tag) not in skip:
             seen.append((tag, verify(layout.tag_dir(tag), key=key)))
     valid = [t for t, res in seen if res.ok]
-    stable = [t for t in valid if is_stable(layout, t)]
+    digest = {t: res.digest for t, res in seen}
+    stable = [t for t in valid if is_stable(layout, t, digest[t])]  # (bound to the manifest verify read)
     if mode == "stable" and stable:
         chosen, why = stable[0], "newest stable checkpoint before the onset"
     elif valid:
@@ -83,7 +85,10 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
     signed manifest says a later step (an unsigned one is never moved on what it says)."""
     layout = CheckpointLayout(root, key)
     moved = []
-    for tag, saved_at in layout.steps():
+    # (a fresh start, step -1: every committed folder, verified or not -- a move, not a decision on its bytes; a later
+    # save of the same tag would otherwise replace one another key signed)
+    listed = [(t, 0) for t in layout.committed() if _valid_name(t)] if step < 0 else layout.steps()
+    for tag, saved_at in listed:
         if saved_at > step:
             from trainguard.checkpoint.private import own_dir
 
@@ -98,6 +103,14 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
     return moved
 
 
+def _valid_name(tag: str) -> bool:
+    try:
+        validate_tag(tag)
+        return True
+    except CheckpointError:
+        return False
+
+
 # ---------------------------------------------------------------------- every rank (the checkpoint manager's)
 def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
     """Rank 0 chooses on disk (:func:`choose_rollback`), every rank learns; then the newest valid tier: a
@@ -108,16 +121,17 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
     if rank() == 0:
         try:
             choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable)
-        except StorageError as e:  # (never before the broadcast: the others wait for it) no rollback past it
-            choice = (None, str(e), [{"tag": e.path.parent.name, "bad_file": e.path.name, "reason": str(e),
-                                      "dir": str(root), "io_error": True}])
-    tag, why, bad = broadcast_from_rank0(choice)
+            choice = (*choice, read_manifest(root / choice[0], cp.key).step if choice[0] else -1)  # (signed)
+        except (StorageError, OSError) as e:  # (never before the broadcast: the others wait for it) no rollback
+            choice = (None, str(e), [{"tag": getattr(e, "path", root).parent.name, "bad_file": Path(
+                getattr(e, "path", root)).name, "reason": str(e), "dir": str(root), "io_error": True}], -1)
+    tag, why, bad, disk_step = broadcast_from_rank0(choice)
     for b in bad:
         cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, b)
     if cp.snapshots is None:
         return tag, why
     only = {disk_tag(t)[0] for t in cp.stable_snapshots} if mode == "stable" else None
-    found = cp.snapshots.choose(lo=max(cp.disk_step(root, tag) + 1, floor),
+    found = cp.snapshots.choose(lo=max((disk_step if disk_step is not None else -1) + 1, floor),
                                 hi=onset + (1 if inclusive else 0), only=only)
     if found is None or memory_tag(found[0]) in cp.unloadable:
         return tag, why

@@ -182,7 +182,7 @@ class Saver:
         kept): logged, never a failed save."""
         try:
             self.cp.retention(root)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # (a StorageError: nothing deleted on it)
             import logging
 
             logging.getLogger("trainguard").warning("trainguard: retention in %s failed (%s: %s); the older "

@@ -47,11 +47,11 @@ def read_mark(tag_dir: str | os.PathLike, name: str, key: bytes | None,
     try:
         body = json.loads(raw)
     except ValueError as e:
-        return None, f"{name}: malformed ({e}): ignored"
+        body = e
+    if key is None:  # (no authentication: a mark is there or not, as before -- its content read where it parses)
+        return (body if isinstance(body, dict) else {}), None
     if not isinstance(body, dict):
-        return None, f"{name}: malformed (not a JSON object): ignored"
-    if key is None:
-        return body, None
+        return None, f"{name}: malformed ({body if isinstance(body, ValueError) else 'not a JSON object'}): ignored"
     if digest is None:
         man = read_manifest(tag_dir, key)
         if man.why is not None:
@@ -70,3 +70,19 @@ def stable(layout: CheckpointLayout, tag: str, digest: str | None = None) -> boo
     manifest its listing verified, or ``digest``'s)."""
     mark, _ = read_mark(layout.tag_dir(tag), STABLE, layout.key, digest or layout.digests.get(tag))
     return mark is not None
+
+
+def resign_marks(tag_dir: str | os.PathLike, old_key: bytes | None, key: bytes, digest: str) -> list[str]:
+    """After its manifest was signed with ``key`` (trainguard ckpt sign): the marks that ``old_key`` signed for that
+    manifest (``digest``) -- or, turning authentication on (no ``old_key``), the marks as written -- signed with
+    ``key``; a mark the old key did not sign for this manifest is left as it is (it reads as absent). Returns the
+    marks signed."""
+    from trainguard.checkpoint.layout import TRAJECTORY
+
+    done = []
+    for name in (STABLE, TRAJECTORY):
+        mark, _ = read_mark(tag_dir, name, old_key, digest)
+        if mark is not None and write_mark(tag_dir, name, {k: v for k, v in mark.items()
+                                                           if k not in ("hmac", "manifest_sha256")}, key) is None:
+            done.append(name)
+    return done

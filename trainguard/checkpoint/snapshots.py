@@ -256,7 +256,7 @@ def _valid(root: Path, key: bytes | None, world: int, fits: dict | None = None,
             if refused is not None:
                 refused.append({"tag": tag, "dir": str(root), "bad_file": res.bad_file, "reason": res.reason})
             continue
-        saved = Manifest.read(tag_dir).layout
+        saved = res.manifest.layout  # (the manifest verify read: never read again)
         if all(saved.get(k) == v for k, v in want.items()):
             out.append((tag, step))
     return out
