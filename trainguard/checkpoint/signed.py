@@ -11,7 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from trainguard.checkpoint.layout import MANIFEST, STABLE, CheckpointLayout, read_optional, read_manifest
+from trainguard.checkpoint.layout import MANIFEST, STABLE, CheckpointLayout, read_manifest, read_optional
+
 
 def _mac(key: bytes, name: str, body: dict) -> str:
     payload = json.dumps({k: v for k, v in body.items() if k != "hmac"}, sort_keys=True, separators=(",", ":"))
