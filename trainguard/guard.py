@@ -237,7 +237,8 @@ class StepGuard:
         """CLOSE: the last metric line, totals, then close the files."""
         self.deferred.close(self.world)
         self.log.run_end(self.last_step, self.world, {"guard_skipped_steps": self.skipped_steps,
-                                                      "nonfinite_steps": self.policy.total_nonfinite, **(totals or {})})
+                                                      "nonfinite_steps": self.policy.total_nonfinite,
+                                                      "checks_run": self.detectors.checks_run(), **(totals or {})})
 
     # ------------------------------------------------------------------ records
     def forward_done(self) -> None:

@@ -127,7 +127,8 @@ def test_a_device_that_computes_wrong_is_named_by_its_peers_replays(tmp_path):
 def test_both_sdc_checks_every_step_in_bf16_at_zero2_with_dropout_find_nothing_in_a_healthy_run(tmp_path, torchrun):
     """Issue 36 item 6: the false-verdict runs were fp32 only, while the shipped ZeRO-2 config turns both checks on
     in bf16. Here both run every step for 200 steps of a healthy bf16 ZeRO-2 run with dropout: no replica_mismatch,
-    no compute_mismatch, nothing skipped, the replicas bit-identical at the end."""
+    no compute_mismatch, nothing skipped, the replicas bit-identical at the end -- and both checks ran every step
+    (run_end's ``checks_run``: a check that silently never ran would find nothing too)."""
     cfg = make_config(tmp_path, block={"checks": {"enabled": False}, "recovery": {"replay_check": False},
                                        "detectors": {"peer_replay": {"enabled": True, "every_steps": 1},
                                                      "replica_check": {"enabled": True, "every_steps": 1}}},
@@ -136,3 +137,5 @@ def test_both_sdc_checks_every_step_in_bf16_at_zero2_with_dropout_find_nothing_i
     assert not [e for e in run.events if e["event"] in ("replica_mismatch", "compute_mismatch", "rollback")]
     assert all(r["guard_skipped_steps"] == 0 and r["global_steps"] == 200 for r in run.results)
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
+    (end,) = [e for e in run.events if e["event"] == "run_end"]
+    assert end["detail"]["checks_run"] == {"replica_check": 200, "peer_replay": 200}, end["detail"]

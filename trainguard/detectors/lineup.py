@@ -102,6 +102,10 @@ class Lineup:
             if hasattr(det, what):
                 getattr(det, what)()
 
+    def checks_run(self) -> dict:
+        """How many times each sampled check ran (run_end: what says a quiet run was checked, not skipped)."""
+        return {reg.key: det.checks for reg, det in self.registered if reg.key and hasattr(det, "checks")}
+
     # ------------------------------------------------------------------ state (in the guard's)
     def state_dict(self) -> dict:
         return {reg.key: det.state_dict() for reg, det in self.registered if reg.key and hasattr(det, "state_dict")}

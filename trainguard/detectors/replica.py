@@ -28,6 +28,7 @@ class ReplicaCheck:
         self.params: list[torch.Tensor] = []
         self.names: list[str] = []
         self.agreed_at = 0  # the last check step at which every replica group agreed (0: none yet)
+        self.checks = 0     # check steps compared (run_end's checks_run: a healthy run shows they ran)
 
     def attach_model(self, model: torch.nn.Module) -> None:
         # (ZeRO-3 partitions its parameters: what a rank holds is its own slice, not a replica)
@@ -47,6 +48,7 @@ class ReplicaCheck:
         values = {o.rank: o.extra.get("replica_digest", float("nan")) for o in ctx.rows}
         if step % self.cfg.every_steps or any(v != v for v in values.values()):  # (NaN: not a check step)
             return []
+        self.checks += 1
         groups: dict[tuple, list[int]] = defaultdict(list)
         for r in values:
             c = coords[r] if r < len(coords) else None
