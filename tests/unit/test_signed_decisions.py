@@ -282,3 +282,19 @@ def test_a_fresh_start_sets_aside_every_checkpoint_and_a_rotation_keeps_the_mark
                         if Path(p).name == STABLE else real(p))
     tag, skipped, _ = cp2.choose(root, "stable")
     assert tag is None and skipped[-1]["io_error"] and "stable.json" in skipped[-1]["bad_file"]
+
+
+def test_a_save_over_a_tag_holding_an_unverifiable_checkpoint_moves_it_aside_never_deletes_it(tmp_path, monkeypatch):
+    """From the same review: a save of a tag whose folder holds a checkpoint this run's key does not verify (another
+    key's, an old run's) deleted it with the replaced copy. It is moved to .abandoned/ first -- before the commit, so
+    a failure there commits nothing -- and kept."""
+    import os
+
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch, steps=(5, 10))
+    os.unlink(root / "step00000010" / "manifest.hmac")  # (unsigned: not this run's to delete)
+    (root / "step00000010" / "theirs.txt").write_text("another run's work")
+    fw.steps = 10
+    cp.save(root)
+    assert CheckpointLayout(root, KEY).tags() == ["step00000005", "step00000010"]
+    (kept,) = [p for p in (root / ".abandoned").iterdir() if p.name.startswith("step00000010.")]
+    assert (kept / "theirs.txt").read_text() == "another run's work"

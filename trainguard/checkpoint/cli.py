@@ -107,7 +107,8 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | No
         d = layout.tag_dir(t)
         signed = os.path.lexists(d / SIGNATURE)
         if signed and problem(d, key) is None:
-            print(f"{t}: already signed with this key")
+            marks = resign_marks(d, old_key, key, verify(d, key=key).digest) if old_key is not None else []
+            print(f"{t}: already signed with this key{'; marks signed: ' + ', '.join(marks) if marks else ''}")
             continue
         if not signed and old_key is not None:  # (a rotation signs only what the old key signed)
             bad += 1

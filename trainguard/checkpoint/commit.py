@@ -58,19 +58,19 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
     fsync_dir(staged)
     final = CheckpointLayout(root).tag_dir(tag)
     aside = root / STAGING / f"replaced.{nonce}"
+    if final.exists() and key is not None and read_manifest(final, key).why is not None:
+        from trainguard.checkpoint.private import own_dir  # (not this run's to delete: set aside, kept, said --
+
+        kept = own_dir(root / ".abandoned") / f"{tag}.{nonce}"  # before the commit: a failure here commits nothing)
+        os.replace(final, kept)
+        logging.getLogger("trainguard").warning("trainguard: %s held a checkpoint whose manifest does not verify with "
+                                                "this run's key: moved to %s (kept), not deleted", final, kept)
     if final.exists():  # the same tag saved again: the old one goes aside first
         os.replace(final, aside)
     os.replace(staged, final)
     fsync_dir(root)
     atomic_write_text(root / LATEST, tag)
     shutil.rmtree(staging_root, ignore_errors=True)
-    if aside.exists() and key is not None and read_manifest(aside, key).why is not None:
-        from trainguard.checkpoint.private import own_dir  # (not this run's to delete: set aside, kept, said)
-
-        kept = own_dir(root / ".abandoned") / f"{tag}.{nonce}"
-        os.replace(aside, kept)
-        logging.getLogger("trainguard").warning("trainguard: %s held a checkpoint whose manifest does not verify with "
-                                                "this run's key: moved to %s (kept), not deleted", final, kept)
     shutil.rmtree(aside, ignore_errors=True)
     return final
 

@@ -23,9 +23,10 @@ def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | Non
     sha256 of the manifest bytes it verified. A storage error while listing is an ``io_error`` entry: no choice."""
     try:
         return _choose(cp, root, mode)
-    except StorageError as e:  # (rank 0, before the broadcast: a storage error is the choice's answer, never a raise)
-        return None, [{"tag": e.path.parent.name, "bad_file": e.path.name, "reason": str(e), "dir": str(root),
-                       "io_error": True}], None
+    except (OSError, CheckpointError) as e:  # (rank 0, before the broadcast: the choice's answer, never a raise)
+        path = getattr(e, "path", None) or Path(getattr(e, "filename", None) or root)
+        return None, [{"tag": path.parent.name if path != root else root.name, "bad_file": path.name, "reason": str(e),
+                       "dir": str(root), "io_error": True}], None
 
 
 def _choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | None]:
@@ -260,8 +261,9 @@ def newest_resumable_folder(parent: str, mode: str, key: bytes | None = None, ne
     def choose():
         if not os.path.isdir(parent):
             return None, []
-        found = sorted((int(m.group(1)), name) for name in os.listdir(parent) if (m := re.fullmatch(pattern, name)))
         try:  # (rank 0, before the broadcast: a storage error is a refusal, never a raise)
+            found = sorted((int(m.group(1)), name) for name in os.listdir(parent)
+                           if (m := re.fullmatch(pattern, name)))
             root, refused = first_resumable([os.path.join(parent, name) for _, name in reversed(found)], mode, key)
         except (OSError, CheckpointError) as e:
             return None, [str(e)]

@@ -10,8 +10,7 @@ import uuid
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir
-from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, StorageError, read_manifest, \
-    validate_tag
+from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, read_manifest, validate_tag
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.signed import stable as is_stable
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag, snapshot_step
@@ -100,6 +99,8 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
         remaining = layout.tags()
         if remaining:
             atomic_write_text(root / LATEST, remaining[-1])
+        elif (root / LATEST).is_file():  # (DeepSpeed's own pointer must not name a tag set aside)
+            os.unlink(root / LATEST)
     return moved
 
 
@@ -122,9 +123,10 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
         try:
             choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable)
             choice = (*choice, read_manifest(root / choice[0], cp.key).step if choice[0] else -1)  # (signed)
-        except (StorageError, OSError) as e:  # (never before the broadcast: the others wait for it) no rollback
-            choice = (None, str(e), [{"tag": getattr(e, "path", root).parent.name, "bad_file": Path(
-                getattr(e, "path", root)).name, "reason": str(e), "dir": str(root), "io_error": True}], -1)
+        except (OSError, CheckpointError) as e:  # (never before the broadcast: the others wait for it) no rollback
+            path = getattr(e, "path", None) or Path(getattr(e, "filename", None) or root)
+            choice = (None, str(e), [{"tag": path.parent.name if path != root else root.name, "bad_file": path.name,
+                                      "reason": str(e), "dir": str(root), "io_error": True}], -1)
     tag, why, bad, disk_step = broadcast_from_rank0(choice)
     for b in bad:
         cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, b)
