@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from trainguard.checkpoint.fsio import atomic_write_json, sha256_file
-from trainguard.checkpoint.layout import MANIFEST, STABLE, TRAJECTORY
+from trainguard.checkpoint.layout import MANIFEST, STABLE, TRAJECTORY, StorageError
 
 FORMAT = 2  # 2: every file is listed, dotfiles and *.tmp included (1: trainguard before 2026-12 left those out)
 NOT_LISTED = {MANIFEST, STABLE, TRAJECTORY, "manifest.hmac"}  # (the last: trainguard.checkpoint.auth)
@@ -151,6 +151,8 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None
             time.sleep(IO_BACKOFF_S * 2 ** (attempt - 1))
         try:
             res = _verify(tag_dir, checksums, key)
+        except StorageError as e:  # (the manifest's read, retried already where it failed: no second round of tries)
+            return _io_error(tag_dir, e.__cause__ or OSError(e.errno, str(e)))
         except OSError as e:
             if not _storage_error(e):  # (a damaged or crafted checkpoint: a verdict on it, as before)
                 return VerifyResult(False, tag_dir.name, MANIFEST, f"malformed checkpoint: {type(e).__name__}: {e}")
@@ -194,12 +196,9 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
     tag = tag_dir.name
     if tag_dir.is_symlink() or not tag_dir.is_dir():
         return VerifyResult(False, tag, tag, "not a directory (a symlink, or gone)")
-    from trainguard.checkpoint.layout import SIGNATURE, StorageError, read_manifest
+    from trainguard.checkpoint.layout import SIGNATURE, read_manifest
 
-    try:  # (read once: its HMAC checked on these bytes, these bytes parsed -- never read again)
-        signed = read_manifest(tag_dir, key)
-    except StorageError as e:
-        return _io_error(tag_dir, e.__cause__ or OSError(e.errno, str(e)))
+    signed = read_manifest(tag_dir, key)  # (read once: its HMAC checked on these bytes, these parsed, never read again)
     if signed.data is None and signed.digest is None:
         if not os.path.lexists(tag_dir / MANIFEST):
             return VerifyResult(False, tag, MANIFEST, "no manifest: the checkpoint was never committed")
