@@ -14,13 +14,12 @@ it, signatures are neither written nor checked.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import os
 from pathlib import Path
 
 from trainguard.errors import ConfigError
 
-from trainguard.checkpoint.layout import SIGNATURE  # noqa: E402 - (what this module writes: manifest.hmac)
+from trainguard.checkpoint.layout import SIGNATURE, signature_of  # noqa: F401 - (signature_of: this module's before)
 
 
 def key_from(cfg) -> bytes | None:
@@ -60,11 +59,6 @@ def signature(tag_dir: str | os.PathLike, key: bytes) -> str:
     from trainguard.checkpoint.layout import MANIFEST
 
     return signature_of((Path(tag_dir) / MANIFEST).read_bytes(), key)
-
-
-def signature_of(manifest: bytes, key: bytes) -> str:
-    """The HMAC-SHA256 of a manifest's bytes (hex): what ``manifest.hmac`` holds."""
-    return hmac.new(key, manifest, hashlib.sha256).hexdigest()
 
 
 def sign(tag_dir: str | os.PathLike, key: bytes) -> None:

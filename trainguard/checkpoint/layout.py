@@ -29,9 +29,14 @@ class CheckpointError(TrainguardError):
     """A checkpoint could not be saved, verified or loaded (the message names the file)."""
 
 
+def valid_tag(tag: str) -> bool:
+    """Whether ``tag`` names a checkpoint folder (letters, digits, '_', '-', '.'; no '..')."""
+    return bool(_TAG.match(tag)) and ".." not in tag
+
+
 def validate_tag(tag: str) -> str:
     tag = str(tag)
-    if not _TAG.match(tag) or ".." in tag:
+    if not valid_tag(tag):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use letters, digits, '_', '-', '.' "
                               "(no path separators, no '..', at most 128 characters)")
     return tag
@@ -114,6 +119,19 @@ class SignedManifest:
             return None
 
 
+def signature_of(manifest: bytes, key: bytes) -> str:
+    """The HMAC-SHA256 of a manifest's bytes (hex): what ``manifest.hmac`` holds."""
+    return hmac.new(key, manifest, hashlib.sha256).hexdigest()
+
+
+def io_entry(e: Exception, root: Path) -> dict:
+    """A storage error as a ``checkpoint_invalid`` detail with ``io_error`` (the file it names, or ``root``): what rank
+    0 broadcasts instead of raising before a collective."""
+    path = getattr(e, "path", None) or Path(getattr(e, "filename", None) or root)
+    return {"tag": path.parent.name if path != Path(root) else Path(root).name, "bad_file": path.name,
+            "reason": str(e), "dir": str(root), "io_error": True}
+
+
 def read_manifest(tag_dir: str | os.PathLike, key: bytes | None) -> SignedManifest:
     """The manifest of ``tag_dir``, read once; with ``key``, its HMAC checked on those bytes before they are parsed."""
     tag_dir = Path(tag_dir)
@@ -126,7 +144,7 @@ def read_manifest(tag_dir: str | os.PathLike, key: bytes | None) -> SignedManife
         if stored is None:
             return SignedManifest(None, digest, "unauthenticated: no manifest.hmac (this run requires checkpoints "
                                                 "signed with its key)")
-        if not hmac.compare_digest(stored.strip(), hmac.new(key, raw, hashlib.sha256).hexdigest().encode()):
+        if not hmac.compare_digest(stored.strip(), signature_of(raw, key).encode()):
             return SignedManifest(None, digest, "HMAC mismatch: the manifest was altered, or signed with another key")
     try:
         data = json.loads(raw)
@@ -199,7 +217,7 @@ class CheckpointLayout:
         out = []
         self.invalid_names, self.unverified, self.digests, self.data = [], {}, {}, {}
         for name in self.committed():
-            if not _TAG.match(name) or ".." in name:
+            if not valid_tag(name):
                 self.invalid_names.append(name)  # committed-looking, but no valid tag: passed over
                 continue
             man = read_manifest(self.root / name, self.key)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from trainguard.checkpoint.fsio import atomic_write_json, sha256_file
-from trainguard.checkpoint.layout import MANIFEST, STABLE, TRAJECTORY, StorageError
+from trainguard.checkpoint.layout import MANIFEST, STABLE, TRAJECTORY, StorageError, storage_error
 
 FORMAT = 2  # 2: every file is listed, dotfiles and *.tmp included (1: trainguard before 2026-12 left those out)
 NOT_LISTED = {MANIFEST, STABLE, TRAJECTORY, "manifest.hmac"}  # (the last: trainguard.checkpoint.auth)
@@ -154,7 +154,7 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None
         except StorageError as e:  # (the manifest's read, retried already where it failed: no second round of tries)
             return _io_error(tag_dir, e.__cause__ or OSError(e.errno, str(e)))
         except OSError as e:
-            if not _storage_error(e):  # (a damaged or crafted checkpoint: a verdict on it, as before)
+            if not storage_error(e):  # (a damaged or crafted checkpoint: a verdict on it, as before)
                 return VerifyResult(False, tag_dir.name, MANIFEST, f"malformed checkpoint: {type(e).__name__}: {e}")
             res = _io_error(tag_dir, e)
         except Exception as e:  # (anything a crafted or damaged checkpoint can provoke)
@@ -167,10 +167,6 @@ def verify(tag_dir: str | os.PathLike, checksums: bool = True, key: bytes | None
 IO_TRIES, IO_BACKOFF_S = 3, 0.5
 
 
-def _storage_error(e: OSError) -> bool:
-    from trainguard.checkpoint.layout import storage_error
-
-    return storage_error(e)
 
 
 def _io_error(tag_dir: Path, e: OSError) -> VerifyResult:
@@ -226,7 +222,7 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
         try:
             st = os.lstat(p)
         except OSError as e:
-            if _storage_error(e):
+            if storage_error(e):
                 raise  # (retried by verify)
             return VerifyResult(False, tag, rel, "missing", man)
         if not stat.S_ISREG(st.st_mode):

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from trainguard.checkpoint.layout import MANIFEST
+from trainguard.checkpoint.layout import MANIFEST, read_regular
 from trainguard.checkpoint.manifest import inside
 
 
@@ -36,14 +36,14 @@ class VerifiedReader:
         from trainguard.checkpoint.layout import CheckpointError
 
         self.tag_dir = Path(os.path.abspath(tag_dir))
-        raw = _read_regular(self.tag_dir / MANIFEST)
+        raw = read_regular(self.tag_dir / MANIFEST)
         if digest is not None and hashlib.sha256(raw).hexdigest() != digest:
             raise CheckpointError(f"{self.tag_dir / MANIFEST} changed since it was verified (its sha256 differs "
                                   "from the one rank 0 checked): refused")
         if key is not None:
             from trainguard.checkpoint.auth import SIGNATURE, signature_of
 
-            stored = _read_regular(self.tag_dir / SIGNATURE).strip()
+            stored = read_regular(self.tag_dir / SIGNATURE).strip()
             if not hmac.compare_digest(stored, signature_of(raw, key).encode()):
                 raise CheckpointError(f"{self.tag_dir / SIGNATURE}: HMAC mismatch on the manifest this rank read")
         from trainguard.checkpoint.manifest import Manifest
@@ -63,7 +63,7 @@ class VerifiedReader:
         want = self.files.get(rel) if inside(rel) else None
         if want is None:
             raise CheckpointError(f"{path}: not listed in the manifest of {self.tag_dir}: refused, never read")
-        data = _read_regular(Path(path))
+        data = read_regular(Path(path))
         from trainguard.checkpoint.fsio import progressed
 
         progressed()
@@ -74,8 +74,3 @@ class VerifiedReader:
         return data
 
 
-def _read_regular(path: Path) -> bytes:
-    """A regular file's bytes, never through a symlink, a FIFO or a device."""
-    from trainguard.checkpoint.layout import read_regular
-
-    return read_regular(path)

@@ -10,7 +10,7 @@ from typing import Any
 
 from trainguard.attempt import restart_attempt
 from trainguard.checkpoint.commit import restore_interrupted
-from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout, StorageError
+from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout, StorageError, io_entry
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.signed import read_mark
 from trainguard.checkpoint.runid import RUN_ID, agreed_run_id
@@ -24,9 +24,7 @@ def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | Non
     try:
         return _choose(cp, root, mode)
     except (OSError, CheckpointError) as e:  # (rank 0, before the broadcast: the choice's answer, never a raise)
-        path = getattr(e, "path", None) or Path(getattr(e, "filename", None) or root)
-        return None, [{"tag": path.parent.name if path != root else root.name, "bad_file": path.name, "reason": str(e),
-                       "dir": str(root), "io_error": True}], None
+        return None, [io_entry(e, root)], None
 
 
 def _choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | None]:

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir
-from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, read_manifest, validate_tag
+from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, io_entry, read_manifest, valid_tag
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.signed import stable as is_stable
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag, snapshot_step
@@ -86,7 +86,7 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
     moved = []
     # (a fresh start, step -1: every committed folder, verified or not -- a move, not a decision on its bytes; a later
     # save of the same tag would otherwise replace one another key signed)
-    listed = [(t, 0) for t in layout.committed() if _valid_name(t)] if step < 0 else layout.steps()
+    listed = [(t, 0) for t in layout.committed() if valid_tag(t)] if step < 0 else layout.steps()
     for tag, saved_at in listed:
         if saved_at > step:
             from trainguard.checkpoint.private import own_dir
@@ -104,14 +104,6 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
     return moved
 
 
-def _valid_name(tag: str) -> bool:
-    try:
-        validate_tag(tag)
-        return True
-    except CheckpointError:
-        return False
-
-
 # ---------------------------------------------------------------------- every rank (the checkpoint manager's)
 def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
     """Rank 0 chooses on disk (:func:`choose_rollback`), every rank learns; then the newest valid tier: a
@@ -124,9 +116,7 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
             choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable)
             choice = (*choice, read_manifest(root / choice[0], cp.key).step if choice[0] else -1)  # (signed)
         except (OSError, CheckpointError) as e:  # (never before the broadcast: the others wait for it) no rollback
-            path = getattr(e, "path", None) or Path(getattr(e, "filename", None) or root)
-            choice = (None, str(e), [{"tag": path.parent.name if path != root else root.name, "bad_file": path.name,
-                                      "reason": str(e), "dir": str(root), "io_error": True}], -1)
+            choice = (None, str(e), [io_entry(e, root)], -1)
     tag, why, bad, disk_step = broadcast_from_rank0(choice)
     for b in bad:
         cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, b)
