@@ -111,11 +111,8 @@ class EngineGuard:
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
         clamp = self.session.value_bound() is not None
-        self._hooks += install_grad_hooks(named, self.faults, self.step_number, self._on_grad if check else None,
-                                         [self._clamp_grad] if clamp else [])  # (clipping by value: last)
-
-    def _on_grad(self, grad):
-        self.session.backward(grad)  # (returns None: the gradient as it was)
+        self._hooks += install_grad_hooks(named, self.faults, self.step_number, self.session.grad_hook if check else
+                                          None, [self._clamp_grad] if clamp else [])  # (clipping by value: last)
 
     def _clamp_grad(self, grad):
         # the hook sees loss-scaled gradients divided by the accumulation steps: scale the bound alike

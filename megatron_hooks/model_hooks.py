@@ -31,7 +31,7 @@ class ModelHooks:
         mg = self.mg
         named = [(n, p) for c in mg.chunks for n, p in _unwrap(c).named_parameters() if p.requires_grad]
         check = mg.guard is not None and mg.cfg.detectors.nonfinite.enabled and mg.cfg.detectors.nonfinite.check_grads
-        mg._hooks += install_grad_hooks(named, mg.faults, mg.step_number, self._on_grad if check else None)
+        mg._hooks += install_grad_hooks(named, mg.faults, mg.step_number, mg.session.grad_hook if check else None)
         for chunk in mg.chunks:
             inner = _unwrap(chunk)
             mg._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))
@@ -54,10 +54,6 @@ class ModelHooks:
     def step_ended(self) -> None:
         if self.finite is not None:
             self.finite.reset()
-
-    def _on_grad(self, grad):
-        self.mg.session.backward(grad)
-        return None
 
     def _on_forward_pre(self, module, args):
         if not module.training:  # evaluation passes (model.eval()) are not training steps

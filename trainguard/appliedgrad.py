@@ -18,6 +18,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from trainguard.tally import norms_f32
+
 
 class AppliedGradMeter:
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer], replication: float = 1.0,
@@ -53,6 +55,6 @@ class AppliedGradMeter:
             grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return
-        sq = torch.stack([n.to(torch.float64) for n in torch._foreach_norm([g.detach() for g in grads])]).square().sum()
+        sq = torch.stack(norms_f32(grads)).to(torch.float64).square().sum()  # (four launches, whatever the count)
         sq = sq / self.replication
         self._sq = sq if self._sq is None else self._sq + sq

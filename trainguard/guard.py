@@ -42,7 +42,7 @@ from trainguard.replay import MicroBatch
 from trainguard.replays import Replays
 from trainguard.steplog import StepLog
 from trainguard.steptime import StepTimer
-from trainguard.tally import StepTally
+from trainguard.tally import LocalGrads, StepTally
 from trainguard.suspects import SuspectWatch
 
 
@@ -97,7 +97,9 @@ class StepGuard:
         self.agreement = Agreement(rank, world, self.device, group, collective, extra=self.detectors.columns)
         self.evidence = Evidence(cfg, rank, self.device, group, self.detectors, self.probes, self.replays,
                                  self.agreement, localize)  # (DECIDE's first half: trainguard.evidence)
-        self.tally = StepTally(self.device)  # this step's micro-batch accumulators (trainguard.tally), anew each step
+        self.grads = LocalGrads()  # the local gradients' norms; ``grad_hook``: what the per-parameter hook calls
+        self.grad_hook: Callable[[torch.Tensor], None] = self.grads.add  # (on_backward's work, no call between)
+        self.tally = StepTally(self.device, self.grads)  # this step's accumulators (trainguard.tally), anew each step
 
     # ------------------------------------------------------------------ helpers
     def attach_model(self, model: torch.nn.Module) -> None:
@@ -155,9 +157,7 @@ class StepGuard:
     def on_backward(self, grad: torch.Tensor) -> None:
         """BACKWARD: a tensor hook per parameter, fired with the *local* gradient before any
         data-parallel reduction. Adds its squared norm into one device scalar (NaN/Inf propagate)."""
-        if grad is None:
-            return
-        self.tally.grad(grad)  # (one reduction kernel per gradient; combined once, at AGREE)
+        self.grads.add(grad)  # (one norm kernel per gradient; combined once, at AGREE)
 
     def on_agree(self, step: int, loss_scale: float = 1.0, grad_divisor: float = 1.0,
                  dynamic_scale: bool = False) -> StepView:
@@ -225,7 +225,7 @@ class StepGuard:
         self.deferred.hold(step, line, rank_line, self.line_due(step), metrics.get("applied", True), **pending)
         self._probe_values = {}
         self.log.close_incidents(step)
-        self.tally = StepTally(self.device)
+        self.tally = StepTally(self.device, self.grads)
         self.timer.start()  # (the next step's own time counts from here)
 
     def line_due(self, step: int) -> bool:

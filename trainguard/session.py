@@ -245,8 +245,14 @@ class GuardSession:
         return loss
 
     def backward(self, grad) -> None:
-        """BACKWARD: a parameter's local gradient (from a tensor hook)."""
+        """BACKWARD: a parameter's local gradient (from a tensor hook; :attr:`grad_hook` is the same, called directly)."""
         self.guard.on_backward(grad)
+
+    @property
+    def grad_hook(self):
+        """The tensor hook's target for the guard's local-gradient check (trainguard.tally.LocalGrads.add): the
+        guard's work itself, no chain of calls -- the healthy backward's only Python per parameter."""
+        return self.guard.grad_hook
 
     # ------------------------------------------------------------------ the step
     def step(self, base_step: Callable[[], Any]) -> Any:

@@ -1,7 +1,7 @@
 """What one rank accumulates over the micro-batches of one optimizer step, until AGREE reads it.
 
 LOSS adds each micro-batch's loss and a non-finite flag into one device tensor; BACKWARD keeps each local
-gradient's norm (a 0-dim device tensor, one reduction kernel per gradient); BATCH keeps the samples' dataset
+gradient's norm (:class:`LocalGrads`: one Python call and one kernel per gradient); BATCH keeps the samples' dataset
 indices, the ones the sanitiser set aside and the data position. Nothing here reads a device value: AGREE
 copies the device parts into its row (trainguard.isolation), and the one host synchronisation of a healthy
 step happens there. A new tally starts with every step.
@@ -17,13 +17,43 @@ from trainguard.data import DataPosition
 from trainguard.isolation import FIELDS, F
 
 
+class LocalGrads:
+    """The local gradients' norms of the step being computed, before any data-parallel reduction. ``add`` is what
+    the per-parameter tensor hook calls (trainguard.gradhooks) -- itself, no chain of calls: one Python call and one
+    kernel (an fp32-accumulated norm, NaN/Inf-propagating) a gradient, nothing read on the host, the gradient not
+    held (the framework may reduce or free it as soon as the hook returns). One per guard, across steps: the hooks
+    hold its ``add``; the step's tally takes what it holds at AGREE, and a new step starts it afresh."""
+
+    __slots__ = ("norms", "count")
+
+    def __init__(self):
+        self.norms: list[torch.Tensor] = []  # 0-dim fp32 norms
+        self.count = 0                       # gradients seen
+
+    def add(self, grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            self.norms.append(torch._foreach_norm((grad,), 2, dtype=_F32)[0] if _FOREACH_DTYPE else
+                              torch.linalg.vector_norm(grad, dtype=_F32))  # (torch's own: no call of ours)
+            self.count += 1
+
+    def clear(self) -> None:
+        self.norms, self.count = [], 0
+
+    def sq(self, device: torch.device) -> torch.Tensor | None:
+        """The squared norm of every gradient seen, a float64 device scalar (None: none seen): four kernels,
+        whatever the number of gradients."""
+        if not self.norms:
+            return None
+        return torch.stack(self.norms).to(device, torch.float64).square().sum()
+
+
 class StepTally:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, grads: LocalGrads | None = None):
         self.device = device
         self.acc: torch.Tensor | None = None       # [loss_sum, loss_nonfinite] on device
-        self.grad_norms: list[torch.Tensor] = []   # 0-dim norms of the local gradients
+        self.grads = grads if grads is not None else LocalGrads()  # the local gradients' norms (its hooks' target)
+        self.grads.clear()
         self.micro = 0                             # micro-batches whose loss was seen
-        self.grad_hooks = 0                        # gradients seen
         self.sample_ids: list[int] = []
         self.ids_taken = 0                         # of sample_ids, those a recorded micro-batch holds
         self.rejected: list = []
@@ -45,26 +75,11 @@ class StepTally:
             self.acc[0].add_(value)
             self.acc[1].add_((~torch.isfinite(value)).to(torch.float64))
 
-    def grad(self, grad: torch.Tensor) -> None:
-        """One local gradient, before any data-parallel reduction (NaN/Inf propagate into its norm)."""
-        self.grad_norms.append(local_norm(grad.detach()))
-        self.grad_hooks += 1
-
     def take_ids(self) -> list[int]:
         """The sample ids since the last call (a recorded micro-batch's own)."""
         ids = list(self.sample_ids[self.ids_taken:])
         self.ids_taken = len(self.sample_ids)
         return ids
-
-    def grad_sq(self) -> torch.Tensor | None:
-        """The squared norm of every local gradient of the step, on the device (None: none seen)."""
-        if not self.grad_norms:
-            return None
-        by_dtype: dict = {}
-        for n in self.grad_norms:
-            by_dtype.setdefault(n.dtype, []).append(n)
-        sq = [torch.stack(ns).to(self.device, torch.float64).square().sum() for ns in by_dtype.values()]
-        return sq[0] if len(sq) == 1 else torch.stack(sq).sum()
 
     def row(self, agreement, fired: int, compute_s: float, lr: float | None, deferred) -> Any:
         """AGREE's row of this rank (trainguard.isolation.FIELDS, then the agreement's extra columns): the
@@ -72,7 +87,7 @@ class StepTally:
         step's pending norms (``deferred``: trainguard.metricline.DeferredLine) -- copied in, never read here."""
         host = [0.0] * len(FIELDS) + [float("nan")] * len(agreement.extra)
         host[F["micro_batches"]] = self.micro
-        host[F["grad_checked"]] = self.grad_hooks
+        host[F["grad_checked"]] = self.grads.count
         host[F["faults_fired"]] = fired
         host[F["samples_rejected"]] = len(self.rejected)
         host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
@@ -85,7 +100,7 @@ class StepTally:
         if self.acc is not None:
             row[F["loss_sum"]] = self.acc[0]
             row[F["loss_nonfinite"]] = self.acc[1]
-        grad_sq = self.grad_sq()
+        grad_sq = self.grads.sq(self.device)
         if grad_sq is not None:
             row[F["grad_sq"]] = grad_sq
         if isinstance(pending, torch.Tensor):
@@ -107,10 +122,24 @@ class StepTally:
                 "position": self.where()}
 
 
-def local_norm(grad: torch.Tensor) -> torch.Tensor:
-    """2-norm of one gradient, NaN/Inf-propagating. fp16 is reduced into fp32 (a large scaled
-    gradient's norm can exceed fp16's 65504 and would read as a false Inf); other dtypes use the
-    multi-tensor kernel clip_grad_norm_ uses, several times faster than vector_norm(dtype=...)."""
-    if grad.dtype == torch.float16 or not hasattr(torch, "_foreach_norm"):
-        return torch.linalg.vector_norm(grad, dtype=torch.float32)
-    return torch._foreach_norm([grad])[0]
+_F32 = torch.float32
+
+
+def _foreach_has_dtype() -> bool:
+    try:
+        torch._foreach_norm((torch.ones(1, dtype=torch.float16),), 2, dtype=_F32)
+        return True
+    except (TypeError, RuntimeError, AttributeError):  # (an older torch: one norm a tensor instead)
+        return False
+
+
+_FOREACH_DTYPE = _foreach_has_dtype()
+
+
+def norms_f32(tensors) -> list[torch.Tensor]:
+    """2-norms of ``tensors`` (any dtypes, one device), accumulated and returned in fp32 whatever their dtype (a
+    large scaled fp16 gradient's norm can exceed fp16's 65504 and would read as a false Inf), NaN/Inf-propagating,
+    in one multi-tensor launch where torch has it."""
+    if _FOREACH_DTYPE:
+        return list(torch._foreach_norm(tuple(tensors), 2, dtype=_F32))
+    return [torch.linalg.vector_norm(t, dtype=_F32) for t in tensors]
