@@ -94,18 +94,23 @@ class SuspectWatch:
         coords = self.coords_of(r)
         emit(step, Record.SUSPECT_RANK, [r], "alert", {
             "coords": coords, "host": coords.get("host"), "occurrences": occurrences or [step],
-            **({"why": why} if why else {}), "file": self._write(), "advice": ADVICE})
+            **({"why": why} if why else {}), **self._write(), "advice": ADVICE})
 
-    def _write(self) -> str | None:
+    def _write(self) -> dict:
+        """``{"file": the suspect file}`` (rank 0; None elsewhere), or why it could not be written -- a planted
+        folder or a file not ours in the log folder is the file's failure, never the run's."""
         if self.rank != 0 or not self.jsonl:
-            return None
+            return {"file": None}
         from trainguard.checkpoint.fsio import atomic_write_json
 
         path = Path(self.jsonl).with_name("suspect_hosts.json")
         ranks = sorted(self.suspected)
         # (the job's id: a launcher acts on a file of its own job only -- a previous job's, or one anyone else wrote
         # into the log folder, excludes and drains nothing: scripts/launch/slurm_requeue.sh)
-        atomic_write_json(path, {"job_id": os.environ.get("SLURM_JOB_ID"), "ranks": ranks,
-                                 "hosts": sorted({str(self.coords_of(r).get("host")) for r in ranks}),
-                                 "coords": [self.coords_of(r) for r in ranks]}, mode=0o600)  # (the job's own)
-        return str(path)
+        try:
+            atomic_write_json(path, {"job_id": os.environ.get("SLURM_JOB_ID"), "ranks": ranks,
+                                     "hosts": sorted({str(self.coords_of(r).get("host")) for r in ranks}),
+                                     "coords": [self.coords_of(r) for r in ranks]}, mode=0o600)  # (the job's own)
+        except OSError as e:
+            return {"file": None, "file_error": f"{path}: {e}: not written (nothing drains or excludes the host)"}
+        return {"file": str(path)}

@@ -298,3 +298,66 @@ def test_a_save_over_a_tag_holding_an_unverifiable_checkpoint_moves_it_aside_nev
     assert CheckpointLayout(root, KEY).tags() == ["step00000005", "step00000010"]
     (kept,) = [p for p in (root / ".abandoned").iterdir() if p.name.startswith("step00000010.")]
     assert (kept / "theirs.txt").read_text() == "another run's work"
+
+
+def test_a_signed_manifest_copied_into_another_folder_decides_nothing_there(tmp_path, monkeypatch):
+    """From the review re-run: the listing took a verified manifest's step without checking that it is the folder's
+    own. A writer copied the newest checkpoint's manifest and signature into an old folder: sorted as the newest's
+    twin, the old folder was kept and an intact one deleted; a stable mark written over it bound to the copied
+    manifest. Now a manifest naming another tag is passed over (named), and no mark is written over it."""
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch, steps=(5, 10, 15, 20), keep_last=3)
+    assert CheckpointLayout(root, KEY).tags() == ["step00000010", "step00000015", "step00000020"]
+    for name in ("manifest.json", "manifest.hmac"):
+        (root / "step00000010" / name).write_bytes((root / "step00000020" / name).read_bytes())
+    layout = CheckpointLayout(root, KEY)
+    assert layout.tags() == ["step00000015", "step00000020"]
+    assert "step00000020" in layout.unverified["step00000010"] and "not 'step00000010'" in \
+        layout.unverified["step00000010"]
+    fw.steps = 25
+    cp.save(root)
+    assert (root / "step00000015").is_dir(), "an intact checkpoint was deleted for a copied manifest's step"
+    why = signed.write_mark(root / "step00000010", STABLE, {"stable_at_step": 22, "stable_after": 2}, KEY)
+    assert why is not None and "step00000020" in why and not (root / "step00000010" / STABLE).exists()
+
+
+def test_a_storage_error_on_the_newest_trainer_folder_stops_never_resumes_an_older_one(tmp_path, monkeypatch):
+    """From the review re-run: under HF's Trainer (a ``checkpoint-N`` folder each), an EIO reading the newest
+    folder's checkpoint was a refusal, and the next-older folder resumed (its progress then redone). Now the search
+    stops there, naming the file: the caller fails closed."""
+    import shutil
+
+    from trainguard.checkpoint import manifest as manifest_mod
+    from trainguard.checkpoint.resume import first_resumable
+
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch, steps=(5,))
+    older, newer = tmp_path / "checkpoint-5", tmp_path / "checkpoint-10"
+    shutil.copytree(root, older)
+    shutil.copytree(root, newer)
+    assert first_resumable([newer, older], "latest_valid", KEY) == (newer, [])
+    monkeypatch.setattr(manifest_mod, "IO_BACKOFF_S", 0.001)
+    real = manifest_mod.sha256_file
+
+    def eio(path, *a, **k):
+        if str(newer) in str(path):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(manifest_mod, "sha256_file", eio)
+    chosen, refused = first_resumable([newer, older], "latest_valid", KEY)
+    assert chosen is None and len(refused) == 1 and "checkpoint-10" in refused[0] and "Errno 5" in refused[0]
+
+
+def test_a_planted_folder_in_place_of_the_suspect_file_is_no_crash(tmp_path):
+    """From the review re-run: a directory planted as ``suspect_hosts.json`` in the log folder made the write fail
+    (EISDIR) in the middle of a step, and rank 0 died of it. Now the alert still goes out, saying the file was not
+    written (nothing then drains or excludes the host)."""
+    from trainguard.suspects import SuspectWatch
+
+    (tmp_path / "suspect_hosts.json").mkdir()
+    (tmp_path / "suspect_hosts.json" / "x").write_text("planted")
+    watch = SuspectWatch(1, 0, str(tmp_path / "events.jsonl"), lambda r: {"rank": r, "host": "node7"}, 2)
+    emitted = []
+    watch.suspect(12, 1, "test", lambda *a, **k: emitted.append((a, k)))
+    detail = emitted[-1][0][4] if len(emitted[-1][0]) > 4 else emitted[-1][1].get("detail")
+    assert detail["file"] is None and "suspect_hosts.json" in detail["file_error"], detail
+    assert (tmp_path / "suspect_hosts.json" / "x").read_text() == "planted"

@@ -155,6 +155,15 @@ def read_manifest(tag_dir: str | os.PathLike, key: bytes | None) -> SignedManife
     return SignedManifest(data, digest, None)
 
 
+def misplaced(tag_dir: Path, man: SignedManifest) -> str | None:
+    """Why a verified manifest may not speak for ``tag_dir``: it names another tag (a signed manifest copied into
+    another checkpoint's folder -- its step would decide for that folder, a mark would bind to it). None: in place."""
+    tag = (man.data or {}).get("tag")
+    if man.data is not None and tag != tag_dir.name:
+        return f"the manifest is for tag {tag!r}, not {tag_dir.name!r} (copied from another checkpoint?)"
+    return None
+
+
 def check_own_dir(mine: str | None, theirs: dict[str, str | None], framework: str) -> None:
     """trainguard's ``checkpoint.dir`` and one of the framework's own checkpoint directories (``theirs``: the flag
     naming each) in one folder would fight over it (the framework's tracker file and step folders beside trainguard's
@@ -221,8 +230,9 @@ class CheckpointLayout:
                 self.invalid_names.append(name)  # committed-looking, but no valid tag: passed over
                 continue
             man = read_manifest(self.root / name, self.key)
-            if self.key is not None and (man.why is not None or man.step is None):
-                self.unverified[name] = man.why or "malformed manifest: no integer 'step'"
+            if self.key is not None and (man.why is not None or man.step is None or misplaced(self.root / name, man)):
+                self.unverified[name] = man.why or misplaced(self.root / name, man) or \
+                    "malformed manifest: no integer 'step'"
                 continue
             self.digests[name], self.data[name] = man.digest, man.data or {}
             out.append((man.step if man.step is not None else -1, name))

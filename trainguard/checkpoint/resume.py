@@ -233,6 +233,8 @@ def first_resumable(roots, mode: str, key: bytes | None = None) -> tuple[Path | 
         if not tags:
             continue
         res = verify(layout.tag_dir(tags[-1]), key=key)
+        if res.io_error:  # (a storage error is no verdict: the resume stops naming it, never an older folder)
+            return None, [*refused, f"{root.name}/{tags[-1]}: {res.bad_file}: {res.reason}"]
         if not res.ok:
             refused.append(f"{root.name}/{tags[-1]}: {res.bad_file}: {res.reason}")
         elif mode == "stable" and not _stable(layout, tags[-1], res.digest):

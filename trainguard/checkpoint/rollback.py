@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import atomic_write_text, fsync_dir
-from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, io_entry, read_manifest, valid_tag
+from trainguard.checkpoint.layout import LATEST, CheckpointError, CheckpointLayout, io_entry, valid_tag
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.signed import stable as is_stable
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag, snapshot_step
@@ -42,18 +42,25 @@ def target_key(root: Path, tag: str) -> str:
     return tag if tag.startswith("memory:") else f"{root}/{tag}"
 
 
-def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
-                    inclusive: bool = False, key: bytes | None = None,
-                    skip: frozenset | set = frozenset()) -> tuple[str | None, str, list[dict]]:
+def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0, inclusive: bool = False,
+                    key: bytes | None = None, skip: frozenset | set = frozenset()) -> tuple[str | None, str, list[dict]]:
+    return choose_with_step(root, onset, mode, not_before, inclusive, key, skip)[:3]
+
+
+def choose_with_step(root: Path, onset: int, mode: str, not_before: int = 0,
+                     inclusive: bool = False, key: bytes | None = None,
+                     skip: frozenset | set = frozenset()) -> tuple[str | None, str, list[dict], int]:
     """The newest checkpoint from before ``onset`` that verifies, stable if ``mode`` is "stable"
     (else, or failing that, the newest valid one). ``inclusive``: one saved at ``onset`` itself
     qualifies (that step was skipped, so its state is the state before the anomaly).
     ``not_before``: older checkpoints do not fit the engine any more (a precision change). ``skip``: targets that
     failed to load in this process (:func:`target_key`), passed over.
-    Returns ``(tag or None, why, [newer invalid ones: {tag, bad_file, reason, dir}])``."""
+    Returns ``(tag or None, why, [newer invalid ones: {tag, bad_file, reason, dir}])`` (:func:`choose_rollback`), and
+    the chosen one's step as the listing read it (-1: none) -- the manifest is not read again."""
     layout = CheckpointLayout(root, key)
     seen = []  # (tag, verify result), newest first
-    for tag, step in reversed(layout.steps()):
+    listed = layout.steps()
+    for tag, step in reversed(listed):
         if not_before <= step < onset + (1 if inclusive else 0) and target_key(root, tag) not in skip:
             seen.append((tag, verify(layout.tag_dir(tag), key=key)))
     valid = [t for t, res in seen if res.ok]
@@ -72,10 +79,10 @@ def choose_rollback(root: Path, onset: int, mode: str, not_before: int = 0,
             break
         if res.io_error:  # (no rollback past a storage error: it would set that checkpoint aside)
             return None, f"{tag}: {res.bad_file}: {res.reason}: no rollback past it", [
-                {"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root), "io_error": True}]
+                {"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root), "io_error": True}], -1
         if not res.ok:
             bad.append({"tag": tag, "bad_file": res.bad_file, "reason": res.reason, "dir": str(root)})
-    return chosen, why, bad
+    return chosen, why, bad, dict(listed).get(chosen, -1) if chosen else -1
 
 
 def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
@@ -113,8 +120,7 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
     choice = None
     if rank() == 0:
         try:
-            choice = choose_rollback(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable)
-            choice = (*choice, read_manifest(root / choice[0], cp.key).step if choice[0] else -1)  # (signed)
+            choice = choose_with_step(root, onset, mode, floor, inclusive, key=cp.key, skip=cp.unloadable)  # (signed)
         except (OSError, CheckpointError) as e:  # (never before the broadcast: the others wait for it) no rollback
             choice = (None, str(e), [io_entry(e, root)], -1)
     tag, why, bad, disk_step = broadcast_from_rank0(choice)

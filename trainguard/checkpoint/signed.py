@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from trainguard.checkpoint.layout import MANIFEST, STABLE, CheckpointLayout, read_manifest, read_optional
+from trainguard.checkpoint.layout import MANIFEST, STABLE, CheckpointLayout, misplaced, read_manifest, read_optional
 
 
 def _mac(key: bytes, name: str, body: dict) -> str:
@@ -26,8 +26,9 @@ def write_mark(tag_dir: str | os.PathLike, name: str, payload: dict, key: bytes 
 
     tag_dir = Path(tag_dir)
     man = read_manifest(tag_dir, key)
-    if man.why is not None:
-        return f"{tag_dir / MANIFEST}: {man.why}: the {name} mark is not written"
+    why = man.why or misplaced(tag_dir, man)
+    if why is not None:
+        return f"{tag_dir / MANIFEST}: {why}: the {name} mark is not written"
     body = {**payload, "manifest_sha256": man.digest}
     if key is not None:
         body["hmac"] = _mac(key, name, body)
