@@ -64,7 +64,9 @@ def test_slurm_requeues_after_a_hang_exit_that_torchrun_reported_as_1(tmp_path):
     never ran. The watchdog's marker file is what the script reads now."""
     rc, asked, err = _slurm(tmp_path, 75)
     assert rc == 1, err[-2000:]  # torchrun's own code: 75 does not get through
-    assert "requeue 42" in asked and (tmp_path / "trainguard-hang.42").read_text().count('"exit_code": 75') == 1
+    markers = list(tmp_path.glob(".trainguard-hang.42.*/trainguard-hang.42"))  # (the attempt's own 0700 folder)
+    assert "requeue 42" in asked and len(markers) == 1 and markers[0].read_text().count('"exit_code": 75') == 1
+    assert markers[0].parent.stat().st_mode & 0o777 == 0o700
     rc, asked, err = _slurm(tmp_path, 3)  # a crash (or an abort): a person looks first, no requeue
     assert rc == 1 and asked == "", asked
 
