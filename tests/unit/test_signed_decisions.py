@@ -361,3 +361,32 @@ def test_a_planted_folder_in_place_of_the_suspect_file_is_no_crash(tmp_path):
     detail = emitted[-1][0][4] if len(emitted[-1][0]) > 4 else emitted[-1][1].get("detail")
     assert detail["file"] is None and "suspect_hosts.json" in detail["file_error"], detail
     assert (tmp_path / "suspect_hosts.json" / "x").read_text() == "planted"
+
+
+def test_an_older_signed_copy_of_a_tag_put_back_decides_nothing(tmp_path, monkeypatch):
+    """From the review re-run: a signature says what was written, not when. A writer of a checkpoint's folder who
+    kept its files (signed manifest and all) put them back after the run saved that tag again: every check passed,
+    and a resume or rollback loaded the older state. Now each root keeps a signed index of what it last committed
+    under each tag (in a 0700 folder of the job's own): an older copy is passed over and named; a key rotation
+    carries the index over."""
+    import shutil
+
+    from trainguard.checkpoint.cli import ckpt_sign
+
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch)
+    old = tmp_path / "kept-by-the-writer"
+    shutil.copytree(root / "step00000015", old)
+    fw.steps = 15
+    cp.save(root)  # the same tag saved again (e.g. after a rollback took the run back there)
+    assert (root / ".index").stat().st_mode & 0o777 == 0o700
+    shutil.copytree(old, root / "step00000015", dirs_exist_ok=True)  # the older signed copy put back, file by file
+    layout = CheckpointLayout(root, KEY)
+    assert layout.tags() == ["step00000005", "step00000010"]
+    assert "not the checkpoint last committed under this tag" in layout.unverified["step00000015"]
+    tag, _, bad = choose_rollback(root, 16, "latest_valid", key=KEY)
+    assert tag == "step00000010" and bad[0]["tag"] == "step00000015"
+    # a key rotation: the index the old key signed is signed with the new one; the put-back copy stays passed over
+    monkeypatch.setenv("NEW_KEY", "another-key")
+    assert ckpt_sign(str(root), b"another-key", old_key=KEY) == 0
+    rotated = CheckpointLayout(root, b"another-key")
+    assert rotated.tags() == ["step00000005", "step00000010"] and "last committed" in rotated.unverified["step00000015"]

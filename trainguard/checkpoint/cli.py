@@ -97,7 +97,7 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | No
 
     from trainguard.checkpoint.auth import SIGNATURE, problem, sign_verified
     from trainguard.checkpoint.layout import CheckpointError
-    from trainguard.checkpoint.signed import resign_marks
+    from trainguard.checkpoint.signed import resign_index, resign_marks
 
     layout, tags = _chosen(root, tag)
     if not tags:
@@ -134,4 +134,6 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | No
             continue
         print(f"{t}: signed ({len(res.manifest.files)} files verified{' with the old key' if signed else ''}"
               f"{'; marks signed: ' + ', '.join(marks) if marks else ''})")
+    if old_key is not None and tag is None and resign_index(layout.root, old_key, key):
+        print("the index of committed checkpoints (.index/): verified with the old key, signed with the new one")
     return 1 if bad else 0

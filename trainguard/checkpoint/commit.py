@@ -12,6 +12,7 @@ from pathlib import Path
 from trainguard.checkpoint.fsio import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, atomic_write_text, fsync_dir, make_durable
 from trainguard.checkpoint.layout import LATEST, MANIFEST, STAGING, CheckpointLayout, read_manifest
 from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.signed import record_commit
 
 
 def as_written(staged: Path, hashed: dict, late: list | None = None) -> str | None:
@@ -69,6 +70,7 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
         os.replace(final, aside)
     os.replace(staged, final)
     fsync_dir(root)
+    record_commit(root, tag, key)  # (with a key: what tells this commit from an older copy of the tag put back)
     atomic_write_text(root / LATEST, tag)
     shutil.rmtree(staging_root, ignore_errors=True)
     shutil.rmtree(aside, ignore_errors=True)

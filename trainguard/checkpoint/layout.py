@@ -21,6 +21,7 @@ STAGING = ".staging"
 SIDECAR = "trainguard"      # per-rank RNG and data position, inside the tag directory
 GUARD_STATE = "guard.json"  # the guard's state (statistics, budgets, quarantine), in SIDECAR
 SIGNATURE = "manifest.hmac"  # the manifest's HMAC with the run's key (trainguard.checkpoint.auth writes it)
+INDEX = ".index/committed.json"  # with a key: each tag's manifest digest as last committed (trainguard.checkpoint.signed)
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -155,6 +156,24 @@ def read_manifest(tag_dir: str | os.PathLike, key: bytes | None) -> SignedManife
     return SignedManifest(data, digest, None)
 
 
+def index_mac(key: bytes, digests: dict) -> str:
+    payload = json.dumps(digests, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, f"trainguard-index\0{payload}".encode(), hashlib.sha256).hexdigest()
+
+
+def committed_digests(root: Path, key: bytes | None) -> dict[str, str]:
+    """``{tag: the sha256 of the manifest last committed under it}`` from the root's signed index (with ``key``; {}
+    without one, or when there is none that verifies -- an older release's folder, another key's)."""
+    raw = read_optional(root / INDEX) if key is not None else None
+    try:
+        body = json.loads(raw) if raw is not None else {}
+        digests, mac = body["digests"], body["hmac"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+    ok = isinstance(digests, dict) and isinstance(mac, str) and hmac.compare_digest(mac, index_mac(key, digests))
+    return digests if ok else {}
+
+
 def misplaced(tag_dir: Path, man: SignedManifest) -> str | None:
     """Why a verified manifest may not speak for ``tag_dir``: it names another tag (a signed manifest copied into
     another checkpoint's folder -- its step would decide for that folder, a mark would bind to it). None: in place."""
@@ -225,14 +244,18 @@ class CheckpointLayout:
         StorageError (the file, the errno): never a step."""
         out = []
         self.invalid_names, self.unverified, self.digests, self.data = [], {}, {}, {}
+        last = committed_digests(self.root, self.key)  # (with a key: what this root last committed under each tag)
         for name in self.committed():
             if not valid_tag(name):
                 self.invalid_names.append(name)  # committed-looking, but no valid tag: passed over
                 continue
             man = read_manifest(self.root / name, self.key)
-            if self.key is not None and (man.why is not None or man.step is None or misplaced(self.root / name, man)):
-                self.unverified[name] = man.why or misplaced(self.root / name, man) or \
-                    "malformed manifest: no integer 'step'"
+            replayed = name in last and man.why is None and last[name] != man.digest
+            if self.key is not None and (man.why is not None or man.step is None or misplaced(self.root / name, man)
+                                         or replayed):
+                self.unverified[name] = man.why or misplaced(self.root / name, man) or (
+                    "signed, but not the checkpoint last committed under this tag (an older copy put back?)"
+                    if replayed else "malformed manifest: no integer 'step'")
                 continue
             self.digests[name], self.data[name] = man.digest, man.data or {}
             out.append((man.step if man.step is not None else -1, name))

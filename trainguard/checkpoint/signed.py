@@ -11,7 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from trainguard.checkpoint.layout import MANIFEST, STABLE, CheckpointLayout, misplaced, read_manifest, read_optional
+from trainguard.checkpoint.layout import (INDEX, MANIFEST, STABLE, CheckpointLayout, committed_digests, index_mac,
+                                         misplaced, read_manifest, read_optional, read_regular)
 
 
 def _mac(key: bytes, name: str, body: dict) -> str:
@@ -88,3 +89,37 @@ def resign_marks(tag_dir: str | os.PathLike, old_key: bytes | None, key: bytes, 
                                                            if k not in ("hmac", "manifest_sha256")}, key) is None:
             done.append(name)
     return done
+
+
+def record_commit(root: Path, tag: str, key: bytes | None) -> None:
+    """After ``tag`` was committed under ``root`` (rank 0, with a key): its manifest's digest into the root's signed
+    index, in a 0700 folder of the job's own (trainguard.checkpoint.private.own_dir) -- what tells a signed manifest
+    committed now from an older signed copy of the same tag put back later (a signature says what was written, not
+    when). Entries whose folder is gone are dropped. A folder that is not the job's own: said, the index not kept."""
+    import logging
+
+    from trainguard.checkpoint.fsio import atomic_write_json
+    from trainguard.checkpoint.private import UnsafeFolder, own_dir
+
+    if key is None:
+        return
+    root = Path(root)
+    try:
+        folder = own_dir(root / Path(INDEX).parent)
+    except (UnsafeFolder, OSError) as e:
+        logging.getLogger("trainguard").warning("trainguard: %s: the index of committed checkpoints is not kept", e)
+        return
+    digests = {t: d for t, d in committed_digests(root, key).items() if os.path.isdir(root / t)}
+    digests[tag] = hashlib.sha256(read_regular(root / tag / MANIFEST)).hexdigest()
+    atomic_write_json(folder / Path(INDEX).name, {"digests": digests, "hmac": index_mac(key, digests)}, mode=0o600)
+
+
+def resign_index(root: Path, old_key: bytes | None, key: bytes) -> bool:
+    """A key rotation: the index the old key signed, signed with the new one (True); nothing else is trusted."""
+    from trainguard.checkpoint.fsio import atomic_write_json
+
+    digests = committed_digests(Path(root), old_key) if old_key is not None else {}
+    if not digests:
+        return False
+    atomic_write_json(Path(root) / INDEX, {"digests": digests, "hmac": index_mac(key, digests)}, mode=0o600)
+    return True
