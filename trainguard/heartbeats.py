@@ -86,8 +86,10 @@ class DirBoard:
     """Heartbeats as one small JSON file per rank in a directory (shared across nodes, or one node)."""
 
     def __init__(self, path: str | os.PathLike, world: int):
+        from trainguard.sharedfs import own_folder
+
         self.path, self.world = Path(path), world
-        self.path.mkdir(parents=True, exist_ok=True)
+        own_folder(self.path, "trainguard.distributed.watchdog.dir")  # (0700, the job's own: a forged beat stops every rank)
 
     def publish(self, beat: Beat) -> None:
         from trainguard.checkpoint.fsio import atomic_write_text  # (a random, exclusive temporary: no planted link)
@@ -95,12 +97,17 @@ class DirBoard:
         atomic_write_text(self.path / f"hb.rank{beat.rank}.json", json.dumps(asdict(beat)), durable=False)
 
     def read(self) -> dict[int, Beat]:
+        from trainguard.sharedfs import read_own
+
         out = {}
         for r in range(self.world):
+            text = read_own(self.path / f"hb.rank{r}.json")  # (a file of the job's user's own only)
             try:
-                out[r] = Beat.parse((self.path / f"hb.rank{r}.json").read_text())
-            except (OSError, ValueError, KeyError):
+                out[r] = Beat.parse(text) if text is not None else None
+            except (ValueError, KeyError, TypeError):
                 continue
+            if out[r] is None:
+                del out[r]
         return out
 
 

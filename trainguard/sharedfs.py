@@ -1,5 +1,6 @@
 """Files in folders others may write (a shared log folder, /dev/shm): appends opened never through a planted link and
-never into a FIFO or a device. (Atomic replacement, with an exclusive random temporary: trainguard.checkpoint.fsio.)"""
+never into a FIFO or a device; a folder of the job's own, checked; a file of the job's own, read. (Atomic replacement,
+with an exclusive random temporary: trainguard.checkpoint.fsio.)"""
 from __future__ import annotations
 
 import os
@@ -18,3 +19,40 @@ def open_append(path: str | os.PathLike, binary: bool = False, mode: int = 0o666
         return fd
 
     return open(path, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8"}), opener=opener)
+
+
+def own_folder(path: str | os.PathLike, key: str) -> None:
+    """``path`` (``key`` names the setting) as a folder only this user writes: created 0700 when missing; one of this
+    user's that others may write is made 0700; a link, a file or another user's folder is refused (ConfigError naming
+    ``key``) -- what is read from it decides (a heartbeat there can stop every rank)."""
+    import stat
+
+    from trainguard.errors import ConfigError
+
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:  # (a file there: said below)
+        pass
+    st = os.lstat(path)
+    what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else \
+        "another user's folder" if st.st_uid != os.geteuid() else None
+    if what is not None:
+        raise ConfigError([(key, f"{path} is {what}: give a folder of this job's user's own")])
+    if st.st_mode & 0o022:
+        os.chmod(path, 0o700)
+
+
+def read_own(path: str | os.PathLike) -> str | None:
+    """The text of ``path`` when it is a regular file of this user's (opened without following a link, never a FIFO);
+    None otherwise -- a file someone else put there is not read."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        return f.read(1 << 20).decode("utf-8", "replace")

@@ -390,3 +390,30 @@ def test_an_older_signed_copy_of_a_tag_put_back_decides_nothing(tmp_path, monkey
     assert ckpt_sign(str(root), b"another-key", old_key=KEY) == 0
     rotated = CheckpointLayout(root, b"another-key")
     assert rotated.tags() == ["step00000005", "step00000010"] and "last committed" in rotated.unverified["step00000015"]
+
+
+def test_a_heartbeat_board_others_can_write_is_made_the_jobs_own_and_a_planted_beat_is_not_read(tmp_path):
+    """From the review re-run: with ``watchdog.board: dir``, a folder others could write let them forge a beat (an
+    old ``progress`` with a live rank's pid) and every rank exited as hung. Now the board folder is made 0700 (refused
+    when it is a link or not a folder), and a beat is read only from a regular file of the job's user's own, never
+    through a link."""
+    import os
+
+    from trainguard.errors import ConfigError
+    from trainguard.watchdog import DirBoard, Heartbeat
+
+    shared = tmp_path / "board"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    board = DirBoard(shared, world=2)
+    assert shared.stat().st_mode & 0o777 == 0o700
+    board.publish(Heartbeat(0).record())
+    forged = tmp_path / "forged.json"
+    forged.write_text((shared / "hb.rank0.json").read_text())
+    (shared / "hb.rank1.json").symlink_to(forged)  # a beat planted through a link
+    assert set(board.read()) == {0}
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "link").symlink_to(shared)
+    for bad in (tmp_path / "a-file", tmp_path / "link"):
+        with pytest.raises(ConfigError, match="watchdog.dir"):
+            DirBoard(bad, world=2)

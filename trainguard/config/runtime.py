@@ -22,7 +22,8 @@ class WatchdogConfig(_Section):
     board: Literal["store", "dir"] = Field(
         "store", description="store: the rendezvous store (torchrun's, multi-node). dir: files in `dir` (a "
         "directory every rank can read).")
-    dir: Optional[PathStr] = Field(None, description="board 'dir': where the heartbeat files go.")
+    dir: Optional[PathStr] = Field(None, description="board 'dir': where the heartbeat files go -- a folder of the "
+                                   "job's user's own (made 0700; a link, a file or another user's folder is refused).")
     stacks_dir: Optional[PathStr] = Field(None, description="Where `stacks.rank<r>.txt` go on a hang (default: beside "
                                       "metrics.jsonl, else the working directory).")
     exit_code: int = Field(75, ge=1, le=255, description="Exit code of every live rank after a hang (75, "
