@@ -417,3 +417,41 @@ def test_a_heartbeat_board_others_can_write_is_made_the_jobs_own_and_a_planted_b
     for bad in (tmp_path / "a-file", tmp_path / "link"):
         with pytest.raises(ConfigError, match="watchdog.dir"):
             DirBoard(bad, world=2)
+
+
+def test_the_fallback_snapshot_folders_of_processes_gone_are_removed_never_a_live_ones(tmp_path):
+    """From the review re-run: the fallback folder (the per-user name squatted) had a random name per process and was
+    never removed: each restart left a full set of snapshots in node memory until the tier ran out of room and the run
+    stopped. Now a process holds a lock in its fallback folder while it lives; the next fallback removes those whose
+    lock is free, and keeps a live process's."""
+    import os
+    import subprocess
+    import sys
+
+    uid = os.geteuid()
+    taken = tmp_path / f"trainguard-{uid}"
+    if uid == 0:
+        taken.mkdir()
+        os.chown(taken, 12345, 12345)
+    else:
+        (tmp_path / "theirs").mkdir()
+        taken.symlink_to(tmp_path / "theirs")
+    code = ("import sys, time; from trainguard.checkpoint.private import expand; b = expand(sys.argv[1]); "
+            "(b / 'shard').write_bytes(b'x' * 1024); print(b, flush=True); time.sleep(float(sys.argv[2]))")
+    pattern = str(tmp_path / "trainguard-{uid}")
+    live = subprocess.Popen([sys.executable, "-c", code, pattern, "60"], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        alive = Path(live.stdout.readline().strip())
+        gone = Path(subprocess.run([sys.executable, "-c", code, pattern, "0"], capture_output=True, text=True,
+                                   check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip())
+        assert gone.is_dir() and alive.is_dir()
+        from trainguard.checkpoint.private import expand
+
+        mine = expand(pattern)
+        assert not gone.exists(), "a restart's leftover was kept"
+        assert alive.is_dir() and (alive / "shard").is_file(), "a live process's folder was removed"
+        assert mine.is_dir() and mine not in (gone, alive)
+    finally:
+        live.kill()
+        live.wait()

@@ -43,15 +43,56 @@ def expand(path: str | os.PathLike) -> Path:
 def _unsquatted(p: Path, st: os.stat_result) -> Path:
     """The per-user name (``trainguard-{uid}``) taken by someone else first (another user's folder, a link): never a
     stop of the job -- a fresh folder of this process's own beside it (created 0700 under a random name, so it cannot
-    be taken first), said in the log. Snapshots there do not outlive this process (a restart resumes from disk)."""
+    be taken first), said in the log. Snapshots there do not outlive this process (a restart resumes from disk): the
+    process holds a lock in it while it lives, and the next fallback removes this user's folders whose lock is free
+    (their process is gone) -- so restarts do not fill node memory."""
     import logging
     import tempfile
 
+    swept = _sweep(p)
     fresh = Path(tempfile.mkdtemp(prefix=f"{p.name}-", dir=p.parent))
+    _hold(fresh)
     logging.getLogger("trainguard").warning(
         "trainguard: %s is not this user's (%s): another user took the name first; the in-memory tier uses %s "
-        "instead (a fresh name of this process's: its snapshots do not outlive it)", p, _describe(st), fresh)
+        "instead (a fresh name of this process's: its snapshots do not outlive it)%s", p, _describe(st), fresh,
+        f"; removed {len(swept)} left by processes gone" if swept else "")
     return fresh
+
+
+_HELD: list[int] = []  # the lock files of this process's fallback folders, open and locked while it lives
+
+
+def _hold(folder: Path) -> None:
+    import fcntl
+
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _HELD.append(fd)
+
+
+def _sweep(p: Path) -> list[Path]:
+    """This user's fallback folders beside ``p`` whose process is gone (their lock free), removed."""
+    import fcntl
+    import shutil
+
+    gone = []
+    for old in p.parent.glob(f"{p.name}-*"):
+        try:
+            st = os.lstat(old)
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(old / ".lock", os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (held: its process lives -- another job's, kept)
+            shutil.rmtree(old, ignore_errors=True)
+            gone.append(old)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return gone
 
 
 def _describe(st: os.stat_result) -> str:
