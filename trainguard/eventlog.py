@@ -149,6 +149,12 @@ class EventLog:
         if self.rank_log is not None and rank_line is not None:
             self.rank_log.metric(step, **{**line, **rank_line})
 
+    def new_run(self) -> str | None:
+        """A new run (a fresh start in its first attempt): an earlier run's lines in the log moved aside (rank 0;
+        trainguard.metrics.jsonl.JsonlSink.set_prior_aside). Returns where they went."""
+        aside = self.log.set_prior_aside() if self.log is not None else None
+        return str(aside) if aside is not None else None
+
     def close(self) -> None:
         if self.callbacks is not None:
             self.callbacks.close()

@@ -268,6 +268,9 @@ class StepGuard:
         """The run goes on in another precision: a new gradient-norm distribution from here."""
         self.detectors.tell("precision_changed")
 
+    def new_run(self) -> str | None:  # (a fresh start in its first attempt: an earlier run's log lines set aside)
+        return self.events.new_run()
+
     def abort(self, step: int, decision: Decision) -> TrainguardAbort:
         """Build (and log) the report every rank raises with when the decision is ABORT."""
         return self.log.abort(step, decision, self.judgement.everyone or {}, self.skipped_steps, self.policy)

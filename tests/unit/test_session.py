@@ -457,3 +457,28 @@ def test_the_first_steps_checkpoint_is_removed_once_the_run_is_grown(tmp_path):
     cp.after_step(3 * h.settle + 1)  # (as a run resumed there would)
     assert not (tmp_path / "ck" / ".first").exists()
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".first")]
+
+
+def test_a_new_run_in_the_same_folder_never_appends_to_the_earlier_runs_log(tmp_path, monkeypatch):
+    """Issue 53: a second run in the same folder appended to the first one's JSONL (and the report then told two
+    runs as one). A fresh start in its first attempt is a new run: the earlier lines are moved to a file of their own
+    beside the log, named in ``fresh_start``; a run that resumes (the same run, going on) still appends, and so does
+    one entered again in the same process (a spare's re-entry: its log was this process's already)."""
+    from pathlib import Path
+
+    from trainguard.metrics import jsonl
+    from trainguard.metrics.jsonl import read
+
+    run(tmp_path, {"checkpoint": {"resume": "none"}}, 4)
+    run(tmp_path, {"checkpoint": {"resume": "none"}}, 2)  # entered again in this process: the same run's log
+    assert not list(tmp_path.glob("tg.before-*"))
+    monkeypatch.setattr(jsonl, "_OPENED", set())  # (a new process: another run)
+    _, _, _, records, _ = run(tmp_path, {"checkpoint": {"resume": "none"}}, 6)
+    starts = [r for r in records if r["event"] == "run_start"]
+    (fresh,) = [r for r in records if r["event"] == "fresh_start"]
+    earlier = Path(fresh["detail"]["earlier_log"])
+    assert len(starts) == 1 and earlier.parent == tmp_path and earlier.name.startswith("tg.before-")
+    before = [x for x in read(earlier) if x.get("type") == "event"]
+    assert [r["event"] for r in before].count("run_start") == 2 and before[-1]["event"] == "run_end"
+    _, _, _, records, _ = run(tmp_path, {}, 8)  # resumes the second run's step-5 checkpoint: its log goes on
+    assert [r["event"] for r in records].count("run_start") == 2 and len(list(tmp_path.glob("tg.before-*"))) == 1

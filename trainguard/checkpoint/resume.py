@@ -181,15 +181,19 @@ def resume_on_start(cp, newer_than: int = 0) -> Any:
 
 
 def fresh_start(cp, root: Path, existed: bool, attempt: int, reason: str, set_aside: list[str]) -> None:
-    """A run that starts from nothing says so, and marks the directory as its own (RUN_ID)."""
+    """A run that starts from nothing says so, and marks the directory as its own (RUN_ID). In its first attempt it
+    is a new run: an earlier run's lines in the log are set aside first (the log is this run's alone)."""
+    earlier = cp.guard.new_run() if attempt == 0 and rank() == 0 and cp.guard is not None else None
     cp.emit(cp.step_count(), Record.FRESH_START, {
-        "dir": str(root), "created": not existed, "attempt": attempt, "reason": reason, "set_aside": set_aside})
+        "dir": str(root), "created": not existed, "attempt": attempt, "reason": reason, "set_aside": set_aside,
+        **({"earlier_log": earlier} if earlier else {})})
     if rank() == 0:
         import logging
 
         logging.getLogger("trainguard").warning(
-            "trainguard: a fresh start in %s (%s%s)", root, reason,
-            "; the directory did not exist and is created" if not existed else "")
+            "trainguard: a fresh start in %s (%s%s%s)", root, reason,
+            "; the directory did not exist and is created" if not existed else "",
+            f"; the log's earlier lines (another run's) moved to {earlier}" if earlier else "")
     mark_run(cp, root)
 
 

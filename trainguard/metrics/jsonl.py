@@ -32,12 +32,40 @@ def clean(value: Any) -> Any:
     return value
 
 
+_OPENED: set[str] = set()  # the logs this process opened: one opened again is the same run entered again (a spare)
+
+
 class JsonlSink:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open_append(self.path)  # (never through a link planted in a shared log folder)
+        self.prior = os.fstat(self._f.fileno()).st_size  # what an earlier process wrote: a restart's, or another run's
+        if str(self.path.resolve()) in _OPENED:  # (written by this process before: this run's own, never set aside)
+            self.prior = 0
+        _OPENED.add(str(self.path.resolve()))
+
+    def set_prior_aside(self) -> Path | None:
+        """This file began with an earlier run's lines (``prior`` bytes, a new run in the same folder): move them to a
+        file of their own beside it (``<name>.before-<time>.jsonl``) and keep only this run's here, so that a run never
+        appends to another's log. Returns where they went (None: there were none)."""
+        if not self.prior:
+            return None
+        self._f.flush()
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            f.seek(self.prior)
+            mine = f.read().decode("utf-8", "replace")
+        aside = self.path.with_name(f"{self.path.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+                                    f"{self.path.suffix}")
+        os.replace(self.path, aside)  # (the open file goes with it: cut back to the earlier run's lines below)
+        os.ftruncate(self._f.fileno(), self.prior)
+        self._f.close()
+        self._f, self.prior = open_append(self.path), 0  # (anew: no-follow, a regular file)
+        self._f.write(mine)
+        self._f.flush()
+        return aside
 
     def write(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
