@@ -23,8 +23,9 @@ def open_append(path: str | os.PathLike, binary: bool = False, mode: int = 0o666
 
 def own_folder(path: str | os.PathLike, key: str) -> None:
     """``path`` (``key`` names the setting) as a folder only this user writes: created 0700 when missing; one of this
-    user's that others may write is made 0700; a link, a file or another user's folder is refused (ConfigError naming
-    ``key``) -- what is read from it decides (a heartbeat there can stop every rank)."""
+    user's that others may write is made 0700; a link, a file, another user's folder, or one inside a folder others
+    may write that is not sticky, is refused (ConfigError naming ``key``) -- what is read from it decides (a
+    heartbeat there can stop every rank)."""
     import stat
 
     from trainguard.errors import ConfigError
@@ -34,8 +35,12 @@ def own_folder(path: str | os.PathLike, key: str) -> None:
     except FileExistsError:  # (a file there: said below)
         pass
     st = os.lstat(path)
+    up = os.stat(os.path.dirname(os.path.abspath(path)))
     what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else \
-        "another user's folder" if st.st_uid != os.geteuid() else None
+        "another user's folder" if st.st_uid != os.geteuid() else \
+        "in a folder others may write and not sticky (they could rename it away and back)" if (
+            up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX and up.st_uid != os.geteuid()) or (
+            up.st_mode & 0o002 and not up.st_mode & stat.S_ISVTX) else None
     if what is not None:
         raise ConfigError([(key, f"{path} is {what}: give a folder of this job's user's own")])
     if st.st_mode & 0o022:

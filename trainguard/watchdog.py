@@ -129,13 +129,13 @@ def arm_exit_deadline(code: int, after_s: float | None = None) -> threading.Time
 
 def exit_for_restart(code: int, detail: dict | None = None) -> None:
     """Leave the process with ``code`` (distributed.watchdog.exit_code) after a hang was found. torchrun
-    reports a failed worker as its own exit 1, so the code does not reach a job script: when the
-    environment names a marker file (``TRAINGUARD_HANG_MARKER``, set by
-    scripts/launch/slurm_deepspeed.sbatch), it is written first -- the script requeues on it."""
+    reports a failed worker as its own exit 1, so the code does not reach a job script: when the environment names
+    a marker file (``TRAINGUARD_HANG_MARKER``, set by the sbatch scripts), it is written first -- the script requeues."""
     marker = os.environ.get(HANG_MARKER)
     if marker:
         try:
-            Path(marker).parent.mkdir(parents=True, exist_ok=True)
+            if os.lstat(Path(marker).parent).st_uid != os.geteuid():  # (the sbatch's 0700 folder: never made here)
+                raise OSError(marker)
             with open_append(marker, mode=0o600) as f:  # (the job script acts on it only when the job's own)
                 f.write(json.dumps({"time": time.time(), "exit_code": code, "pid": os.getpid(), **(detail or {})})
                         + "\n")

@@ -385,11 +385,15 @@ def test_an_older_signed_copy_of_a_tag_put_back_decides_nothing(tmp_path, monkey
     assert "not the checkpoint last committed under this tag" in layout.unverified["step00000015"]
     tag, _, bad = choose_rollback(root, 16, "latest_valid", key=KEY)
     assert tag == "step00000010" and bad[0]["tag"] == "step00000015"
+    from trainguard.checkpoint.manifest import verify
+
+    res = verify(root / "step00000015", key=KEY)  # (a load of that tag by name verifies against the index too)
+    assert not res.ok and "last committed" in res.reason
     # a key rotation: the index the old key signed is signed with the new one; the put-back copy stays passed over
     monkeypatch.setenv("NEW_KEY", "another-key")
-    assert ckpt_sign(str(root), b"another-key", old_key=KEY) == 0
+    assert ckpt_sign(str(root), b"another-key", old_key=KEY) == 1  # (the put-back copy: NOT SIGNED, named)
     rotated = CheckpointLayout(root, b"another-key")
-    assert rotated.tags() == ["step00000005", "step00000010"] and "last committed" in rotated.unverified["step00000015"]
+    assert rotated.tags() == ["step00000005", "step00000010"] and "step00000015" in rotated.unverified
 
 
 def test_a_heartbeat_board_others_can_write_is_made_the_jobs_own_and_a_planted_beat_is_not_read(tmp_path):
@@ -414,9 +418,13 @@ def test_a_heartbeat_board_others_can_write_is_made_the_jobs_own_and_a_planted_b
     assert set(board.read()) == {0}
     (tmp_path / "a-file").write_text("")
     (tmp_path / "link").symlink_to(shared)
-    for bad in (tmp_path / "a-file", tmp_path / "link"):
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)  # (others could rename the board away and back: refused, sticky or not)
+    for bad in (tmp_path / "a-file", tmp_path / "link", tmp_path / "open" / "board"):
         with pytest.raises(ConfigError, match="watchdog.dir"):
             DirBoard(bad, world=2)
+    os.chmod(tmp_path / "open", 0o1777)  # (sticky, as /tmp: none can rename the job's folder)
+    assert DirBoard(tmp_path / "open" / "board", world=2).read() == {}
 
 
 def test_the_fallback_snapshot_folders_of_processes_gone_are_removed_never_a_live_ones(tmp_path):

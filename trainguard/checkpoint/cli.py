@@ -134,6 +134,6 @@ def ckpt_sign(root: str, key: bytes, tag: str | None = None, old_key: bytes | No
             continue
         print(f"{t}: signed ({len(res.manifest.files)} files verified{' with the old key' if signed else ''}"
               f"{'; marks signed: ' + ', '.join(marks) if marks else ''})")
-    if old_key is not None and tag is None and resign_index(layout.root, old_key, key):
+    if old_key is not None and resign_index(layout.root, old_key, key):
         print("the index of committed checkpoints (.index/): verified with the old key, signed with the new one")
     return 1 if bad else 0

@@ -10,9 +10,10 @@ import shutil
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, atomic_write_text, fsync_dir, make_durable
-from trainguard.checkpoint.layout import LATEST, MANIFEST, STAGING, CheckpointLayout, read_manifest
+from trainguard.checkpoint.layout import (LATEST, MANIFEST, STAGING, CheckpointLayout, StorageError, read_manifest,
+                                         storage_error)
 from trainguard.checkpoint.manifest import Manifest
-from trainguard.checkpoint.signed import record_commit
+from trainguard.checkpoint.signed import record_commit, staged_digest
 
 
 def as_written(staged: Path, hashed: dict, late: list | None = None) -> str | None:
@@ -57,6 +58,7 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
         for name in written:
             os.chmod(staged / name, PRIVATE_FILE_MODE)
     fsync_dir(staged)
+    digest = staged_digest(staged) if key is not None else None  # (hashed in the 0700 staging folder: what we wrote)
     final = CheckpointLayout(root).tag_dir(tag)
     aside = root / STAGING / f"replaced.{nonce}"
     if final.exists() and key is not None and read_manifest(final, key).why is not None:
@@ -70,7 +72,7 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
         os.replace(final, aside)
     os.replace(staged, final)
     fsync_dir(root)
-    record_commit(root, tag, key)  # (with a key: what tells this commit from an older copy of the tag put back)
+    record_commit(root, tag, key, digest)  # (with a key: what tells this commit from an older copy put back)
     atomic_write_text(root / LATEST, tag)
     shutil.rmtree(staging_root, ignore_errors=True)
     shutil.rmtree(aside, ignore_errors=True)
@@ -91,6 +93,10 @@ def restore_interrupted(root: Path) -> list[str]:
         try:
             tag = json.loads((aside / "manifest.json").read_text())["tag"]
             final = CheckpointLayout(root).tag_dir(tag)
+        except OSError as e:
+            if storage_error(e):  # (the only copy of that tag: never cleared on a storage error)
+                raise StorageError(aside / "manifest.json", e) from e
+            continue
         except Exception:  # (not a committed checkpoint, or no valid tag: it stays staging, cleared)
             continue
         if not final.exists():

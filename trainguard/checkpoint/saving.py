@@ -77,6 +77,7 @@ class Saver:
                     own_dir(root)
                 else:
                     root.mkdir(parents=True, exist_ok=True)
+                    go_w(root, self.cp.key)
                 staging_root = own_dir(own_dir(root / STAGING) / nonce, fresh=True)
                 own_dir(staging_root / tag, fresh=True)
                 own_dir(staging_root / tag / SIDECAR, fresh=True)
@@ -208,3 +209,16 @@ class Saver:
     def sidecar(self, **kwargs) -> dict:
         """This rank's sidecar: who wrote it, every RNG, and the framework's part (data position, ...)."""
         return {"rank": rank(), "world": world(), "rng": rng.capture(), **self.cp.state.sidecar(**kwargs)}
+
+
+def go_w(root: Path, key: bytes | None) -> None:
+    """With a key, a save root others may write (HF's ``checkpoint-N``, made with the umask) is made go-w: who can
+    rename inside it could swap a verified folder for an older signed one between a check and its use."""
+    import logging
+    import stat
+
+    st = os.lstat(root)
+    if key is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
+        os.chmod(root, stat.S_IMODE(st.st_mode) & ~0o022)
+        logging.getLogger("trainguard").warning("trainguard: %s was writable by other users: made go-w (signed "
+                                                "checkpoints need their folder the job's user's own)", root)

@@ -27,7 +27,9 @@ def write_mark(tag_dir: str | os.PathLike, name: str, payload: dict, key: bytes 
 
     tag_dir = Path(tag_dir)
     man = read_manifest(tag_dir, key)
-    why = man.why or misplaced(tag_dir, man)
+    why = man.why or misplaced(tag_dir, man) or (
+        "not the manifest last committed under this tag" if key is not None and man.digest is not None and
+        committed_digests(tag_dir.parent, key).get(tag_dir.name, man.digest) != man.digest else None)
     if why is not None:
         return f"{tag_dir / MANIFEST}: {why}: the {name} mark is not written"
     body = {**payload, "manifest_sha256": man.digest}
@@ -91,11 +93,17 @@ def resign_marks(tag_dir: str | os.PathLike, old_key: bytes | None, key: bytes, 
     return done
 
 
-def record_commit(root: Path, tag: str, key: bytes | None) -> None:
+def staged_digest(staged: Path) -> str:
+    """The sha256 of the manifest just written into the (0700) staging folder: what the index records."""
+    return hashlib.sha256(read_regular(Path(staged) / MANIFEST)).hexdigest()
+
+
+def record_commit(root: Path, tag: str, key: bytes | None, digest: str | None = None) -> None:
     """After ``tag`` was committed under ``root`` (rank 0, with a key): its manifest's digest into the root's signed
     index, in a 0700 folder of the job's own (trainguard.checkpoint.private.own_dir) -- what tells a signed manifest
     committed now from an older signed copy of the same tag put back later (a signature says what was written, not
-    when). Entries whose folder is gone are dropped. A folder that is not the job's own: said, the index not kept."""
+    when). ``digest``: the manifest's, hashed before the rename (read back from ``root`` when not given). Entries whose
+    folder is gone are dropped. A folder that is not the job's own: said, the index not kept."""
     import logging
 
     from trainguard.checkpoint.fsio import atomic_write_json
@@ -110,7 +118,7 @@ def record_commit(root: Path, tag: str, key: bytes | None) -> None:
         logging.getLogger("trainguard").warning("trainguard: %s: the index of committed checkpoints is not kept", e)
         return
     digests = {t: d for t, d in committed_digests(root, key).items() if os.path.isdir(root / t)}
-    digests[tag] = hashlib.sha256(read_regular(root / tag / MANIFEST)).hexdigest()
+    digests[tag] = digest or staged_digest(root / tag)
     atomic_write_json(folder / Path(INDEX).name, {"digests": digests, "hmac": index_mac(key, digests)}, mode=0o600)
 
 
