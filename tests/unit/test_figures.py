@@ -26,6 +26,13 @@ FIGURES = [
      "overhead-proxies-2026-12-06.json", ("ops_small", "ops_large")),
     ("docs/recovery.md", r"(\d+) draws, \d+ forced actions", "recovery-fuzz-2026-12-06.json", ("draws",)),
     ("docs/detection.md", r"\*\*(\d+) actions in all 5 runs\*\*", "natural-healthy-2026-12-06.json", ("actions",)),
+    ("docs/checkpoints.md", r"raw write of the same bytes \(open/write/fsync\) \| ([\d,]+) MB/s", "checkpoint-io-2026-12-06.json",
+     ("raw_write_MBps",)),
+    ("docs/checkpoints.md", r"synchronous \(DeepSpeed's write, hashed while written, fsync, manifest, rename\) \| ([\d,]+) MB/s: "
+     r"([\d.]+) of raw, ([\d.]+) of plain DeepSpeed", "checkpoint-io-2026-12-06.json",
+     ("save_MBps", "save_over_raw", "save_over_plain_deepspeed")),
+    ("docs/checkpoints.md", r"blocking time / synchronous save time \| ([\d.]+) \((\d+) ms blocking",
+     "checkpoint-io-2026-12-06.json", ("async_blocking_over_sync", "async_blocking_s")),
 ]
 
 
@@ -72,4 +79,6 @@ def test_a_figure_in_the_text_is_the_kept_runs(doc, pattern, kept, keys):
     if "rows" in data:  # (a table: its actions summed over the rows)
         data = {**data, "actions": sum(len(r["actions"]) for r in data["rows"])}
     for group, key in zip(m.groups(), keys):
-        assert _number(group) == pytest.approx(float(data[key])), (doc, key, group, data[key])
+        value = float(data[key]) * (1000 if key.endswith("_s") else 1)  # (seconds said in ms)
+        decimals = len(group.split(".")[1]) if "." in group else 0  # (as printed: rounded to the digits said)
+        assert _number(group) == pytest.approx(round(value, decimals)), (doc, key, group, data[key])
