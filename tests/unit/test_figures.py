@@ -33,6 +33,9 @@ FIGURES = [
      ("save_MBps", "save_over_raw", "save_over_plain_deepspeed")),
     ("docs/checkpoints.md", r"blocking time / synchronous save time \| ([\d.]+) \((\d+) ms blocking",
      "checkpoint-io-2026-12-06.json", ("async_blocking_over_sync", "async_blocking_s")),
+    ("docs/checkpoints.md", r"medians \*\*([\d.]+) s\*\* plain\s+DeepSpeed, \*\*([\d.]+) s\*\* guard, \*\*([\d.]+) s\*\* guard "
+     r"\+ snapshots every 10 steps, \*\*([\d.]+) s\*\* paced", "insurance-2026-12-06.json",
+     ("median.clean", "median.guard", "median.insured", "median.paced")),
 ]
 
 
@@ -79,6 +82,9 @@ def test_a_figure_in_the_text_is_the_kept_runs(doc, pattern, kept, keys):
     if "rows" in data:  # (a table: its actions summed over the rows)
         data = {**data, "actions": sum(len(r["actions"]) for r in data["rows"])}
     for group, key in zip(m.groups(), keys):
-        value = float(data[key]) * (1000 if key.endswith("_s") else 1)  # (seconds said in ms)
+        value = data
+        for part in key.split("."):  # (a nested figure: "median.clean")
+            value = value[part]
+        value = float(value) * (1000 if key.endswith("_s") else 1)  # (seconds said in ms)
         decimals = len(group.split(".")[1]) if "." in group else 0  # (as printed: rounded to the digits said)
         assert _number(group) == pytest.approx(round(value, decimals)), (doc, key, group, data[key])

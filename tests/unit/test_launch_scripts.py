@@ -53,7 +53,8 @@ def _slurm(tmp_path, worker_exit: int):
     log = tmp_path / f"scontrol.{worker_exit}.log"
     env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n1",
                SLURM_NNODES="1", SLURM_JOB_ID="42", NPROC_PER_NODE="1", MAX_RESTARTS="0", MASTER_PORT=str(port),
-               LOG_DIR=str(tmp_path), SCONTROL_LOG=str(log), PYTHONPATH=str(ROOT))
+               LOG_DIR=str(tmp_path), SCONTROL_LOG=str(log), PYTHONPATH=str(ROOT),
+               TRAINGUARD_STATE_DIR=str(tmp_path / "state"))
     done = subprocess.run(["bash", str(ROOT / "scripts" / "launch" / "slurm_deepspeed.sbatch"), str(worker),
                            str(worker_exit)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     return done.returncode, (log.read_text() if log.exists() else ""), done.stderr
@@ -64,9 +65,9 @@ def test_slurm_requeues_after_a_hang_exit_that_torchrun_reported_as_1(tmp_path):
     never ran. The watchdog's marker file is what the script reads now."""
     rc, asked, err = _slurm(tmp_path, 75)
     assert rc == 1, err[-2000:]  # torchrun's own code: 75 does not get through
-    markers = list(tmp_path.glob(".trainguard-hang.42.*/trainguard-hang.42"))  # (the attempt's own 0700 folder)
+    markers = list(tmp_path.glob("state/hang.42.*/trainguard-hang.42"))  # (the attempt's own 0700 folder)
     assert "requeue 42" in asked and len(markers) == 1 and markers[0].read_text().count('"exit_code": 75') == 1
-    assert markers[0].parent.stat().st_mode & 0o777 == 0o700
+    assert markers[0].parent.stat().st_mode & 0o777 == 0o700 == markers[0].parent.parent.stat().st_mode & 0o777
     rc, asked, err = _slurm(tmp_path, 3)  # a crash (or an abort): a person looks first, no requeue
     assert rc == 1 and asked == "", asked
 
