@@ -39,8 +39,7 @@ def own_folder(path: str | os.PathLike, key: str) -> None:
     what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else \
         "another user's folder" if st.st_uid != os.geteuid() else \
         "in a folder others may write and not sticky (they could rename it away and back)" if (
-            up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX and up.st_uid != os.geteuid()) or (
-            up.st_mode & 0o002 and not up.st_mode & stat.S_ISVTX) else None
+            up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX) else None
     if what is not None:
         raise ConfigError([(key, f"{path} is {what}: give a folder of this job's user's own")])
     if st.st_mode & 0o022:

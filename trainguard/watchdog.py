@@ -19,6 +19,7 @@ Framework-free: the adapter supplies the board and says when phases change.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -108,8 +109,7 @@ def install_stack_dump_signal(path: str | os.PathLike | None):
 
 def dump_own_stacks(path: str | os.PathLike) -> None:
     with open_append(path) as f:
-        f.write(f"--- rank stacks at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}) ---\n")
-        f.flush()
+        print(f"--- rank stacks at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}) ---", file=f, flush=True)
         faulthandler.dump_traceback(file=f, all_threads=True)
 
 
@@ -118,9 +118,9 @@ EXIT_DEADLINE_S = 15.0  # after a hang is found: the record, stacks and marker g
 
 
 def arm_exit_deadline(code: int, after_s: float | None = None) -> threading.Timer:
-    """Before any I/O on the way out: a timer that leaves the process with ``code`` after ``after_s``,
-    whatever the I/O does meanwhile (a hung filesystem blocks the JSONL record, the stack dump and the
-    marker -- and a rank that never exits is never restarted). No I/O of its own."""
+    """Before any I/O on the way out: a timer that leaves the process with ``code`` after ``after_s``, whatever the I/O
+    does meanwhile (a hung filesystem blocks the record, the stacks and the marker; a rank that never exits is never
+    restarted). No I/O of its own."""
     timer = threading.Timer(EXIT_DEADLINE_S if after_s is None else after_s, os._exit, args=(code,))
     timer.daemon = True
     timer.start()
@@ -128,9 +128,8 @@ def arm_exit_deadline(code: int, after_s: float | None = None) -> threading.Time
 
 
 def exit_for_restart(code: int, detail: dict | None = None) -> None:
-    """Leave the process with ``code`` (distributed.watchdog.exit_code) after a hang was found. torchrun
-    reports a failed worker as its own exit 1, so the code does not reach a job script: when the environment names
-    a marker file (``TRAINGUARD_HANG_MARKER``, set by the sbatch scripts), it is written first -- the script requeues."""
+    """Leave with ``code`` (distributed.watchdog.exit_code) after a hang. torchrun reports it as its own exit 1: when
+    the environment names a marker file (TRAINGUARD_HANG_MARKER, the sbatch scripts'), it is written first."""
     marker = os.environ.get(HANG_MARKER)
     if marker:
         try:
@@ -262,16 +261,17 @@ class Watchdog:
         arm_exit_deadline(w.exit_code)
         culprits = [dict(c, coords=self.guard.coords_of(c["rank"])) for c in verdict.describe()]
         detail = {"culprits": culprits, "why": verdict.why, "hang_timeout_s": w.hang_timeout_s,
-                  "detected_by": self.rank, "stacks": str(stacks), "exit_code": w.exit_code,
-                  "advice": "the launcher restarts the job (torchrun --max-restarts); it resumes from the newest "
-                            "valid checkpoint"}
+                  "detected_by": self.rank, "stacks": str(stacks), "exit_code": w.exit_code, "advice": "the launcher "
+                  "restarts the job (torchrun --max-restarts); it resumes from the newest valid checkpoint"}
         live = [r for r in range(self.world) if r not in verdict.culprits]
         # the lowest live rank writes the run's log (taking it over when rank 0 is the hung one)
         first = bool(live) and self.rank == live[0]
-        # named first, then the stacks (the record says where they go; a hung rank needs a moment to write its own)
-        self.guard.emit(self.heart.step, Record.HANG_DETECTED, verdict.culprits, "restart", detail,
-                        rank_local=True, to_run_log=first, takeover=first)
-        dump_own_stacks(stacks / f"stacks.rank{self.rank}.txt")
+        # named first, then the stacks (the record says where they go; a hung rank needs a moment to write its own);
+        # a link or folder planted where they go never costs the marker below (the requeue): the log is not the exit
+        with contextlib.suppress(OSError, ValueError):
+            self.guard.emit(self.heart.step, Record.HANG_DETECTED, verdict.culprits, "restart", detail,
+                            rank_local=True, to_run_log=first, takeover=first)
+            dump_own_stacks(stacks / f"stacks.rank{self.rank}.txt")
         asked = signal_local(verdict, self.heart.host, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else []
         if asked:
             time.sleep(1.0)  # a hung (not stopped) rank writes its stacks meanwhile

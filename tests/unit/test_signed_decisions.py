@@ -221,6 +221,21 @@ def test_a_peer_that_announces_more_than_node_memory_holds_is_refused_never_allo
         mt._recv(3, None, tmp_path)
 
 
+def _squatted(tmp_path) -> Path:
+    """The per-user snapshot folder's name taken first by another user (root: a folder chowned to another uid; else a
+    link to a folder elsewhere)."""
+    import os
+
+    taken = tmp_path / f"trainguard-{os.geteuid()}"
+    if os.geteuid() == 0:
+        taken.mkdir()
+        os.chown(taken, 12345, 12345)
+    else:
+        (tmp_path / "theirs").mkdir()
+        taken.symlink_to(tmp_path / "theirs")
+    return taken
+
+
 def test_the_snapshot_folders_name_taken_by_another_user_is_no_stop(tmp_path, caplog):
     """Probe 9 (LOW): another local user who created ``/dev/shm/trainguard-<uid>`` first stopped every job with
     snapshots at start. Now the tier takes a fresh folder of its own beside it (0700, a random name), said in the log;
@@ -229,14 +244,7 @@ def test_the_snapshot_folders_name_taken_by_another_user_is_no_stop(tmp_path, ca
 
     from trainguard.checkpoint.private import UnsafeFolder, expand, private_dir
 
-    uid = os.geteuid()
-    taken = tmp_path / f"trainguard-{uid}"
-    if uid == 0:
-        taken.mkdir()
-        os.chown(taken, 12345, 12345)
-    else:
-        (tmp_path / "theirs").mkdir()
-        taken.symlink_to(tmp_path / "theirs")
+    taken = _squatted(tmp_path)
     base = expand(tmp_path / "trainguard-{uid}")
     assert base != taken and base.parent == tmp_path and base.name.startswith(taken.name + "-")
     assert private_dir(base, "run", "node", "rank0").is_dir() and (base.stat().st_mode & 0o777) == 0o700
@@ -419,8 +427,10 @@ def test_a_heartbeat_board_others_can_write_is_made_the_jobs_own_and_a_planted_b
     (tmp_path / "a-file").write_text("")
     (tmp_path / "link").symlink_to(shared)
     (tmp_path / "open").mkdir()
-    os.chmod(tmp_path / "open", 0o777)  # (others could rename the board away and back: refused, sticky or not)
-    for bad in (tmp_path / "a-file", tmp_path / "link", tmp_path / "open" / "board"):
+    os.chmod(tmp_path / "open", 0o777)  # (others could rename the board away and back: refused)
+    (tmp_path / "group").mkdir()
+    os.chmod(tmp_path / "group", 0o775)  # (the job user's own, but a group may rename in it: refused too)
+    for bad in (tmp_path / "a-file", tmp_path / "link", tmp_path / "open" / "board", tmp_path / "group" / "board"):
         with pytest.raises(ConfigError, match="watchdog.dir"):
             DirBoard(bad, world=2)
     os.chmod(tmp_path / "open", 0o1777)  # (sticky, as /tmp: none can rename the job's folder)
@@ -436,14 +446,7 @@ def test_the_fallback_snapshot_folders_of_processes_gone_are_removed_never_a_liv
     import subprocess
     import sys
 
-    uid = os.geteuid()
-    taken = tmp_path / f"trainguard-{uid}"
-    if uid == 0:
-        taken.mkdir()
-        os.chown(taken, 12345, 12345)
-    else:
-        (tmp_path / "theirs").mkdir()
-        taken.symlink_to(tmp_path / "theirs")
+    taken = _squatted(tmp_path)
     code = ("import sys, time; from trainguard.checkpoint.private import expand; b = expand(sys.argv[1]); "
             "(b / 'shard').write_bytes(b'x' * 1024); print(b, flush=True); time.sleep(float(sys.argv[2]))")
     pattern = str(tmp_path / "trainguard-{uid}")
@@ -463,3 +466,24 @@ def test_the_fallback_snapshot_folders_of_processes_gone_are_removed_never_a_liv
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_huge_file_planted_as_a_manifest_is_passed_over_never_read_whole(tmp_path, monkeypatch):
+    """From the third review: the manifest, its signature and the marks were read whole before the HMAC check -- a
+    sparse 1 TB ``manifest.json`` took rank 0's memory at every listing (after every commit, at every resume). Now a
+    file larger than any of its kind is refused on its size, a verdict (passed over), never read."""
+    fw, cp, root, _ = _saved(tmp_path, monkeypatch)
+    with open(root / "step00000015" / "manifest.json", "r+b") as f:
+        f.truncate(100 << 20)  # (sparse: no disk used; 1 TB in the attack)
+    real = listing.os.read
+    read = []
+
+    def counted(fd, n):
+        block = real(fd, n)
+        read.append(len(block))
+        return block
+
+    monkeypatch.setattr(listing.os, "read", counted)
+    layout = CheckpointLayout(root, KEY)
+    assert layout.tags() == ["step00000005", "step00000010"] and "step00000015" not in layout.digests
+    assert sum(read) < (1 << 20), "the planted file was read"

@@ -61,20 +61,30 @@ def storage_error(e: OSError) -> bool:
                        getattr(errnos, "EREMOTEIO", -1), errnos.EBUSY, errnos.ENOLCK}
 
 
-def read_regular(path: Path) -> bytes:
-    """A regular file's bytes, never through a symlink, a FIFO or a device (a CheckpointError says which)."""
+MAX_SMALL_FILE = 64 << 20  # a manifest, its signature, a mark, the index: larger is no file trainguard wrote
+
+
+def read_regular(path: Path, max_bytes: int = MAX_SMALL_FILE) -> bytes:
+    """A regular file's bytes, never through a symlink, a FIFO or a device, never one larger than ``max_bytes`` (a
+    planted 1 TB manifest would take rank 0's memory on every listing): a CheckpointError says which."""
     import stat
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{path}: not a regular file: refused")
-        chunks = []
+        if st.st_size > max_bytes:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, more than any file of its kind ({max_bytes}): refused")
+        chunks, size = [], 0
         while True:
             block = os.read(fd, 8 << 20)
-            if not block:
+            size += len(block)
+            if not block or size > max_bytes:  # (grown since the fstat: refused alike)
                 break
             chunks.append(block)
+        if size > max_bytes:
+            raise CheckpointError(f"{path}: more than {max_bytes} bytes: refused")
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -63,7 +63,7 @@ class VerifiedReader:
         want = self.files.get(rel) if inside(rel) else None
         if want is None:
             raise CheckpointError(f"{path}: not listed in the manifest of {self.tag_dir}: refused, never read")
-        data = read_regular(Path(path))
+        data = read_regular(Path(path), max_bytes=int(want["size"]))  # (no more than the manifest says it holds)
         from trainguard.checkpoint.fsio import progressed
 
         progressed()
