@@ -4,6 +4,7 @@ with an exclusive random temporary: trainguard.checkpoint.fsio.)"""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def open_append(path: str | os.PathLike, binary: bool = False, mode: int = 0o666):
@@ -21,6 +22,21 @@ def open_append(path: str | os.PathLike, binary: bool = False, mode: int = 0o666
     return open(path, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8"}), opener=opener)
 
 
+def open_log(path: str | os.PathLike, binary: bool = False):
+    """``(file, its path)``: :func:`open_append` of ``path``, or -- a folder, link or FIFO planted there by someone who
+    may write the folder -- a fresh file of this process's own beside it, said in the log: a log is never what stops a
+    run (nor what keeps a hang from its requeue)."""
+    try:
+        return open_append(path, binary), str(path)
+    except OSError as e:
+        import logging
+        import tempfile
+
+        fd, alt = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f"{os.path.basename(path)}.")
+        logging.getLogger("trainguard").warning("trainguard: %s cannot be appended to (%s): %s instead", path, e, alt)
+        return os.fdopen(fd, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8"})), alt
+
+
 def own_folder(path: str | os.PathLike, key: str) -> None:
     """``path`` (``key`` names the setting) as a folder only this user writes: created 0700 when missing; one of this
     user's that others may write is made 0700; a link, a file, another user's folder, or one inside a folder others
@@ -35,11 +51,12 @@ def own_folder(path: str | os.PathLike, key: str) -> None:
     except FileExistsError:  # (a file there: said below)
         pass
     st = os.lstat(path)
-    up = os.stat(os.path.dirname(os.path.abspath(path)))
+    above = [os.stat(a) for a in Path(os.path.abspath(path)).parents]  # (every folder above: none may be renamed)
     what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else \
         "another user's folder" if st.st_uid != os.geteuid() else \
-        "in a folder others may write and not sticky (they could rename it away and back)" if (
-            up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX) else None
+        "below a folder others may write and not sticky, or another user's (they could rename it away and back)" if any(
+            (a.st_mode & 0o022 and not a.st_mode & stat.S_ISVTX) or a.st_uid not in (0, os.geteuid()) for a in above
+        ) else None
     if what is not None:
         raise ConfigError([(key, f"{path} is {what}: give a folder of this job's user's own")])
     if st.st_mode & 0o022:

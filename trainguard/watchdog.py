@@ -35,7 +35,7 @@ from trainguard.events import Phase, Record
 from trainguard.heartbeats import (  # noqa: F401 - (Beat, DirBoard, process_start: this module's names before)
     Beat, DirBoard, Heartbeat, HangVerdict, StoreBoard, _same_process, default_board, find_hung, process_start)
 from trainguard.hung import replacing_hung
-from trainguard.sharedfs import open_append
+from trainguard.sharedfs import open_append, open_log
 
 PHASES = tuple(p.value for p in Phase)
 
@@ -102,7 +102,7 @@ def install_stack_dump_signal(path: str | os.PathLike | None):
     file is opened now (a hung main thread runs no Python: faulthandler writes from C); returns it."""
     if not hasattr(signal, "SIGUSR1"):
         return None
-    target = open_append(path) if path else sys.stderr  # noqa: SIM115 - kept open for the handler
+    target = open_log(path)[0] if path else sys.stderr  # noqa: SIM115 - kept open for the handler (never a stop)
     faulthandler.register(signal.SIGUSR1, file=target, all_threads=True, chain=False)
     return target if path else None
 

@@ -177,8 +177,10 @@ def test_files_in_shared_folders_are_never_written_through_a_planted_link(tmp_pa
     assert victim.read_text() == "secret" and victim.stat().st_mode & 0o777 == 0o600
     assert (shared / "stable.json").read_text() == "{}" and not (shared / "stable.json").is_symlink()
     os.symlink(victim, shared / "tg.jsonl")
-    with pytest.raises(OSError):
-        JsonlSink(shared / "tg.jsonl")
+    sink = JsonlSink(shared / "tg.jsonl")  # (not through the link: a fresh file of its own beside it, said)
+    sink.metric(1, loss=1.0)
+    sink.close()
+    assert sink.path != shared / "tg.jsonl" and sink.path.parent == shared
     os.mkfifo(shared / "marker")
     with pytest.raises(OSError):
         open_append(shared / "marker")
@@ -487,3 +489,30 @@ def test_a_huge_file_planted_as_a_manifest_is_passed_over_never_read_whole(tmp_p
     layout = CheckpointLayout(root, KEY)
     assert layout.tags() == ["step00000005", "step00000010"] and "step00000015" not in layout.digests
     assert sum(read) < (1 << 20), "the planted file was read"
+
+
+def test_a_folder_planted_where_a_log_goes_is_no_stop_of_the_run(tmp_path):
+    """From the fourth review: a folder (or a link, a FIFO) planted in the log folder where the JSONL or a rank's
+    stack dump goes made the open fail at every start: the rank died on every attempt, and torchrun's restarts ran
+    out without a hang marker. Now the log goes to a fresh file of the process's own beside it, said in the log; and
+    a dir board below a folder others may write is refused however far up that folder is."""
+    import os
+
+    from trainguard.errors import ConfigError
+    from trainguard.metrics.jsonl import JsonlSink
+    from trainguard.watchdog import DirBoard, install_stack_dump_signal
+
+    (tmp_path / "trainguard.jsonl").mkdir()
+    (tmp_path / "stacks.rank0.txt").symlink_to(tmp_path / "elsewhere")
+    sink = JsonlSink(tmp_path / "trainguard.jsonl")
+    sink.metric(1, loss=1.0)
+    sink.close()
+    assert sink.path.parent == tmp_path and sink.path.name.startswith("trainguard.jsonl.") and sink.path.is_file()
+    target = install_stack_dump_signal(tmp_path / "stacks.rank0.txt")
+    assert target is not None and not (tmp_path / "elsewhere").exists()
+    target.close()
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o775)
+    (tmp_path / "shared" / "mine").mkdir(mode=0o755)
+    with pytest.raises(ConfigError, match="watchdog.dir"):
+        DirBoard(tmp_path / "shared" / "mine" / "run1", world=2)

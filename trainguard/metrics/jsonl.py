@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.sharedfs import open_append
+from trainguard.sharedfs import open_append, open_log
 
 
 def clean(value: Any) -> Any:
@@ -40,7 +40,8 @@ class JsonlSink:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open_append(self.path)  # (never through a link planted in a shared log folder)
+        self._f, path = open_log(self.path)  # (never through a link planted in a shared log folder; never a stop)
+        self.path = Path(path)
         self.prior = os.fstat(self._f.fileno()).st_size  # what an earlier process wrote: a restart's, or another run's
         if str(self.path.resolve()) in _OPENED:  # (written by this process before: this run's own, never set aside)
             self.prior = 0
