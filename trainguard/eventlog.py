@@ -152,7 +152,11 @@ class EventLog:
     def new_run(self) -> str | None:
         """A new run (a fresh start in its first attempt): an earlier run's lines in the log moved aside (rank 0;
         trainguard.metrics.jsonl.JsonlSink.set_prior_aside). Returns where they went."""
-        aside = self.log.set_prior_aside() if self.log is not None else None
+        try:
+            aside = self.log.set_prior_aside() if self.log is not None else None
+        except OSError as e:  # (a log someone swapped meanwhile: this run appends as before, said)
+            logging.getLogger("trainguard").warning("trainguard: the earlier run's log lines were not set aside: %s", e)
+            return None
         return str(aside) if aside is not None else None
 
     def close(self) -> None:

@@ -34,7 +34,8 @@ def open_log(path: str | os.PathLike, binary: bool = False):
 
         fd, alt = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f"{os.path.basename(path)}.")
         logging.getLogger("trainguard").warning("trainguard: %s cannot be appended to (%s): %s instead", path, e, alt)
-        return os.fdopen(fd, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8"})), alt
+        return open(alt, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8"}),  # (its name: alt)
+                    opener=lambda *_: fd), alt
 
 
 def own_folder(path: str | os.PathLike, key: str) -> None:

@@ -162,7 +162,7 @@ def signal_local(verdict: HangVerdict, host: str, sig: int) -> list[int]:
 def last_logged_time(path) -> float | None:
     """The time of the last line of a JSONL log (what a restarted rank 0 knows of the attempt before)."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:  # (no FIFO)
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 65536))
             lines = f.read().splitlines()

@@ -510,6 +510,7 @@ def test_a_folder_planted_where_a_log_goes_is_no_stop_of_the_run(tmp_path):
     assert sink.path.parent == tmp_path and sink.path.name.startswith("trainguard.jsonl.") and sink.path.is_file()
     target = install_stack_dump_signal(tmp_path / "stacks.rank0.txt")
     assert target is not None and not (tmp_path / "elsewhere").exists()
+    assert isinstance(target.name, str) and Path(target.name).parent == tmp_path  # (Watchdog.stop reads its name)
     target.close()
     (tmp_path / "shared").mkdir()
     os.chmod(tmp_path / "shared", 0o775)

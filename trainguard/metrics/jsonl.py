@@ -54,8 +54,11 @@ class JsonlSink:
         if not self.prior:
             return None
         self._f.flush()
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
+            here, ours = os.fstat(fd), os.fstat(self._f.fileno())
+            if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):  # (swapped since it was opened: not ours)
+                raise OSError(f"{self.path} is no longer the log this process opened: left as it is")
             f.seek(self.prior)
             mine = f.read().decode("utf-8", "replace")
         aside = self.path.with_name(f"{self.path.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
