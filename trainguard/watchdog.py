@@ -83,9 +83,8 @@ class Monitor(threading.Thread):
                 return
 
     def _watch_own_io(self) -> None:
-        """The monitor's board I/O blocked past the hang timeout (a hung filesystem under a ``dir`` board, a
-        stalled store): hang detection is blind, and a hung filesystem is a leading cause of hangs -- hand
-        it to ``on_stall`` (the whole: exit for a restart, under a deadline)."""
+        """The monitor's board I/O blocked past the hang timeout (a hung filesystem under a ``dir`` board, a stalled
+        store): detection is blind, and a hung filesystem causes hangs -- ``on_stall`` (exit for a restart)."""
         while not self._halt.wait(min(self.interval_s, 1.0)):
             since = self.io_since
             if since is not None and time.monotonic() - since > self.hang_timeout_s:
@@ -102,7 +101,10 @@ def install_stack_dump_signal(path: str | os.PathLike | None):
     file is opened now (a hung main thread runs no Python: faulthandler writes from C); returns it."""
     if not hasattr(signal, "SIGUSR1"):
         return None
-    target = open_log(path)[0] if path else sys.stderr  # noqa: SIM115 - kept open for the handler (never a stop)
+    try:  # (a file planted where the folder goes: the stacks go to stderr -- a log is never a stop)
+        target = (Path(path).parent.mkdir(parents=True, exist_ok=True), open_log(path)[0])[1] if path else sys.stderr
+    except OSError:
+        path, target = None, sys.stderr
     faulthandler.register(signal.SIGUSR1, file=target, all_threads=True, chain=False)
     return target if path else None
 
@@ -167,7 +169,7 @@ def last_logged_time(path) -> float | None:
             f.seek(max(0, f.tell() - 65536))
             lines = f.read().splitlines()
         return float(json.loads(lines[-1])["time"]) if lines else None
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+    except Exception:  # noqa: BLE001 - (any line a writer of the log folder appended: no time, never a raise)
         return None
 
 
@@ -197,7 +199,6 @@ class Watchdog:
         board = default_board(w, self.world)
         if board is None:
             return
-        self.stacks_dir().mkdir(parents=True, exist_ok=True)
         self._stacks = install_stack_dump_signal(self.stacks_dir() / f"stacks.rank{self.rank}.txt")
         attempt = restart_attempt()
         # the last heartbeats of the attempt before, if any; every rank reads them before any rank of this
@@ -281,8 +282,7 @@ class Watchdog:
                                        "rank": self.rank, "host": self.heart.host})
 
     def stop(self) -> dict:
-        """Stop watching; a stacks file nothing was written to is removed (a healthy run leaves none).
-        Returns what the run_end record says of the watchdog."""
+        """Stop watching; an empty stacks file removed (a healthy run leaves none). Returns run_end's watchdog part."""
         if self.monitor is not None:
             self.monitor.stop()
         if self._stacks is not None:

@@ -517,3 +517,13 @@ def test_a_folder_planted_where_a_log_goes_is_no_stop_of_the_run(tmp_path):
     (tmp_path / "shared" / "mine").mkdir(mode=0o755)
     with pytest.raises(ConfigError, match="watchdog.dir"):
         DirBoard(tmp_path / "shared" / "mine" / "run1", world=2)
+
+
+def test_a_file_planted_where_the_stacks_folder_goes_is_no_stop(tmp_path):
+    """From the sixth review: with ``watchdog.stacks_dir`` set to a folder in the log folder, a file planted under
+    that name made the folder's creation fail on every rank, at every start. Now the stacks go to stderr instead."""
+    from trainguard.watchdog import install_stack_dump_signal
+
+    (tmp_path / "stacks").write_text("planted")
+    assert install_stack_dump_signal(tmp_path / "stacks" / "stacks.rank0.txt") is None  # (stderr: nothing to close)
+    assert (tmp_path / "stacks").read_text() == "planted"

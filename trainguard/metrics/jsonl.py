@@ -60,7 +60,7 @@ class JsonlSink:
             if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):  # (swapped since it was opened: not ours)
                 raise OSError(f"{self.path} is no longer the log this process opened: left as it is")
             f.seek(self.prior)
-            mine = f.read().decode("utf-8", "replace")
+            mine = f.read(64 << 20).decode("utf-8", "replace")  # (this run's first lines: a few, never a planted TB)
         aside = self.path.with_name(f"{self.path.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
                                     f"{self.path.suffix}")
         os.replace(self.path, aside)  # (the open file goes with it: cut back to the earlier run's lines below)
