@@ -65,7 +65,11 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
         from trainguard.checkpoint.private import own_dir  # (not this run's to delete: set aside, kept, said --
 
         kept = own_dir(root / ".abandoned") / f"{tag}.{nonce}"  # before the commit: a failure here commits nothing)
-        os.replace(final, kept)
+        try:
+            os.replace(final, kept)
+        except PermissionError:  # (another user's folder cannot change parents: renamed aside where it is, kept)
+            kept = root / f".{tag}.foreign.{nonce}"
+            os.replace(final, kept)
         logging.getLogger("trainguard").warning("trainguard: %s held a checkpoint whose manifest does not verify with "
                                                 "this run's key: moved to %s (kept), not deleted", final, kept)
     if final.exists():  # the same tag saved again: the old one goes aside first

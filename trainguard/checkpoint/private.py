@@ -151,12 +151,27 @@ def private_dir(base: str | os.PathLike, *below: str) -> Path:
     return p
 
 
+def _aside(p: Path, st: os.stat_result) -> Path:
+    """Something not this job's (a link, a file, another user's folder) where a folder of its own goes, inside a
+    folder of the job's user's: renamed aside in that folder (a rename there needs only its write), said -- never a
+    failed save. Returns ``p``, free again."""
+    import logging
+    import uuid
+
+    aside = p.with_name(f"{p.name}.foreign.{uuid.uuid4().hex[:8]}")
+    os.rename(p, aside)
+    logging.getLogger("trainguard").warning("trainguard: %s was not this job's (%s): moved to %s, kept", p,
+                                            _describe(st), aside)
+    return p
+
+
 def own_dir(path: str | os.PathLike, fresh: bool = False) -> Path:
     """A folder of this job's inside a checkpoint directory (its staging, a conversion's output): created 0700 where
     missing -- never through a symlink someone planted --, else checked with ``lstat`` to be a real folder of this
-    user's. ``fresh``: it must not exist yet (a name of this save's own: one found there was planted). The
-    directory above it is the user's (``checkpoint.dir``, perhaps group-shared): only what trainguard writes
-    into is made private. Raises UnsafeFolder naming the folder."""
+    user's; something else found there -- planted in a folder of the user's -- is moved aside first (said). ``fresh``:
+    it must not exist yet (a name of this save's own: one found there was planted). The directory above it is the
+    user's (``checkpoint.dir``, perhaps group-shared): only what trainguard writes into is made private. Raises
+    UnsafeFolder naming the folder."""
     p = Path(path)
     try:
         os.mkdir(p, 0o700)
@@ -166,6 +181,9 @@ def own_dir(path: str | os.PathLike, fresh: bool = False) -> Path:
         if fresh:
             raise UnsafeFolder(f"{p} exists already: a folder of this save's own name was made by someone else") from None
     st = os.lstat(p)
+    foreign = stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
+    if foreign and os.lstat(p.parent).st_uid == os.geteuid():  # (planted in a folder of ours: moved aside, kept)
+        return own_dir(_aside(p, st), fresh=True)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UnsafeFolder(f"{p} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a folder'}: refused (trainguard "
                            "writes checkpoints only into real folders of its own)")
