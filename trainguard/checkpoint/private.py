@@ -182,7 +182,8 @@ def own_dir(path: str | os.PathLike, fresh: bool = False) -> Path:
             raise UnsafeFolder(f"{p} exists already: a folder of this save's own name was made by someone else") from None
     st = os.lstat(p)
     foreign = stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
-    if foreign and os.lstat(p.parent).st_uid == os.geteuid():  # (planted in a folder of ours: moved aside, kept)
+    up = os.lstat(p.parent)
+    if foreign and up.st_uid == os.geteuid() and not up.st_mode & 0o022:  # (in a folder only ours: moved aside, kept)
         return own_dir(_aside(p, st), fresh=True)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UnsafeFolder(f"{p} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a folder'}: refused (trainguard "

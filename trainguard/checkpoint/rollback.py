@@ -99,7 +99,10 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
             from trainguard.checkpoint.private import own_dir
 
             dest = own_dir(root / ".abandoned") / f"{tag}.{uuid.uuid4().hex[:6]}"  # (never a planted link)
-            os.replace(layout.tag_dir(tag), dest)
+            try:
+                os.replace(layout.tag_dir(tag), dest)
+            except PermissionError:  # (another user's folder cannot change parents: renamed aside where it is)
+                os.replace(layout.tag_dir(tag), root / f".{dest.name}.foreign")
             moved.append(tag)
     if moved:
         fsync_dir(root)
