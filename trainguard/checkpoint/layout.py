@@ -184,6 +184,14 @@ def committed_digests(root: Path, key: bytes | None) -> dict[str, str]:
     return digests if ok else {}
 
 
+REPLAYED = "signed, but not the checkpoint last committed under this tag (an older copy put back?)"
+
+
+def replaced(last: dict[str, str], tag: str, digest: str | None) -> bool:
+    """Whether the index (``last``: :func:`committed_digests`) names another manifest than ``digest`` for ``tag``."""
+    return digest is not None and last.get(tag, digest) != digest
+
+
 def misplaced(tag_dir: Path, man: SignedManifest) -> str | None:
     """Why a verified manifest may not speak for ``tag_dir``: it names another tag (a signed manifest copied into
     another checkpoint's folder -- its step would decide for that folder, a mark would bind to it). None: in place."""
@@ -260,12 +268,10 @@ class CheckpointLayout:
                 self.invalid_names.append(name)  # committed-looking, but no valid tag: passed over
                 continue
             man = read_manifest(self.root / name, self.key)
-            replayed = name in last and man.why is None and last[name] != man.digest
-            if self.key is not None and (man.why is not None or man.step is None or misplaced(self.root / name, man)
-                                         or replayed):
-                self.unverified[name] = man.why or misplaced(self.root / name, man) or (
-                    "signed, but not the checkpoint last committed under this tag (an older copy put back?)"
-                    if replayed else "malformed manifest: no integer 'step'")
+            why = man.why or misplaced(self.root / name, man) or (
+                REPLAYED if replaced(last, name, man.digest) else None)
+            if self.key is not None and (why is not None or man.step is None):
+                self.unverified[name] = why or "malformed manifest: no integer 'step'"
                 continue
             self.digests[name], self.data[name] = man.digest, man.data or {}
             out.append((man.step if man.step is not None else -1, name))

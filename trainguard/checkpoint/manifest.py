@@ -192,7 +192,7 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
     tag = tag_dir.name
     if tag_dir.is_symlink() or not tag_dir.is_dir():
         return VerifyResult(False, tag, tag, "not a directory (a symlink, or gone)")
-    from trainguard.checkpoint.layout import SIGNATURE, committed_digests, read_manifest
+    from trainguard.checkpoint.layout import REPLAYED, SIGNATURE, committed_digests, read_manifest, replaced
 
     signed = read_manifest(tag_dir, key)  # (read once: its HMAC checked on these bytes, these parsed, never read again)
     if signed.data is None and signed.digest is None:
@@ -211,9 +211,8 @@ def _verify(tag_dir: Path, checksums: bool, key: bytes | None) -> VerifyResult:
         return VerifyResult(False, tag, MANIFEST, why)
     if man.tag != tag:  # (a signed manifest copied under another tag: another step's state under this name)
         return VerifyResult(False, tag, MANIFEST, f"the manifest is checkpoint {man.tag!r}'s, not this folder's ({tag!r})")
-    if key is not None and committed_digests(tag_dir.parent, key).get(tag, signed.digest) != signed.digest:
-        return VerifyResult(False, tag, MANIFEST, "signed, but not the checkpoint last committed under this tag (an "
-                                                  "older copy put back?): refused, never loaded")
+    if key is not None and replaced(committed_digests(tag_dir.parent, key), tag, signed.digest):
+        return VerifyResult(False, tag, MANIFEST, f"{REPLAYED}: refused, never loaded")
     present, odd = _entries(tag_dir)
     if odd is not None:
         return VerifyResult(False, tag, odd, "not a regular file (a symlink, FIFO or device): refused, never read", man)

@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from trainguard.checkpoint.layout import (INDEX, MANIFEST, STABLE, CheckpointLayout, committed_digests, index_mac,
-                                         misplaced, read_manifest, read_optional, read_regular)
+from trainguard.checkpoint.layout import (INDEX, MANIFEST, REPLAYED, STABLE, CheckpointLayout, committed_digests,
+                                         index_mac, misplaced, read_manifest, read_optional, read_regular, replaced)
 
 
 def _mac(key: bytes, name: str, body: dict) -> str:
@@ -28,8 +28,8 @@ def write_mark(tag_dir: str | os.PathLike, name: str, payload: dict, key: bytes 
     tag_dir = Path(tag_dir)
     man = read_manifest(tag_dir, key)
     why = man.why or misplaced(tag_dir, man) or (
-        "not the manifest last committed under this tag" if key is not None and man.digest is not None and
-        committed_digests(tag_dir.parent, key).get(tag_dir.name, man.digest) != man.digest else None)
+        REPLAYED if key is not None and replaced(committed_digests(tag_dir.parent, key), tag_dir.name, man.digest)
+        else None)
     if why is not None:
         return f"{tag_dir / MANIFEST}: {why}: the {name} mark is not written"
     body = {**payload, "manifest_sha256": man.digest}
@@ -106,7 +106,6 @@ def record_commit(root: Path, tag: str, key: bytes | None, digest: str | None = 
     folder is gone are dropped. A folder that is not the job's own: said, the index not kept."""
     import logging
 
-    from trainguard.checkpoint.fsio import atomic_write_json
     from trainguard.checkpoint.private import UnsafeFolder, own_dir
 
     if key is None:
@@ -119,15 +118,19 @@ def record_commit(root: Path, tag: str, key: bytes | None, digest: str | None = 
         return
     digests = {t: d for t, d in committed_digests(root, key).items() if os.path.isdir(root / t)}
     digests[tag] = digest or staged_digest(root / tag)
-    atomic_write_json(folder / Path(INDEX).name, {"digests": digests, "hmac": index_mac(key, digests)}, mode=0o600)
+    _write_index(folder / Path(INDEX).name, digests, key)
 
 
 def resign_index(root: Path, old_key: bytes | None, key: bytes) -> bool:
     """A key rotation: the index the old key signed, signed with the new one (True); nothing else is trusted."""
-    from trainguard.checkpoint.fsio import atomic_write_json
-
     digests = committed_digests(Path(root), old_key) if old_key is not None else {}
     if not digests:
         return False
-    atomic_write_json(Path(root) / INDEX, {"digests": digests, "hmac": index_mac(key, digests)}, mode=0o600)
+    _write_index(Path(root) / INDEX, digests, key)
     return True
+
+
+def _write_index(path: Path, digests: dict[str, str], key: bytes) -> None:
+    from trainguard.checkpoint.fsio import atomic_write_json
+
+    atomic_write_json(path, {"digests": digests, "hmac": index_mac(key, digests)}, mode=0o600)
