@@ -31,6 +31,7 @@ import copy
 import os
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -149,14 +150,16 @@ CASES = [
 ]
 
 
-def run_case(case: Case, out: Path, reuse: bool = False) -> dict:
+def run_case(case: Case, out: Path, reuse: bool = False, rerun: tuple[str, ...] = ()) -> dict:
     runs = {}
     for which in ("healthy", "plain", "guarded"):
         d = out / case.name / which
-        if reuse and (d / "summary.json").exists():  # (judged again from what a run left, not run again)
+        if reuse and which not in rerun and (d / "summary.json").exists():  # (judged again from what a run left, not run again)
             runs[which] = json.loads((d / "summary.json").read_text())
             continue
-        d.mkdir(parents=True, exist_ok=True)
+        if d.exists():  # (a run again starts afresh: it would resume from the last one's checkpoints)
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
         cfg_path = d / "ds_config.json"
         cfg_path.write_text(json.dumps(case.config(which, d), indent=1))
         extra = case.args(which) + (["--plain"] if which == "plain" else [])
@@ -304,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/trainguard-natural")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--reuse", action="store_true", help="judge the runs already in --out again (no run)")
+    ap.add_argument("--rerun", default="", help="with --reuse: run these again (healthy,guarded: a rule changed -- "
+                    "plain DeepSpeed's runs do not depend on trainguard's)")
     ap.add_argument("--steps", type=int, help="every case this many steps (a quick look; the goals need the cases' own)")
     ap.add_argument("--corpus", choices=["dev", "held-out"], help="generated cases (bench/natural/corpus.py) instead "
                     "of the hand-written ones: dev seeds to tune on, held-out seeds to report on")
@@ -327,7 +332,7 @@ def main(argv=None) -> int:
     for c in chosen:
         c.steps = args.steps or c.steps
         print(f"  {c.name} ({c.stack}): {c.what} ...", flush=True)
-        rows.append(run_case(c, Path(args.out), args.reuse))
+        rows.append(run_case(c, Path(args.out), args.reuse, tuple(filter(None, args.rerun.split(",")))))
     print()
     print(table(rows))
     print()

@@ -20,7 +20,16 @@ Its class comes from three signals together (:func:`classify`), not from one:
 - ``instant_burst`` (roll back past the data): the loss jumped within a step and stayed up while the LR was
   flat and the gradient norm normal -- a stretch of bad data.
 
-Its verdict carries ``onset_step``: the step of the best loss, which a rollback must not go past.
+A **stalled start** is the other shape an LR too high from the first steps takes (a warmup of one step to a peak
+5-25x too high): the loss never climbs from a best, it never leaves its first level -- the model collapses to the
+tokens' marginal distribution, its gradient norm falls 15x while the loss stands. When a fresh run's LR has held its
+peak for the trend's settling time and its level is still within ``stall_fall`` of its first level while its gradient
+norm fell to 1/``stall_grad_drop`` of its first, the verdict is a ``slow_rise`` from the LR's peak (once a run).
+Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a run that learns brings its loss
+down. A history that begins mid-run (a resume without the guard's state) has no first level to stall at.
+
+Its verdict carries ``onset_step``: the step of the best loss (a stall's: the LR's peak), which a rollback must not
+go past.
 Host floats only; the same numbers on every rank, so the same verdict everywhere.
 """
 from __future__ import annotations
@@ -71,6 +80,11 @@ class LossTrendDetector:
         self.first: float | None = None  # the loss's first level (the median of its first ``smooth`` losses)
         self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr, spread) at each new best
         self.reported = False   # one verdict per episode (until the loss is back in its band)
+        self.first_step: int | None = None   # the step of the first loss seen (a fresh run's: within ``smooth``)
+        self.grads: deque = deque(maxlen=cfg.smooth)  # recent finite gradient norms
+        self.first_grad: float | None = None  # the gradient norm's first level (the median of its first ``smooth``)
+        self.peak_lr, self.peak_step = 0.0, None  # the highest LR so far and the step it was reached
+        self.stalled = False    # a stall is reported once a run
 
     def smoothed(self) -> float | None:
         if len(self.raw) < self.cfg.smooth:
@@ -102,17 +116,28 @@ class LossTrendDetector:
 
     def observe(self, step: int, loss: float, lr: float | None = None,
                 grad_ratio: Callable[[int], float | None] | None = None,
-                ranks=()) -> Verdict | None:
+                ranks=(), grad: float | None = None) -> Verdict | None:
         if not math.isfinite(loss):
             return None  # the non-finite detector owns this step
         self.raw.append((step, loss))
         self.seen += 1
+        if self.first_step is None:
+            self.first_step = step
+        if grad is not None and math.isfinite(grad):
+            self.grads.append(grad)
+            if self.first_grad is None and len(self.grads) == self.grads.maxlen:
+                self.first_grad = statistics.median(self.grads)
+        if lr is not None and math.isfinite(lr) and lr > self.peak_lr * (1 + 1e-6):
+            self.peak_lr, self.peak_step = lr, step
         s = self.smoothed()
         if s is None:
             return None
         if self.first is None and len(self.raw) >= self.cfg.smooth:
             self.first = s  # (the first smoothed loss: where the run began, before its fast first fall)
         level = self.level()
+        stall = self._stall(step, loss, level, ranks)
+        if stall is not None:
+            return stall
         if level is not None and (self.best is None or level < self.best):
             # (the step at the centre of the window that set it: a rollback goes back before the climb, not to its top)
             self.best, self.best_step, self.best_lr = level, self.raw[len(self.raw) // 2][0], lr
@@ -140,6 +165,34 @@ class LossTrendDetector:
             "grad_ratio": None if grad_ratio is None else round(grad_ratio, 3),
             "class": kind, "evidence": why, "onset_step": self.best_step + 1, "remedy": REMEDY[kind]})
 
+    def settle(self) -> int:
+        """The steps the trend takes to speak: its history, the window its level needs, its patience."""
+        return self.cfg.min_history + 4 * self.cfg.smooth + self.cfg.patience
+
+    def _stall(self, step: int, loss: float, level: float | None, ranks) -> Verdict | None:
+        """A fresh run that learns nothing at its peak LR (the module's docstring), once."""
+        cfg = self.cfg
+        if not cfg.stall_fall or self.stalled or level is None or self.first is None or self.first_grad is None \
+                or self.peak_step is None or self.first_step is None or self.first_step > cfg.smooth \
+                or step - self.peak_step < self.settle() or len(self.grads) < self.grads.maxlen:
+            return None
+        fell = (self.first - level) / abs(self.first) if self.first else 0.0
+        grad_now = statistics.median(self.grads)
+        if fell >= cfg.stall_fall or grad_now * cfg.stall_grad_drop > self.first_grad:
+            return None
+        self.stalled = True
+        kind = "slow_rise"
+        why = [f"the loss stands {fell:.0%} below its first level ({self.first:.4g}) after {step - self.peak_step} "
+               f"steps at its peak LR ({self.peak_lr:.3g})",
+               f"the gradient norm fell x{self.first_grad / max(grad_now, 1e-30):.3g} from its first level: the model "
+               "moved and learnt nothing"]
+        return Verdict(detector=self.name, anomaly=kind, ranks=shared_or(kind, ranks), detail={
+            "loss": loss, "level": round(level, 4), "first_level": self.first, "fell": round(fell, 4),
+            "limit_fall": cfg.stall_fall, "grad_first": round(self.first_grad, 4), "grad_now": round(grad_now, 4),
+            "limit_grad_drop": cfg.stall_grad_drop, "peak_lr": self.peak_lr, "class": kind, "stall": True,
+            "evidence": why, "onset_step": self.peak_step,
+            "remedy": "lower the LR (or lengthen the warmup): the run stalled at its first level from its peak LR"})
+
     def _jumped(self, band: float) -> bool:
         """Whether the loss left the band in one step and stayed out: the first recent step above the band was
         followed only by steps above it (a gradual climb wanders back into the band now and then)."""
@@ -164,12 +217,18 @@ class LossTrendDetector:
 
     def state_dict(self) -> dict:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
-                "spread": self.spread, "first": self.first}
+                "spread": self.spread, "first": self.first, "first_step": self.first_step,
+                "first_grad": self.first_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
+                "stalled": self.stalled}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step = state.get("best"), int(state.get("best_step", 0))
         self.best_lr, self.seen = state.get("best_lr"), int(state.get("seen", 0))
         self.spread, self.first = float(state.get("spread") or 0.0), state.get("first")
+        # (a state from before the stall rule: its first step unknown -- no stall judged on it)
+        self.first_step = state.get("first_step", self.cfg.smooth + 1 if self.first is not None else None)
+        self.first_grad, self.stalled = state.get("first_grad"), bool(state.get("stalled", False))
+        self.peak_lr, self.peak_step = float(state.get("peak_lr") or 0.0), state.get("peak_step")
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
         self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]
                            if self.best is not None else [], maxlen=self.bests.maxlen)

@@ -62,7 +62,8 @@ class Spikes:
                 ctx.found[:] = [v for v in ctx.found if not (v.detector == "grad_norm" and v.anomaly == "slow_rise")]
             return []
         if self.cfg.loss_trend.enabled:
-            v = self.loss_trend.observe(step, s.loss_mean, ctx.lr, self.grad_norm.ratio_since, ranks=[s.loss_rank])
+            v = self.loss_trend.observe(step, s.loss_mean, ctx.lr, self.grad_norm.ratio_since, ranks=[s.loss_rank],
+                                        grad=s.grad_proxy)
             if v is not None and not any(f.anomaly == v.anomaly for f in ctx.found):
                 return [v]
         return []
