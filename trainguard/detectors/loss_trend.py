@@ -24,7 +24,8 @@ A **stalled start** is the other shape an LR too high from the first steps takes
 5-25x too high): the loss never climbs from a best, it never leaves its first level -- the model collapses to the
 tokens' marginal distribution, its gradient norm falls 15x while the loss stands. When a fresh run's LR has held its
 peak for the trend's settling time and its level is still within ``stall_fall`` of its first level while its gradient
-norm fell to 1/``stall_grad_drop`` of its first, the verdict is a ``slow_rise`` from the LR's peak (once a run).
+norm fell to 1/``stall_grad_drop`` of its first -- judged until a second settling time has passed at the peak --,
+the verdict is a ``slow_rise`` from the LR's peak (once a run).
 Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a run that learns brings its loss
 down. A history that begins mid-run (a resume without the guard's state) has no first level to stall at.
 
@@ -174,7 +175,9 @@ class LossTrendDetector:
         cfg = self.cfg
         if not cfg.stall_fall or self.stalled or level is None or self.first is None or self.first_grad is None \
                 or self.peak_step is None or self.first_step is None or self.first_step > cfg.smooth \
-                or step - self.peak_step < self.settle() or len(self.grads) < self.grads.maxlen:
+                or not self.settle() <= step - self.peak_step <= 2 * self.settle() or len(self.grads) < self.grads.maxlen:
+            # (judged while the run is young: between one and two settling times at its peak -- later, a fine-tune's
+            # norm may well have fallen 4x at a loss that was never far above its floor)
             return None
         fell = (self.first - level) / abs(self.first) if self.first else 0.0
         grad_now = statistics.median(self.grads)
