@@ -22,6 +22,8 @@ class Decision:
     lr_scale: float | None = None   # ROLLBACK with lower_lr: the multiplier (None: recovery.lr_factor)
     restart: bool = False           # ROLLBACK: to the first step's checkpoint, with lr_scale (trainguard.lrcut);
                                     # where there is none, an ordinary rollback with recovery.lr_factor
+    lasting: bool = False           # ROLLBACK with lower_lr: the cut outlives the cooldown (the schedule's own LR
+                                    # is what failed: a young run's, a jump's -- trainguard.lrcut)
     onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
     anomaly: Anomaly | None = None  # the class that drove the decision
     remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it

@@ -168,8 +168,8 @@ class StepDriver:
                 reason = decision.reason + "; but no first step's checkpoint: an ordinary rollback"
                 if decision.lower_lr:
                     scale = rc.lr_factor
-                    reason += f", LR x{scale:.3g} instead"
-                decision = dataclasses.replace(decision, lr_scale=scale, restart=False, reason=reason)
+                    reason += f", LR x{scale:.3g} instead, for the cooldown"
+                decision = dataclasses.replace(decision, lr_scale=scale, restart=False, lasting=False, reason=reason)
         mode = decision.target or rc.rollback_to
         if tag is None:
             tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
@@ -183,7 +183,8 @@ class StepDriver:
             scale, restart = decision.lr_scale, decision.restart
         if tag is None:
             if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
-                self.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps)
+                self.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps,
+                                     lasting=decision.lasting)
                 guard.lr_lowered()
                 self._lr_changed()
             remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
@@ -206,7 +207,7 @@ class StepDriver:
         self.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
                                                            "restart": restart and not scale_case,
                                                            "anomaly": decision.anomaly}, scale=scale,
-                                 until=goes_on + rc.lr_cooldown_steps)
+                                 until=goes_on + rc.lr_cooldown_steps, lasting=decision.lasting)
         self._lr_changed()  # (the loaded optimizer's LRs were the checkpoint's: the scheduler's, x the factor now)
         zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
         guard.rewound(step, to_step, restart=restart)

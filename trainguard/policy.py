@@ -47,8 +47,8 @@ class Policy:
         self.total_nonfinite = 0
         self.history: dict[str, deque] = defaultdict(deque)  # per ladder class: its recent occurrences
         self.rollback_steps: deque = deque()
-        self.lr_factor = 1.0
-        self.lr_until = 0                           # the lowered LR (lr_factor) applies until this step
+        # the lowered LR (lr_factor) applies until lr_until; lr_lasting: the part that outlives it (Decision.lasting)
+        self.lr_factor, self.lr_until, self.lr_lasting = 1.0, 0, 1.0
         self.tried: list[dict] = []
         self.last_rollback_to: int | None = None    # the step the last rollback returned to ...
         self.last_rollback_from: int | None = None  # ... from this step
@@ -125,13 +125,16 @@ class Policy:
             if exhausted is not None:
                 return exhausted
             lower = chosen == "rollback_lower_lr"
-            scale, restart = None, False
+            scale, restart, lasting = None, False, False
             if lower:
                 scale, why, restart = lr_cut(onset) if lr_cut is not None else (self.recovery.lr_factor, "", False)
                 if restart and (self.restarted or driver != "slow_rise"):
-                    # (once: a young run that climbs again after it is halved; and only for a climb -- a burst is
-                    # no evidence about the LR)
+                    # (once: a young run that climbs again after it is halved; only for a climb: a burst says nothing
+                    # of the LR)
                     scale, why, restart = self.recovery.lr_factor, "", False
+                if lasting := bool(why):  # (sized by the LR's history -- a jump, a young run's peak: the schedule's
+                    # LR fails, and back after the cooldown it would fail again)
+                    why += "; for the rest of the run (the schedule's own LR failed)"
                 floor = self.recovery.lr_floor
                 if self.lr_factor * scale < floor:
                     if self.lr_factor * self.recovery.lr_factor < floor:
@@ -166,7 +169,8 @@ class Policy:
                     restart = True
                     reason += "; a young run, its LR still rising into the trouble: from its first step"
             return Decision(Action.ROLLBACK, reason, verdicts, lower_lr=lower, onset_step=onset, anomaly=driver,
-                            onset_skipped=skipped_onset, remedy=remedy, lr_scale=scale, restart=restart)
+                            onset_skipped=skipped_onset, remedy=remedy, lr_scale=scale, restart=restart,
+                            lasting=lasting)
         if chosen == "skip_step":
             return Decision(Action.SKIP_STEP, reason, verdicts, anomaly=driver)
         return Decision(Action.CONTINUE, reason + " (alert)", verdicts, anomaly=driver)
@@ -226,22 +230,25 @@ class Policy:
                         anomaly=anomaly)
 
     def lr_applied(self, completed: int) -> float:
-        """The LR factor applied at this point (1.0 once the cooldown is over: the expired factor is forgotten, so a
-        later cut is measured against the schedule's LR, not multiplied into a factor no longer applied)."""
-        if completed >= self.lr_until and self.lr_factor != 1.0:
-            self.lr_factor = 1.0
+        """The LR factor applied at this point (its lasting part once the cooldown is over: the expired part is
+        forgotten, so a later cut is measured against the LR applied, not multiplied into a factor no longer applied)."""
+        if completed >= self.lr_until and self.lr_factor != self.lr_lasting:
+            self.lr_factor = self.lr_lasting
         return self.lr_factor
 
-    def lower_lr(self, scale: float | None = None, until: int | None = None) -> float:
-        """Scale the accumulated LR factor by ``scale`` (a decision's ``lr_scale``; None: lr_factor), applied until
-        step ``until`` (the cooldown's end). The floor was checked when deciding."""
-        self.lr_factor *= self.recovery.lr_factor if scale is None else scale
+    def lower_lr(self, scale: float | None = None, until: int | None = None, lasting: bool = False) -> float:
+        """Scale the accumulated LR factor by ``scale`` (a decision's ``lr_scale``; None: lr_factor) until step
+        ``until`` (the cooldown's end), or for the rest of the run when ``lasting``. The floor was checked already."""
+        scale = self.recovery.lr_factor if scale is None else scale
+        self.lr_factor *= scale
+        if lasting:
+            self.lr_lasting *= scale
         if until is not None:
             self.lr_until = until
         return self.lr_factor
 
     def rolled_back(self, step: int, lower_lr: bool, detail: dict, scale: float | None = None,
-                    until: int | None = None) -> None:
+                    until: int | None = None, lasting: bool = False) -> None:
         """The adapter carried out a rollback: count it against the budget."""
         self.rollback_steps.append(step)
         if detail.get("restart"):
@@ -256,7 +263,7 @@ class Policy:
                 # again from the bottom rung (the rollback budget still counts every rollback)
                 self.history[cls].clear()
         if lower_lr:
-            self.lower_lr(scale, until)
+            self.lower_lr(scale, until, lasting)
         self.tried.append({"step": step, "action": "rollback_lower_lr" if lower_lr else "rollback", **detail})
 
     def rollback_unavailable(self, step: int, cls: str | None) -> None:
@@ -276,7 +283,7 @@ class Policy:
                 "history": {k: list(v) for k, v in self.history.items()},
                 "rollback_steps": list(self.rollback_steps), "lr_factor": self.lr_factor, "tried": self.tried[-20:],
                 "last_rollback_to": self.last_rollback_to, "last_rollback_from": self.last_rollback_from,
-                "restarted": self.restarted, "lr_until": self.lr_until}
+                "restarted": self.restarted, "lr_until": self.lr_until, "lr_lasting": self.lr_lasting}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
@@ -290,4 +297,4 @@ class Policy:
         self.last_rollback_from = state.get("last_rollback_from")
         self.restarted = bool(state.get("restarted", False))
         # (a checkpoint from before lr_until was kept: its lowered LR was lost at a resume)
-        self.lr_until = int(state.get("lr_until", 0))
+        self.lr_until, self.lr_lasting = int(state.get("lr_until", 0)), float(state.get("lr_lasting", 1.0))

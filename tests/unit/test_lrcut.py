@@ -125,3 +125,21 @@ def test_a_lowered_lr_expires_with_its_cooldown_and_a_later_cut_starts_from_the_
     assert d.lr_scale == pytest.approx(0.1) and "held at lr_floor" not in d.reason
     state = p.state_dict()
     assert Policy(NonfiniteConfig(), RecoveryConfig()).load_state_dict(state) is None and state["lr_until"] == 1001
+
+
+def test_a_cut_the_schedules_own_lr_called_for_outlives_its_cooldown():
+    """A young run's or a jump's cut says the schedule's LR is what fails: when the cooldown ended it came back and
+    the run failed again (a 2,000-step run, cooldown 1,000). An ordinary halving on top of it expires back to it."""
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    d = p.decide([_rise(60, 2)], 60, lr_cut=lambda onset: (0.1, "a young run", True))
+    assert d.lasting and d.restart and "for the rest of the run" in d.reason
+    p.rolled_back(60, True, {"to_step": 1, "restart": True, "anomaly": "slow_rise"}, scale=d.lr_scale, until=1001,
+                  lasting=d.lasting)
+    assert p.lr_applied(1000) == pytest.approx(0.1) and p.lr_applied(5000) == pytest.approx(0.1)
+    ordinary = p.decide([_rise(1500, 1450)], 1500, lr_cut=lambda onset: (0.5, "", False))
+    assert not ordinary.lasting and "for the rest of the run" not in ordinary.reason
+    p.lower_lr(ordinary.lr_scale, until=2500, lasting=ordinary.lasting)
+    assert p.lr_applied(2000) == pytest.approx(0.05) and p.lr_applied(2500) == pytest.approx(0.1)
+    again = Policy(NonfiniteConfig(), RecoveryConfig())
+    again.load_state_dict(p.state_dict())
+    assert again.lr_applied(9000) == pytest.approx(0.1)

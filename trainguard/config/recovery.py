@@ -69,7 +69,9 @@ class RecoveryConfig(_Section):
         "patience), a tenth of the LR at the loss's "
         "best and a restart from the first step's checkpoint (checkpoint.first_step), once per run; else lr_factor. "
         "Never less of a cut than lr_factor; never below lr_floor (held there once). factor: always lr_factor.")
-    lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts.")
+    lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts (a cut lr_cut: evidence "
+                                   "sized from a jump or a young run lasts the rest of the run: the schedule's own LR "
+                                   "failed, and back it would fail again).")
     lr_floor: float = Field(0.01, gt=0, le=1, description="Abort when the accumulated LR factor would go below "
                             "this (lowering it further is not a remedy any more). 0.01: six halvings; a peak LR "
                             "30x too high (bench/natural) needs five.")
