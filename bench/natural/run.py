@@ -138,6 +138,11 @@ CASES = [
          {"lr": 0.03, "args": ["--no-final-norm"]}, {"lr": 0.003}),
     Case("attention_logits", "deepspeed", "one wide head (d_head 96), no QK normalisation, peak LR 0.03",
          {"lr": 0.03, "args": ["--heads", "1"]}, {"lr": 0.003}),
+    # 2,000 steps: a cut's 1,000-step cooldown expires and the schedule's LR comes back (issue 51)
+    Case("lr_raised_long", "deepspeed", "resumed at step 300 with its peak LR raised 10x; 2,000 steps: a cut's "
+         "cooldown (1,000) expires", {"args": ["--raise-lr", "300:10"]}, {"args": []}, steps=2000),
+    Case("lr_peak_long", "deepspeed", "warmup to a peak LR 10x too high (0.03); 2,000 steps: a cut's cooldown "
+         "(1,000) expires", {"lr": 0.03}, steps=2000),
     Case("hf_lr_peak_early", "hf", "HF Trainer: learning_rate 0.2 after 100 warmup steps", {"lr": 0.2}),
     Case("hf_warmup_too_short", "hf", "HF Trainer: learning_rate 0.03, warmup_steps 1", {"lr": 0.03, "warmup": 1}),
     Case("hf_bad_data_stretch", "hf", "HF Trainer: steps 150-200 read a shard of another tokenizer",

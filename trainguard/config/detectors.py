@@ -61,7 +61,7 @@ class LossTrendConfig(_Section):
                               "fraction below its first level once its LR has held its peak for the trend's settling time "
                               "(min_history + 4 x smooth + patience steps; judged until twice that) ... (0: off)")
     stall_grad_drop: float = Field(4.0, gt=1, description="... while its gradient norm fell to 1/this of its first "
-                                   "level: the peak LR broke the model, it learns nothing (the model moved, its loss did "
+                                   "level (at its lowest since): the peak LR broke the model, it learns nothing (the model moved, its loss did "
                                    "not). A slow_rise from the LR's peak: a young run's restart with a tenth of that LR. "
                                    "A fine-tune that starts low keeps its gradient norm; a run that learns brings its loss down.")
 

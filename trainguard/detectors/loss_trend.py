@@ -24,7 +24,7 @@ A **stalled start** is the other shape an LR too high from the first steps takes
 5-25x too high): the loss never climbs from a best, it never leaves its first level -- the model collapses to the
 tokens' marginal distribution, its gradient norm falls 15x while the loss stands. When a fresh run's LR has held its
 peak for the trend's settling time and its level is still within ``stall_fall`` of its first level while its gradient
-norm fell to 1/``stall_grad_drop`` of its first -- judged until a second settling time has passed at the peak --,
+norm fell to 1/``stall_grad_drop`` of its first (at its lowest since) -- judged until a second settling time has passed at the peak --,
 the verdict is a ``slow_rise`` from the LR's peak (once a run).
 Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a run that learns brings its loss
 down. A history that begins mid-run (a resume without the guard's state) has no first level to stall at.
@@ -84,6 +84,7 @@ class LossTrendDetector:
         self.first_step: int | None = None   # the step of the first loss seen (a fresh run's: within ``smooth``)
         self.grads: deque = deque(maxlen=cfg.smooth)  # recent finite gradient norms
         self.first_grad: float | None = None  # the gradient norm's first level (the median of its first ``smooth``)
+        self.low_grad: float | None = None    # the lowest level it has fallen to since (the median of ``smooth``)
         self.peak_lr, self.peak_step = 0.0, None  # the highest LR so far and the step it was reached
         self.stalled = False    # a stall is reported once a run
 
@@ -126,8 +127,10 @@ class LossTrendDetector:
             self.first_step = step
         if grad is not None and math.isfinite(grad):
             self.grads.append(grad)
-            if self.first_grad is None and len(self.grads) == self.grads.maxlen:
-                self.first_grad = statistics.median(self.grads)
+            if len(self.grads) == self.grads.maxlen:
+                now = statistics.median(self.grads)
+                self.first_grad = now if self.first_grad is None else self.first_grad
+                self.low_grad = now if self.low_grad is None else min(self.low_grad, now)
         if lr is not None and math.isfinite(lr) and lr > self.peak_lr * (1 + 1e-6):
             self.peak_lr, self.peak_step = lr, step
         s = self.smoothed()
@@ -180,18 +183,18 @@ class LossTrendDetector:
             # norm may well have fallen 4x at a loss that was never far above its floor)
             return None
         fell = (self.first - level) / abs(self.first) if self.first else 0.0
-        grad_now = statistics.median(self.grads)
+        grad_now = self.low_grad  # (the collapse: a dead model's norm creeps back up as it starts, slowly, to learn)
         if fell >= cfg.stall_fall or grad_now * cfg.stall_grad_drop > self.first_grad:
             return None
         self.stalled = True
         kind = "slow_rise"
         why = [f"the loss stands {fell:.0%} below its first level ({self.first:.4g}) after {step - self.peak_step} "
                f"steps at its peak LR ({self.peak_lr:.3g})",
-               f"the gradient norm fell x{self.first_grad / max(grad_now, 1e-30):.3g} from its first level: the model "
-               "moved and learnt nothing"]
+               f"the gradient norm fell x{self.first_grad / max(grad_now, 1e-30):.3g} below its first level: the "
+               "model moved and learnt nothing"]
         return Verdict(detector=self.name, anomaly=kind, ranks=shared_or(kind, ranks), detail={
             "loss": loss, "level": round(level, 4), "first_level": self.first, "fell": round(fell, 4),
-            "limit_fall": cfg.stall_fall, "grad_first": round(self.first_grad, 4), "grad_now": round(grad_now, 4),
+            "limit_fall": cfg.stall_fall, "grad_first": round(self.first_grad, 4), "grad_low": round(grad_now, 4),
             "limit_grad_drop": cfg.stall_grad_drop, "peak_lr": self.peak_lr, "class": kind, "stall": True,
             "evidence": why, "onset_step": self.peak_step,
             "remedy": "lower the LR (or lengthen the warmup): the run stalled at its first level from its peak LR"})
@@ -221,7 +224,7 @@ class LossTrendDetector:
     def state_dict(self) -> dict:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
                 "spread": self.spread, "first": self.first, "first_step": self.first_step,
-                "first_grad": self.first_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
+                "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
                 "stalled": self.stalled}
 
     def load_state_dict(self, state: dict) -> None:
@@ -231,6 +234,7 @@ class LossTrendDetector:
         # (a state from before the stall rule: its first step unknown -- no stall judged on it)
         self.first_step = state.get("first_step", self.cfg.smooth + 1 if self.first is not None else None)
         self.first_grad, self.stalled = state.get("first_grad"), bool(state.get("stalled", False))
+        self.low_grad = state.get("low_grad")
         self.peak_lr, self.peak_step = float(state.get("peak_lr") or 0.0), state.get("peak_step")
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
         self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]
