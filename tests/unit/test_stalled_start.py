@@ -85,3 +85,11 @@ def test_the_stall_is_off_at_zero_and_said_once():
     again = LossTrendDetector(LossTrendConfig())
     again.load_state_dict(trend.state_dict())
     assert again.stalled and again.first_step == 1
+
+
+def test_a_first_level_the_lr_jump_lifted_is_no_escape():
+    # dev seed s21 (LR 0.075 in one step): the loss jumps 4.9 -> 9 in the first steps, then stalls at ~4.4 -- 24% below
+    # the first smoothed level, 10% below where the run began
+    loss = lambda s: 4.88 if s == 1 else 9.0 if s < 10 else 4.4
+    found, _ = run(200, loss, lambda s: 2.8 / (1 + 8 * min(1.0, s / 30)), warmup(1, 0.075))
+    assert len(found) == 1 and found[0][1].detail["first_level"] < 5

@@ -23,9 +23,10 @@ Its class comes from three signals together (:func:`classify`), not from one:
 A **stalled start** is the other shape an LR too high from the first steps takes (a warmup of one step to a peak
 5-25x too high): the loss never climbs from a best, it never leaves its first level -- the model collapses to the
 tokens' marginal distribution, its gradient norm falls 15x while the loss stands. When a fresh run's LR has held its
-peak for the trend's settling time and its level is still within ``stall_fall`` of its first level while its gradient
-norm fell to 1/``stall_grad_drop`` of its first (at its lowest since) -- judged until a second settling time has passed at the peak --,
-the verdict is a ``slow_rise`` from the LR's peak (once a run).
+peak for the trend's settling time and its level is still within ``stall_fall`` of where it began (the lower of its
+first level and its first loss: an LR that jumps at once lifts the first steps') while its gradient norm fell to
+1/``stall_grad_drop`` of its first (at its lowest since) -- judged until a second settling time has passed at the
+peak --, the verdict is a ``slow_rise`` from the LR's peak (once a run).
 Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a run that learns brings its loss
 down. A history that begins mid-run (a resume without the guard's state) has no first level to stall at.
 
@@ -82,6 +83,7 @@ class LossTrendDetector:
         self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr, spread) at each new best
         self.reported = False   # one verdict per episode (until the loss is back in its band)
         self.first_step: int | None = None   # the step of the first loss seen (a fresh run's: within ``smooth``)
+        self.start: float | None = None      # its loss: the initialised model's
         self.grads: deque = deque(maxlen=cfg.smooth)  # recent finite gradient norms
         self.first_grad: float | None = None  # the gradient norm's first level (the median of its first ``smooth``)
         self.low_grad: float | None = None    # the lowest level it has fallen to since (the median of ``smooth``)
@@ -124,7 +126,7 @@ class LossTrendDetector:
         self.raw.append((step, loss))
         self.seen += 1
         if self.first_step is None:
-            self.first_step = step
+            self.first_step, self.start = step, loss
         if grad is not None and math.isfinite(grad):
             self.grads.append(grad)
             if len(self.grads) == self.grads.maxlen:
@@ -182,18 +184,21 @@ class LossTrendDetector:
             # (judged while the run is young: between one and two settling times at its peak -- later, a fine-tune's
             # norm may well have fallen 4x at a loss that was never far above its floor)
             return None
-        fell = (self.first - level) / abs(self.first) if self.first else 0.0
+        # (from the lower of the first level and the first loss: an LR that jumps at once lifts the first steps' --
+        # dev seed s21: 4.9 -> 9.1 at step 8, then down to a stall at 4.4)
+        first = min(self.first, self.start) if self.start is not None else self.first
+        fell = (first - level) / abs(first) if first else 0.0
         grad_now = self.low_grad  # (the collapse: a dead model's norm creeps back up as it starts, slowly, to learn)
         if fell >= cfg.stall_fall or grad_now * cfg.stall_grad_drop > self.first_grad:
             return None
         self.stalled = True
         kind = "slow_rise"
-        why = [f"the loss stands {fell:.0%} below its first level ({self.first:.4g}) after {step - self.peak_step} "
+        why = [f"the loss stands {fell:.0%} below its first level ({first:.4g}) after {step - self.peak_step} "
                f"steps at its peak LR ({self.peak_lr:.3g})",
                f"the gradient norm fell x{self.first_grad / max(grad_now, 1e-30):.3g} below its first level: the "
                "model moved and learnt nothing"]
         return Verdict(detector=self.name, anomaly=kind, ranks=shared_or(kind, ranks), detail={
-            "loss": loss, "level": round(level, 4), "first_level": self.first, "fell": round(fell, 4),
+            "loss": loss, "level": round(level, 4), "first_level": first, "fell": round(fell, 4),
             "limit_fall": cfg.stall_fall, "grad_first": round(self.first_grad, 4), "grad_low": round(grad_now, 4),
             "limit_grad_drop": cfg.stall_grad_drop, "peak_lr": self.peak_lr, "class": kind, "stall": True,
             "evidence": why, "onset_step": self.peak_step,
@@ -224,7 +229,7 @@ class LossTrendDetector:
     def state_dict(self) -> dict:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
                 "spread": self.spread, "first": self.first, "first_step": self.first_step,
-                "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
+                "start": self.start, "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
                 "stalled": self.stalled}
 
     def load_state_dict(self, state: dict) -> None:
@@ -234,7 +239,7 @@ class LossTrendDetector:
         # (a state from before the stall rule: its first step unknown -- no stall judged on it)
         self.first_step = state.get("first_step", self.cfg.smooth + 1 if self.first is not None else None)
         self.first_grad, self.stalled = state.get("first_grad"), bool(state.get("stalled", False))
-        self.low_grad = state.get("low_grad")
+        self.low_grad, self.start = state.get("low_grad"), state.get("start")
         self.peak_lr, self.peak_step = float(state.get("peak_lr") or 0.0), state.get("peak_step")
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
         self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]
