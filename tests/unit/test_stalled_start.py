@@ -92,4 +92,4 @@ def test_a_first_level_the_lr_jump_lifted_is_no_escape():
     # the first smoothed level, 10% below where the run began
     loss = lambda s: 4.88 if s == 1 else 9.0 if s < 10 else 4.4
     found, _ = run(200, loss, lambda s: 2.8 / (1 + 8 * min(1.0, s / 30)), warmup(1, 0.075))
-    assert len(found) == 1 and found[0][1].detail["first_level"] < 5
+    assert len(found) == 1 and found[0][1].detail["first_level"] < 6  # (not the lifted ~9)
