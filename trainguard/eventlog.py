@@ -73,6 +73,7 @@ class EventLog:
         self.mirrors: list = []                  # TensorBoard / Prometheus / W&B (rank 0)
         self.callbacks: _Callbacks | None = None
         self.jsonl: str | None = None
+        self.started = False                     # this run's start is settled (a new run's or a resume's first step)
 
     def open(self, cfg) -> None:
         m = cfg.metrics
@@ -149,9 +150,26 @@ class EventLog:
         if self.rank_log is not None and rank_line is not None:
             self.rank_log.metric(step, **{**line, **rank_line})
 
+    def first_step(self, step: int) -> None:
+        """The first step this process trains (every rank, due or not): step 1 in the job's first attempt is a new run
+        whoever decided the start -- no ``checkpoint.dir``, a trainer's own resume that found nothing --, so an earlier
+        run's lines are set aside, said in a ``fresh_start``; a later first step is a resume (the log goes on)."""
+        if self.started:
+            return
+        self.started = True
+        from trainguard.attempt import restart_attempt
+
+        if step <= 1 and restart_attempt() == 0 and self.log is not None:
+            earlier = self.new_run()
+            if earlier:
+                self.emit(step, Record.FRESH_START, [], None, {
+                    "dir": None, "created": False, "attempt": 0, "set_aside": [], "earlier_log": earlier,
+                    "reason": "a new run: its first step is step 1 (no trainguard checkpoint decided the start)"})
+
     def new_run(self) -> str | None:
         """A new run (a fresh start in its first attempt): an earlier run's lines in the log moved aside (rank 0;
         trainguard.metrics.jsonl.JsonlSink.set_prior_aside). Returns where they went."""
+        self.started = True
         try:
             aside = self.log.set_prior_aside() if self.log is not None else None
         except OSError as e:  # (a log someone swapped meanwhile: this run appends as before, said)

@@ -101,6 +101,7 @@ class DeferredLine:
         measured = math.sqrt(applied_sq) if applied and applied_sq is not None and math.isfinite(applied_sq) \
             else None
         line = dict(held["line"], grad_norm=norm, grad_norm_clipped=measured, clip_limit=limit if limit else None)
+        self.events.first_step(held["step"])  # (a new run's earlier log set aside: before its first line)
         if held["due"]:
             self.events.metric(held["step"], line, held["rank_line"])
 

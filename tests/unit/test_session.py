@@ -482,3 +482,43 @@ def test_a_new_run_in_the_same_folder_never_appends_to_the_earlier_runs_log(tmp_
     assert [r["event"] for r in before].count("run_start") == 2 and before[-1]["event"] == "run_end"
     _, _, _, records, _ = run(tmp_path, {}, 8)  # resumes the second run's step-5 checkpoint: its log goes on
     assert [r["event"] for r in records].count("run_start") == 2 and len(list(tmp_path.glob("tg.before-*"))) == 1
+
+
+def test_without_a_checkpoint_dir_a_new_run_sets_the_earlier_log_aside_at_its_first_step(tmp_path, monkeypatch):
+    """Issue 53: with no ``checkpoint.dir`` (HF's Trainer, Megatron-LM with its own --save) nothing of trainguard's
+    decided the start, and a second run appended to the first one's log. The first step this process trains says it:
+    step 1 in the job's first attempt is a new run (earlier lines set aside, a ``fresh_start`` names where); a first
+    step later than 1 is a resume of the framework's own checkpoint (the log goes on); a restarted attempt too."""
+    from pathlib import Path
+
+    from trainguard.eventlog import EventLog
+    from trainguard.metrics import jsonl
+    from trainguard.metrics.jsonl import read
+
+    cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl"), "console": False}})
+    log = tmp_path / "tg.jsonl"
+
+    def start(first_step, env=None):
+        monkeypatch.setattr(jsonl, "_OPENED", set())  # (each a new process)
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        ev = EventLog(0)
+        ev.open(cfg)
+        ev.first_step(first_step)
+        ev.metric(first_step, {"loss": 1.0})
+        ev.first_step(first_step + 1)  # (said once)
+        ev.close()
+
+    start(1)
+    assert not list(tmp_path.glob("tg.before-*"))  # (nothing earlier)
+    start(501)  # the framework resumed its own checkpoint: the same run goes on
+    assert not list(tmp_path.glob("tg.before-*")) and [r["step"] for r in read(log)] == [1, 501]
+    start(1, {"TORCHELASTIC_RESTART_COUNT": "1"})  # a restarted attempt: the same job
+    assert not list(tmp_path.glob("tg.before-*"))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    start(1)  # a new run
+    (earlier,) = tmp_path.glob("tg.before-*")
+    assert [r["step"] for r in read(earlier)] == [1, 501, 1]
+    rows = list(read(log))
+    (fresh,) = [r for r in rows if r.get("event") == "fresh_start"]
+    assert Path(fresh["detail"]["earlier_log"]) == earlier and [r["step"] for r in rows if r["type"] == "metric"] == [1]
