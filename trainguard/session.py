@@ -285,7 +285,10 @@ class GuardSession:
         if self.closed:
             return
         self.closed = True
-        watchdog = self.watchdog.stop() if self.watchdog is not None else None
+        try:  # (a watchdog that fails to stop must not cost the hooks' removal, the last save, the run_end)
+            watchdog = self.watchdog.stop() if self.watchdog is not None else None
+        except Exception as e:  # noqa: BLE001
+            watchdog = {"stop_failed": f"{type(e).__name__}: {e}"[:300]}
         self.remove_hooks()
         cp = getattr(self.fw, "checkpointer", None)
         if cp is not None and clean:

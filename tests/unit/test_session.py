@@ -522,3 +522,17 @@ def test_without_a_checkpoint_dir_a_new_run_sets_the_earlier_log_aside_at_its_fi
     rows = list(read(log))
     (fresh,) = [r for r in rows if r.get("event") == "fresh_start"]
     assert Path(fresh["detail"]["earlier_log"]) == earlier and [r["step"] for r in rows if r["type"] == "metric"] == [1]
+
+
+def test_a_watchdog_that_fails_to_stop_costs_neither_the_last_save_nor_the_run_end(tmp_path, monkeypatch):
+    """CLOSE stopped the watchdog first: one that raised there left the hooks in, the last save uncommitted and no
+    run_end. It is said in run_end's ``watchdog`` now, and the rest of CLOSE happens."""
+    class Broken:  # (the watchdog's stop, failing: a single process here has no watchdog of its own)
+        def stop(self):
+            raise OSError("the heartbeat folder is gone")
+
+    monkeypatch.setattr(GuardSession, "start_watchdog", lambda self: setattr(self, "watchdog", Broken()))
+    fw, s, _, records, ended = run(tmp_path, {"checkpoint": {"every_steps": 3}}, 6)
+    (end,) = [r for r in records if r["event"] == "run_end"]
+    assert ended is None and "OSError" in end["detail"]["watchdog"]["stop_failed"] and not s.hooks
+    assert (tmp_path / "ck" / "step00000006").is_dir() and not list((tmp_path / "ck").glob(".staging/*"))
