@@ -113,8 +113,11 @@ def main(argv=None) -> int:
     if args.json:  # (kept with its date, commit and whether the tree was clean: bench/_results.keep)
         from bench._results import keep
 
+        # (the tier's cost inside the step times: what a user's run pays, without the noise between whole runs)
+        in_step = {v: {"snapshot_s": statistics.median(c for c, _ in in_run[v]),
+                       "share": statistics.median(f for _, f in in_run[v])} for v in ("insured", "paced") if in_run[v]}
         keep(args.json, {"steps": args.steps, "rounds": args.rounds, "seconds": seconds, "median": med,
-                         "paired_ratio": paired, "intervals": intervals, "goals": goals,
+                         "paired_ratio": paired, "intervals": intervals, "goals": goals, "in_step": in_step,
                          "missed": [n for n, ok in goals.items() if not ok]})
     return 0 if all(goals.values()) else 1
 
