@@ -304,3 +304,28 @@ def test_a_planted_abandoned_link_is_moved_aside_and_nothing_moves_through_it(tm
     assert cp.abandon_after(root, 5) == ["step00000010"]  # (the link moved aside, kept: never followed)
     assert list(elsewhere.iterdir()) == [] and CheckpointLayout(root).tags() == ["step00000005"]
     assert (root / ".abandoned").is_dir() and not (root / ".abandoned").is_symlink()
+
+
+def test_a_tag_folder_kept_aside_is_renamed_where_it_is_when_it_cannot_change_parents(tmp_path, monkeypatch):
+    """Another user's folder cannot move into .abandoned (a rename across folders rewrites its ``..``, which needs
+    its owner's write): it is renamed in place, kept -- the commit and the rollback both raised there before."""
+    import os
+
+    from trainguard.checkpoint import private
+
+    tag = tmp_path / "step00000050"
+    tag.mkdir()
+    (tag / "model.pt").write_bytes(b"w")
+    assert private.keep_aside(tag, tmp_path / ".abandoned", "step00000050.a1") == tmp_path / ".abandoned" / "step00000050.a1"
+    other = tmp_path / "step00000100"
+    other.mkdir()
+    real = os.replace
+
+    def across_refused(src, dst):
+        if Path(src).parent != Path(dst).parent:
+            raise PermissionError(13, "Permission denied", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(private.os, "replace", across_refused)
+    dest = private.keep_aside(other, tmp_path / ".abandoned", "step00000100.b2")
+    assert dest == tmp_path / ".step00000100.b2.foreign" and dest.is_dir() and not other.exists()

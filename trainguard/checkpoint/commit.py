@@ -62,14 +62,9 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
     final = CheckpointLayout(root).tag_dir(tag)
     aside = root / STAGING / f"replaced.{nonce}"
     if final.exists() and key is not None and read_manifest(final, key).why is not None:
-        from trainguard.checkpoint.private import own_dir  # (not this run's to delete: set aside, kept, said --
+        from trainguard.checkpoint.private import keep_aside  # (not this run's to delete: set aside, kept, said --
 
-        kept = own_dir(root / ".abandoned") / f"{tag}.{nonce}"  # before the commit: a failure here commits nothing)
-        try:
-            os.replace(final, kept)
-        except PermissionError:  # (another user's folder cannot change parents: renamed aside where it is, kept)
-            kept = root / f".{tag}.foreign.{nonce}"
-            os.replace(final, kept)
+        kept = keep_aside(final, root / ".abandoned", f"{tag}.{nonce}")  # before the commit: a failure commits nothing)
         logging.getLogger("trainguard").warning("trainguard: %s held a checkpoint whose manifest does not verify with "
                                                 "this run's key: moved to %s (kept), not deleted", final, kept)
     if final.exists():  # the same tag saved again: the old one goes aside first

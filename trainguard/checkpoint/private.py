@@ -193,3 +193,17 @@ def own_dir(path: str | os.PathLike, fresh: bool = False) -> Path:
     if st.st_mode & 0o077:
         os.chmod(p, 0o700)  # (one an older release made with the umask's mode: no one else may rename inside it)
     return p
+
+
+def keep_aside(src: Path, into: str | os.PathLike, name: str) -> Path:
+    """Move ``src`` (a tag folder not to be deleted) to ``into/name`` (a folder of this job's: own_dir), kept; another
+    user's folder cannot change parents (a rename of a folder moves its ``..``): renamed where it is instead, to
+    ``.name.foreign``. Returns where it went."""
+    dest = own_dir(into) / name
+    try:
+        os.replace(src, dest)
+    except PermissionError:
+        dest = src.parent / f".{name}.foreign"
+        os.replace(src, dest)
+    return dest
+

@@ -96,13 +96,9 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
     listed = [(t, 0) for t in layout.committed() if valid_tag(t)] if step < 0 else layout.steps()
     for tag, saved_at in listed:
         if saved_at > step:
-            from trainguard.checkpoint.private import own_dir
+            from trainguard.checkpoint.private import keep_aside  # (never into a planted link)
 
-            dest = own_dir(root / ".abandoned") / f"{tag}.{uuid.uuid4().hex[:6]}"  # (never a planted link)
-            try:
-                os.replace(layout.tag_dir(tag), dest)
-            except PermissionError:  # (another user's folder cannot change parents: renamed aside where it is)
-                os.replace(layout.tag_dir(tag), root / f".{dest.name}.foreign")
+            keep_aside(layout.tag_dir(tag), root / ".abandoned", f"{tag}.{uuid.uuid4().hex[:6]}")
             moved.append(tag)
     if moved:
         fsync_dir(root)
