@@ -26,6 +26,8 @@ FIGURES = [
      "overhead-proxies-2026-12-06.json", ("ops_small", "ops_large")),
     ("docs/recovery.md", r"(\d+) draws, \d+ forced actions", "recovery-fuzz-2026-12-06.json", ("draws",)),
     ("docs/detection.md", r"\*\*(\d+) actions in all 5 runs\*\*", "natural-healthy-2026-12-06.json", ("actions",)),
+    ("docs/detection.md", r"every failing case\s+acted on \*\*(\d+/\d+)\*\*; guarded within 10% of healthy or >= 90% of the gap "
+     r"closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-06.json", ("goals.0.figure", "goals.1.figure")),
     ("docs/checkpoints.md", r"raw write of the same bytes \(open/write/fsync\) \| ([\d,]+) MB/s", "checkpoint-io-2026-12-06.json",
      ("raw_write_MBps",)),
     ("docs/checkpoints.md", r"synchronous \(DeepSpeed's write, hashed while written, fsync, manifest, rename\) \| ([\d,]+) MB/s: "
