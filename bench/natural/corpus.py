@@ -5,9 +5,11 @@
 The hand-written cases of bench/natural/run.py are the set the defaults were fitted on; a default judged on them proves
 nothing. Here a case is drawn from its seed: a family (a peak LR too high, a warmup too short, the LR raised mid-run,
 a stretch of corrupted data, a tiny Adam epsilon, unnormalised output or attention logits), a severity (how far off,
-against the healthy run's own setting), a length, a model size, a precision -- and the training seed itself. (One
-stack for now: DeepSpeed's own loop, the demo's model; HF's script of bench/natural/hf_train.py has no size, seed or
-mid-run LR flags yet.)
+against the healthy run's own setting), a length, a model size, a precision -- and the training seed itself -- and a
+stack: DeepSpeed's own loop (the demo's worker; the default, what the kept held-out figures ran), or with
+``--stacks deepspeed,hf`` HF's Trainer under ``trainguard run --`` too (bench/natural/hf_train.py, the same model, in
+bf16 -- its fp16 needs a GPU --, and never the "LR raised mid-run" family: the Trainer's schedule has no such
+switch, those draws stay on DeepSpeed). A corpus with another set of stacks is another corpus (its draws differ).
 Seeds are split once: ``DEV`` seeds are what a default may be tuned on (look at them while changing a rule); the
 ``HELD_OUT`` seeds only report -- their table is the figure, run after the rules are set. The healthy run of a case is
 the same draw with the sane setting (the demo's LR schedule, no corruption): same model, precision, seed and length.
@@ -34,6 +36,10 @@ def draw(seed: int, stacks: tuple[str, ...] = ("deepspeed",)) -> dict:
     steps, (d_model, layers), precision, stack = r.choice(LENGTHS), r.choice(SIZES), r.choice(PRECISIONS), \
         r.choice(stacks)
     common = ["--seed", str(seed), "--d-model", str(d_model), "--layers", str(layers)]
+    if stack == "hf" and family == "lr_raised":
+        stack = "deepspeed"  # (HF's schedule cannot be raised mid-run from its arguments)
+    if stack == "hf":
+        precision = "bf16"   # (the Trainer's fp16 needs a GPU: bench/natural/hf_train.py runs bf16)
     fp16 = precision == "fp16"
     bad: dict = {"lr": HEALTHY_LR, "warmup": HEALTHY_WARMUP}
     if family == "lr_peak":

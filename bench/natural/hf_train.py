@@ -4,6 +4,7 @@ all (the zero-code entry); without the prefix it is plain HF + DeepSpeed.
 
     torchrun --nproc_per_node 2 -m bench.natural.hf_train --config ds_config.json --steps N --out DIR
         [--lr 0.003] [--warmup 100] [--adam-eps E] [--adam-beta2 B] [--bad-data FROM:TO:KIND] [--no-final-norm]
+        [--seed S] [--d-model D] [--layers L] [--heads H]
 
 Writes ``DIR/result.rank<r>.json``: the per-step losses, the held-out loss, the step reached, and how it stopped.
 """
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bad-data")
     ap.add_argument("--no-final-norm", action="store_true")
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--d-model", type=int, default=96)
+    ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--plain", action="store_true", help="(accepted for the bench's launcher; plain is no prefix)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -54,14 +58,14 @@ def main(argv=None) -> int:
     from trainguard.demo.corpus import MarkovCorpus
     from trainguard.demo.worker import _bad_data
 
-    torch.manual_seed(1234)
-    model = LM(n_heads=args.heads, final_norm=not args.no_final_norm)
-    dataset = MarkovCorpus(seed=1234)
+    torch.manual_seed(args.seed)
+    model = LM(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, final_norm=not args.no_final_norm)
+    dataset = MarkovCorpus(seed=args.seed)
     targs = TrainingArguments(
         output_dir=str(out / "hf"), per_device_train_batch_size=8, max_steps=args.steps, learning_rate=args.lr,
         warmup_steps=args.warmup, lr_scheduler_type="constant_with_warmup", weight_decay=0.01,
         adam_epsilon=args.adam_eps, adam_beta2=args.adam_beta2, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", deepspeed=args.config, use_cpu=True, bf16=True, report_to=[], seed=1234,
+        save_strategy="no", deepspeed=args.config, use_cpu=True, bf16=True, report_to=[], seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True)
     losses: list[float] = []
     now = {"step": 0}
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
         key = "aborted" if type(e).__name__ == "TrainguardAbort" else "died"
         result[key] = {"message": str(e)[:400]} if key == "aborted" else f"{type(e).__name__}: {e}"[:400]
     result["global_steps"] = trainer.state.global_step
-    held = MarkovCorpus(num_samples=64, seed=1234, split="heldout")
+    held = MarkovCorpus(num_samples=64, seed=args.seed, split="heldout")
     batch = {k: torch.stack([held[i][k] for i in range(64)]) for k in ("input_ids", "labels")}
     with torch.no_grad():
         value = float(model.gpt(batch).float())

@@ -318,13 +318,15 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", choices=["dev", "held-out"], help="generated cases (bench/natural/corpus.py) instead "
                     "of the hand-written ones: dev seeds to tune on, held-out seeds to report on")
     ap.add_argument("--n", type=int, help="with --corpus: the first N seeds' cases (default: all 32)")
+    ap.add_argument("--stacks", default="deepspeed", help="with --corpus: the stacks a case may be drawn on "
+                    "(deepspeed,hf)")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # (the HF stack's workers run ``-m bench.natural.hf_train``)
     pool = CASES
     if args.corpus:
         from bench.natural.corpus import cases as generated
 
-        pool = [Case(**c) for c in generated(args.corpus, args.n)]
+        pool = [Case(**c) for c in generated(args.corpus, args.n, tuple(args.stacks.split(",")))]
     chosen = [c for c in pool if (not args.cases or c.name in args.cases.split(","))
               and (not args.stack or c.stack == args.stack)]
     from bench.natural import megatron_lm as megatron
