@@ -159,11 +159,12 @@ class StepDriver:
         if cp is not None:
             cp.wait_pending()  # (a save still being written is no target yet: the first step's, with async saves)
         scale, restart, tag = decision.lr_scale, decision.restart, None
-        if restart and root is not None:  # a young run whose LR was too high from the start (trainguard.lrcut)
-            first, tag, _ = cp.first_target()
+        if restart:  # a young run whose LR was too high from the start (trainguard.lrcut)
+            first, tag, _ = cp.first_target() if root is not None else (None, None, None)
             if tag is not None:
                 root, why = first, "the first step's checkpoint: the run's LR was too high from its start"
-            else:  # (none: an ordinary rollback, the ordinary cut -- a tenth from damaged weights is too slow)
+            else:  # (none -- or no checkpoint.dir at all: an ordinary rollback, the ordinary cut, for the cooldown: a
+                # tenth from damaged weights is too slow, and kept for good it would compound)
                 restart = False
                 reason = decision.reason + "; but no first step's checkpoint: an ordinary rollback"
                 if decision.lower_lr:

@@ -157,9 +157,10 @@ class EventLog:
         if self.started:
             return
         self.started = True
-        from trainguard.attempt import restart_attempt
+        from trainguard.attempt import generation, restart_attempt
 
-        if step <= 1 and restart_attempt() == 0 and self.log is not None:
+        # (a world formed again after a rank was replaced is the same job, whatever its step)
+        if step <= 1 and restart_attempt() == 0 and generation() == 0 and self.log is not None:
             earlier = self.new_run()
             if earlier:
                 self.emit(step, Record.FRESH_START, [], None, {

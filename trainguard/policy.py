@@ -132,8 +132,8 @@ class Policy:
                     # (once: a young run that climbs again after it is halved; only for a climb: a burst says nothing
                     # of the LR)
                     scale, why, restart = self.recovery.lr_factor, "", False
-                if lasting := bool(why):  # (sized by the LR's history -- a jump, a young run's peak: the schedule's
-                    # LR fails, and back after the cooldown it would fail again)
+                if lasting := bool(why) and scale < self.recovery.lr_factor:  # (sized by the LR's history -- a jump,
+                    # a young run's peak: the schedule's LR fails, and back after the cooldown it would fail again)
                     why += "; for the rest of the run (the schedule's own LR failed)"
                 floor = self.recovery.lr_floor
                 if self.lr_factor * scale < floor:
@@ -239,10 +239,9 @@ class Policy:
     def lower_lr(self, scale: float | None = None, until: int | None = None, lasting: bool = False) -> float:
         """Scale the accumulated LR factor by ``scale`` (a decision's ``lr_scale``; None: lr_factor) until step
         ``until`` (the cooldown's end), or for the rest of the run when ``lasting``. The floor was checked already."""
-        scale = self.recovery.lr_factor if scale is None else scale
-        self.lr_factor *= scale
-        if lasting:
-            self.lr_lasting *= scale
+        self.lr_factor *= self.recovery.lr_factor if scale is None else scale
+        if lasting:  # (the LR the evidence named, against the schedule's: an ordinary cut in cooldown included)
+            self.lr_lasting = self.lr_factor
         if until is not None:
             self.lr_until = until
         return self.lr_factor

@@ -143,3 +143,17 @@ def test_a_cut_the_schedules_own_lr_called_for_outlives_its_cooldown():
     again = Policy(NonfiniteConfig(), RecoveryConfig())
     again.load_state_dict(p.state_dict())
     assert again.lr_applied(9000) == pytest.approx(0.1)
+
+
+def test_only_a_cut_the_evidence_sized_lasts_and_it_lasts_at_the_lr_the_evidence_named():
+    """A jump of 1.6x sizes a milder cut than a halving: the halving is ordinary (it expires). A young run's tenth taken
+    while an ordinary halving is in its cooldown names an LR a tenth of the one applied -- 0.05 of the schedule's --:
+    that is what lasts (x0.1 kept of the schedule would leave it 2x too high when the halving expires)."""
+    p = Policy(NonfiniteConfig(), RecoveryConfig())
+    mild = p.decide([_rise(60, 55)], 60, lr_cut=lambda onset: (min(0.5, 1 / 1.6), "the LR jumped x1.6", False))
+    assert mild.lr_scale == 0.5 and not mild.lasting
+    p.lower_lr(mild.lr_scale, until=1060, lasting=mild.lasting)
+    young = p.decide([_rise(100, 90)], 100, lr_cut=lambda onset: (0.1, "a young run", True))
+    assert young.lasting
+    p.lower_lr(young.lr_scale, until=1100, lasting=young.lasting)
+    assert p.lr_applied(500) == pytest.approx(0.05) and p.lr_applied(5000) == pytest.approx(0.05)

@@ -536,3 +536,17 @@ def test_a_watchdog_that_fails_to_stop_costs_neither_the_last_save_nor_the_run_e
     (end,) = [r for r in records if r["event"] == "run_end"]
     assert ended is None and "OSError" in end["detail"]["watchdog"]["stop_failed"] and not s.hooks
     assert (tmp_path / "ck" / "step00000006").is_dir() and not list((tmp_path / "ck").glob(".staging/*"))
+
+
+def test_a_young_runs_cut_without_its_first_steps_checkpoint_is_the_ordinary_one_for_the_cooldown(tmp_path):
+    """No first step's checkpoint to restart from (``checkpoint.first_step`` off here; no ``checkpoint.dir`` takes the
+    same branch): an ordinary rollback with ``lr_factor``, which expires with its cooldown -- a tenth kept for good
+    would compound at each later young verdict."""
+    fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "lr_ramp", "step": 22, "steps": 30, "factor": 1.3}],
+                                                 "recovery": {"lr_cooldown_steps": 100},
+                                                 "checkpoint": {"first_step": False}}, 45)
+    assert ended is None
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["lr_factor"] == 0.5 and "for the cooldown" in rb["detail"]["reason"]
+    policy = s.guard.policy
+    assert policy.lr_lasting == 1.0 and policy.lr_applied(10_000) == 1.0

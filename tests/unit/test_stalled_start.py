@@ -89,7 +89,25 @@ def test_the_stall_is_off_at_zero_and_said_once():
 
 def test_a_first_level_the_lr_jump_lifted_is_no_escape():
     # dev seed s21 (LR 0.075 in one step): the loss jumps 4.9 -> 9 in the first steps, then stalls at ~4.4 -- 24% below
-    # the first smoothed level, 10% below where the run began
-    loss = lambda s: 4.88 if s == 1 else 9.0 if s < 10 else 4.4
+    # the first smoothed level, 10% below where the run began (its first three losses, before the LR acted)
+    loss = lambda s: 4.88 if s <= 3 else 9.0 if s < 10 else 4.4
     found, _ = run(200, loss, lambda s: 2.8 / (1 + 8 * min(1.0, s / 30)), warmup(1, 0.075))
     assert len(found) == 1 and found[0][1].detail["first_level"] < 6  # (not the lifted ~9)
+
+
+def test_no_stall_after_a_long_warmup_or_from_one_easy_first_batch_or_after_a_rollback():
+    # a fine-tune (SFT) warmed up over 1,000 steps: its loss falls 15%, its gradient norm 5x as it adapts to the format
+    found, _ = run(1300, lambda s: 2.0 - 0.3 * min(1.0, s / 400), lambda s: 8.0 / (1 + 4 * min(1.0, s / 300)),
+                   warmup(1000, 2e-5))
+    assert not found
+    # one unusually easy first batch (short sequences: 1.0) does not set where the run began (it learns: 2.5 -> 1.5)
+    found, _ = run(200, lambda s: 1.0 if s == 1 else 2.5 - 1.0 * min(1.0, s / 40), lambda s: 2.7 / (1 + 8 * min(1.0, s / 30)),
+                   warmup(1, 1e-3))
+    assert not found
+    # after a rollback (a young climb's restart) the first trajectory's peak and gradient levels are not judged again
+    trend = LossTrendDetector(LossTrendConfig())
+    run(40, lambda s: 4.8, lambda s: 2.7 / (1 + 16 * min(1.0, s / 20)), warmup(1, 0.03), trend=trend)
+    trend.rolled_back(1)
+    found, _ = run(200, lambda s: 4.8, lambda s: 0.1, warmup(1, 0.003), first_step=2, trend=trend)
+    assert not found
+

@@ -57,9 +57,10 @@ class LossTrendConfig(_Section):
     min_regain: float = Field(0.05, ge=0, le=1, description="... and at least this fraction of what the loss has "
                               "fallen from its first level (the median of its first `smooth` losses) to its best: a relative rise "
                               "on a loss near its floor is noise, a divergence gives back what was learnt (0: off).")
-    stall_fall: float = Field(0.2, ge=0, lt=1, description="A stalled start: a fresh run whose loss has not fallen this "
-                              "fraction below its first level once its LR has held its peak for the trend's settling time "
-                              "(min_history + 4 x smooth + patience steps; judged until twice that) ... (0: off)")
+    stall_fall: float = Field(0.2, ge=0, lt=1, description="A stalled start: a fresh run that reached its LR's peak within "
+                              "the trend's settling time (min_history + 4 x smooth + patience steps) and whose loss has not "
+                              "fallen this fraction below where it began once it held that peak as long (judged until "
+                              "twice that) ... (0: off)")
     stall_grad_drop: float = Field(4.0, gt=1, description="... while its gradient norm fell to 1/this of its first "
                                    "level (at its lowest since): the peak LR broke the model, it learns nothing (the model moved, its loss did "
                                    "not). A slow_rise from the LR's peak: a young run's restart with a tenth of that LR. "

@@ -23,8 +23,9 @@ Its class comes from three signals together (:func:`classify`), not from one:
 A **stalled start** is the other shape an LR too high from the first steps takes (a warmup of one step to a peak
 5-25x too high): the loss never climbs from a best, it never leaves its first level -- the model collapses to the
 tokens' marginal distribution, its gradient norm falls 15x while the loss stands. When a fresh run's LR has held its
-peak for the trend's settling time and its level is still within ``stall_fall`` of where it began (the lower of its
-first level and its first loss: an LR that jumps at once lifts the first steps') while its gradient norm fell to
+peak (reached within that time: a warmup of a few steps) for the trend's settling time and its level is still
+within ``stall_fall`` of where it began (the lower of its first level and the median of its first three losses: an
+LR that jumps at once lifts the first steps') while its gradient norm fell to
 1/``stall_grad_drop`` of its first (at its lowest since) -- judged until a second settling time has passed at the
 peak --, the verdict is a ``slow_rise`` from the LR's peak (once a run).
 Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a run that learns brings its loss
@@ -83,7 +84,8 @@ class LossTrendDetector:
         self.bests: deque = deque(maxlen=4096)  # (step, best, best_step, best_lr, spread) at each new best
         self.reported = False   # one verdict per episode (until the loss is back in its band)
         self.first_step: int | None = None   # the step of the first loss seen (a fresh run's: within ``smooth``)
-        self.start: float | None = None      # its loss: the initialised model's
+        self.start: float | None = None      # where it began: the median of its first 3 losses
+        self.head: list[float] = []           # (those losses)
         self.grads: deque = deque(maxlen=cfg.smooth)  # recent finite gradient norms
         self.first_grad: float | None = None  # the gradient norm's first level (the median of its first ``smooth``)
         self.low_grad: float | None = None    # the lowest level it has fallen to since (the median of ``smooth``)
@@ -126,7 +128,10 @@ class LossTrendDetector:
         self.raw.append((step, loss))
         self.seen += 1
         if self.first_step is None:
-            self.first_step, self.start = step, loss
+            self.first_step = step
+        if len(self.head) < 3:  # (three: one unusually easy first batch does not set where the run began)
+            self.head.append(loss)
+            self.start = statistics.median(self.head) if len(self.head) == 3 else None
         if grad is not None and math.isfinite(grad):
             self.grads.append(grad)
             if len(self.grads) == self.grads.maxlen:
@@ -180,12 +185,14 @@ class LossTrendDetector:
         cfg = self.cfg
         if not cfg.stall_fall or self.stalled or level is None or self.first is None or self.first_grad is None \
                 or self.peak_step is None or self.first_step is None or self.first_step > cfg.smooth \
+                or self.peak_step - self.first_step > self.settle() \
                 or not self.settle() <= step - self.peak_step <= 2 * self.settle() or len(self.grads) < self.grads.maxlen:
-            # (judged while the run is young: between one and two settling times at its peak -- later, a fine-tune's
-            # norm may well have fallen 4x at a loss that was never far above its floor)
+            # (judged while the run is young: its peak reached within the trend's settling time -- a warmup that short
+            # is what fails so --, then between one and two settling times at it; after a long warmup, a fine-tune's
+            # norm may well have fallen 4x at a loss never far above its floor)
             return None
-        # (from the lower of the first level and the first loss: an LR that jumps at once lifts the first steps' --
-        # dev seed s21: 4.9 -> 9.1 at step 8, then down to a stall at 4.4)
+        # (from the lower of the first level and where the run began: an LR that jumps at once lifts the first steps'
+        # -- dev seed s21: 4.9 -> 9.1 at step 8, then down to a stall at 4.4)
         first = min(self.first, self.start) if self.start is not None else self.first
         fell = (first - level) / abs(first) if first else 0.0
         grad_now = self.low_grad  # (the collapse: a dead model's norm creeps back up as it starts, slowly, to learn)
@@ -217,6 +224,8 @@ class LossTrendDetector:
         the loss of an earlier checkpoint look like a climb)."""
         self.raw.clear()
         self.above, self.reported = 0, False
+        self.stalled = True  # (a stall is judged on the run's first trajectory only: after a rollback its peak, its
+        # gradient's first level and low belong to the steps undone)
         if to_step is None:
             return
         while len(self.bests) > 1 and self.bests[-1][0] > to_step:
@@ -229,7 +238,7 @@ class LossTrendDetector:
     def state_dict(self) -> dict:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
                 "spread": self.spread, "first": self.first, "first_step": self.first_step,
-                "start": self.start, "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
+                "start": self.start, "head": self.head, "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
                 "stalled": self.stalled}
 
     def load_state_dict(self, state: dict) -> None:
@@ -239,7 +248,7 @@ class LossTrendDetector:
         # (a state from before the stall rule: its first step unknown -- no stall judged on it)
         self.first_step = state.get("first_step", self.cfg.smooth + 1 if self.first is not None else None)
         self.first_grad, self.stalled = state.get("first_grad"), bool(state.get("stalled", False))
-        self.low_grad, self.start = state.get("low_grad"), state.get("start")
+        self.low_grad, self.start, self.head = state.get("low_grad"), state.get("start"), list(state.get("head", []))
         self.peak_lr, self.peak_step = float(state.get("peak_lr") or 0.0), state.get("peak_step")
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
         self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]

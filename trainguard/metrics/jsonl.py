@@ -66,7 +66,13 @@ class JsonlSink:
         os.replace(self.path, aside)  # (the open file goes with it: cut back to the earlier run's lines below)
         os.ftruncate(self._f.fileno(), self.prior)
         self._f.close()
-        self._f, self.prior = open_append(self.path), 0  # (anew: no-follow, a regular file)
+        try:
+            self._f, self.prior = open_append(self.path), 0  # (anew: no-follow, a regular file)
+        except OSError:  # (never a closed log: this run goes on after the earlier run's lines, as before; said above)
+            self._f = open_append(aside)
+            self._f.write(mine)
+            self._f.flush()
+            raise
         self._f.write(mine)
         self._f.flush()
         return aside
