@@ -20,7 +20,8 @@ history says more:
   over from the same checkpoint and saves it again in bf16: trainguard.policy, trainguard.driver);
 - otherwise: ``recovery.lr_factor``, as before.
 
-Never less of a cut than ``lr_factor``. Pure: the guard hands it the LRs it recorded (rank 0's, from the AGREE
+Never less of a cut than ``lr_factor`` (where the evidence names a milder one, ``lr_factor`` it is, and no evidence is
+said: the cut is the ordinary one, and expires with its cooldown). Pure: the guard hands it the LRs it recorded (rank 0's, from the AGREE
 table, so every rank computes the same cut).
 """
 from __future__ import annotations
@@ -151,11 +152,13 @@ class LrHistory:
             prev = seen[i - 1][1]
             if onset - BEFORE <= s <= now and prev > 0 and lr >= JUMP * prev and prev < JUMP * seen[i - 3][1]:
                 # (a jump from an LR that held: a warmup's first steps double the LR without jumping)
-                return min(configured, prev / lr_now), (
+                if prev / lr_now > configured:  # (milder than the configured cut: that one, not the evidence's)
+                    return configured, "", False
+                return prev / lr_now, (
                     f"the LR jumped x{lr / prev:.3g} at step {s}: back to the LR before it ({prev:.3g})"), False
-        if self.young(onset):
+        if self.young(onset) and TENTH * (self.at(onset) or lr_now) / lr_now <= configured:
             lr_onset = self.at(onset) or lr_now
-            return min(configured, TENTH * lr_onset / lr_now), (
+            return TENTH * lr_onset / lr_now, (
                 f"a young run (the climb began at step {onset}, within {YOUNG}x its LR's first rise or the detectors' "
                 f"settling time: step {self.horizon()}): a tenth of the LR at the loss's best "
                 f"({lr_onset:.3g}; the LR range test's rule), from the first step's checkpoint"), True

@@ -132,8 +132,8 @@ class Policy:
                     # (once: a young run that climbs again after it is halved; only for a climb: a burst says nothing
                     # of the LR)
                     scale, why, restart = self.recovery.lr_factor, "", False
-                if lasting := bool(why) and scale < self.recovery.lr_factor:  # (sized by the LR's history -- a jump,
-                    # a young run's peak: the schedule's LR fails, and back after the cooldown it would fail again)
+                if lasting := bool(why):  # (sized by the LR's history -- a jump, a young run's peak: the schedule's
+                    # LR fails, and back after the cooldown it would fail again)
                     why += "; for the rest of the run (the schedule's own LR failed)"
                 floor = self.recovery.lr_floor
                 if self.lr_factor * scale < floor:

@@ -149,8 +149,15 @@ def test_only_a_cut_the_evidence_sized_lasts_and_it_lasts_at_the_lr_the_evidence
     """A jump of 1.6x sizes a milder cut than a halving: the halving is ordinary (it expires). A young run's tenth taken
     while an ordinary halving is in its cooldown names an LR a tenth of the one applied -- 0.05 of the schedule's --:
     that is what lasts (x0.1 kept of the schedule would leave it 2x too high when the halving expires)."""
+    h = LrHistory()
+    for s in range(1, 61):
+        h.record(s, 0.01 if s < 50 else 0.016)  # (a schedule raised 1.6x at step 50)
+    assert h.cut(onset=52, now=60, configured=0.5) == (0.5, "", False)  # (milder than a halving: the halving, no claim)
+    for s in range(1, 61):
+        h.record(s, 0.01 if s < 50 else 0.02)   # (raised 2x: back to the LR before it, which is the evidence's)
+    assert h.cut(onset=52, now=60, configured=0.5)[:2] == (0.5, "the LR jumped x2 at step 50: back to the LR before it (0.01)")
     p = Policy(NonfiniteConfig(), RecoveryConfig())
-    mild = p.decide([_rise(60, 55)], 60, lr_cut=lambda onset: (min(0.5, 1 / 1.6), "the LR jumped x1.6", False))
+    mild = p.decide([_rise(60, 55)], 60, lr_cut=lambda onset: (0.5, "", False))
     assert mild.lr_scale == 0.5 and not mild.lasting
     p.lower_lr(mild.lr_scale, until=1060, lasting=mild.lasting)
     young = p.decide([_rise(100, 90)], 100, lr_cut=lambda onset: (0.1, "a young run", True))
