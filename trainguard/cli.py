@@ -1,6 +1,8 @@
 """The ``trainguard`` command.
 
-    trainguard validate FILE       check a ds_config's "trainguard" block (exit 0 ok, 2 invalid)
+    trainguard validate FILE [--under ADAPTER]
+                                   check a ds_config's "trainguard" block (exit 0 ok, 2 invalid or refused
+                                   under ADAPTER; each adapter's refusals listed)
     trainguard demo [--config FILE] [--steps N] [--out DIR]
                                    2-rank torchrun demo: faults, verdicts, actions, and the same run
                                    under plain DeepSpeed beside it
@@ -33,41 +35,9 @@ from trainguard.errors import ConfigError
 
 
 def _validate(args) -> int:
-    from trainguard.prelaunch import check_imports
+    from trainguard.validate import validate
 
-    try:
-        ds, block = tg_config.load(args.file)
-        if block is not None:  # (and the modules of the callbacks, detectors and sinks it names found, not run)
-            check_imports(block, source=args.file)
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    if block is None:
-        print(f"{args.file}: no \"trainguard\" block: DeepSpeed's own behaviour (nothing to validate)")
-        return 0
-    ds_keys = [k for k in ds if k != "trainguard"]  # (none: a block alone -- Megatron's --trainguard-config)
-    nf = block.detectors.nonfinite
-    d = block.detectors
-    on = [name for name in ("loss_spike", "grad_norm", "attention_entropy", "activation_range", "localize",
-                            "straggler", "replica_check", "peer_replay") if getattr(d, name).enabled]
-    parts = [
-        "enabled" if block.enabled else "DISABLED",
-        f"nonfinite={'on' if nf.enabled else 'off'}({nf.action}, grads {'checked' if nf.check_grads else 'not checked'})",
-        f"detectors={'+'.join(on) or 'none'}",
-        f"clipping={block.clipping.mode if block.clipping.mode != 'deepspeed' or ds_keys else 'the framework' + chr(39) + 's'}",
-        f"checkpoint={block.checkpoint.dir or 'on save_checkpoint calls'}"
-        + (f" every {block.checkpoint.every_steps}" if block.checkpoint.every_steps else ""),
-        f"recovery={'on' if block.recovery.enabled else 'off'}",
-        f"log={block.metrics.jsonl}{'+per-rank' if block.metrics.per_rank else ''}",
-        f"faults={len(block.faults)}",
-    ]
-    zero = ds.get("zero_optimization", {}).get("stage", 0)
-    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
-    under = f"DeepSpeed ZeRO-{zero} {dtype}" if ds_keys else (
-        "a block alone, for Megatron-LM's --trainguard-config or your megatron-core loop: precision, parallel layout "
-        "and clipping come from Megatron's own arguments")
-    print(f"{args.file}: OK: trainguard {', '.join(parts)}; {under}")
-    return 0
+    return validate(args.file, args.under)
 
 
 def _demo(args) -> int:
@@ -223,6 +193,8 @@ def main(argv=None) -> int:
 
     v = sub.add_parser("validate", help="validate the trainguard block of a ds_config file")
     v.add_argument("file")
+    v.add_argument("--under", help="the adapter it will run under, as the listing without it names them (the "
+                   "installed adapters' declarations): exit 2 when it refuses a key")
     v.set_defaults(func=_validate)
 
     d = sub.add_parser("demo", help="2-rank demo with injected faults, beside plain DeepSpeed")

@@ -123,6 +123,18 @@ def check_supported(cfg, adapter: str, refused: dict[str, dict[str, Refusal]] | 
         raise ConfigError(problems)
 
 
+def refusals(cfg) -> dict[str, list[str]]:
+    """Under each installed adapter (the names it runs under), the keys the block sets that it would refuse at start,
+    each with why: what ``trainguard validate`` says before a launch."""
+    out = {}
+    for adapter in adapters():
+        try:
+            check_supported(cfg, adapter)
+        except ConfigError as e:
+            out[adapter] = [f"{key}: {why}" for key, why in e.problems]
+    return out
+
+
 def check_release(cfg, package: str, version: str) -> None:
     """Raise ConfigError naming every key the user set that cannot run on this release of ``package`` (the
     support matrix's per-series refusals, trainguard/releases.json), and why."""

@@ -124,7 +124,16 @@ def test_cli_validate_ok_and_error(root, tmp_path):
     ok = subprocess.run([sys.executable, "-m", "trainguard.cli", "validate",
                          str(root / "configs" / "ds_config_zero2_bf16.json")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.count("\n") == 1 and "OK" in ok.stdout
+    assert ok.stdout.splitlines()[0].endswith("DeepSpeed ZeRO-2 bf16") and ": OK:" in ok.stdout.splitlines()[0]
+    # what another stack would refuse is said before a launch: its skip_batches and snapshots under HF's Trainer
+    hf = [line for line in ok.stdout.splitlines() if line.startswith("  refused under ds_plugins/framework: ")]
+    assert len(hf) == 1 and "recovery.skip_batches: 200" in hf[0] and "checkpoint.snapshot.every_steps" in hf[0]
+    under = subprocess.run([sys.executable, "-m", "trainguard.cli", "validate", "--under", "ds_plugins/framework",
+                            str(root / "configs" / "ds_config_zero2_bf16.json")], capture_output=True, text=True)
+    assert under.returncode == 2 and ": REFUSED:" in under.stdout and "megatron_hooks" not in under.stdout
+    fits = subprocess.run([sys.executable, "-m", "trainguard.cli", "validate", "--under", "ds_plugins/framework",
+                           str(root / "configs" / "ds_config_hf_trainer.json")], capture_output=True, text=True)
+    assert fits.returncode == 0 and fits.stdout.count("\n") == 1, fits.stdout
     bad = tmp_path / "bad.json"
     cfg = json.loads((root / "configs" / "ds_config_zero2_bf16.json").read_text())
     cfg["trainguard"]["detectors"]["nonfinite"]["actoin"] = "skip_step"
