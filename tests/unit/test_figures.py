@@ -40,6 +40,8 @@ FIGURES = [
     ("docs/checkpoints.md", r"medians \*\*([\d.]+) s\*\* plain\s+DeepSpeed, \*\*([\d.]+) s\*\* guard, \*\*([\d.]+) s\*\* guard "
      r"\+ snapshots every 10 steps, \*\*([\d.]+) s\*\* paced", "insurance-2026-12-06.json",
      ("median.clean", "median.guard", "median.insured", "median.paced")),
+    ("docs/checkpoints.md", r"\*\*([\d.]+) ms\*\* a snapshot, \+[\d.]+% of the run at S = 10; \*\*([\d.]+) ms\*\*",
+     "insurance-2026-12-06.json", ("in_step.insured.snapshot_s", "in_step.paced.snapshot_s")),
 ]
 
 
