@@ -30,7 +30,6 @@ import json
 import sys
 
 from trainguard import __version__
-from trainguard import config as tg_config
 from trainguard.errors import ConfigError
 
 

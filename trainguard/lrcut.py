@@ -53,7 +53,7 @@ class LrHistory:
     @classmethod
     def for_trend(cls, trend) -> "LrHistory":
         """Young measured in the steps the loss trend (``detectors.loss_trend``) takes to speak."""
-        return cls(settle=trend.min_history + 4 * trend.smooth + trend.patience)
+        return cls(settle=trend.settle)
 
     def agree(self, lr: float) -> float | None:
         """The step's LR, rank 0's from the AGREE table -- never this rank's own: under pipeline parallelism a
@@ -156,8 +156,8 @@ class LrHistory:
                     return configured, "", False
                 return prev / lr_now, (
                     f"the LR jumped x{lr / prev:.3g} at step {s}: back to the LR before it ({prev:.3g})"), False
-        if self.young(onset) and TENTH * (self.at(onset) or lr_now) / lr_now <= configured:
-            lr_onset = self.at(onset) or lr_now
+        lr_onset = self.at(onset) or lr_now
+        if self.young(onset) and TENTH * lr_onset / lr_now <= configured:
             return TENTH * lr_onset / lr_now, (
                 f"a young run (the climb began at step {onset}, within {YOUNG}x its LR's first rise or the detectors' "
                 f"settling time: step {self.horizon()}): a tenth of the LR at the loss's best "

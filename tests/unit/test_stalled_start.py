@@ -36,9 +36,9 @@ def test_a_run_that_learns_nothing_at_its_peak_lr_is_a_young_slow_rise_from_the_
     assert len(found) == 1, found
     step, v = found[0]
     assert v.anomaly == "slow_rise" and v.detail["stall"] and v.ranks == ()  # (shared: no rank named)
-    assert v.detail["onset_step"] == 2 and step == 2 + trend.settle()
+    assert v.detail["onset_step"] == 2 and step == 2 + trend.cfg.settle
     # the LR history makes it a young run's cut: a tenth of the peak, from the first step's checkpoint
-    lrs = LrHistory(settle=trend.settle())
+    lrs = LrHistory(settle=trend.cfg.settle)
     for s in range(1, step + 1):
         lrs.agree(warmup(1, 0.03)(s))
         lrs.ratio(s, 1)

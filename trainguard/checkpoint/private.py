@@ -206,4 +206,3 @@ def keep_aside(src: Path, into: str | os.PathLike, name: str) -> Path:
         dest = src.parent / f".{name}.foreign"
         os.replace(src, dest)
     return dest
-

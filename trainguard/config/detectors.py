@@ -57,6 +57,12 @@ class LossTrendConfig(_Section):
     min_regain: float = Field(0.05, ge=0, le=1, description="... and at least this fraction of what the loss has "
                               "fallen from its first level (the median of its first `smooth` losses) to its best: a relative rise "
                               "on a loss near its floor is noise, a divergence gives back what was learnt (0: off).")
+    @property
+    def settle(self) -> int:
+        """The steps the trend takes to speak: its history, the window its level needs, its patience (what "young"
+        and a stall are measured in: trainguard.lrcut, trainguard.detectors.loss_trend)."""
+        return self.min_history + 4 * self.smooth + self.patience
+
     stall_fall: float = Field(0.2, ge=0, lt=1, description="A stalled start: a fresh run that reached its LR's peak within "
                               "the trend's settling time (min_history + 4 x smooth + patience steps) and whose loss has not "
                               "fallen this fraction below where it began once it held that peak as long (judged until "

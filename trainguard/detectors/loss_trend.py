@@ -176,17 +176,13 @@ class LossTrendDetector:
             "grad_ratio": None if grad_ratio is None else round(grad_ratio, 3),
             "class": kind, "evidence": why, "onset_step": self.best_step + 1, "remedy": REMEDY[kind]})
 
-    def settle(self) -> int:
-        """The steps the trend takes to speak: its history, the window its level needs, its patience."""
-        return self.cfg.min_history + 4 * self.cfg.smooth + self.cfg.patience
-
     def _stall(self, step: int, loss: float, level: float | None, ranks) -> Verdict | None:
         """A fresh run that learns nothing at its peak LR (the module's docstring), once."""
         cfg = self.cfg
         if not cfg.stall_fall or self.stalled or level is None or self.first is None or self.first_grad is None \
                 or self.peak_step is None or self.first_step is None or self.first_step > cfg.smooth \
-                or self.peak_step - self.first_step > self.settle() \
-                or not self.settle() <= step - self.peak_step <= 2 * self.settle() or len(self.grads) < self.grads.maxlen:
+                or self.peak_step - self.first_step > cfg.settle \
+                or not cfg.settle <= step - self.peak_step <= 2 * cfg.settle or len(self.grads) < self.grads.maxlen:
             # (judged while the run is young: its peak reached within the trend's settling time -- a warmup that short
             # is what fails so --, then between one and two settling times at it; after a long warmup, a fine-tune's
             # norm may well have fallen 4x at a loss never far above its floor)
