@@ -2,7 +2,7 @@
 
 Floors, not pins or caps: installing into a cluster environment that already has torch, DeepSpeed
 or megatron-core must not change their versions. The extras' floors are the *oldest* releases of the support
-matrix (trainguard/releases.json, read here): inside the matrix, ``pip install "trainguard[deepspeed]"`` changes
+matrix (trainguard/support/releases.json, read here): inside the matrix, ``pip install "trainguard[deepspeed]"`` changes
 nothing (tests/dist/test_install_dist.py checks it against DeepSpeed 0.16.9). torch is deliberately *not* a hard
 requirement: an unpinned torch resolved from scratch pulls a multi-GB CUDA build; install your torch first (README).
 """
@@ -20,8 +20,8 @@ def _version():
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
-with open(os.path.join(HERE, "trainguard", "releases.json"), encoding="utf-8") as f:
-    _MATRIX = json.load(f)["packages"]  # the support matrix (trainguard/releases.py reads the same file at start)
+with open(os.path.join(HERE, "trainguard", "support", "releases.json"), encoding="utf-8") as f:
+    _MATRIX = json.load(f)["packages"]  # the support matrix (trainguard/support/releases.py reads the same file at start)
 
 
 def _floor(distribution):
@@ -50,7 +50,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["trainguard", "trainguard.*", "ds_plugins", "ds_plugins.*",
                                     "megatron_hooks", "megatron_hooks.*"]),
-    package_data={"trainguard": ["demo/*.json", "drill/*.json", "releases.json"]},
+    package_data={"trainguard": ["demo/*.json", "drill/*.json", "support/releases.json"]},
     install_requires=[
         # torch is required at run time but not declared: see the module docstring.
         "pydantic>=2.5,<3",
@@ -68,7 +68,7 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2.1", "pyyaml>=6", "import-linter>=2.1,<3", _span("transformers"), _span("accelerate")],
     },
     entry_points={"console_scripts": ["trainguard=trainguard.cli:main"],
-                  # each adapter's declaration of what it cannot honour (trainguard.support.declared)
+                  # each adapter's declaration of what it cannot honour (trainguard.support.support.declared)
                   "trainguard.adapters": ["ds_plugins=ds_plugins.capabilities",
                                           "megatron_hooks=megatron_hooks.capabilities"]},
     classifiers=[

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.kill_anywhere import end_trial, kill_in, outcome, report, resumed_after, topmost
+from bench._kill_trials import end_trial, kill_in, outcome, report, resumed_after, topmost
 from trainguard.demo.run import torchrun_env
 
 RANKS, STEPS, SAVE = 2, 30, 4

@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench.kill_anywhere import kill_in, outcome, report, resumed_after, topmost
+from bench._kill_trials import kill_in, outcome, report, resumed_after, topmost
 
 ITERS, EVERY, DP = 20, 2, 2
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")

@@ -4,7 +4,7 @@ One process plays rank 0 of a world of 8 to 65,536 ranks: a real StepGuard (defa
 runs the whole step -- LOSS, BACKWARD, AGREE, DECIDE, STEP, END: agree, decide, log -- while the collectives are
 replaced by their results (:class:`SimCollective`: the other ranks' rows are a synthetic table; the time it takes to
 compute what a real all-reduce would hand back is not the guard's and is subtracted). Printed per world, for the
-summary way every world above 64 ranks takes now (trainguard.agreement) and for the table way every world took
+summary way every world above 64 ranks takes now (trainguard.step.agreement) and for the table way every world took
 before (forced here, in the same run), : the median host time of a healthy step, the bytes each rank all-reduces
 on it, and the host time of an anomalous step (one rank's loss non-finite: named with its coordinates, samples and
 first bad module, checked).
@@ -29,12 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainguard.agreement import Agreement  # noqa: E402
+from trainguard.step.agreement import Agreement  # noqa: E402
 from trainguard.config import parse_block  # noqa: E402
 from trainguard.events import Action  # noqa: E402
-from trainguard.guard import StepGuard  # noqa: E402
-from trainguard.isolation import FIELDS, F, RankCoords  # noqa: E402
-from trainguard.reduced import contribution, rank_bits  # noqa: E402
+from trainguard.step.guard import StepGuard  # noqa: E402
+from trainguard.ranks.isolation import FIELDS, F, RankCoords  # noqa: E402
+from trainguard.ranks.reduced import contribution, rank_bits  # noqa: E402
 
 GOALS = {"healthy_ms": 2.0, "bytes": 4096, "anomalous_ms": 50.0}
 MODULE = "blocks.3.mlp.0"

@@ -46,7 +46,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     The config is read and the block validated *before* anything is initialised, so a bad block
     fails fast with a :class:`ConfigError` naming every problem. When the block is active and
-    ``training_data`` is given, the returned loader is a :class:`trainguard.data.TrackedLoader`
+    ``training_data`` is given, the returned loader is a :class:`trainguard.data.position.TrackedLoader`
     that knows each batch's sample ids and the data position.
     """
     deepspeed = _deepspeed()
@@ -152,7 +152,7 @@ def _build(deepspeed, kwargs, block, recipe, lr_scheduler, _entry, training_data
 
 def _process_group(deepspeed, block, kwargs):
     """The default process group as the block asks for it, before DeepSpeed builds its own groups
-    (trainguard.default_group): under ``trainguard.supervise`` the world, returned to be formed again when a rank
+    (trainguard.bootstrap.default_group): under ``trainguard.supervise`` the world, returned to be formed again when a rank
     dies; else DeepSpeed opens it, with ``distributed.collective_timeout_s`` when set."""
     from trainguard.ports import open_default_group
 
@@ -194,7 +194,7 @@ RELEASES: dict = {"checked": {}, "untested": []}  # what check_releases found (t
 
 
 def check_releases(block, framework: bool) -> dict:
-    """The support matrix (trainguard/releases.json), before anything is built: DeepSpeed's release, and --
+    """The support matrix (trainguard/support/releases.json), before anything is built: DeepSpeed's release, and --
     under the zero-code entry, when they are the ones building the engine (on the call stack) -- transformers' and
     Accelerate's.
     A release outside it stops the run here, naming the supported ranges and the override; a key of the

@@ -1,4 +1,4 @@
-"""The applied-gradient meter (trainguard.appliedgrad) on the torch optimizer inside DeepSpeed's: what the step
+"""The applied-gradient meter (trainguard.step.appliedgrad) on the torch optimizer inside DeepSpeed's: what the step
 applied, after DeepSpeed's clipping."""
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ one line, ``import ds_plugins.auto``, before the engine is built. From then on:
   holds an enabled block is *tagged*: each batch carries its samples' dataset indices (and the
   sanitiser runs in its collate function), and the guarded engine takes them out again before the
   model sees the batch, so events name the culprit samples as with trainguard's own loader
-  (trainguard/sample_tags.py). A batch with no room for them (a ``(features, labels)`` tuple, a tensor)
+  (trainguard/data/sample_tags.py). A batch with no room for them (a ``(features, labels)`` tuple, a tensor)
   travels wrapped and Accelerate's prepared loader hands it out unwrapped. A loader that cannot be
   tagged (an IterableDataset, no automatic batching) is named in the ``run_start`` record.
 
@@ -142,7 +142,7 @@ def _patch_accelerate(module) -> None:
 
 def _patch_accelerate_loaders(module) -> None:
     """Accelerate's prepared loaders hand out a wrapped batch (one with no room for the ids: a tuple, a
-    tensor) unwrapped, its ids left for the next forward (trainguard.sample_tags.untag). Batches trainguard
+    tensor) unwrapped, its ids left for the next forward (trainguard.data.sample_tags.untag). Batches trainguard
     did not wrap pass untouched."""
     def make(original):
         def __iter__(self):

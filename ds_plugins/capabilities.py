@@ -1,7 +1,7 @@
-"""What ds_plugins cannot honour, declared once (trainguard.support reads it through the ``trainguard.adapters``
+"""What ds_plugins cannot honour, declared once (trainguard.support.support reads it through the ``trainguard.adapters``
 entry point; ``initialize`` refuses a key set here by name). It runs under three names: ``ds_plugins``
 (``initialize(training_data=...)``: trainguard's loader), ``ds_plugins/framework`` (the zero-code entry under HF
-Trainer / Accelerate: their loader, tagged -- trainguard/sample_tags.py) and ``ds_plugins/own`` (``initialize`` without
+Trainer / Accelerate: their loader, tagged -- trainguard/data/sample_tags.py) and ``ds_plugins/own`` (``initialize`` without
 training_data: your loader, which trainguard never sees). Its advice in the core's records and errors: ``HINTS``."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ _SKIP = Refusal("the loader is not trainguard's: a rollback cannot move it past 
 _OWN = ("your loader is not trainguard's, so trainguard never sees the samples: pass training_data to "
         "ds_plugins.initialize, or check them in your dataset")
 
-# the core's advice on this adapter (trainguard.support.HINT_KEYS): your loader, or the Trainer's / Accelerate's
+# the core's advice on this adapter (trainguard.support.support.HINT_KEYS): your loader, or the Trainer's / Accelerate's
 HINTS = {"sample_ids": "pass training_data to ds_plugins.initialize so that its loader names them"}
 FRAMEWORK_HINTS = {
     "sample_ids": "the Trainer's or Accelerate's loader could not be tagged (run_start's untagged_loaders says why)",

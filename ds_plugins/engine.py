@@ -26,13 +26,13 @@ from trainguard.ports import (DataPosition, goes_on, ModuleReplays, output_value
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action
-from trainguard.session import GuardSession
+from trainguard.step.session import GuardSession
 
 
 class EngineGuard:
     """The adapter's state on one rank: the core guard plus what only DeepSpeed knows."""
 
-    world = None     # trainguard.world.World under trainguard.supervise: a rank that dies is replaced in-process
+    world = None     # trainguard.liveness.world.World under trainguard.supervise: a rank that dies is replaced in-process
     rebuild = None   # (module, loader) -> (engine, its EngineGuard): the build again on a new world (ds_plugins)
     discard = False  # the rest of a step a rank's replacement interrupted does nothing
 
@@ -79,7 +79,7 @@ class EngineGuard:
         return self.session.watchdog
 
     def surviving(self, call, stale=lambda: None, discard: bool = True):
-        """``call()``, a rank's death survived (trainguard.replacement; ds_plugins.inprocess)."""
+        """``call()``, a rank's death survived (trainguard.liveness.replacement; ds_plugins.inprocess)."""
         from ds_plugins.inprocess import replace_lost_rank
 
         return surviving(self.world if self.rebuild else None, call,
@@ -123,7 +123,7 @@ class EngineGuard:
     def forward(self, base_forward, inputs, kwargs):
         step = self.step_number()
         inputs, kwargs, ids, rejected = take_tags(inputs, kwargs)
-        if ids is not None and self.engine.module.training:  # a framework's loader, tagged (trainguard.sample_tags)
+        if ids is not None and self.engine.module.training:  # a framework's loader, tagged (trainguard.data.sample_tags)
             self._framework_batches += 1
             self.on_batch(ids, DataPosition(epoch=-1, batch_in_epoch=self._framework_batches,
                                             consumed_samples=int(getattr(self.engine, "global_samples", 0))),
@@ -131,7 +131,7 @@ class EngineGuard:
         (inputs, kwargs), poison_output = self.session.forward(step, (inputs, kwargs))
         if self.guard is not None and self.engine.module.training and (
                 self.cfg.detectors.localize.enabled or self.session.replays.wants_batches):
-            # (references, not copies: what a replay of this micro-batch needs, trainguard.replay)
+            # (references, not copies: what a replay of this micro-batch needs, trainguard.replay.replay)
             self.session.replays.record((inputs, kwargs, poison_output), rows_of((inputs, kwargs)))
         # a peer replays the step's last micro-batch (detectors.peer_replay): from the RNG state this forward starts
         # from, to compare with what this forward computes
@@ -145,7 +145,7 @@ class EngineGuard:
         if measure:
             self.session.replays.measured(rng, output_value(out))  # (device values: read at DECIDE)
         if self.engine.module.training:
-            self.session.forward_done()  # (the step's own time: the straggler detector, trainguard.steptime)
+            self.session.forward_done()  # (the step's own time: the straggler detector, trainguard.step.steptime)
         return out
 
     def on_batch(self, sample_ids, position, rejected=()) -> None:
@@ -158,7 +158,7 @@ class EngineGuard:
         out_of_range = s.vocab_size if s.vocab_size is not None else 1_000_000
         return self.faults.samples(self.step_number(), samples, s.label_key, out_of_range)
 
-    # ------------------------------------------------------------------ trainguard.driver.Framework
+    # ------------------------------------------------------------------ trainguard.step.driver.Framework
     @property
     def data(self):
         return self.loader
@@ -207,7 +207,7 @@ class EngineGuard:
 
     def after_rollback(self, step: int) -> dict:
         # (your DeepSpeed loop rewinds with the engine's global_steps, back with the checkpoint; HF's Trainer and
-        # Accelerate's loops cannot: the engine and its LR schedule go on with them -- trainguard.lrapply.goes_on)
+        # Accelerate's loops cannot: the engine and its LR schedule go on with them -- trainguard.recovery.lrapply.goes_on)
         return goes_on(self.engine, "global_steps", self.engine.lr_scheduler, step) if self.entry == "auto" else {}
 
     def skipped_steps(self) -> int:

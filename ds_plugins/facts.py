@@ -1,5 +1,5 @@
 """What a DeepSpeed engine tells the session at the start (ds_plugins.engine.EngineGuard): the rank's coordinates,
-the run_start record's framework facts, the run's facts for the start-of-run checks (trainguard.checks.RunFacts),
+the run_start record's framework facts, the run's facts for the start-of-run checks (trainguard.prevent.checks.RunFacts),
 its precision, and the device of the AGREE table."""
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def _run_facts(eng, client_scheduler) -> RunFacts:
 
 
 def _collective_device() -> torch.device:
-    """Where the AGREE tensor must live (trainguard.isolation.collective_device), with DeepSpeed's
+    """Where the AGREE tensor must live (trainguard.ranks.isolation.collective_device), with DeepSpeed's
     accelerator as the device of any other backend."""
     try:
         from deepspeed.accelerator import get_accelerator

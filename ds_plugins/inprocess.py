@@ -1,5 +1,5 @@
-"""DeepSpeed's part in a dead rank's replacement in the same job (trainguard.supervise, trainguard.world,
-trainguard.replacement).
+"""DeepSpeed's part in a dead rank's replacement in the same job (trainguard.supervise, trainguard.liveness.world,
+trainguard.liveness.replacement).
 
 Under ``trainguard.supervise`` ``ds_plugins.initialize`` forms the world (a spare waits there, warm, until a rank is
 handed to it). On a survivor whose collective failed because a rank died, DeepSpeed's engine is retired -- its
@@ -8,7 +8,7 @@ once the world is formed again, built again through ``ds_plugins.initialize``'s 
 first: the same ``deepspeed.initialize``, ``attach`` and resume from node memory. The user's engine object becomes
 the new engine (one shared ``__dict__``, as after a bf16 fallback) and the user's loader goes on from the restored
 data position; the interrupted step's remaining calls do nothing. Under HF's Trainer (ds_plugins.auto) the
-survivors' ``Trainer.train`` is entered again instead (trainguard.replacement.reentering), once the Trainer and its
+survivors' ``Trainer.train`` is entered again instead (trainguard.liveness.replacement.reentering), once the Trainer and its
 Accelerator let go of the engine (:func:`let_go_of_trainer`).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import weakref
 
 def why_not(recipe, engine, entry: str = "own") -> str | None:
     """Why a survivor cannot build this engine again as the spare builds its first (None: it can; "": the
-    framework's entry is entered again instead -- HF's Trainer.train, trainguard.replacement.reentering)."""
+    framework's entry is entered again instead -- HF's Trainer.train, trainguard.liveness.replacement.reentering)."""
     from trainguard.ports import reentered
 
     zero3 = "ZeRO-3 partitions the parameters on the old world's groups" if engine.zero_optimization_stage() == 3 \
@@ -36,11 +36,11 @@ def why_not(recipe, engine, entry: str = "own") -> str | None:
     return None
 
 
-_BUILT = weakref.WeakSet()  # the engines built under trainguard.replacement.reentering (their teardown retires them)
+_BUILT = weakref.WeakSet()  # the engines built under trainguard.liveness.replacement.reentering (their teardown retires them)
 
 
 def replace_lost_rank(state, why: str, discard: bool) -> None:
-    """On a survivor (``state``: its ds_plugins.engine.EngineGuard), with trainguard.replacement.replace_rank."""
+    """On a survivor (``state``: its ds_plugins.engine.EngineGuard), with trainguard.liveness.replacement.replace_rank."""
     from deepspeed.utils import groups
 
     from ds_plugins.precision import _retire

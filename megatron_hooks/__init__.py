@@ -38,8 +38,8 @@ Megatron-LM's own loop: ``trainguard run -- torchrun ... pretrain_gpt.py ... --t
 Snapshots: ``guard.checkpointer.save(dir, data_state=...)`` / ``.load(dir)`` (megatron_hooks.checkpoint);
 with ``checkpoint.dir`` and ``checkpoint.every_steps`` the guard saves by itself (with what
 ``install(data_state=callable)`` returns) and resumes at ``install`` (``guard.iteration``,
-``guard.resumed_data_state``). The step sequence is trainguard.driver's, as on DeepSpeed; keys this
-adapter cannot apply are refused at ``install`` (trainguard.support).
+``guard.resumed_data_state``). The step sequence is trainguard.step.driver's, as on DeepSpeed; keys this
+adapter cannot apply are refused at ``install`` (trainguard.support.support).
 
 The watchdog (``distributed.watchdog``) runs as on the DeepSpeed path: heartbeats, a hung rank named, stacks, exit
 75 for a restart; under trainguard.supervise, ``supervised(train)`` survives a dead rank in-process (docs/liveness.md).

@@ -1,4 +1,4 @@
-"""What megatron_hooks cannot honour, declared once (trainguard.support reads it through the ``trainguard.adapters``
+"""What megatron_hooks cannot honour, declared once (trainguard.support.support reads it through the ``trainguard.adapters``
 entry point; ``install`` and Megatron-LM's ``--trainguard-config`` refuse a key set here by name). Its advice in
 the core's records and errors: ``HINTS``."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ _GROUPS_EXIST = ("the process groups exist before install() (Megatron-LM and you
 _DATA = Refusal("the data loader is yours (Megatron-LM's or your loop's): its shuffling, drop_last and data position "
                 "are its own")
 
-# what the core's records and errors advise on this adapter (trainguard.support.HINT_KEYS)
+# what the core's records and errors advise on this adapter (trainguard.support.support.HINT_KEYS)
 HINTS = {"sample_ids": "call guard.on_batch(sample_ids) in your forward_step (Megatron-LM's loop does)",
          "replay": "megatron_hooks.install(..., replayer=Replayer(...)) and guard.record(...) per micro-batch, as "
                    "Megatron-LM's loop does"}

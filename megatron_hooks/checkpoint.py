@@ -194,7 +194,7 @@ class MegatronState:
             with verified_reads(reader):  # (its pickled .metadata, the .distcp tensors, an older release's common.pt)
                 loaded = dist_checkpointing.load(self._sharded(is_loading=not fresh), str(tag_dir / DIST))
         except BaseException:
-            [state.update(was) for state, was in moments]  # (a failed load leaves the moments: trainguard.degrade)
+            [state.update(was) for state, was in moments]  # (a failed load leaves the moments: trainguard.recovery.degrade)
             raise
         for i, chunk in enumerate(mg.chunks):
             _unwrap(chunk).load_state_dict(loaded[f"model{i}" if len(mg.chunks) > 1 else "model"])

@@ -14,7 +14,7 @@ from trainguard.ports import (bf16_supported, collective_device, gather_coords, 
                               zero_adam_moments)
 from trainguard.errors import FallbackUnavailable
 from trainguard.events import Action, Anomaly
-from trainguard.session import GuardSession
+from trainguard.step.session import GuardSession
 
 from megatron_hooks.capabilities import HINTS
 from megatron_hooks.model_hooks import ModelHooks
@@ -44,7 +44,7 @@ class MegatronGuard:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
-        self.replayer = replayer        # megatron_hooks.replay.Replayer: data or weights (trainguard.replay)
+        self.replayer = replayer        # megatron_hooks.replay.Replayer: data or weights (trainguard.replay.replay)
         self.model_hooks = ModelHooks(self)  # (on the model chunks: megatron_hooks.model_hooks)
         self.checkpointer = None
         self.applied_grad = None  # the session's meter on the inner torch optimizer(s) (applied_grad_meter)
@@ -108,7 +108,7 @@ class MegatronGuard:
 
     # ------------------------------------------------------------------ the step
     def step(self, *args, **kwargs):
-        """``optimizer.step()`` with the guard's decision first (trainguard.driver); the same return value."""
+        """``optimizer.step()`` with the guard's decision first (trainguard.step.driver); the same return value."""
         self.model_hooks.step_begins()
         try:
             return self.session.step(lambda: self._base_step(*args, **kwargs))

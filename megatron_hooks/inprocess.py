@@ -1,5 +1,5 @@
-"""Megatron-LM's part in a dead rank's replacement in the same job (trainguard.supervise, trainguard.world,
-trainguard.replacement.reentering).
+"""Megatron-LM's part in a dead rank's replacement in the same job (trainguard.supervise, trainguard.liveness.world,
+trainguard.liveness.replacement.reentering).
 
 Megatron-LM's entry scripts hand ``pretrain`` to ``inprocess_restart.maybe_wrap_for_inprocess_restart`` (NVIDIA
 resiliency-ext's ``inprocess.Wrapper`` with ``--inprocess-restart``: NCCL >= 2.26.2 and CUDA, so not on gloo). Under
@@ -12,9 +12,12 @@ again: the same build as the spare's, resumed from the newest snapshot every ran
 """
 from __future__ import annotations
 
+_LET_GO = [lambda: None]  # () -> the guard's run, taken and forgotten: megatron_hooks.lm's (this module imports it never)
 
-def install() -> None:
+
+def install(let_go) -> None:
     """Megatron-LM's ``maybe_wrap_for_inprocess_restart`` wrapped (idempotent; a release without it: nothing)."""
+    _LET_GO[0] = let_go
     try:
         from megatron.training import inprocess_restart
     except ImportError:
@@ -105,16 +108,13 @@ def _with_arguments_as_parsed(pretrain):
 
 def teardown() -> int | None:
     """A survivor's Megatron-LM let go before ``pretrain`` is entered again. Returns the iteration it was in."""
-    from megatron.training import get_args, training
-
-    from megatron_hooks import lm
+    from megatron.training import async_utils, get_args, global_vars, training
     from trainguard.ports import forget_framework
 
-    run, lm._RUN = lm._RUN, None
+    run = _LET_GO[0]()
     interrupted = run.guard.iteration + 1 if run is not None else None
     if run is not None:
         run.close(clean=False)  # (closed already where train() raised: the guard's run is not entered twice)
-    from megatron.training import async_utils, global_vars
 
     args = get_args() if global_vars._GLOBAL_ARGS is not None else None  # (None: let go already -- a second death)
     if args is not None and hasattr(async_utils, "reset_persistent_async_worker"):  # (a save in flight: the old world's)

@@ -89,8 +89,13 @@ def install_entry() -> None:
 
     wrap_once(training, "train", make_train)
     from megatron_hooks.inprocess import install  # (trainguard.supervise: pretrain() entered again after a death)
+    install(_let_go)
 
-    install()
+
+def _let_go():  # (the guard's run, taken and forgotten: megatron_hooks.inprocess.teardown, Megatron-LM let go)
+    global _RUN
+    run, _RUN = _RUN, None
+    return run
 
 
 def _setup(setup, *args, **kwargs):

@@ -22,7 +22,7 @@ class ModelHooks:
         self._poisoning = None
         self._first_forward = True  # the step's first training forward (its first micro-batch) is still to come
         self._probing = None        # the step's sampled probes, open from its first forward to its optimizer step
-        self.finite = None          # trainguard.localize.OutputFlags: each module's output finite (detectors.localize)
+        self.finite = None          # trainguard.replay.localize.OutputFlags: each module's output finite (detectors.localize)
 
     def install(self, localize: bool) -> None:
         """Fault hooks first, so that the finiteness flags (``localize``) see what they did."""

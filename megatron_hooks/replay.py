@@ -1,4 +1,4 @@
-"""Data or weights on megatron (trainguard.replay): a recorded micro-batch, or one of its rows, run
+"""Data or weights on megatron (trainguard.replay.replay): a recorded micro-batch, or one of its rows, run
 again forward-only on the current weights through the framework's own forward-backward function.
 
 megatron's forward is its pipeline schedule, collective inside a model-parallel group: a tensor-

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The support matrix, measured (issue 32): the smoke (`pytest -m smoke`: a skipped step, a rollback, an exact
 # resume, a zero-code Hugging Face Trainer run naming its bad sample, the install changing nothing) on each row of
-# trainguard/releases.json's "rows", each in a venv of its own (torch==2.13.0 first, then the row's DeepSpeed,
+# trainguard/support/releases.json's "rows", each in a venv of its own (torch==2.13.0 first, then the row's DeepSpeed,
 # transformers and Accelerate, then trainguard without dependencies); then a table, release x feature, dated.
 #
 #   bash scripts/compat.sh            # every row (~5 minutes a row on 2 cores, the first time)
@@ -19,13 +19,13 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 rows() {  # "name deepspeed transformers accelerate", one row a line
   "$PY" -c 'import json, sys
-for r in json.load(open("trainguard/releases.json"))["rows"]:
+for r in json.load(open("trainguard/support/releases.json"))["rows"]:
     if len(sys.argv) == 1 or r["row"] in sys.argv[1:]:
         print(r["row"], r["deepspeed"], r["transformers"], r["accelerate"])' "$@"
 }
 
 selected="$(rows "$@")"
-[ -n "$selected" ] || { echo "compat.sh: no row named $* in trainguard/releases.json" >&2; exit 2; }
+[ -n "$selected" ] || { echo "compat.sh: no row named $* in trainguard/support/releases.json" >&2; exit 2; }
 status=0
 while read -r name ds tf acc; do
   venv="$DIR/$name"
@@ -52,7 +52,7 @@ done <<< "$selected"
 "$PY" - "$DIR" $(echo "$selected" | cut -d' ' -f1) <<'EOF' || status=1
 import datetime, json, os, sys
 folder, names = sys.argv[1], sys.argv[2:]
-rows = {r["row"]: r for r in json.load(open("trainguard/releases.json"))["rows"]}
+rows = {r["row"]: r for r in json.load(open("trainguard/support/releases.json"))["rows"]}
 features = ["skip", "rollback", "resume", "reshard", "zero-code HF Trainer", "install"]
 print(f"\nsupport matrix smoke, {datetime.date.today()} (Python {sys.version.split()[0]}, torch 2.13.0, 2 CPU ranks, gloo)\n")
 print("| row | DeepSpeed | transformers | Accelerate | " + " | ".join(features) + " |")

@@ -18,12 +18,12 @@ VENV="${TRAINGUARD_VENV:-.venv}"
 
 # Reinstall only when the requirements changed (setup.py, this script, the support matrix).
 stamp="$VENV/.trainguard-installed"
-want="$(cat setup.py scripts/setup.sh trainguard/releases.json | sha256sum | cut -c1-16)-$what"
+want="$(cat setup.py scripts/setup.sh trainguard/support/releases.json | sha256sum | cut -c1-16)-$what"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q "torch==2.13.0"
-  # the newest releases a fresh install resolves *inside* the support matrix (trainguard/releases.json): a newer
+  # the newest releases a fresh install resolves *inside* the support matrix (trainguard/support/releases.json): a newer
   # one would be refused at start until the matrix says otherwise
-  PYTHONPATH=. python -c "from trainguard.releases import constraints; print(constraints(), end='')" > "$VENV/constraints.txt"
+  PYTHONPATH=. python -c "from trainguard.support.releases import constraints; print(constraints(), end='')" > "$VENV/constraints.txt"
   # (PIP_CONSTRAINT replaces a constraint file pip's configuration names: that one is kept too)
   config_constraint="$(python -m pip config get global.constraint 2>/dev/null || true)"
   export PIP_CONSTRAINT="$(cd "$VENV" && pwd)/constraints.txt${config_constraint:+ $config_constraint}${PIP_CONSTRAINT:+ $PIP_CONSTRAINT}"

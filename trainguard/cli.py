@@ -34,7 +34,7 @@ from trainguard.errors import ConfigError
 
 
 def _validate(args) -> int:
-    from trainguard.validate import validate
+    from trainguard.support.validate import validate
 
     return validate(args.file, args.under)
 
@@ -59,8 +59,8 @@ def _drill(args) -> int:
 
 def _report(args) -> int:
     from trainguard.metrics.jsonl import read
-    from trainguard.report import render
-    from trainguard.summary import summarize
+    from trainguard.observe.report import render
+    from trainguard.observe.summary import summarize
 
     from pathlib import Path
 
@@ -138,7 +138,7 @@ def _run(args) -> int:
         print("trainguard run: give the command to run, e.g. trainguard run -- torchrun --nproc_per_node 8 "
               "train.py --deepspeed ds_config.json", file=sys.stderr)
         return 2
-    from trainguard.prelaunch import check_command
+    from trainguard.support.prelaunch import check_command
 
     try:  # (before anything is launched: one message per job, not a traceback per rank after the framework's output)
         checked = check_command(command)
@@ -161,13 +161,13 @@ def _run(args) -> int:
 
 def _versions(args) -> int:
     """The support matrix beside what is installed here: exit 0 when every installed framework is inside it."""
-    from trainguard import releases
+    from trainguard.support import releases
 
     if args.constraints:
         print(releases.constraints(), end="")
         return 0
     outside = 0
-    print(f"trainguard {__version__}: the support matrix (trainguard/releases.json, measured "
+    print(f"trainguard {__version__}: the support matrix (trainguard/support/releases.json, measured "
           f"{releases._matrix()['measured']}) and this environment")
     for key, version in releases.installed().items():
         p = releases.package(key)

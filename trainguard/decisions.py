@@ -1,7 +1,7 @@
-"""What the policy (trainguard.policy) decides over, and what it returns: a verdict's anomaly class -- the ladder
+"""What the policy (trainguard.recovery.policy) decides over, and what it returns: a verdict's anomaly class -- the ladder
 it climbs (None: it alerts only), the onset a rollback for it must predate, whether its non-finite values came
-from the forward, the classes a replay decides -- and the :class:`Decision`, which the step driver carries out
-(trainguard.driver) and the records name."""
+from the forward, the classes a replay decides, what a young run is -- and the :class:`Decision`, which the step driver carries out
+(trainguard.step.driver) and the records name."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +11,11 @@ from trainguard.events import Action, Anomaly, Remedy
 from trainguard.verdicts import Verdict
 
 DATA_OR_WEIGHTS = (Anomaly.NONFINITE, Anomaly.INSTANT_BURST)  # the classes a replay of a healthy micro-batch decides
+# A young run (its restart from the first step's checkpoint: trainguard.recovery.lrcut, trainguard.checkpoint.first):
+YOUNG = 2        # a climb that begins within this many times the LR's first rise (or the detectors' settling time):
+                 # its LR settings are what fails there
+SETTLE = 54      # the steps the loss trend takes to speak on a run that climbs at once: its history, the window its
+                 # level needs, its patience (min_history + 4 x smooth + patience; the guard passes the configured ones)
 
 
 @dataclass(frozen=True)
@@ -20,10 +25,10 @@ class Decision:
     verdicts: tuple[Verdict, ...] = field(default_factory=tuple)
     lower_lr: bool = False          # ROLLBACK: also scale the LR, by lr_scale
     lr_scale: float | None = None   # ROLLBACK with lower_lr: the multiplier (None: recovery.lr_factor)
-    restart: bool = False           # ROLLBACK: to the first step's checkpoint, with lr_scale (trainguard.lrcut);
+    restart: bool = False           # ROLLBACK: to the first step's checkpoint, with lr_scale (trainguard.recovery.lrcut);
                                     # where there is none, an ordinary rollback with recovery.lr_factor
     lasting: bool = False           # ROLLBACK with lower_lr: the cut outlives the cooldown (the schedule's own LR
-                                    # is what failed: a young run's, a jump's -- trainguard.lrcut)
+                                    # is what failed: a young run's, a jump's -- trainguard.recovery.lrcut)
     onset_step: int | None = None   # ROLLBACK: the checkpoint must predate this step
     anomaly: Anomaly | None = None  # the class that drove the decision
     remedy: Remedy | None = None    # loss_scale ROLLBACK: what is done to the scaler after it

@@ -1,7 +1,7 @@
 """Where the guard runs in the training loop, and the records it writes.
 
 :class:`Event` is the single list of loop points. Its docstring is the loop, in pseudocode; the
-guard (:class:`trainguard.guard.StepGuard`) has exactly one ``on_<event>`` method per member, and a
+guard (:class:`trainguard.step.guard.StepGuard`) has exactly one ``on_<event>`` method per member, and a
 test keeps the two equal.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import enum
 class Event(str, enum.Enum):
     """The step as the guard sees it, on every framework (one optimizer step; ``micro`` repeats for
     gradient accumulation / megatron's micro-batches). AGREE .. END and what follows them are
-    :class:`trainguard.driver.StepDriver`, written once; the adapters only reach its start
+    :class:`trainguard.step.driver.StepDriver`, written once; the adapters only reach its start
     (DeepSpeed: ``engine.step()`` at the accumulation boundary; megatron: ``optimizer.step()``)::
 
         BEGIN       once, after the engine / model and optimizer exist: gather every rank's coordinates
@@ -80,7 +80,7 @@ class Anomaly(_Word):
 
 
 class Remedy(_Word):
-    """What the loss_scale ladder's rollback does to the scaler afterwards (trainguard.driver.scale_remedy):
+    """What the loss_scale ladder's rollback does to the scaler afterwards (trainguard.step.driver.scale_remedy):
     its rung's name, so that a ladder step, a decision and the record that carries it out say the same."""
 
     RESET_SCALE = "reset_scale"      # rung "rollback"
@@ -89,7 +89,7 @@ class Remedy(_Word):
 
 
 class Phase(_Word):
-    """Where a rank is in its step, as its heartbeat says (trainguard.watchdog): a phase change is progress,
+    """Where a rank is in its step, as its heartbeat says (trainguard.liveness.watchdog): a phase change is progress,
     and a hang report names the phase each rank stalled in."""
 
     START = "start"
@@ -104,7 +104,7 @@ class Phase(_Word):
 
 class Record(str, enum.Enum):
     """Values of the ``event`` field of an event line in the JSONL log (docs/events.md lists exactly
-    these). The vocabulary is closed: :meth:`trainguard.eventlog.EventLog.emit` writes members only."""
+    these). The vocabulary is closed: :meth:`trainguard.observe.eventlog.EventLog.emit` writes members only."""
 
     RUN_START = "run_start"          # config hash, world layout, versions
     NONFINITE = "nonfinite"          # a rank's local loss, gradients or a sampled activation were NaN/Inf

@@ -10,9 +10,9 @@ take, or an object that does not fit its Protocol is a ConfigError naming the ke
 A custom detector runs on every rank with the same gathered observations (so it must be pure and
 deterministic, like the built-in ones); its verdicts are written as ``custom_alert`` records and
 exported -- they alert, they do not drive the recovery ladders (whose classes are closed). Every rank's
-observations travel every step for it; above 64 ranks that grows with the world (trainguard.agreement), so a
+observations travel every step for it; above 64 ranks that grows with the world (trainguard.step.agreement), so a
 detector that can work on the step's summary says ``needs = "summary"`` and gets a
-:class:`trainguard.reduced.Summary` instead (run_start lists the detectors that read every rank's rows).
+:class:`trainguard.ranks.reduced.Summary` instead (run_start lists the detectors that read every rank's rows).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class Detector(Protocol):
     """Every rank's observations of one step in, verdicts out (pure: no I/O, no collectives)."""
 
     def observe(self, step: int, obs: Sequence[RankObservation]) -> Iterable[Verdict]: ...
-    # optional: ``needs = "summary"`` -> ``observe(step, summary)`` with a trainguard.reduced.Summary
+    # optional: ``needs = "summary"`` -> ``observe(step, summary)`` with a trainguard.ranks.reduced.Summary
 
 
 def _tensorboard(**options):

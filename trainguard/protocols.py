@@ -1,7 +1,7 @@
 """The seams between trainguard's core and a framework, in one place.
 
 An adapter is made of framework calls only; these protocols say which. :class:`Framework` is what the
-step driver and the session call (trainguard.driver, trainguard.session); :class:`ScalerControl` and
+step driver and the session call (trainguard.step.driver, trainguard.step.session); :class:`ScalerControl` and
 :class:`DataControl` are two of its parts; :class:`State` is the framework's state as the checkpoint manager
 saves and loads it (the whole protocol -- staging, hashes, manifest, signature, commit, async, conversion cache,
 sidecars -- is the core's); :class:`ShardSource` is one rank's state for the in-memory tier; :class:`Tier` is a checkpoint tier as the checkpoint manager uses it (the memory tier; the disk
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from trainguard.verdicts import ScalerState
-from trainguard.policy import Decision
+from trainguard.decisions import Decision
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -36,7 +36,7 @@ class ScalerControl(Protocol):
 
 
 class DataControl(Protocol):
-    """A loader that knows its position (trainguard.data.TrackedLoader)."""
+    """A loader that knows its position (trainguard.data.position.TrackedLoader)."""
 
     def set_aside(self, sample_ids) -> None: ...
     def skip(self, batches: int) -> None: ...
@@ -66,7 +66,7 @@ class Framework(Protocol):
         """The max-norm the framework's own clipping uses from this step on."""
 
     def applied_grad_meter(self) -> Any:
-        """A trainguard.appliedgrad.AppliedGradMeter on the torch optimizer(s) that apply the framework's clipped
+        """A trainguard.step.appliedgrad.AppliedGradMeter on the torch optimizer(s) that apply the framework's clipped
         gradients, or None: built by the session at start and again after a precision switch rebuilt them."""
 
     def apply(self, decision: Decision, base_step: Callable[[], Any]) -> StepOutcome:

@@ -25,7 +25,7 @@ class RankObservation:
     prev_grad_norm: float = float("nan")   # the framework's global norm of the previous step (deferred)
     clock: float = float("nan")            # this rank's wall clock at AGREE (its heartbeat, for the metrics)
     prev_applied_sq: float = float("nan")  # its squared norm of the gradients the previous step applied
-    compute_s: float = float("nan")        # its own data + forward time of this step (trainguard.steptime)
+    compute_s: float = float("nan")        # its own data + forward time of this step (trainguard.step.steptime)
     lr: float = float("nan")               # its LR of the coming update (rank 0's decides: the same on every rank)
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # registered detectors' columns
 
@@ -64,15 +64,15 @@ class PeerContext:
     """What the guard hands the detector at DECIDE (the same shape on every rank)."""
 
     rank: int
-    coords: Sequence                 # trainguard.isolation.RankCoords of every rank
+    coords: Sequence                 # trainguard.ranks.isolation.RankCoords of every rank
     device: Any                      # the collective's (a torch.device)
     group: Any                       # the AGREE group (None: world)
-    batch: Any                       # this rank's last training micro-batch of the step (trainguard.replay.MicroBatch)
+    batch: Any                       # this rank's last training micro-batch of the step (trainguard.replay.replay.MicroBatch)
     replay: Callable[[Any, int], tuple]  # ((inputs, rng), seed) -> (loss or None, digest or None), forward-only
     healthy: Callable[[float], bool]     # the loss-spike detector's judgement of a loss
     unexplained: Sequence[int] = field(default_factory=tuple)  # culprits of a spike neither data nor weights explain
     step_loss: Mapping[int, float] = field(default_factory=dict)  # {rank: its training loss of the step}: every
-    # rank's where the step's rows are (trainguard.agreement), else the rank with the highest
+    # rank's where the step's rows are (trainguard.step.agreement), else the rank with the highest
 
 
 @dataclass(frozen=True)

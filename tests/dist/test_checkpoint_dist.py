@@ -274,7 +274,7 @@ def test_resume_at_another_data_parallel_size(tmp_path, before, after, record_pr
     rc, second = run_worker(cfg, tmp_path / "second", N + 4, nproc=after, timeout=240, extra=["--state-digest"])
     import deepspeed
 
-    from trainguard import releases
+    from trainguard.support import releases
 
     if releases.feature_refusal("deepspeed", deepspeed.__version__, "reshard"):
         # DeepSpeed 0.16-0.17 load an Adam moment into the fp32 master weights (issue 32: seen on both, this test

@@ -53,7 +53,7 @@ BLOCK = {"checks": {"enabled": False}, "allow_faults": True,
          "detectors": {"grad_norm": {"enabled": False}, "attention_entropy": {"enabled": False},
                        "activation_range": {"enabled": False}},
          "checkpoint": {"every_steps": 5, "stable_after": 3, "verify_steps": 1, "keep_last": 20},
-         # (the ladders as written: megatron-core has no replay of a healthy micro-batch, trainguard.replay)
+         # (the ladders as written: megatron-core has no replay of a healthy micro-batch, trainguard.replay.replay)
          "recovery": {"skip_batches": 0, "replay_check": False}}
 
 

@@ -1,6 +1,6 @@
 """Issue 38: a dead rank replaced in the same job. Under torchrun, each worker is a supervisor (trainguard.supervise)
 whose child is the training process; a SIGKILLed training process leaves the job running, a hot spare takes its
-rank, the survivors form the world again (trainguard.world) and go on in the same processes. With no spare left,
+rank, the survivors form the world again (trainguard.liveness.world) and go on in the same processes. With no spare left,
 the job falls back to torchrun's whole-job restart and says so. Plain torch.distributed on gloo
 (tests/support/inprocess_worker.py), then DeepSpeed's own loop (ds_plugins.initialize; ds_plugins/inprocess.py):
 the engine rebuilt on the survivors and resumed from node memory with the spare, bit-identical to a clean run."""

@@ -1,5 +1,5 @@
 """Installing trainguard into an environment inside the support matrix changes nothing of it (issue 32): the
-extras' floors are the matrix's oldest releases, never the newest (setup.py reads trainguard/releases.json).
+extras' floors are the matrix's oldest releases, never the newest (setup.py reads trainguard/support/releases.json).
 
 pip resolves ``trainguard[deepspeed]`` (and ``[megatron]`` where megatron-core is installed) from this checkout
 against the environment running the test, ``--dry-run --report``: the only thing it would install is trainguard
@@ -38,7 +38,7 @@ def test_installing_the_extras_changes_no_installed_version(tmp_path):
 
 
 def test_the_wheel_carries_the_support_matrix(tmp_path):
-    """Every guarded run reads trainguard/releases.json at start: a wheel without it (an editable install hides
+    """Every guarded run reads trainguard/support/releases.json at start: a wheel without it (an editable install hides
     that) would stop every run with FileNotFoundError."""
     import zipfile
 
@@ -47,4 +47,4 @@ def test_the_wheel_carries_the_support_matrix(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = tmp_path.glob("trainguard-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "trainguard/releases.json" in names and "trainguard/demo/demo.json" in names
+    assert "trainguard/support/releases.json" in names and "trainguard/demo/demo.json" in names

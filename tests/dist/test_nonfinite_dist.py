@@ -3,7 +3,7 @@ is skipped on every rank together, at every ZeRO stage and precision."""
 import pytest
 
 from tests.dist.conftest import make_config
-from trainguard.data import ShardedSampler
+from trainguard.data.position import ShardedSampler
 
 pytestmark = pytest.mark.dist
 

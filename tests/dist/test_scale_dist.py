@@ -1,4 +1,4 @@
-"""Issue 37 on real engines: the summary way -- what every world above 64 ranks takes (trainguard.agreement) --
+"""Issue 37 on real engines: the summary way -- what every world above 64 ranks takes (trainguard.step.agreement) --
 decides as the table way did. Two ranks forced onto it (TRAINGUARD_TABLE_UP_TO=0) with a NaN loss, a spiked batch
 and an Inf activation: the same records, ranks, actions, samples and first bad module, and the same parameters."""
 import pytest

@@ -1,4 +1,4 @@
-"""A supervised training process (trainguard.supervise, trainguard.world) over plain torch.distributed: each step an
+"""A supervised training process (trainguard.supervise, trainguard.liveness.world) over plain torch.distributed: each step an
 all-reduce of every rank's contribution, a snapshot of the state kept in memory each step (the stand-in for the
 node-memory tier, which the adapters will restore from), a kill at a chosen step. After a failed collective the
 survivors form the world again (World.reform) and every rank restores the newest step all of them hold; a spare
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainguard.world import World
+from trainguard.liveness.world import World
 
 OUT = Path(sys.argv[1])
 STEPS = int(os.environ.get("STEPS", "30"))

@@ -124,7 +124,7 @@ def test_a_persisting_alert_is_one_incident():
     """Issue 33: entropy_collapse written every 10 steps on both ranks for the rest of a run (14 records in 60
     steps). Now: one record opens the incident, the rest are folded in, one incident_closed says how many and how
     bad; a new episode after the gap is a new incident."""
-    from trainguard.incidents import Incidents
+    from trainguard.observe.incidents import Incidents
 
     book = Incidents(gap=30)
     heads = lambda r: {"heads": [{"rank": 0, "layer": "l0", "head": 1, "ratio": r}]}  # noqa: E731
@@ -144,7 +144,7 @@ def test_a_persisting_alert_is_one_incident():
 
 
 def test_the_report_counts_the_alerts_folded_into_incidents():
-    from trainguard.summary import summarize
+    from trainguard.observe.summary import summarize
 
     lines = [{"type": "metric", "step": 1, "goodput": 1.0},
              {"type": "event", "step": 50, "event": "entropy_collapse", "ranks": [0], "action": "alert",
@@ -159,8 +159,8 @@ def test_the_report_counts_the_alerts_folded_into_incidents():
 def test_a_rollback_closes_open_incidents_and_rewinds_shared_failures():
     """A rollback sets the step counter back: a gap measured across it was negative, so the re-run's alerts were
     folded into the abandoned trajectory's incident and nothing expired until the run passed it again."""
-    from trainguard.incidents import Incidents
-    from trainguard.suspects import SuspectWatch
+    from trainguard.observe.incidents import Incidents
+    from trainguard.recovery.suspects import SuspectWatch
 
     book = Incidents(gap=100)
     assert book.admit(500, "grad_surge", [0], {"z": 9.0})["state"] == "opened"

@@ -486,7 +486,7 @@ def test_ckpt_diff_of_something_that_is_not_a_checkpoint_is_exit_1_naming_it(tmp
 
 
 def test_report_summary_of_an_aborted_run():
-    from trainguard.summary import summarize
+    from trainguard.observe.summary import summarize
 
     lines = [{"type": "metric", "step": 5, "goodput": 0.9},
              {"type": "event", "step": 6, "event": "nonfinite", "ranks": [1], "action": "skip_step",
@@ -773,7 +773,7 @@ def test_hashing_a_large_checkpoint_beats_the_heartbeat_from_the_training_thread
     from trainguard.checkpoint import fsio
     from trainguard.checkpoint.manager import CheckpointManager
     from trainguard.config import parse_block
-    from trainguard.watchdog import Heartbeat, find_hung
+    from trainguard.liveness.watchdog import Heartbeat, find_hung
 
     heart = Heartbeat(0)
     heart.beat("checkpoint", 7)
@@ -796,7 +796,7 @@ def test_hashing_a_large_checkpoint_beats_the_heartbeat_from_the_training_thread
     fsio.on_progress(None)
     # with several ranks: rank 0 verifies alone while the others wait in the broadcast of its choice -- waiting for a
     # rank that makes checkpoint progress is no hang; once it stalls too, it is
-    from trainguard.watchdog import Heartbeat as HB
+    from trainguard.liveness.watchdog import Heartbeat as HB
 
     others = [HB(r) for r in (1, 2, 3)]
     for h in others:

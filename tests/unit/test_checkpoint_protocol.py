@@ -18,7 +18,7 @@ from trainguard.checkpoint.manifest import Manifest, verify
 from trainguard.checkpoint.reader import VerifiedReader, manifest_digest
 from trainguard.config import parse_block
 from trainguard.events import Record
-from trainguard.session import GuardSession
+from trainguard.step.session import GuardSession
 
 
 def _manager(tmp_path, monkeypatch, state=TorchState, **checkpoint):

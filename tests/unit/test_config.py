@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from trainguard import config as tg
-from trainguard import reference
+from trainguard.support import reference
 from trainguard.errors import ConfigError
 
 
@@ -91,9 +91,9 @@ def test_missing_file(tmp_path):
 def test_schema_and_reference_are_in_sync(root):
     schema = json.loads((root / "configs" / "trainguard.schema.json").read_text())
     assert schema == json.loads(json.dumps(reference.json_schema(), sort_keys=True)), \
-        "configs/trainguard.schema.json is stale: run python -m trainguard.reference"
+        "configs/trainguard.schema.json is stale: run python -m trainguard.support.reference"
     assert (root / "docs" / "config-reference.md").read_text() == reference.reference_markdown(), \
-        "docs/config-reference.md is stale: run python -m trainguard.reference"
+        "docs/config-reference.md is stale: run python -m trainguard.support.reference"
 
 
 def test_reference_lists_every_leaf_key(root):
@@ -110,7 +110,7 @@ def example_configs(root):
 def test_every_example_config_validates(root):
     files = example_configs(root) + [root / "trainguard" / "demo" / "demo.json"]
     assert len(files) >= 3
-    from trainguard.support import check_supported
+    from trainguard.support.support import check_supported
 
     for f in files:
         ds, block = tg.load(f)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.config import ConfigError, parse_block, read_json
-from trainguard.support import adapters, check_supported
+from trainguard.support.support import adapters, check_supported
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [p for p in sorted((ROOT / "configs").glob("*.json")) if p.name != "trainguard.schema.json"]

@@ -28,7 +28,7 @@ def test_a_guarded_run_says_it_is_guarded_what_it_does_and_how_it_ended(tmp_path
 
 
 def test_console_false_is_silent(tmp_path):
-    from trainguard.eventlog import EventLog
+    from trainguard.observe.eventlog import EventLog
 
     for console, sinks in ((True, ["ConsoleSink"]), (False, [])):
         log = EventLog(0)
@@ -55,7 +55,7 @@ def test_lines_are_rate_limited_and_what_was_held_is_said():
 def test_odd_details_never_stop_rank_0_and_actions_pass_the_rate_limit(tmp_path):
     """A custom detector's detail is yours (a per_rank list, sample ids as a set): the console says what it can, and a
     mirror that raises is logged, never raised on rank 0 alone (its peers would wait in the next collective)."""
-    from trainguard.eventlog import EventLog
+    from trainguard.observe.eventlog import EventLog
     from trainguard.events import Record
 
     out = io.StringIO()

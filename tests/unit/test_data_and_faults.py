@@ -5,8 +5,8 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from trainguard.config import DataConfig, FaultSpec
-from trainguard.data import ShardedSampler, TrackedLoader
-from trainguard.faults import FaultInjector
+from trainguard.data.position import ShardedSampler, TrackedLoader
+from trainguard.faults.injector import FaultInjector
 from trainguard.metrics.jsonl import JsonlSink, read
 
 
@@ -105,7 +105,7 @@ def test_jsonl_is_strict_json(tmp_path):
 
 
 def test_report_refuses_a_log_without_metrics(tmp_path):
-    from trainguard.report import render
+    from trainguard.observe.report import render
 
     (tmp_path / "empty.jsonl").write_text('{"type": "event", "step": 0, "event": "run_start"}\n')
     with pytest.raises(ValueError, match="no metric lines"):

@@ -1,4 +1,4 @@
-"""A recovery that fails degrades, never kills (trainguard.degrade): over the fake framework of test_session.py, a
+"""A recovery that fails degrades, never kills (trainguard.recovery.degrade): over the fake framework of test_session.py, a
 rollback forced at step 12 (checkpoints at 5 and 10) meets loads that raise -- the next older target, on where the
 run was, or a clean stop with every checkpoint kept -- and the force_action fault forces each decision the policy can
 take on a healthy step."""

@@ -38,8 +38,8 @@ def test_the_report_tells_the_runs_story(tmp_path):
     import json
 
     from tests.unit.test_session import run
-    from trainguard.records import rejections
-    from trainguard.summary import summarize
+    from trainguard.observe.records import rejections
+    from trainguard.observe.summary import summarize
 
     fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "lr_ramp", "step": 22, "steps": 30, "factor": 1.3},
                                                             {"type": "nan_loss", "step": 6}],

@@ -5,10 +5,10 @@ import torch
 from trainguard.config import NonfiniteConfig, parse_block
 from trainguard.detectors import RankObservation, detect_nonfinite
 from trainguard.events import Action, Event
-from trainguard.guard import StepGuard
-from trainguard.isolation import FIELDS, F, observations
+from trainguard.step.guard import StepGuard
+from trainguard.ranks.isolation import FIELDS, F, observations
 from trainguard.metrics.jsonl import read
-from trainguard.policy import Policy
+from trainguard.recovery.policy import Policy
 
 
 def ob(rank, loss=1.0, grad=1.0, bad=0):
@@ -82,7 +82,7 @@ def _one_step(guard, step, loss_value, grads):
 def test_guard_single_process_step_cycle(tmp_path):
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "log.jsonl"), "per_rank": True}})
     g = StepGuard(cfg, rank=0, world=1)
-    from trainguard.isolation import RankCoords
+    from trainguard.ranks.isolation import RankCoords
     g.on_begin([RankCoords(0, 0, 0, 0, "h", 0)], {"framework": "none"})
     obs, d = _one_step(g, 1, 2.0, [torch.ones(4), torch.ones(5)])
     assert d.action is Action.CONTINUE and obs[0].loss == 2.0 and math.isclose(obs[0].grad_norm, 3.0, rel_tol=1e-6)
@@ -104,7 +104,7 @@ def test_guard_abort_report_names_everything(tmp_path):
     cfg = parse_block({"detectors": {"nonfinite": {"action": "abort"}},
                        "metrics": {"jsonl": str(tmp_path / "log.jsonl")}})
     g = StepGuard(cfg, rank=0, world=1)
-    from trainguard.isolation import RankCoords
+    from trainguard.ranks.isolation import RankCoords
     g.on_begin([RankCoords(0, 0, 0, 0, "node7", 0)], {})
     _, d = _one_step(g, 5, float("nan"), [])
     assert d.action is Action.ABORT
@@ -118,8 +118,8 @@ def test_origin_within_model_parallel_groups():
     """A NaN spreads inside a model-parallel group (same dp index): the earliest first-bad module is
     the origin, else the rank whose loss was non-finite; data-parallel replicas are judged alone."""
     from trainguard.verdicts import Verdict
-    from trainguard.attribution import narrow_to_origin
-    from trainguard.isolation import RankCoords
+    from trainguard.ranks.attribution import narrow_to_origin
+    from trainguard.ranks.isolation import RankCoords
 
     coords = [RankCoords(rank=r, dp=r // 2, tp=0, pp=r % 2, host="h", local_rank=r) for r in range(4)]
     per_rank = {0: {"origin": "gradients"}, 1: {"origin": "loss"}, 2: {"origin": "loss"}, 3: {"origin": "loss"}}

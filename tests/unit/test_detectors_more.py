@@ -6,17 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.checks import RunFacts, start_checks
-from trainguard.clipping import Clipper
+from trainguard.prevent.checks import RunFacts, start_checks
+from trainguard.prevent.clipping import Clipper
 from trainguard.config import (ActivationRangeConfig, AttentionEntropyConfig, ClippingConfig, GradNormConfig,
                                LossSpikeConfig, SanitizeConfig, parse_block)
 from trainguard.detectors.activation import detect_activation
 from trainguard.detectors.attention import detect_attention
 from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_spike import LossSpikeDetector
-from trainguard.probes import EntropyProbe, RangeProbe, first_nonfinite, select_modules
-from trainguard.sanitize import SanitizeError, check_sample, sanitize
-from trainguard.stats import EMA, RollingWindow
+from trainguard.replay.probes import EntropyProbe, RangeProbe, first_nonfinite, select_modules
+from trainguard.data.sanitize import SanitizeError, check_sample, sanitize
+from trainguard.detectors.stats import EMA, RollingWindow
 
 
 def test_rolling_window_robust_stats():
@@ -193,8 +193,8 @@ def test_start_checks():
 
 
 def test_prometheus_endpoint_is_scraped(tmp_path):
-    from trainguard.guard import StepGuard
-    from trainguard.isolation import RankCoords
+    from trainguard.step.guard import StepGuard
+    from trainguard.ranks.isolation import RankCoords
 
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0, "console": False}})
     g = StepGuard(cfg, rank=0, world=1)
@@ -223,8 +223,8 @@ def test_prometheus_endpoint_is_scraped(tmp_path):
 
 def test_prometheus_bind_address_is_the_configured_one(tmp_path):
     """Issue 15 item 13: the endpoint bound 0.0.0.0 for any fixed port, undocumented and not settable."""
-    from trainguard.guard import StepGuard
-    from trainguard.isolation import RankCoords
+    from trainguard.step.guard import StepGuard
+    from trainguard.ranks.isolation import RankCoords
 
     assert parse_block({}).metrics.prometheus_addr == "0.0.0.0"  # (documented: Prometheus scrapes from another host)
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl"), "prometheus_port": 0,
@@ -268,7 +268,7 @@ def test_every_ranks_sampled_values_and_clock_reach_the_metrics():
     """Issue 15 item 2: attention entropy and activations came from rank 0's probe only, and every
     rank's heartbeat gauge was rank 0's clock. The line now merges every rank's values (lowest entropy,
     highest activation) and keeps them per rank; Prometheus labels them by rank."""
-    from trainguard.metricline import merged
+    from trainguard.step.metricline import merged
     from trainguard.metrics.prometheus import PrometheusSink
 
     ent = {0: {"b0": {"ratio": [0.9, 0.8]}, "b1": {"ratio": [0.7, 0.9]}},
@@ -326,7 +326,7 @@ def test_a_failure_every_rank_shares_names_no_suspect():
     """Issue 33: fp16 with a high LR collapsed the loss scale on both ranks; each step named both ranks culprits,
     and after three both were ``suspect_rank`` with their hosts in suspect_hosts.json -- healthy nodes a Slurm
     requeue would drain. A rank counts only on a step where another rank was healthy."""
-    from trainguard.suspects import SuspectWatch
+    from trainguard.recovery.suspects import SuspectWatch
 
     records = []
     watch = SuspectWatch(3, rank=1, jsonl=None, coords_of=lambda r: {"rank": r, "host": f"h{r}"}, world=2)
@@ -341,7 +341,7 @@ def test_a_failure_every_rank_shares_names_no_suspect():
 def test_under_model_parallelism_every_replica_failing_names_no_suspect():
     """Megatron TP=2 x DP=2: one origin per model-parallel group is named (ranks 0 and 2), which is every
     data-parallel replica: shared numerics, no suspect."""
-    from trainguard.suspects import SuspectWatch
+    from trainguard.recovery.suspects import SuspectWatch
 
     dp = {0: 0, 1: 0, 2: 1, 3: 1}
     watch = SuspectWatch(3, rank=0, jsonl=None, coords_of=lambda r: {"rank": r, "dp": dp[r]}, world=4)
@@ -358,7 +358,7 @@ def test_no_host_is_suspected_when_the_replay_blames_the_data_or_every_rank_read
     sample each, the replay blaming the data -- and yet suspect_rank and a suspect_hosts.json naming the host, which a
     Slurm script drains. Neither a culprit the replay cleared nor one with no other replica to compare with is
     evidence against a host; the same culprits on a rank alone at DP=2, the weights not cleared, still are."""
-    from trainguard.suspects import SuspectWatch
+    from trainguard.recovery.suspects import SuspectWatch
 
     dp1 = SuspectWatch(3, rank=0, jsonl=None, coords_of=lambda r: {"rank": r, "dp": 0}, world=2)
     dp1.begin([type("C", (), {"dp": 0})(), type("C", (), {"dp": 0})()])
@@ -378,7 +378,7 @@ def test_ranks_failing_in_turn_are_shared_numerics_not_hardware():
     """Issue 33, as measured: fp16 at too high an LR, the ranks' forwards overflowed on *different* steps (rank 0
     at 40, rank 1 at 41, ...): no step had every rank failing, and both were named suspect. A culprit on another
     replica voids the occurrences before it; a rank failing alone, again and again, is still named."""
-    from trainguard.suspects import SuspectWatch
+    from trainguard.recovery.suspects import SuspectWatch
 
     records = []
     watch = SuspectWatch(3, rank=0, jsonl=None, coords_of=lambda r: {"rank": r, "host": f"h{r}"}, world=2)
@@ -398,7 +398,7 @@ def test_a_shared_trend_names_no_rank_as_its_cause():
     hold the largest norm): a climb is the LR's, shared; a surge or a burst still names its rank."""
     from trainguard.config import GradNormConfig, NonfiniteConfig, RecoveryConfig
     from trainguard.detectors.grad_norm import GradNormDetector
-    from trainguard.policy import Policy
+    from trainguard.recovery.policy import Policy
 
     det = GradNormDetector(GradNormConfig(min_history=5, trend_steps=10))
     found = []

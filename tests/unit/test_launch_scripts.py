@@ -45,7 +45,7 @@ def _slurm(tmp_path, worker_exit: int):
     for f in ("srun", "scontrol"):
         (bin_dir / f).chmod(0o755)
     worker = tmp_path / "worker.py"
-    worker.write_text("import sys\nfrom trainguard.watchdog import exit_for_restart\ncode = int(sys.argv[1])\n"
+    worker.write_text("import sys\nfrom trainguard.liveness.watchdog import exit_for_restart\ncode = int(sys.argv[1])\n"
                       "exit_for_restart(code, {'why': 'test'}) if code == 75 else sys.exit(code)\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,9 +1,9 @@
-"""Sample ids through a loader somebody else built (trainguard/sample_tags.py): they travel inside the
+"""Sample ids through a loader somebody else built (trainguard/data/sample_tags.py): they travel inside the
 batch, so worker processes and prefetching cannot mix them up; the sanitiser runs in the collate."""
 import pytest
 import torch
 
-from trainguard.sample_tags import REJECTED, TAG, EmptyBatch, tag_loader, take_tags
+from trainguard.data.sample_tags import REJECTED, TAG, EmptyBatch, tag_loader, take_tags
 from trainguard.config import parse_block
 
 
@@ -50,7 +50,7 @@ def test_a_tuple_batch_travels_wrapped_and_comes_out_unwrapped_with_its_ids_hand
     """Issue 27: a (features, labels) batch has no room for the ids; it is wrapped through the loader (workers
     included) and untag() -- patched into Accelerate's prepared loaders' __iter__ -- hands the loop its own
     tuple back, the ids waiting for the next forward (take_tags); a forward takes them once."""
-    from trainguard.sample_tags import HANDOFF, WRAPPED, untag
+    from trainguard.data.sample_tags import HANDOFF, WRAPPED, untag
 
     x = torch.arange(32, dtype=torch.float32).reshape(16, 2)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.arange(16)), batch_size=4,
@@ -70,7 +70,7 @@ def test_a_tuple_batch_travels_wrapped_and_comes_out_unwrapped_with_its_ids_hand
 def test_a_loader_that_cannot_be_tagged_is_named_for_the_start_record():
     """Issue 27: an IterableDataset (no indices) or a loader without automatic batching used to leave the
     records' sample_ids empty later, silently; run_start now lists it (ds_plugins.facts, untagged_loaders)."""
-    from trainguard.sample_tags import UNTAGGED
+    from trainguard.data.sample_tags import UNTAGGED
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

@@ -1,4 +1,4 @@
-"""A closed-form scheduler applies trainguard's LR multiplier itself (trainguard.lrapply): the LR it sets and reports
+"""A closed-form scheduler applies trainguard's LR multiplier itself (trainguard.recovery.lrapply): the LR it sets and reports
 is the one the update uses; its state_dict stays the framework's (saved, loaded, pickled as before); scaling it twice
 (an engine rebuilt around it) is scaling it once; a loop that cannot rewind goes on with its counter and schedule."""
 import io
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from trainguard.lrapply import closed_form, goes_on, schedule_scaled
+from trainguard.recovery.lrapply import closed_form, goes_on, schedule_scaled
 
 
 def _opt():

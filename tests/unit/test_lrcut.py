@@ -1,10 +1,10 @@
-"""The LR cut sized by what the LR did before the climb (trainguard.lrcut), and the policy that applies it."""
+"""The LR cut sized by what the LR did before the climb (trainguard.recovery.lrcut), and the policy that applies it."""
 import pytest
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.verdicts import Verdict
-from trainguard.lrcut import LrHistory
-from trainguard.policy import Action, Policy
+from trainguard.recovery.lrcut import LrHistory
+from trainguard.recovery.policy import Action, Policy
 
 
 def history(lrs: dict) -> LrHistory:

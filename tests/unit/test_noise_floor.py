@@ -8,7 +8,7 @@ import torch
 from trainguard.config import LossSpikeConfig, LossTrendConfig
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.loss_trend import LossTrendDetector
-from trainguard.lrcut import LrHistory
+from trainguard.recovery.lrcut import LrHistory
 
 
 def near_zero_run(steps: int, floor: float, seed: int, wiggle: float = 0.35, hard_every: int = 0):

@@ -6,14 +6,14 @@ import threading
 import pytest
 import torch
 
-from trainguard import p2p
+from trainguard.replay import p2p
 from trainguard.config import PeerReplayConfig
 from trainguard.verdicts import PeerContext
 from trainguard.detectors.peer_replay import PeerReplay, arbitrate, pairs, replica_groups, same
 from trainguard.detectors.registry import Decide
-from trainguard.poison import OutputPoison
-from trainguard.isolation import RankCoords
-from trainguard.replay import MicroBatch
+from trainguard.faults.poison import OutputPoison
+from trainguard.ranks.isolation import RankCoords
+from trainguard.replay.replay import MicroBatch
 
 
 class World:

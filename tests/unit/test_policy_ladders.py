@@ -1,8 +1,8 @@
 from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.verdicts import Verdict
 from trainguard.events import Action
-from trainguard.lrcut import LrHistory
-from trainguard.policy import Policy
+from trainguard.recovery.lrcut import LrHistory
+from trainguard.recovery.policy import Policy
 
 
 def v(anomaly, rank=1):
@@ -203,7 +203,7 @@ def test_an_fp16_forward_overflowing_again_after_a_rollback_goes_to_bf16():
     assert not d.restart  # (no LR evidence given: from the newest checkpoint before the onset)
     for first, warmup, restart in ((20, 100, True), (20, 1, False), (400, 1000, True), (400, 100, False)):
         # a young run whose LR was still rising into the trouble starts over from its first step -- young measured
-        # against its own warmup (trainguard.lrcut.LrHistory.young), not a step count: 400 steps into a warmup of
+        # against its own warmup (trainguard.recovery.lrcut.LrHistory.young), not a step count: 400 steps into a warmup of
         # 1,000 is young, 400 steps after a warmup of 100 is not
         lrs = LrHistory()
         for s in range(1, first + 13):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.prelaunch import check, named_files
+from trainguard.support.prelaunch import check, named_files
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,11 @@
-"""The support matrix (trainguard/releases.json, issue 32): written once, read by the check at start, setup.py's
+"""The support matrix (trainguard/support/releases.json, issue 32): written once, read by the check at start, setup.py's
 extras and the README's table; a release outside it refused by name with the range and the override."""
 import re
 from pathlib import Path
 
 import pytest
 
-from trainguard import releases
+from trainguard.support import releases
 from trainguard.errors import ConfigError, UnsupportedSetup
 from tests.support.require import imported
 
@@ -77,7 +77,7 @@ def test_deepspeed_refuses_at_initialize_before_anything_is_built(monkeypatch):
 
 def test_a_key_a_release_cannot_run_is_refused_by_name(monkeypatch):
     from trainguard import config as tg_config
-    from trainguard.support import check_release
+    from trainguard.support.support import check_release
 
     monkeypatch.setitem(releases.package("deepspeed").refused, "0.16", {"checkpoint.async": "no async writer here"})
     block = tg_config.parse_block({"checkpoint": {"dir": "x", "async": True}})

@@ -1,8 +1,8 @@
-"""trainguard.replay: data or weights, and which sample -- the pure verdicts over replayed losses."""
+"""trainguard.replay.replay: data or weights, and which sample -- the pure verdicts over replayed losses."""
 import math
 
-from trainguard.replay import MicroBatch, ReplayBook, culprit_rows, judge_loss, narrow, weights_verdict
-from trainguard.stats import RollingWindow
+from trainguard.replay.replay import MicroBatch, ReplayBook, culprit_rows, judge_loss, narrow, weights_verdict
+from trainguard.detectors.stats import RollingWindow
 
 
 def healthy_below(limit):

@@ -7,9 +7,9 @@ from trainguard.verdicts import RankObservation
 from trainguard.detectors.registry import Decide, columns, registrations
 from trainguard.detectors.replica import ReplicaCheck, digest
 from trainguard.events import Action, Anomaly, Record
-from trainguard.faults import flip_bit
-from trainguard.isolation import RankCoords
-from trainguard.policy import Policy
+from trainguard.faults.injector import flip_bit
+from trainguard.ranks.isolation import RankCoords
+from trainguard.recovery.policy import Policy
 
 
 def test_one_flipped_bit_changes_the_digest_in_every_dtype():
@@ -68,7 +68,7 @@ def test_a_rank_a_registered_detector_is_sure_of_has_its_host_written_for_the_ne
     import json
 
     from trainguard.verdicts import Verdict
-    from trainguard.guard import StepGuard
+    from trainguard.step.guard import StepGuard
 
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl")}, "checks": {"enabled": False}})
     guard = StepGuard(cfg, 0, 1)

@@ -1,6 +1,6 @@
 """Issue 37: the guard's healthy step does not cost more in a bigger world.
 
-The summary a healthy step reduces (trainguard.reduced) gives the detectors what the table gave them; the simulated
+The summary a healthy step reduces (trainguard.ranks.reduced) gives the detectors what the table gave them; the simulated
 step of bench/scale.py at 65,536 ranks meets the goals, and builds no per-rank object on a healthy step."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from bench import scale
-from trainguard.agreement import Agreement, TABLE_UP_TO
-from trainguard.isolation import FIELDS, F, observations
-from trainguard.reduced import SUMS, Summary, as_floats, contribution, decode, keys, rank_bits
+from trainguard.step.agreement import Agreement, TABLE_UP_TO
+from trainguard.ranks.isolation import FIELDS, F, observations
+from trainguard.ranks.reduced import SUMS, Summary, as_floats, contribution, decode, keys, rank_bits
 from tests.support.require import imported
 
 
@@ -91,7 +91,7 @@ def test_a_healthy_step_at_65536_ranks_meets_the_goals_and_builds_nothing_per_ra
     measured ~0.5 ms here --, the non-finite rank named with its coordinates, samples and module <= 50 ms; bounded
     here with a margin for a busy machine), <= 4 KB reduced per rank; and no
     per-rank observation is built on a healthy step (the structural reason the time does not grow)."""
-    import trainguard.agreement as agreement
+    import trainguard.step.agreement as agreement
 
     built = []
     real = agreement.observations
@@ -125,7 +125,7 @@ def test_above_64_ranks_the_straggler_is_the_slowest_rank_against_the_mean():
     from step to step names nobody either."""
     from trainguard.config import StragglerConfig
     from trainguard.detectors.straggler import StragglerDetector
-    from trainguard.reduced import Extreme
+    from trainguard.ranks.reduced import Extreme
 
     det = StragglerDetector(StragglerConfig(window=10))
     rng = random.Random(1)
@@ -148,7 +148,7 @@ def test_a_sampled_check_has_every_ranks_row_on_its_steps_only(tmp_path, monkeyp
     """The replica check above 64 ranks: every rank's digest travels on its check steps (the rows are gathered), on
     no other step; a registered detector with a column but no ``sampled`` has the rows every step."""
     from trainguard.config import parse_block
-    from trainguard.guard import StepGuard
+    from trainguard.step.guard import StepGuard
 
     monkeypatch.setenv("TRAINGUARD_TABLE_UP_TO", "0")  # (one rank, on the summary way)
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "tg.jsonl")}, "checks": {"enabled": False},

@@ -17,7 +17,7 @@ from trainguard.ports import (
     AppliedGradMeter, Framework, gather_coords, host_copy, install_grad_hooks, ModuleReplays, rows_of, save_hashed, ScalerState,
     StepOutcome, verified_reads, zero_adam_moments,
 )
-from trainguard.session import GuardSession
+from trainguard.step.session import GuardSession
 
 BASE = {"checks": {"enabled": False}, "allow_faults": True,
         "detectors": {"grad_norm": {"enabled": False}, "attention_entropy": {"enabled": False},
@@ -378,7 +378,7 @@ def test_a_young_run_that_climbs_restarts_from_its_first_steps_checkpoint(tmp_pa
     """checkpoint.first_step: a fresh run saves after its first step, apart (dir/.first). A climb that begins in a
     young run (here the LR ramped x1.3 a step from step 22: no single jump) goes back there, not to the newest
     periodic save (already trained at the too-high LR), with a tenth of the LR at the loss's best; every periodic
-    checkpoint after it is set aside as the abandoned trajectory (trainguard.lrcut)."""
+    checkpoint after it is set aside as the abandoned trajectory (trainguard.recovery.lrcut)."""
     fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "lr_ramp", "step": 22, "steps": 30, "factor": 1.3}],
                                                  "recovery": {"lr_cooldown_steps": 100}}, 45)
     assert ended is None
@@ -491,7 +491,7 @@ def test_without_a_checkpoint_dir_a_new_run_sets_the_earlier_log_aside_at_its_fi
     step later than 1 is a resume of the framework's own checkpoint (the log goes on); a restarted attempt too."""
     from pathlib import Path
 
-    from trainguard.eventlog import EventLog
+    from trainguard.observe.eventlog import EventLog
     from trainguard.metrics import jsonl
     from trainguard.metrics.jsonl import read
 

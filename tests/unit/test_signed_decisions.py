@@ -165,7 +165,7 @@ def test_files_in_shared_folders_are_never_written_through_a_planted_link(tmp_pa
 
     from trainguard.checkpoint.fsio import atomic_write_text
     from trainguard.metrics.jsonl import JsonlSink
-    from trainguard.sharedfs import open_append
+    from trainguard.metrics.sharedfs import open_append
 
     victim = tmp_path / "victim"
     victim.write_text("secret")
@@ -361,7 +361,7 @@ def test_a_planted_folder_in_place_of_the_suspect_file_is_no_crash(tmp_path):
     """From the review re-run: a directory planted as ``suspect_hosts.json`` in the log folder made the write fail
     (EISDIR) in the middle of a step, and rank 0 died of it. Now the alert still goes out, saying the file was not
     written (nothing then drains or excludes the host)."""
-    from trainguard.suspects import SuspectWatch
+    from trainguard.recovery.suspects import SuspectWatch
 
     (tmp_path / "suspect_hosts.json").mkdir()
     (tmp_path / "suspect_hosts.json" / "x").write_text("planted")
@@ -414,7 +414,7 @@ def test_a_heartbeat_board_others_can_write_is_made_the_jobs_own_and_a_planted_b
     import os
 
     from trainguard.errors import ConfigError
-    from trainguard.watchdog import DirBoard, Heartbeat
+    from trainguard.liveness.watchdog import DirBoard, Heartbeat
 
     shared = tmp_path / "board"
     shared.mkdir(mode=0o777)
@@ -500,7 +500,7 @@ def test_a_folder_planted_where_a_log_goes_is_no_stop_of_the_run(tmp_path):
 
     from trainguard.errors import ConfigError
     from trainguard.metrics.jsonl import JsonlSink
-    from trainguard.watchdog import DirBoard, install_stack_dump_signal
+    from trainguard.liveness.watchdog import DirBoard, install_stack_dump_signal
 
     (tmp_path / "trainguard.jsonl").mkdir()
     (tmp_path / "stacks.rank0.txt").symlink_to(tmp_path / "elsewhere")
@@ -522,7 +522,7 @@ def test_a_folder_planted_where_a_log_goes_is_no_stop_of_the_run(tmp_path):
 def test_a_file_planted_where_the_stacks_folder_goes_is_no_stop(tmp_path):
     """From the sixth review: with ``watchdog.stacks_dir`` set to a folder in the log folder, a file planted under
     that name made the folder's creation fail on every rank, at every start. Now the stacks go to stderr instead."""
-    from trainguard.watchdog import install_stack_dump_signal
+    from trainguard.liveness.watchdog import install_stack_dump_signal
 
     (tmp_path / "stacks").write_text("planted")
     assert install_stack_dump_signal(tmp_path / "stacks" / "stacks.rank0.txt") is None  # (stderr: nothing to close)

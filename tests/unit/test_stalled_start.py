@@ -9,7 +9,7 @@ import torch
 
 from trainguard.config import LossTrendConfig
 from trainguard.detectors.loss_trend import LossTrendDetector
-from trainguard.lrcut import LrHistory
+from trainguard.recovery.lrcut import LrHistory
 
 
 def run(steps, loss_at, grad_at, lr_at, seed=0, first_step=1, trend=None):

@@ -16,12 +16,12 @@ PACKAGES = ("trainguard", "ds_plugins", "megatron_hooks")
 MODULE_BUDGET = 300                                       # lines, any module
 PACKAGE_BUDGET = {"ds_plugins": 1300, "megatron_hooks": 700}
 # What is still over a budget, at its size when listed: may shrink, never grow (issue 34 stays open while any remains)
-MODULE_DEBTS: dict[str, int] = {}  # (trainguard/guard.py, the last one, paid in issue 34: 553 -> 298)
+MODULE_DEBTS: dict[str, int] = {}  # (trainguard/step/guard.py, the last one, paid in issue 34: 553 -> 298)
 # (ds_plugins and its engine.py raised once, issue 38: DeepSpeed's part of the in-process replacement, ~130 lines with
-# its refusals, where 80 lines of model-output helpers went to the core -- trainguard/outputs.py -- in the same change;
+# its refusals, where 80 lines of model-output helpers went to the core -- trainguard/replay/outputs.py -- in the same change;
 # megatron_hooks raised once, issue 38: Megatron-LM's pretrain() and your loop entered again after a death,
 # megatron_hooks/inprocess.py -- what the two adapters' replacements share went to the core,
-# trainguard/replacement.py, in the same change; and once more, issue 34, 1752 -> 1781: its __init__.py (409 lines)
+# trainguard/liveness/replacement.py, in the same change; and once more, issue 34, 1752 -> 1781: its __init__.py (409 lines)
 # split into guard.py and model_hooks.py, whose docstrings, imports and the hooks' own object cost 52 lines, of which
 # 23 were paid by three rules moved to the core -- check_replayable, refuse_flags, check_own_dir)
 PACKAGE_DEBTS = {"ds_plugins": 1701, "megatron_hooks": 1756}
@@ -39,12 +39,33 @@ def _modules():
 
 def test_import_rules_hold():
     """The core imports no adapter and no framework (but for the two entry points named in .importlinter), one adapter
-    never imports the other, and the core's packages and modules import one another without cycles."""
+    never imports the other, each room of the core imports only the rooms below it (the layers docs/architecture.md
+    draws), and the modules of a room import one another without cycles."""
     exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
     res = subprocess.run([exe, "--config", str(ROOT / ".importlinter")], cwd=ROOT, capture_output=True, text=True,
                          timeout=240)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    assert "3 kept, 0 broken" in res.stdout
+    assert "4 kept, 0 broken" in res.stdout
+
+
+def test_every_room_says_what_it_holds_and_may_import():
+    """The core's folders are its rooms (docs/architecture.md): none is a grab-bag, each says in its docstring what it
+    holds and what it may import, the architecture page names each, and only doors and vocabulary stay top-level."""
+    rooms = sorted(d.name for d in (ROOT / "trainguard").iterdir() if (d / "__init__.py").exists())
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    problems = {}
+    for room in rooms:
+        doc = ast.get_docstring(ast.parse((ROOT / "trainguard" / room / "__init__.py").read_text())) or ""
+        if room in {"utils", "util", "common", "misc", "helpers", "core"}:
+            problems[room] = "a grab-bag name"
+        elif "May import" not in doc:
+            problems[room] = "its docstring does not say what it may import"
+        elif f"trainguard/{room}/" not in page:
+            problems[room] = "not on docs/architecture.md"
+    top = sorted(f.stem for f in (ROOT / "trainguard").glob("*.py") if f.stem != "__init__")
+    doors_and_vocabulary = ["cli", "decisions", "errors", "events", "plugins", "ports", "protocols", "supervise",
+                            "verdicts"]
+    assert not problems and top == doors_and_vocabulary, (problems, top)
 
 
 def test_no_adapter_subclasses_the_checkpoint_manager():
@@ -62,7 +83,7 @@ def test_no_adapter_subclasses_the_checkpoint_manager():
 
 # What an adapter may import of the core (trainguard/ports.py says why): the ports, the session, the config, the
 # errors, the record names and the zero-code entry -- a module more is a seam the next adapter would have to find
-ADAPTER_IMPORTS = {"trainguard.ports", "trainguard.session", "trainguard.config", "trainguard.errors",
+ADAPTER_IMPORTS = {"trainguard.ports", "trainguard.step.session", "trainguard.config", "trainguard.errors",
                    "trainguard.events", "trainguard.bootstrap"}
 
 
@@ -166,10 +187,10 @@ def test_a_required_environment_fails_instead_of_skipping(monkeypatch):
 def test_nothing_reaches_through_the_guard_to_its_parts():
     """Issue 34: the StepGuard is no service locator. What others act on (the policy, the goodput meter, the fault
     injector, the clipper) is the session's, handed to each that needs it; an adapter asks the session (and hands
-    its micro-batches to ``session.replays``). No code outside trainguard/guard.py writes ``<...>guard.<part>.<anything>`` (or ``getattr(<...>guard,
+    its micro-batches to ``session.replays``). No code outside trainguard/step/guard.py writes ``<...>guard.<part>.<anything>`` (or ``getattr(<...>guard,
     "<part>")``) for a part of a guard."""
     from trainguard.config import parse_block
-    from trainguard.guard import StepGuard
+    from trainguard.step.guard import StepGuard
 
     plain = (int, float, str, bool, type(None), list, dict, set, tuple)
     parts = {name for name, value in vars(StepGuard(parse_block({}), 0, 1)).items()
@@ -177,7 +198,7 @@ def test_nothing_reaches_through_the_guard_to_its_parts():
     assert {"policy", "goodput", "faults", "clipper", "events", "log", "replays"} <= parts  # (the check bites)
     found = []
     for rel, f in _modules():
-        if rel == "trainguard/guard.py":
+        if rel == "trainguard/step/guard.py":
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr in parts:
@@ -201,7 +222,7 @@ def test_the_core_names_no_adapter_in_what_it_tells_a_user():
     that refills batches) is the adapter's, declared with its capabilities (``HINTS``): a Megatron user was told to
     pass training_data to ds_plugins.initialize. No string of the core outside its docstrings names an adapter (but
     the doc generator, which lists them, and the demo, which is DeepSpeed's)."""
-    exempt = {"trainguard/reference.py", "trainguard/demo/run.py"}
+    exempt = {"trainguard/support/reference.py", "trainguard/demo/run.py"}
     found = []
     for rel, f in _modules():
         if not rel.startswith("trainguard/") or rel in exempt:
@@ -217,11 +238,11 @@ def test_the_core_names_no_adapter_in_what_it_tells_a_user():
     # ... and the advice reaches the user from the adapter's declaration
     from ds_plugins.capabilities import HINTS as DS
     from megatron_hooks.capabilities import HINTS as MG
-    from trainguard.records import NO_SAMPLE_IDS
-    from trainguard.steplog import StepLog
+    from trainguard.observe.records import NO_SAMPLE_IDS
+    from trainguard.observe.steplog import StepLog
     from trainguard.config import parse_block
 
-    from trainguard.support import HINT_KEYS
+    from trainguard.support.support import HINT_KEYS
 
     assert StepLog(0, parse_block({}), lambda r: {}, MG["sample_ids"]).no_ids == f"{NO_SAMPLE_IDS}; {MG['sample_ids']}"
     assert StepLog(0, parse_block({}), lambda r: {}).no_ids == NO_SAMPLE_IDS and MG["sample_ids"] != DS["sample_ids"]

@@ -8,7 +8,7 @@ import pytest
 from trainguard.config import parse_block
 from trainguard.errors import ConfigError
 from trainguard.events import Record
-from trainguard.support import adapters, check_supported, declared, leaf_keys, refusal
+from trainguard.support.support import adapters, check_supported, declared, leaf_keys, refusal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_events_md_lists_exactly_the_record_enum():
 
 
 def test_emit_refuses_a_record_outside_the_vocabulary(tmp_path):
-    from trainguard.eventlog import EventLog
+    from trainguard.observe.eventlog import EventLog
 
     log = EventLog(rank=0)
     log.open(parse_block({"metrics": {"jsonl": str(tmp_path / "l.jsonl")}}))
@@ -121,7 +121,7 @@ def test_honoured_keys_are_read_by_the_code_of_each_adapter():
 
 
 def test_a_callback_named_in_the_block_gets_records_off_the_hot_path(tmp_path):
-    from trainguard.eventlog import EventLog
+    from trainguard.observe.eventlog import EventLog
 
     seen = []
     import tests.unit.test_vocabulary_and_support as me
@@ -189,8 +189,8 @@ class ListSink:
 def test_custom_detectors_and_sinks_by_type(tmp_path):
     import torch
 
-    from trainguard.guard import StepGuard
-    from trainguard.isolation import RankCoords
+    from trainguard.step.guard import StepGuard
+    from trainguard.ranks.isolation import RankCoords
     from trainguard.metrics.jsonl import read
 
     me = "tests.unit.test_vocabulary_and_support"
@@ -280,7 +280,7 @@ def test_megatron_releases_outside_the_tested_range_are_refused_by_version(monke
     (0.16.1-0.19.x; Megatron-LM's loop from 0.17.1); outside, the error names the version, the range
     and the way out (the older switch still works)."""
     from trainguard.errors import UnsupportedSetup
-    from trainguard.releases import check
+    from trainguard.support.releases import check
 
     monkeypatch.delenv("TRAINGUARD_ALLOW_UNTESTED", raising=False)
     monkeypatch.delenv("TRAINGUARD_ALLOW_UNTESTED_MEGATRON", raising=False)
@@ -302,7 +302,7 @@ def test_a_replay_key_set_where_the_adapter_cannot_replay_is_refused_by_name():
     act as written."""
     from megatron_hooks.capabilities import HINTS
     from trainguard.errors import ConfigError
-    from trainguard.session import GuardSession
+    from trainguard.step.session import GuardSession
 
     block = {"recovery": {"replay_check": True, "narrow_samples": True}, "checks": {"enabled": False}}
     for enabled, hints in ((True, HINTS), (False, HINTS), (True, None)):

@@ -1,8 +1,8 @@
 """The watchdog's decision and boards, without processes: who is hung, and why."""
 import time
 
-from trainguard.goodput import GoodputMeter
-from trainguard.watchdog import Beat, DirBoard, Heartbeat, find_hung
+from trainguard.observe.goodput import GoodputMeter
+from trainguard.liveness.watchdog import Beat, DirBoard, Heartbeat, find_hung
 
 
 def beat(rank, step, phase, progress_ago, published_ago, now):
@@ -76,7 +76,7 @@ def test_heartbeats_of_the_previous_attempt_are_not_current(monkeypatch):
 
 def test_a_failing_board_is_counted_and_warned_about(caplog):
     """Issue 15 item 10: the monitor swallowed board failures forever (hang detection silently off)."""
-    from trainguard.watchdog import Monitor
+    from trainguard.liveness.watchdog import Monitor
 
     class Broken:
         def publish(self, beat):
@@ -100,7 +100,7 @@ def test_a_failing_board_is_counted_and_warned_about(caplog):
 def test_a_healthy_run_leaves_no_empty_stacks_file(tmp_path):
     """Issue 15 item 10: every run left an empty stacks.rank<r>.txt (opened for SIGUSR1) behind."""
     from trainguard.config import parse_block
-    from trainguard.watchdog import Watchdog
+    from trainguard.liveness.watchdog import Watchdog
 
     cfg = parse_block({"metrics": {"jsonl": str(tmp_path / "log.jsonl")},
                        "distributed": {"watchdog": {"board": "dir", "dir": str(tmp_path / "hb"), "interval_s": 0.05}}})
@@ -118,7 +118,7 @@ def test_a_healthy_run_leaves_no_empty_stacks_file(tmp_path):
 
 _HUNG_FS = r"""
 import sys, threading, time
-import trainguard.watchdog as wd
+import trainguard.liveness.watchdog as wd
 from trainguard.config import parse_block
 
 wd.EXIT_DEADLINE_S = 1.0
@@ -179,7 +179,7 @@ def test_a_hung_rank_is_signalled_only_while_its_pid_is_still_the_process_that_p
     import subprocess
     import sys
 
-    from trainguard.watchdog import HangVerdict, process_start, signal_local
+    from trainguard.liveness.watchdog import HangVerdict, process_start, signal_local
 
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

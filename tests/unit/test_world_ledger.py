@@ -1,5 +1,5 @@
-"""The supervised job's ledger (trainguard.world.Ledger) and the training process's environment
-(trainguard.supervise.child_env), on a real TCPStore in this process: who gets a spare, in which generation, what a
+"""The supervised job's ledger (trainguard.liveness.world.Ledger) and the training process's environment
+(trainguard.liveness.supervise.child_env), on a real TCPStore in this process: who gets a spare, in which generation, what a
 lost spare or an exhausted pool does, and that a kill asked for one generation never reaches the next."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainguard.supervise import child_env
-from trainguard.world import Ledger
+from trainguard.liveness.supervise import child_env
+from trainguard.liveness.world import Ledger
 
 
 def _ledger() -> Ledger:
@@ -63,7 +63,7 @@ def test_the_spares_come_from_the_launch_or_from_the_config_the_command_names(tm
     import pytest
 
     from trainguard.errors import ConfigError
-    from trainguard.supervise import spares_in
+    from trainguard.liveness.supervise import spares_in
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "trainguard": {"distributed": {"spares": 2}}}))
@@ -91,8 +91,8 @@ def test_sever_shuts_the_groups_connections_and_leaves_the_store_and_any_other_a
 
     import threading
 
-    from trainguard.sockets import tcp_sockets
-    from trainguard.world import World
+    from trainguard.ranks.sockets import tcp_sockets
+    from trainguard.liveness.world import World
 
     service = socket.create_server(("127.0.0.1", 0))  # (a user's service, up before the world formed)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
@@ -129,8 +129,8 @@ def test_the_watcher_severs_as_soon_as_a_rank_is_handed_over():
     import threading
     import time
 
-    from trainguard.sockets import tcp_sockets
-    from trainguard.world import World
+    from trainguard.ranks.sockets import tcp_sockets
+    from trainguard.liveness.world import World
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
 
@@ -159,7 +159,7 @@ def test_the_watcher_severs_as_soon_as_a_rank_is_handed_over():
 
 
 def test_a_spare_entering_another_call_of_the_training_function_than_the_survivors_stops_them_all():
-    """trainguard.spare.same_entry: the spare runs the script from its top; a script that trains twice (a multi-phase
+    """trainguard.liveness.spare.same_entry: the spare runs the script from its top; a script that trains twice (a multi-phase
     one) would send it into the first call while the survivors re-enter the second -- every rank raises, naming the
     calls, instead of pairing their collectives wrongly. The same call: every rank goes on. Only the store is used."""
     import threading
@@ -168,7 +168,7 @@ def test_a_spare_entering_another_call_of_the_training_function_than_the_survivo
     import pytest
 
     from trainguard.errors import UnsupportedSetup
-    from trainguard.spare import same_entry
+    from trainguard.liveness.spare import same_entry
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
 

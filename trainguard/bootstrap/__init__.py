@@ -5,7 +5,12 @@
   ``megatron.training``: ``megatron_hooks.lm``), then loads that adapter's zero-code entry; ``_trainguard_hook``
   (a sibling it imports without importing trainguard) holds ``AfterImport`` and ``wrap_once``.
 - :func:`init_on_fresh_store` / :func:`attempt_store`: a restarted torchrun attempt's process group on a store
-  prefix of its own, whatever the framework; under ``trainguard.supervise``, trainguard's world (trainguard.spare).
+  prefix of its own, whatever the framework; under ``trainguard.supervise``, trainguard's world (trainguard.liveness.spare).
+
+- ``default_group``: the default process group as the block asks for it, opened before a framework builds its own.
+
+May import trainguard.liveness (a supervised job's world) and below; the site folder imports no trainguard module until a
+framework is imported (then the adapter's entry: the one place the core names an adapter, .importlinter).
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ def attempt_store(timeout):
 def init_on_fresh_store(original, args, kwargs):
     """``init_process_group``: in a restarted torchrun attempt, on a store prefix of the attempt's own
     (unless the caller chose its store or init method); under ``trainguard.supervise``, trainguard's world
-    (trainguard.replacement.form). Installed by the bootstrap itself in a restarted or supervised attempt,
+    (trainguard.liveness.replacement.form). Installed by the bootstrap itself in a restarted or supervised attempt,
     whatever the framework (site/sitecustomize.py), and by ds_plugins.auto."""
     import os
 
@@ -47,8 +52,8 @@ def init_on_fresh_store(original, args, kwargs):
     if "TRAINGUARD_ROLE" in env and bound.get("store") is None and bound.get("init_method") in (None, "env://"):
         # under trainguard.supervise: the world is trainguard's, formed on the job's generation store -- a spare
         # waits here, inside the framework's first init_process_group, until a rank is handed to it (its barriers
-        # then pass until it enters the training function: trainguard.spare)
-        from trainguard.spare import form
+        # then pass until it enters the training function: trainguard.liveness.spare)
+        from trainguard.liveness.spare import form
 
         backend = bound.get("backend")
         form(str(backend) if backend is not None else None, bound.get("timeout") or c10d.default_pg_timeout,

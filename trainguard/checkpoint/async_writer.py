@@ -24,7 +24,7 @@ import torch
 from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
 from trainguard.checkpoint.layout import CheckpointError
 from trainguard.events import Record
-from trainguard.isolation import all_true, broadcast_from_rank0, distributed, gather_objects, rank
+from trainguard.ranks.isolation import all_true, broadcast_from_rank0, distributed, gather_objects, rank
 
 MAX_QUIET_FAILURES = 3  # background saves failed in a row before an error is logged (the newest good one ages)
 

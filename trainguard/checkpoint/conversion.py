@@ -22,7 +22,7 @@ from trainguard.checkpoint.layout import CheckpointError
 from trainguard.checkpoint.manifest import Manifest, hash_files, list_files, verify
 from trainguard.checkpoint.reader import VerifiedReader
 from trainguard.checkpoint.private import own_dir
-from trainguard.isolation import broadcast_from_rank0, rank
+from trainguard.ranks.isolation import broadcast_from_rank0, rank
 
 CACHE = ".universal"
 

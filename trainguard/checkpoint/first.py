@@ -1,6 +1,6 @@
 """The first step's checkpoint (``checkpoint.first_step``), as functions of the checkpoint manager (``cp``): saved
 after a fresh run's first step into ``dir/.first`` (the same commit protocol; resume and retention never see it),
-the target of a young run's restart (trainguard.lrcut), removed once the run has grown (FIRST_KEPT)."""
+the target of a young run's restart (trainguard.recovery.lrcut), removed once the run has grown (FIRST_KEPT)."""
 from __future__ import annotations
 
 import shutil
@@ -10,8 +10,8 @@ from pathlib import Path
 from trainguard.checkpoint.layout import CheckpointError
 from trainguard.checkpoint.rollback import choose_rollback
 from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0, rank
-from trainguard.lrcut import SETTLE, YOUNG
+from trainguard.ranks.isolation import broadcast_from_rank0, rank
+from trainguard.decisions import SETTLE, YOUNG
 
 FIRST = ".first"  # dir/.first: the first step's checkpoint (checkpoint.first_step)
 FIRST_KEPT = 4 * YOUNG * SETTLE  # without the guard's LR history: the first step's checkpoint is removed at this step
@@ -23,7 +23,7 @@ def first_root(cp) -> Path | None:
 
 def on_step(cp, step: int) -> None:
     """After a fresh run's first step: a checkpoint apart from the periodic ones (checkpoint.first_step). Once
-    the run has grown (trainguard.lrcut.LrHistory.grown: past the young horizon and the settling time a verdict takes
+    the run has grown (trainguard.recovery.lrcut.LrHistory.grown: past the young horizon and the settling time a verdict takes
     after it): removed (a restart from it is for a climb that began young)."""
     if step == 1:
         save_first(cp)

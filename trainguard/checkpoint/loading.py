@@ -19,10 +19,9 @@ from trainguard.checkpoint.signed import read_mark
 from trainguard.checkpoint.reader import VerifiedReader
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag
 from trainguard.checkpoint.verified_io import load_weights
-from trainguard.data import merge_positions
+from trainguard.data.position import merge_positions
 from trainguard.events import Record
-from trainguard.isolation import rank, world
-from trainguard.replacement import report_pending
+from trainguard.ranks.isolation import rank, world
 
 
 def load(cp, root, tag: str | None = None, mode: str = "latest_valid", purpose: str = "resume", **kwargs):
@@ -74,7 +73,7 @@ def load_memory(cp, tag: str, purpose: str, skipped: list, kwargs: dict):
         "tag": memory_tag(tag), "dir": str(own), "step": cp.step_count(), "tier": "memory",
         "from_peer_copy": fetched, "fell_back_past": skipped, "resharded": None, "verify_steps": 0, **detail,
         "verified_on_load": len(reader.read_files)})
-    report_pending(cp.guard, cp.step_count())
+    cp.on_resume(cp.guard, cp.step_count())
     return result
 
 
@@ -149,7 +148,7 @@ def resumed(cp, root: Path, tag: str, step: int, digest: str, detail: dict) -> N
     cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={**said(cp, root),
         "tag": tag, "dir": str(root), "step": step, "tier": "disk", **detail,
         "verify_steps": len(cp.resume_check.expected) if cp.resume_check else 0})
-    report_pending(cp.guard, cp.step_count())  # (a rank's replacement that re-entered this run: trainguard.replacement)
+    cp.on_resume(cp.guard, cp.step_count())  # (a rank's replacement that re-entered this run: trainguard.liveness.replacement)
 
 
 def said(cp, where: Path) -> dict:

@@ -34,7 +34,7 @@ from trainguard.checkpoint.runid import RUN_ID
 from trainguard.checkpoint.rollback import target_key
 from trainguard.checkpoint.snapshots import MEMORY, memory_tag, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import barrier, failures_of, rank, world
+from trainguard.ranks.isolation import barrier, failures_of, rank, world
 
 __all__ = ["CheckpointManager", "FIRST", "FIRST_KEPT", "barrier", "rank", "world"]
 
@@ -44,25 +44,26 @@ class CheckpointManager:
     ``guard``: the StepGuard (records, its state); ``faults``, ``goodput``: the session's (the checkpoint faults, a
     save's overhead); ``heart``: the rank's heartbeat (saves and loads count as progress)."""
 
-    def __init__(self, cfg, guard, heart, state, faults, goodput, lr_history=None):
+    def __init__(self, cfg, guard, heart, state, faults, goodput, lr_history=None, on_resume=None):
         self.state = state
         self.block = cfg
         self.cfg = cfg.checkpoint
         self.guard = guard
-        self.faults = faults if cfg.faults else None  # trainguard.faults.FaultInjector (the checkpoint faults)
-        self.goodput = goodput                        # trainguard.goodput.GoodputMeter (a save's overhead)
+        self.faults = faults if cfg.faults else None  # trainguard.faults.injector.FaultInjector (the checkpoint faults)
+        self.goodput = goodput                        # trainguard.observe.goodput.GoodputMeter (a save's overhead)
         self.heart = heart
         self.health = CheckpointHealth(self.cfg.stable_after, self.cfg.verify_steps)
         self.resume_check: ResumeCheck | None = None
         self.roots: dict[str, Path] = {}       # tag -> root it was saved under (for marks)
         self._deferred: list[tuple] = []       # marks for checkpoints not committed yet
         self.resumed_tag: str | None = None    # what the last resume loaded
+        self.on_resume = on_resume or (lambda guard, step: None)  # after every resume: (guard, step)
         self.key = auth.key_from(self.cfg)     # checkpoint.hmac_key_env's key: sign and require signatures
         self._newer_than = -1                  # a resume's floor: the step the framework loaded itself
         self.stable_snapshots: set[str] = set()  # the in-memory tier's stable ones, seen by this process
-        self.unloadable: set[str] = set()  # rollback targets that failed to load in this process (trainguard.degrade)
+        self.unloadable: set[str] = set()  # rollback targets that failed to load in this process (trainguard.recovery.degrade)
         self._first_dropped = False            # the first step's checkpoint was removed (checkpoint.first_step)
-        self.lr_history = lr_history           # trainguard.lrcut.LrHistory: when the run has grown past young
+        self.lr_history = lr_history           # trainguard.recovery.lrcut.LrHistory: when the run has grown past young
         beat_from_training_thread(heart)  # (hashing and verifying are progress: trainguard.checkpoint.fsio)
         self.pacer = SnapshotPacer(self.cfg.snapshot.every_steps, self.cfg.snapshot.max_overhead)
         self.snapshots = None                  # trainguard.checkpoint.memory_tier.MemoryTier (use_memory_tier)

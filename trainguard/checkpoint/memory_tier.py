@@ -30,7 +30,7 @@ from trainguard.checkpoint.runid import agreed_run_id
 from trainguard.checkpoint.snapshots import Placement, SnapshotStore, common_choice
 from trainguard.errors import ConfigError
 from trainguard.events import Record
-from trainguard.isolation import gather_objects, maxima, rank as _rank
+from trainguard.ranks.isolation import gather_objects, maxima, rank as _rank
 from trainguard.protocols import ShardSource
 
 __all__ = ["MemoryTier", "ShardSource", "MAX_FAILURES", "PEER_TIMEOUT_S"]  # (ShardSource: trainguard.protocols)

@@ -8,14 +8,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainguard.attempt import restart_attempt
+from trainguard.ranks.attempt import restart_attempt
 from trainguard.checkpoint.commit import restore_interrupted
 from trainguard.checkpoint.layout import STABLE, STAGING, CheckpointError, CheckpointLayout, StorageError, io_entry
 from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.signed import read_mark
 from trainguard.checkpoint.runid import RUN_ID, agreed_run_id
 from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0, rank
+from trainguard.ranks.isolation import broadcast_from_rank0, rank
 
 
 def choose(cp, root: Path, mode: str) -> tuple[str | None, list[dict], str | None]:
@@ -256,7 +256,7 @@ def newest_resumable_folder(parent: str, mode: str, key: bytes | None = None, ne
     wrote is there (the trainer decides as usual). Fails closed: when trainguard's checkpoints are there
     and none qualifies -- a rotated key, a torn disk -- a CheckpointError names each and why, instead of a fresh
     start whose saves and rotation would then replace them. ``needed``: a supervised job's survivors re-entering
-    the trainer after a rank died (trainguard.replacement.reentering) -- None is then an error too."""
+    the trainer after a rank died (trainguard.liveness.replacement.reentering) -- None is then an error too."""
     import os
     import re
 

@@ -15,7 +15,7 @@ from trainguard.checkpoint.manifest import verify
 from trainguard.checkpoint.signed import stable as is_stable
 from trainguard.checkpoint.snapshots import disk_tag, memory_tag, snapshot_step
 from trainguard.events import Record
-from trainguard.isolation import broadcast_from_rank0, rank
+from trainguard.ranks.isolation import broadcast_from_rank0, rank
 
 
 def fitting_after(root: Path, field: str, value, key: bytes | None = None) -> int:

@@ -18,7 +18,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 def agreed_run_id(checkpoint_dir: str | os.PathLike) -> str:
     """Every rank: rank 0's :func:`run_id`, or the same CheckpointError on every rank (none waits for the others)."""
     from trainguard.checkpoint.layout import CheckpointError
-    from trainguard.isolation import broadcast_from_rank0, rank
+    from trainguard.ranks.isolation import broadcast_from_rank0, rank
 
     outcome = None
     if rank() == 0:

@@ -27,7 +27,7 @@ from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.private import own_dir
 from trainguard.config import config_hash
 from trainguard.events import Record
-from trainguard.isolation import barrier, broadcast_from_rank0, gather_objects, rank, world
+from trainguard.ranks.isolation import barrier, broadcast_from_rank0, gather_objects, rank, world
 
 
 def code_revision() -> str | None:

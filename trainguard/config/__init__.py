@@ -6,12 +6,14 @@ never the raw dict. Unknown keys are errors naming the full path with a did-you-
 problem is collected into one :class:`ConfigError`.
 
 The JSON Schema (``configs/trainguard.schema.json``) and the reference page
-(``docs/config-reference.md``) are generated from these models: ``python -m trainguard.reference``.
+(``docs/config-reference.md``) are generated from these models: ``python -m trainguard.support.reference``.
 
 One module per part, all of it importable from here: ``base`` (what every section shares), ``detectors``,
 ``training`` (clipping, sanitize, data), ``checkpoint``, ``recovery``, ``runtime`` (distributed and its
 watchdog, checks, metrics), ``faults``, ``block`` (the whole block, :class:`TrainguardConfig`) and ``parsing``
 (reading a ds_config, validating the block, its hash).
+
+May import trainguard.errors only: every room reads its frozen models, none is read by it.
 """
 from trainguard.config.base import PathStr, PluginSpec
 from trainguard.config.block import BLOCK, TrainguardConfig

@@ -60,7 +60,7 @@ class LossTrendConfig(_Section):
     @property
     def settle(self) -> int:
         """The steps the trend takes to speak: its history, the window its level needs, its patience (what "young"
-        and a stall are measured in: trainguard.lrcut, trainguard.detectors.loss_trend)."""
+        and a stall are measured in: trainguard.recovery.lrcut, trainguard.detectors.loss_trend)."""
         return self.min_history + 4 * self.smooth + self.patience
 
     stall_fall: float = Field(0.2, ge=0, lt=1, description="A stalled start: a fresh run that reached its LR's peak within "

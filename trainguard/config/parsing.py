@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from trainguard.config.block import BLOCK, TrainguardConfig
 from trainguard.config.faults import FAULTS_REFUSED
-from trainguard.config_problems import told
+from trainguard.config.problems import told
 from trainguard.errors import ConfigError
 
 

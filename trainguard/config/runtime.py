@@ -10,7 +10,7 @@ from trainguard.config.base import PathStr, PluginSpec, _Section
 
 
 class WatchdogConfig(_Section):
-    """Heartbeats and hang detection (trainguard.watchdog)."""
+    """Heartbeats and hang detection (trainguard.liveness.watchdog)."""
 
     enabled: bool = Field(True, description="Publish a heartbeat per rank and watch everyone's from a "
                           "background thread (no work on the training thread beyond attribute writes).")

@@ -23,7 +23,7 @@ from trainguard import config as tg_config
 from trainguard.demo.corpus import MarkovCorpus
 from trainguard.demo.model import TinyGPT
 from trainguard.errors import TrainguardAbort
-from trainguard.goodput import GoodputMeter
+from trainguard.observe.goodput import GoodputMeter
 
 
 def build_config(path: str, out: Path, zero_stage: int | None, dtype: str | None, plain: bool) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from trainguard.attribution import merge_nonfinite
+from trainguard.ranks.attribution import merge_nonfinite
 from trainguard.config import ActivationRangeConfig
 from trainguard.detectors.registry import Decide, Registration
 from trainguard.verdicts import Verdict

@@ -18,7 +18,7 @@ import math
 
 from trainguard.config import GradNormConfig
 from trainguard.verdicts import Verdict
-from trainguard.stats import RollingWindow
+from trainguard.detectors.stats import RollingWindow
 
 
 class GradNormDetector:

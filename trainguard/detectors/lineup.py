@@ -14,7 +14,7 @@ import torch
 
 from trainguard.detectors.registry import Decide, columns, registered
 from trainguard.detectors.spikes import Spikes
-from trainguard.isolation import FIELDS
+from trainguard.ranks.isolation import FIELDS
 from trainguard.plugins import DETECTORS, Detector, build
 
 

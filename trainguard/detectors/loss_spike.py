@@ -21,7 +21,7 @@ import math
 
 from trainguard.config import LossSpikeConfig
 from trainguard.verdicts import shared_or, Verdict
-from trainguard.stats import RollingWindow
+from trainguard.detectors.stats import RollingWindow
 
 REMEDY = {
     "slow_rise": "lower the LR (or lengthen the warmup): the gradient norm was creeping up before the spike",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trainguard.attribution import narrow_to_origin
+from trainguard.ranks.attribution import narrow_to_origin
 from trainguard.detectors.registry import Decide, Registration
 from trainguard.verdicts import RankObservation, Verdict
 from trainguard.events import Anomaly
@@ -45,7 +45,7 @@ def detect_nonfinite(observations: Sequence[RankObservation], scaled: bool = Fal
 class NonfiniteCheck:
     """Registered (first): the step's non-finite values, found from the rows (which travel on such a step) before
     the gather -- it decides whether the step localises -- and narrowed after it, with every named rank's
-    localisation, to the rank(s) where they began (trainguard.attribution.narrow_to_origin)."""
+    localisation, to the rank(s) where they began (trainguard.ranks.attribution.narrow_to_origin)."""
 
     def __init__(self, cfg, device=None):
         self.cfg = cfg

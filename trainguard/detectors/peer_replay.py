@@ -3,7 +3,7 @@
 The replicas of a data-parallel group hold the same weights (the replica check makes sure), so the same
 micro-batch must give the same loss and the same outputs on any of them. Every ``every_steps`` steps each rank
 sends its last micro-batch of the step -- its inputs (token ids), never activations, and the random-number state
-its training forward started from -- to the next replica of its group (:mod:`trainguard.p2p`), which replays it
+its training forward started from -- to the next replica of its group (:mod:`trainguard.replay.p2p`), which replays it
 forward-only on the current weights from that state. The owner's own value is what its training forward computed
 (DeepSpeed measures it on the device as it happens), or, where the adapter cannot reproduce a training forward
 (megatron's forward-only schedule runs in eval mode), its own replay made the same way as the peer's. One small
@@ -35,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-from trainguard import p2p
+from trainguard.replay import p2p
 from trainguard.verdicts import PeerContext, Verdict
 from trainguard.detectors.registry import Decide, Registration
 from trainguard.events import Anomaly
@@ -251,7 +251,7 @@ def _num(x):
 
 
 class Transport:
-    """How the replays travel: micro-batches point to point (trainguard.p2p), the replayed values in one small
+    """How the replays travel: micro-batches point to point (trainguard.replay.p2p), the replayed values in one small
     all-gather (a stand-in in the unit tests)."""
 
     def exchange(self, sends: dict[int, bytes], receives, device, group) -> dict[int, bytes]:

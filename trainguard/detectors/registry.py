@@ -48,8 +48,8 @@ from trainguard.verdicts import Verdict
 class Decide:
     """The step at DECIDE, the same on every rank: what the detectors read, and what they found so far."""
 
-    view: Any                        # trainguard.agreement.StepView: .summary (every step), the rows where they travelled
-    coords: Sequence                 # trainguard.isolation.RankCoords of every rank
+    view: Any                        # trainguard.step.agreement.StepView: .summary (every step), the rows where they travelled
+    coords: Sequence                 # trainguard.ranks.isolation.RankCoords of every rank
     scaled: bool = False             # an fp16 dynamic loss scale is on (gradient overflows are its routine)
     lr: float | None = None          # rank 0's LR of the step (what every rank's detectors read)
     lr_ratio: Callable[[], float | None] = lambda: None  # the LR now over the LR a lookback before (records it: once)
@@ -65,7 +65,7 @@ class Decide:
 
     @functools.cached_property
     def rows(self) -> list:
-        """Every rank's row on the steps they travel (trainguard.agreement), else this rank's and the named."""
+        """Every rank's row on the steps they travel (trainguard.step.agreement), else this rank's and the named."""
         return list(self.view)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from trainguard.verdicts import Verdict
 from trainguard.detectors.registry import Decide, Registration
-from trainguard.bits import digest
+from trainguard.ranks.bits import digest
 from trainguard.events import Anomaly
 
 class ReplicaCheck:
@@ -37,7 +37,7 @@ class ReplicaCheck:
         self.params = [p for _, p in named]
 
     def sampled(self, step: int) -> bool:
-        """A check step: every rank's digest must travel (trainguard.agreement gathers the rows then)."""
+        """A check step: every rank's digest must travel (trainguard.step.agreement gathers the rows then)."""
         return step % self.cfg.every_steps == 0
 
     def local(self, step: int):
@@ -75,7 +75,7 @@ class ReplicaCheck:
         """On a mismatch step only (every rank, after observe): which tensors differ. One object gather of every
         rank's per-tensor digests; each named rank's verdict gets the tensors whose digest differs from the
         majority of its group (or, with no majority, from the other replica's), at most 16 of them."""
-        from trainguard.isolation import gather_objects
+        from trainguard.ranks.isolation import gather_objects
 
         mine = [int(digest([p])) for p in self.params]
         everyone = gather_objects(mine, group)

@@ -19,8 +19,8 @@ from trainguard.detectors.grad_norm import GradNormDetector
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.loss_trend import LossTrendDetector
 from trainguard.detectors.registry import Decide, Registration
-from trainguard.reduced import losses
-from trainguard.replay import judge_loss
+from trainguard.ranks.reduced import losses
+from trainguard.replay.replay import judge_loss
 from trainguard.verdicts import Verdict
 
 

@@ -66,8 +66,8 @@ class StragglerDetector:
         return None, False
 
     def observe_reduced(self, step: int, summary) -> list[Verdict]:
-        """Above 64 ranks the rows do not travel on a healthy step (trainguard.agreement): each step brings the
-        slowest rank and the mean time over the ranks (``summary``: trainguard.reduced.Summary). A rank's window
+        """Above 64 ranks the rows do not travel on a healthy step (trainguard.step.agreement): each step brings the
+        slowest rank and the mean time over the ranks (``summary``: trainguard.ranks.reduced.Summary). A rank's window
         then holds its ratio to the mean on the steps it was the slowest and 1.0 on the others, so a rank is named
         when it was the slowest in more than half the window by more than ``slower_by`` (its window's median). Two
         stragglers at once: the slower is named first; the other once the first is gone."""

@@ -18,9 +18,11 @@ run as a careful user runs it (its own ``save_checkpoint`` every as many steps a
 fp16 with DeepSpeed's dynamic loss scaler (enabled on CPU by the worker's test switch); trainguard's runs keep
 disk checkpoints every 50 steps (the baseline saves as often) and the in-memory tier every 10.
 
-Goals (issues 5, 16, 36): trainguard completes, within 2% of the clean run's final loss, every fault within its
+Goals: trainguard completes, within 2% of the clean run's final loss, every fault within its
 own goal (each fault's cost in both runs is printed: trainguard.drill.costs); plain DeepSpeed fails to complete
 or ends worse: exit code 0 when they hold. Goodput over the in-process faults is printed, not judged.
+
+May import trainguard.demo (the runs it drills) and trainguard.metrics.
 """
 from __future__ import annotations
 

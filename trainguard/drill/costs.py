@@ -183,7 +183,7 @@ def _corruption_cost(f: dict, events: list[dict]) -> dict:
 
 
 def goal(row: dict, f: dict, every_steps: int, cold_start_s: float | None, hang_bound_s: float) -> tuple[bool | None, str]:
-    """Issue 16's goal for this fault, and whether the row meets it (None: not measurable here)."""
+    """The drill's goal for this fault, and whether the row meets it (None: not measurable here)."""
     kind, k, lost = f["type"], row.get("steps", 1), row.get("steps_lost")
     if kind in ("nan_batch", "nan_loss", "inf_grad", "spike_batch") and k == 1:
         return (lost is not None and lost <= 1 and row.get("rollbacks") == 0 and bool(row.get("narrowed")),

@@ -36,7 +36,7 @@ def snapshot_figures(run_dir: Path, disk_every: int) -> dict | None:
 
 
 def in_process_goodput(row: dict, costs: list[dict]) -> None:
-    """Issue 16's goodput for the in-process faults: the run's productive time over its wall time less the
+    """The goodput of the in-process faults: the run's productive time over its wall time less the
     windows of the process faults (a killed or hung rank: detection, restart, steps re-run), which the
     drill reports on their own (their rows, and the restart downtime)."""
     lost = [c.get("seconds_lost") for c in costs if c["run"] == "trainguard" and c["fault"] in PROCESS_FAULTS]

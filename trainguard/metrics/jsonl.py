@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.sharedfs import open_append, open_log
+from trainguard.metrics.sharedfs import open_append, open_log
 
 
 def clean(value: Any) -> Any:

@@ -66,7 +66,7 @@ class PrometheusSink:
         self.incident_alerts = g("trainguard_incident_alerts", "alerts in the last closed incident", ["record"])
         self.server, self.thread = pc.start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
-        LISTENING.add(self.port)  # (not a process group's: trainguard.world.World.sever leaves its scrapes alone)
+        LISTENING.add(self.port)  # (not a process group's: trainguard.liveness.world.World.sever leaves its scrapes alone)
         self._seen = {"executed_steps": 0, "not_applied_steps": 0}
         self._followed: set[str] = set()  # (above 64 ranks: the ranks whose straggler ratio is exported)
 

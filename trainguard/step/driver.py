@@ -1,0 +1,288 @@
+"""THE step sequence, written once for every framework.
+
+    AGREE -> DECIDE -> apply/skip (STEP) -> END -> rollback / loss-scale remedy -> health marks,
+    periodic snapshot -> goodput
+
+An adapter (``ds_plugins``, ``megatron_hooks``) calls :meth:`StepDriver.step` from the place its
+framework takes an optimizer step (DeepSpeed's ``engine.step()`` at the accumulation boundary,
+megatron's ``optimizer.step()``) and implements :class:`trainguard.protocols.Framework`: how to apply or skip a step
+there, its loss-scaler view, its LR groups, its optimizer moments, its precision fallback, its
+checkpointer (a :class:`trainguard.checkpoint.manager.CheckpointManager`) and, where the adapter
+owns the data loader, the data position. Everything else -- the order of the loop points, when to
+roll back and what to set aside, the LR cooldown, the ladder's remedies, the records written, the
+goodput accounting -- lives here, once, so that both frameworks behave the same from one block.
+The loop's pseudocode is :class:`trainguard.events.Event`'s docstring.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Callable, Iterator
+
+from trainguard import decisions
+
+from trainguard.recovery import degrade
+from trainguard.prevent.clipping import Clipper
+from trainguard.config import TrainguardConfig
+from trainguard.errors import FallbackUnavailable
+from trainguard.events import Action, Anomaly, Record, Remedy
+from trainguard.step.guard import StepGuard
+from trainguard.recovery.lrapply import first_lr, scaled_lr
+from trainguard.faults.injector import FaultInjector
+from trainguard.observe.goodput import GoodputMeter
+from trainguard.recovery.policy import Decision, Policy
+from trainguard.protocols import Framework
+
+
+class StepDriver:
+    """One per rank. ``heart``: trainguard.liveness.watchdog.Heartbeat."""
+
+    def __init__(self, fw: Framework, guard: StepGuard, cfg: TrainguardConfig, heart, policy: Policy,
+                 goodput: GoodputMeter, faults: FaultInjector, clipper: Clipper, to_bf16: Callable[[int], dict]):
+        self.fw, self.guard, self.cfg, self.heart = fw, guard, cfg, heart
+        # (the guard's too: trainguard.step.session)
+        self.policy, self.goodput, self.faults, self.clipper = policy, goodput, faults, clipper
+        self.to_bf16 = to_bf16  # (the session's: the framework's fallback, then what depends on the precision re-armed)
+        self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
+        self.applying: int | None = None   # the step whose update the framework is applying (its scheduler sets the next)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, base_step: Callable[[], Any]) -> Any:
+        fw, guard = self.fw, self.guard
+        step = fw.completed_steps() + 1
+        self.heart.beat("collective", step)
+        scaler = fw.scaler()
+        before = scaler.state() if scaler is not None else None
+        with self._lr_scaled(step):
+            loss_scale, divisor = fw.agree_scale()
+            lr = guard.lr_now = self.step_lr if self.step_lr is not None else first_lr(fw.lr_groups())  # (the table's)
+            obs = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None)
+            decision = guard.on_decide(step, obs)
+            if decision.action in (Action.CONTINUE, Action.SKIP_STEP) and self.cfg.faults:  # (force_action: fuzzing)
+                forced = self.faults.forced_action(step)
+                if forced is not None:
+                    decision = decisions.forced(forced, step, self.cfg.recovery.lr_factor, fp16=before is not None)
+                    guard.emit(step, Record.FAULT_INJECTED, [], decision.action.value, {"faults": [
+                        {"type": "force_action", "step": step, "action": forced}], "reason": decision.reason})
+            if decision.action is Action.ABORT:
+                raise guard.abort(step, decision)
+            if fw.data is not None and fw.rank in guard.culprit_samples:  # (a skip's or a rollback's)
+                fw.data.set_aside(guard.culprit_samples[fw.rank])  # never read again
+            limit = self.clipper.max_norm()  # (the max-norm for the coming step; None: leave the framework's)
+            if limit is not None and self.cfg.clipping.mode == "adaptive":
+                fw.set_clip(limit)
+            meter = getattr(fw, "applied_grad", None)
+            if meter is not None and guard.line_due(step):
+                meter.arm()  # (the line written for this step says what the update really used)
+            self.applying = step
+            try:
+                out = fw.apply(decision, base_step)
+            finally:
+                self.applying = None
+        scale_decision = guard.on_step(step, decision, out.applied, before)
+        guard.on_end(step, obs, {
+            "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
+            "applied_grad_sq": meter.take() if meter is not None else None,
+            "lr": lr,  # (this update's: a skipped step's scheduler may already have set the next one's)
+            "loss_scale": before.scale if before is not None else 1.0,
+            "loss_scale_min": before.min_scale if before is not None else None,  # (the floor alert's other half)
+            "skipped_steps": fw.skipped_steps(),
+            "applied": out.applied, "action": decision.action.value, "goodput": self.goodput.ratio(),
+            # (monotonic in a process, unlike the framework's skipped count, which a rollback's load sets back)
+            "executed_steps": self.goodput.executed + 1,
+            "not_applied_steps": self.goodput.skipped + (not out.applied)})
+        acting = scale_decision or decision
+        if acting.action is Action.ABORT:
+            raise guard.abort(step, acting)
+        rolled_back = acting.action is Action.ROLLBACK and self.rollback(step, acting)
+        if not rolled_back:  # (a rollback that happened re-runs from its checkpoint)
+            self._after_step(step, obs, decision)
+        self.goodput.step_done(step, out.applied and not rolled_back)
+        self.heart.beat("data", fw.completed_steps())
+        return out.result
+
+    def _after_step(self, step: int, obs, decision: Decision) -> None:
+        """Checkpoint health (stable marks, post-save trajectory, resume check), periodic saves and
+        the corrupt_checkpoint fault."""
+        cp = self.fw.checkpointer
+        if cp is None:
+            return
+        # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy; nor is bad data
+        # whose steps were skipped (the replay found the weights healthy: trainguard.replay.replay)
+        blamed_data = decision.action is Action.SKIP_STEP and self.guard.weights == "healthy"
+        cp.on_step_end(step, health_loss(obs), anomaly=not blamed_data and any(v.anomaly != Anomaly.OVERFLOW
+                                                                               for v in decision.verdicts))
+        cp.after_step(step)
+
+    # ------------------------------------------------------------------ the LR
+    def lr_multiplier(self, step: int) -> float:
+        """What trainguard multiplies step ``step``'s scheduled LR by: (lr_ramp fault) x (recovery's lowered LR, during
+        its cooldown)."""
+        mult = self.faults.lr_multiplier(step) if self.cfg.faults else 1.0
+        return mult * self.policy.lr_applied(step - 1)  # (1.0 unless a lowering's cooldown runs)
+
+    @contextlib.contextmanager
+    def _lr_scaled(self, step: int) -> Iterator[None]:
+        """The LR for this step's update x :meth:`lr_multiplier`; afterwards the scheduled LR is put back (unless the
+        scheduler set a new one). Not where the scheduler itself applies it (:func:`schedule_scaled`)."""
+        mult = self.lr_multiplier(step)
+        self.step_lr = None
+        if mult == 1.0 or getattr(self.fw, "lr_scaled_by_scheduler", False):
+            yield
+            return
+        with scaled_lr(self.fw.lr_groups(), mult) as lr:
+            self.step_lr = lr
+            yield
+
+    def _lr_changed(self) -> None:
+        """Where the framework's scheduler applies trainguard's multiplier, it sets the lowered LR now."""
+        refresh = getattr(self.fw, "lr_scaled_by_scheduler", None)
+        if callable(refresh):
+            refresh()
+
+    # ------------------------------------------------------------------ recovery
+    def rollback(self, step: int, decision: Decision) -> bool:
+        """In-process rollback, on every rank together: load the chosen checkpoint (RNG with it),
+        keep the data position where it is and move it ``skip_batches`` further, quarantine the
+        culprit rank's samples, lower the LR if asked. The user's loop just goes on.
+
+        A ``loss_scale`` decision (the fp16 scaler collapsed) skips no batches -- the data is not
+        to blame -- and then applies its remedy: reset the scale, raise its floor, or continue in
+        bf16 (in place when no checkpoint predates the descent). Returns whether one was loaded."""
+        fw, guard, rc = self.fw, self.guard, self.cfg.recovery
+        # (a loss_scale decision, or a non-finite fp16 forward sent to bf16: the data is not to blame)
+        scale_case = decision.anomaly is Anomaly.LOSS_SCALE or decision.remedy is not None
+        skip = 0 if scale_case else rc.skip_batches
+        quarantined = guard.culprit_samples   # (set aside in the loader when the step was decided)
+        data = fw.data
+        cp = fw.checkpointer
+        root = cp.rollback_root() if cp is not None else None
+        if cp is not None:
+            cp.wait_pending()  # (a save still being written is no target yet: the first step's, with async saves)
+        scale, restart, tag = decision.lr_scale, decision.restart, None
+        if restart:  # a young run whose LR was too high from the start (trainguard.recovery.lrcut)
+            first, tag, _ = cp.first_target() if root is not None else (None, None, None)
+            if tag is not None:
+                root, why = first, "the first step's checkpoint: the run's LR was too high from its start"
+            else:  # (none -- or no checkpoint.dir at all: an ordinary rollback, the ordinary cut, for the cooldown: a
+                # tenth from damaged weights is too slow, and kept for good it would compound)
+                restart = False
+                reason = decision.reason + "; but no first step's checkpoint: an ordinary rollback"
+                if decision.lower_lr:
+                    scale = rc.lr_factor
+                    reason += f", LR x{scale:.3g} instead, for the cooldown"
+                decision = dataclasses.replace(decision, lr_scale=scale, restart=False, lasting=False, reason=reason)
+        mode = decision.target or rc.rollback_to
+        if tag is None:
+            tag, why = (None, "no checkpoint directory: set trainguard.checkpoint.dir") if root is None else \
+                cp.rollback_target(root, decision.onset_step or step, mode, inclusive=decision.onset_skipped)
+        failures: list[dict] = []
+        if tag is not None:  # (a target that fails to load: the next, or on where we are -- trainguard.recovery.degrade)
+            position = data.state_dict() if data is not None else None
+            cp.wait_pending()
+            decision, root, tag, why, failures = degrade.rollback_load(cp, guard, fw, decision, step, root, tag, why,
+                                                                       mode, rc.lr_factor)
+            scale, restart = decision.lr_scale, decision.restart
+        if tag is None:
+            if decision.lower_lr:  # (in place; an expired factor was forgotten when this step's LR was set)
+                self.policy.lower_lr(scale, until=fw.completed_steps() + rc.lr_cooldown_steps,
+                                     lasting=decision.lasting)
+                guard.lr_lowered()
+                self._lr_changed()
+            remedy = self.scale_remedy(step, decision, rolled_back=False) if scale_case else None
+            self.policy.rollback_unavailable(step, None if decision.lower_lr else decision.anomaly)
+            guard.emit(step, Record.ROLLBACK_UNAVAILABLE, [], Action.SKIP_STEP.value, {
+                "reason": why, "anomaly": decision.anomaly, "onset_step": decision.onset_step,
+                **({"failed_targets": [f["to_tag"] for f in failures]} if failures else {}),
+                "lr_factor": self.policy.lr_factor if decision.lower_lr else None,
+                "quarantined": {str(r): ids for r, ids in quarantined.items()}, "remedy": remedy})
+            return False
+        to_step = fw.completed_steps()           # the checkpoint's step
+        loop = fw.after_rollback(step)           # a loop that cannot rewind goes on at ``step``: what it kept
+        goes_on = fw.completed_steps()
+        self.goodput.rollback(to_step)
+        if data is not None:
+            data.load_state_dict(position)       # where we were, quarantine included ...
+            data.skip(skip)                      # ... and then some
+        abandoned = cp.abandon_after(cp.rollback_root(), to_step)
+        # (a restart in bf16 is not the LR's: a later climb may still restart, once)
+        self.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
+                                                           "restart": restart and not scale_case,
+                                                           "anomaly": decision.anomaly}, scale=scale,
+                                 until=goes_on + rc.lr_cooldown_steps, lasting=decision.lasting)
+        self._lr_changed()  # (the loaded optimizer's LRs were the checkpoint's: the scheduler's, x the factor now)
+        zeroed = fw.reset_moments() if rc.reset_optimizer_moments else None
+        guard.rewound(step, to_step, restart=restart)
+        guard.emit(step, Record.ROLLBACK, sorted(quarantined), Action.ROLLBACK.value, {
+            "to_tag": tag, "to_step": to_step, "why": why, "anomaly": decision.anomaly,
+            "onset_step": decision.onset_step, "skip_batches": skip if data is not None else 0,
+            "position_after": data.position.as_dict() if data is not None else None,
+            "quarantined": {str(r): ids for r, ids in quarantined.items()}, "abandoned": abandoned,
+            "lr_factor": self.policy.lr_factor if decision.lower_lr else None,
+            "optimizer_moments_reset": rc.reset_optimizer_moments, "reason": decision.reason,
+            **({"from_first_step": str(root)} if restart else {}),
+            **({"moments_zeroed": zeroed} if zeroed is not None else {}),
+            **({"loop": loop} if loop else {})})
+        if scale_case:
+            self.scale_remedy(step, decision, rolled_back=True)  # (its precision change saves a checkpoint)
+            if restart and fw.checkpointer is not None:
+                fw.checkpointer.refresh_first()  # (in the precision the run goes on in)
+        elif restart:
+            cp.after_restart()
+        return True
+
+    def scale_remedy(self, step: int, decision: Decision, rolled_back: bool) -> dict:
+        """The loss_scale rung's remedy: reset the scale, also raise its floor, or continue in bf16."""
+        fw, guard = self.fw, self.guard
+        guard.scaler_reset()
+        if decision.remedy is Remedy.BF16_FALLBACK:
+            if fw.checkpointer is not None:
+                fw.checkpointer.wait_pending()
+            try:
+                detail = self.to_bf16(step)
+            except FallbackUnavailable as e:  # (where the framework itself stops -- fp16 at its floor: named)
+                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
+                                                 decision.verdicts)) from None
+            except Exception as e:  # noqa: BLE001 - a conversion that failed part-way: no state to go on from
+                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: the bf16 fallback failed part-way "
+                                                 f"({type(e).__name__}: {e}); stopped here, the checkpoint it rolled back to kept",
+                                                 decision.verdicts)) from e
+            detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
+                      "after_rollback": rolled_back}
+            self.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
+            guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
+            if fw.checkpointer is not None:
+                fw.checkpointer.after_precision_change()
+            return detail
+        scaler = fw.scaler()
+        detail = {}
+        if scaler is not None:
+            if decision.remedy is Remedy.RAISE_FLOOR:
+                detail.update(scaler.raise_floor(self.cfg.recovery.floor_factor))
+            detail.update(scaler.reset())
+        self.policy.tried_also(step, decision.remedy.value, {**detail, "after_rollback": rolled_back})
+        guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy.value, detail)
+        return detail
+
+
+def zero_adam_moments(optimizer) -> int:
+    """Zero Adam's moment estimates (SPAM-style reset after a spike) of a torch optimizer; returns how
+    many elements were zeroed (0: no moments where they were looked for)."""
+    import torch
+
+    n = 0
+    for state in getattr(optimizer, "state", {}).values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = state.get(key) if isinstance(state, dict) else None
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+                n += t.numel()
+    return n
+
+
+def health_loss(view) -> float | None:
+    """The step's loss for checkpoint health: the mean over the ranks that have one (the last
+    pipeline stage holds the loss under megatron), None when any of them is not finite."""
+    mean = view.summary.loss_mean
+    return mean if math.isfinite(mean) else None

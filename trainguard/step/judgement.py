@@ -1,0 +1,101 @@
+"""DECIDE's second half and STEP's check, the same on every rank: from the step's verdicts to one decision
+(trainguard.recovery.policy), and who is to blame -- the culprit samples (the driver sets them aside), the ranks whose own
+loss failed with them and the stragglers that persist (their hosts: trainguard.recovery.suspects) --; at STEP, whether the
+framework did what was decided, and whether the fp16 loss scale collapsed (the ``loss_scale`` ladder's decision).
+
+What it judges is gathered first (DECIDE's first half: trainguard.step.evidence); what it finds is written by the step's
+log (trainguard.observe.steplog), in the order the records always had.
+"""
+from __future__ import annotations
+
+from trainguard.ranks.attribution import culprit_samples
+from trainguard.detectors.loss_scale import LossScaleWatch
+from trainguard.detectors.registry import Decide
+from trainguard.detectors.straggler import StragglerDetector
+from trainguard.events import Action
+from trainguard.recovery.lrcut import LrHistory
+from trainguard.recovery.policy import Decision, Policy
+from trainguard.replay.replays import Replays
+from trainguard.observe.steplog import StepLog
+from trainguard.recovery.suspects import SuspectWatch
+from trainguard.verdicts import ScalerState
+
+
+class Judgement:
+    """One per rank (the guard's). ``stats``: the loss and gradient statistics (a rise's onset, the ranks whose loss
+    is not healthy); ``replays``: this step's weights check (data or weights)."""
+
+    def __init__(self, cfg, policy: Policy, stats, lr_history: LrHistory, replays: Replays, suspects: SuspectWatch,
+                 log: StepLog):
+        self.cfg, self.policy, self.stats, self.lr_history = cfg, policy, stats, lr_history
+        self.replays, self.suspects, self.log = replays, suspects, log
+        self.loss_scale = LossScaleWatch(cfg.detectors.loss_scale)
+        self.straggler = StragglerDetector(cfg.detectors.straggler)
+        self.skipped_steps = 0                       # steps the guard skipped (the framework's own count is separate)
+        self.last: Decision | None = None            # the last step's decision
+        self.culprit_samples: dict[int, list[int]] = {}  # {rank: the samples it is to blame for} of the last step
+        self.recent_anomalies: list = []             # [step, anomaly] of recent verdicts (a checkpoint's health)
+        self.everyone: dict | None = None            # the last step's object gather ({rank: values}; an abort's report)
+
+    def decide(self, step: int, ctx: Decide, everyone: dict | None, scaled: bool, summary_way: bool) -> Decision:
+        """The policy's one action over the step's verdicts (``ctx``, with the object gather ``everyone``), the blame,
+        and their records. ``scaled``: an fp16 dynamic loss scale is on; ``summary_way``: the rows did not travel."""
+        verdicts = ([ctx.nonfinite] if ctx.nonfinite is not None else []) + ctx.found
+        weights = self.replays.weights
+        lr_cut = None
+        if self.cfg.recovery.lr_cut == "evidence":
+            def lr_cut(onset: int) -> tuple[float, str, bool]:
+                return self.lr_history.cut(onset, step, self.cfg.recovery.lr_factor)
+        decision = self.policy.decide(verdicts, step, self.stats.rise_onset(step), weights=weights, fp16=scaled,
+                                      lr_cut=lr_cut, lr_rising=self.lr_history.rising_into)
+        self.last = decision
+        # damaged weights, not data: no sample is to blame
+        self.culprit_samples = culprit_samples(decision, everyone) if weights != "damaged" else {}
+        # (every rank whose own loss was not healthy fails with the culprits: a failure they share names no host;
+        # judged on anomaly steps only -- each judgement sorts the loss window)
+        unhealthy = self.stats.unhealthy(ctx.view) if verdicts else []
+        self.suspects.observe(step, self.culprit_samples, self.log.emit, failing=unhealthy,
+                              data_blamed=weights == "healthy")  # (the replay blamed the data: no host is suspect)
+        if verdicts:
+            self.recent_anomalies = (self.recent_anomalies + [[step, v.anomaly] for v in verdicts])[-20:]
+        self.everyone = everyone
+        self.log.decided(step, ctx.view, decision, verdicts, everyone, self.skipped_steps, self.replays.check)
+        if self.cfg.detectors.straggler.enabled:
+            self._stragglers(step, ctx, summary_way)
+        return decision
+
+    def _stragglers(self, step: int, ctx: Decide, summary_way: bool) -> None:
+        """Alerts only (no ladder acts on a slow rank); one that stays slow has its host suspected."""
+        self.log.stragglers(step, self.straggler.observe_reduced(step, ctx.summary) if summary_way
+                            else self.straggler.observe(step, ctx.rows))  # (one view per run, whatever the step)
+        for r in self.straggler.persisting(step):
+            self.suspects.suspect(step, r, f"a straggler for {self.cfg.detectors.straggler.persist_steps}+ steps",
+                                  self.log.emit)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of it (in the guard's state): the skips counted, the ladders' budgets."""
+        return {"skipped_steps": self.skipped_steps, "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = int(state["skipped_steps"])
+        self.policy.load_state_dict(state["policy"])
+
+    def stepped(self, step: int, decision: Decision, applied: bool, scaler: ScalerState | None) -> Decision | None:
+        """STEP: the framework applied the update or not -- as decided (a skip it applied is refused: that optimizer's
+        skip path is not supported); with an fp16 dynamic loss scale (``scaler``: as the step began), a collapse
+        returns the ``loss_scale`` ladder's decision, else None."""
+        if decision.action in (Action.SKIP_STEP, Action.ROLLBACK):
+            if applied:
+                raise RuntimeError(f"rank {self.log.rank}: step {step} was decided SKIP_STEP but the framework "
+                                   "applied it; this optimizer is not supported by the skip path")
+            self.skipped_steps += 1
+        elif decision.action is Action.CONTINUE and not applied:
+            self.log.framework_skip(step)
+        if scaler is None or not self.cfg.detectors.loss_scale.enabled:
+            return None
+        verdict = self.loss_scale.observe(step, scaler, overflowed=not applied)
+        if verdict is None:
+            return None
+        scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self.lr_history.rising_into)
+        self.log.verdict(step, verdict, scale_decision, None, self.skipped_steps, self.replays.check)
+        return scale_decision

@@ -1,0 +1,145 @@
+"""What one rank accumulates over the micro-batches of one optimizer step, until AGREE reads it.
+
+LOSS adds each micro-batch's loss and a non-finite flag into one device tensor; BACKWARD keeps each local
+gradient's norm (:class:`LocalGrads`: one Python call and one kernel per gradient); BATCH keeps the samples' dataset
+indices, the ones the sanitiser set aside and the data position. Nothing here reads a device value: AGREE
+copies the device parts into its row (trainguard.ranks.isolation), and the one host synchronisation of a healthy
+step happens there. A new tally starts with every step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+from trainguard.data.position import DataPosition
+from trainguard.ranks.isolation import FIELDS, F
+
+
+class LocalGrads:
+    """The local gradients' norms of the step being computed, before any data-parallel reduction. ``add`` is what
+    the per-parameter tensor hook calls (trainguard.step.gradhooks) -- itself, no chain of calls: one Python call and one
+    kernel (an fp32-accumulated norm, NaN/Inf-propagating) a gradient, nothing read on the host, the gradient not
+    held (the framework may reduce or free it as soon as the hook returns). One per guard, across steps: the hooks
+    hold its ``add``; the step's tally takes what it holds at AGREE, and a new step starts it afresh."""
+
+    __slots__ = ("norms", "count")
+
+    def __init__(self):
+        self.norms: list[torch.Tensor] = []  # 0-dim fp32 norms
+        self.count = 0                       # gradients seen
+
+    def add(self, grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            self.norms.append(torch._foreach_norm((grad,), 2, dtype=_F32)[0] if _FOREACH_DTYPE else
+                              torch.linalg.vector_norm(grad, dtype=_F32))  # (torch's own: no call of ours)
+            self.count += 1
+
+    def clear(self) -> None:
+        self.norms, self.count = [], 0
+
+    def sq(self, device: torch.device) -> torch.Tensor | None:
+        """The squared norm of every gradient seen, a float64 device scalar (None: none seen): four kernels,
+        whatever the number of gradients."""
+        if not self.norms:
+            return None
+        return torch.stack(self.norms).to(device, torch.float64).square().sum()
+
+
+class StepTally:
+    def __init__(self, device: torch.device, grads: LocalGrads | None = None):
+        self.device = device
+        self.acc: torch.Tensor | None = None       # [loss_sum, loss_nonfinite] on device
+        self.grads = grads if grads is not None else LocalGrads()  # the local gradients' norms (its hooks' target)
+        self.grads.clear()
+        self.micro = 0                             # micro-batches whose loss was seen
+        self.sample_ids: list[int] = []
+        self.ids_taken = 0                         # of sample_ids, those a recorded micro-batch holds
+        self.rejected: list = []
+        self.position: DataPosition | None = None
+
+    def batch(self, sample_ids: list[int], position: DataPosition, rejected: Sequence = ()) -> None:
+        self.sample_ids.extend(sample_ids)
+        self.rejected.extend(rejected)
+        self.position = position
+
+    def loss(self, loss: torch.Tensor, checking: bool) -> None:
+        """One micro-batch's loss (device-side flags only: no host sync)."""
+        self.micro += 1
+        if checking and isinstance(loss, torch.Tensor):
+            if self.acc is None:
+                # on the device the collective backend reduces (gloo: CPU; NCCL: the rank's GPU)
+                self.acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+            value = loss.detach().to(self.device, torch.float64).sum()
+            self.acc[0].add_(value)
+            self.acc[1].add_((~torch.isfinite(value)).to(torch.float64))
+
+    def take_ids(self) -> list[int]:
+        """The sample ids since the last call (a recorded micro-batch's own)."""
+        ids = list(self.sample_ids[self.ids_taken:])
+        self.ids_taken = len(self.sample_ids)
+        return ids
+
+    def row(self, agreement, fired: int, compute_s: float, lr: float | None, deferred) -> Any:
+        """AGREE's row of this rank (trainguard.ranks.isolation.FIELDS, then the agreement's extra columns): the
+        host-known fields in one small copy, then the device values -- the loss, the gradients' norm, the previous
+        step's pending norms (``deferred``: trainguard.step.metricline.DeferredLine) -- copied in, never read here."""
+        host = [0.0] * len(FIELDS) + [float("nan")] * len(agreement.extra)
+        host[F["micro_batches"]] = self.micro
+        host[F["grad_checked"]] = self.grads.count
+        host[F["faults_fired"]] = fired
+        host[F["samples_rejected"]] = len(self.rejected)
+        host[F["clock"]] = time.time()  # (each rank's own: the per-rank heartbeat metric)
+        host[F["compute_s"]] = compute_s
+        host[F["lr"]] = float("nan") if lr is None else float(lr)
+        pending = deferred.norm
+        if not isinstance(pending, torch.Tensor):
+            host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
+        row = agreement.row(host)
+        if self.acc is not None:
+            row[F["loss_sum"]] = self.acc[0]
+            row[F["loss_nonfinite"]] = self.acc[1]
+        grad_sq = self.grads.sq(self.device)
+        if grad_sq is not None:
+            row[F["grad_sq"]] = grad_sq
+        if isinstance(pending, torch.Tensor):
+            row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
+        applied = deferred.applied_sq
+        row[F["prev_applied_sq"]] = float("nan") if applied is None else applied.detach().reshape(()).to(
+            self.device, torch.float64)  # (likewise)
+        return row
+
+    def where(self) -> dict | None:
+        return self.position.as_dict() if self.position else None
+
+    def rank_line(self, rank: int, own) -> dict | None:
+        """This rank's line of the step (metrics.rank_jsonl): its own loss and norm (``own``: its row as agreed,
+        None where it did not travel), its samples and data position."""
+        if own is None:
+            return None
+        return {"rank": rank, "local_loss": own.loss, "local_grad_norm": own.grad_norm, "sample_ids": self.sample_ids,
+                "position": self.where()}
+
+
+_F32 = torch.float32
+
+
+def _foreach_has_dtype() -> bool:
+    try:
+        torch._foreach_norm((torch.ones(1, dtype=torch.float16),), 2, dtype=_F32)
+        return True
+    except (TypeError, RuntimeError, AttributeError):  # (an older torch: one norm a tensor instead)
+        return False
+
+
+_FOREACH_DTYPE = _foreach_has_dtype()
+
+
+def norms_f32(tensors) -> list[torch.Tensor]:
+    """2-norms of ``tensors`` (any dtypes, one device), accumulated and returned in fp32 whatever their dtype (a
+    large scaled fp16 gradient's norm can exceed fp16's 65504 and would read as a false Inf), NaN/Inf-propagating,
+    in one multi-tensor launch where torch has it."""
+    if _FOREACH_DTYPE:
+        return list(torch._foreach_norm(tuple(tensors), 2, dtype=_F32))
+    return [torch.linalg.vector_norm(t, dtype=_F32) for t in tensors]
