@@ -72,7 +72,7 @@ def _report(args) -> int:
         except ImportError as e:  # (the pictures need the [monitor] extra; the summary does not)
             files = []
             print(f"trainguard report: no pictures -- {e.name or 'matplotlib'} is not installed "
-                  "(pip install 'trainguard[monitor]' draws them)", file=sys.stderr)
+                  "(pip install matplotlib, or trainguard's [monitor] extra, draws them)", file=sys.stderr)
         Path(args.out).mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as e:
         print(f"trainguard report: {e}", file=sys.stderr)

@@ -41,7 +41,7 @@ class PrometheusSink:
             import prometheus_client as pc
         except ImportError as e:  # pragma: no cover
             raise TrainguardError("trainguard.metrics.prometheus_port needs prometheus-client: "
-                                  f"pip install 'trainguard[monitor]' ({e})") from None
+                                  f"pip install prometheus-client (or trainguard's [monitor] extra) ({e})") from None
         self.registry = pc.CollectorRegistry()
         g = lambda name, doc, labels=(): pc.Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
         self.step = g("trainguard_step", "last optimizer step")

@@ -1,5 +1,5 @@
 """TensorBoard scalars mirroring the JSONL metric lines (rank 0). Needs ``tensorboard``
-(``pip install 'trainguard[monitor]'``)."""
+(``pip install tensorboard``, or trainguard's ``[monitor]`` extra)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise TrainguardError("trainguard.metrics.tensorboard needs the tensorboard package: "
-                                  f"pip install 'trainguard[monitor]' ({e})") from None
+                                  f"pip install tensorboard (or trainguard's [monitor] extra) ({e})") from None
         self.writer = SummaryWriter(logdir)
 
     def metric(self, step: int, values: dict[str, Any]) -> None:
