@@ -96,6 +96,14 @@ def test_schema_and_reference_are_in_sync(root):
         "docs/config-reference.md is stale: run python -m trainguard.support.reference"
 
 
+def test_the_reference_command_writes_into_this_checkout_by_default(root):
+    """``python -m trainguard.support.reference`` without an argument writes the files the test above reads."""
+    import inspect
+
+    assert reference.REPO == root and inspect.signature(reference.write_generated).parameters["root"].default == root
+    assert (reference.REPO / "configs" / "trainguard.schema.json").is_file()
+
+
 def test_reference_lists_every_leaf_key(root):
     text = reference.reference_markdown()
     for key in ("trainguard.detectors.nonfinite.action", "trainguard.metrics.per_rank",

@@ -68,6 +68,18 @@ def test_every_room_says_what_it_holds_and_may_import():
     assert not problems and top == doors_and_vocabulary, (problems, top)
 
 
+def test_the_old_names_users_type_still_work():
+    """The two names kept across the move into rooms (docs/extending.md, "Names that moved"): the launch name of the
+    supervisor and the loader ds_plugins.initialize hands back."""
+    from trainguard.data import TrackedLoader
+    from trainguard.data.position import TrackedLoader as moved
+
+    assert TrackedLoader is moved
+    done = subprocess.run([sys.executable, "-m", "trainguard.supervise", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "--spares" in done.stdout, done.stderr[-2000:]
+
+
 def test_no_adapter_subclasses_the_checkpoint_manager():
     """An adapter hands its framework's state as a trainguard.protocols.State; the protocol is the core's alone."""
     found = []

@@ -41,7 +41,7 @@ def attempt_store(timeout):
 def init_on_fresh_store(original, args, kwargs):
     """``init_process_group``: in a restarted torchrun attempt, on a store prefix of the attempt's own
     (unless the caller chose its store or init method); under ``trainguard.supervise``, trainguard's world
-    (trainguard.liveness.replacement.form). Installed by the bootstrap itself in a restarted or supervised attempt,
+    (trainguard.liveness.spare.form). Installed by the bootstrap itself in a restarted or supervised attempt,
     whatever the framework (site/sitecustomize.py), and by ds_plugins.auto."""
     import os
 

@@ -5,6 +5,6 @@ every framework, ``guard`` the per-step state machine; ``tally`` and ``gradhooks
 is AGREE (every rank's row in, one agreed view out), ``evidence`` and ``judgement`` are DECIDE, ``appliedgrad``,
 ``metricline`` and ``steptime`` measure what the step applied and took.
 
-May import every room below it (docs/architecture.md); nothing but the doors (``trainguard.ports``, ``trainguard.cli``)
-imports it.
+May import every room below it (docs/architecture.md); only the doors above it (``trainguard.ports``) and the adapters
+(``trainguard.step.session``, their one way into a rank's run) import it.
 """

@@ -102,7 +102,10 @@ def reference_markdown() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def write_generated(root: str | os.PathLike) -> list[Path]:
+REPO = Path(__file__).resolve().parents[2]  # (the checkout this module lies in: trainguard/support/reference.py)
+
+
+def write_generated(root: str | os.PathLike = REPO) -> list[Path]:
     root = Path(root)
     schema_path = root / "configs" / "trainguard.schema.json"
     ref_path = root / "docs" / "config-reference.md"
@@ -114,5 +117,5 @@ def write_generated(root: str | os.PathLike) -> list[Path]:
 if __name__ == "__main__":  # python -m trainguard.support.reference [REPO_ROOT]
     import sys
 
-    for p in write_generated(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]):
+    for p in write_generated(sys.argv[1] if len(sys.argv) > 1 else REPO):
         print(f"wrote {p}")
