@@ -25,6 +25,14 @@ FIGURES = [
     ("README.md", r"([\d,]+) ATen ops a healthy step at 20 parameter tensors, ([\d,]+) at 400",
      "overhead-proxies-2026-12-06.json", ("ops_small", "ops_large")),
     ("docs/recovery.md", r"(\d+) draws, \d+ forced actions", "recovery-fuzz-2026-12-06.json", ("draws",)),
+    ("README.md", r"\(([\d.]+)x a step's median on 2 CPU ranks, ([\d.]+)x its mean", "overhead-cpu-2026-12-06.json",
+     ("ratio", "ratio_mean")),
+    ("docs/detection.md", r"\*\*([\d.]+)\*\* median \(([\d.]+) ms plain, ([\d.]+) ms guarded\), \*\*([\d.]+)\*\*\s+mean",
+     "overhead-cpu-2026-12-06.json", ("ratio", "step_ms_plain_median", "step_ms_guarded_median", "ratio_mean")),
+    ("docs/detection.md", r"\*\*([\d.]+) ms\*\* \(one forward-only replay", "overhead-sdc-2026-12-06.json",
+     ("sdc_ms_per_check",)),
+    ("docs/detection.md", r"\*\*([\d.]+)% of step time at one check every 100 steps\*\*", "overhead-sdc-2026-12-06.json",
+     ("sdc_share",)),
     ("docs/detection.md", r"\*\*(\d+) actions in all 5 runs\*\*", "natural-healthy-2026-12-06.json", ("actions",)),
     ("docs/detection.md", r"every failing case\s+acted on \*\*(\d+/\d+)\*\*; guarded within 10% of healthy or >= 90% of the gap "
      r"closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-06.json", ("goals.0.figure", "goals.1.figure")),
@@ -94,6 +102,7 @@ def test_a_figure_in_the_text_is_the_kept_runs(doc, pattern, kept, keys):
         if isinstance(value, str):  # (a figure the bench printed as it is: "10/12")
             assert group == value, (doc, key, group, value)
             continue
-        value = float(value) * (1000 if key.endswith("_s") else 1)  # (seconds said in ms)
+        value = float(value) * (1000 if key.endswith("_s") else 100 if key.endswith("_share") else 1)  # (seconds
+        # said in ms, a share in %)
         decimals = len(group.split(".")[1]) if "." in group else 0  # (as printed: rounded to the digits said)
         assert _number(group) == pytest.approx(round(value, decimals)), (doc, key, group, data[key])
