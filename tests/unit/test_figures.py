@@ -29,6 +29,10 @@ FIGURES = [
      ("ratio", "ratio_mean")),
     ("docs/detection.md", r"\*\*([\d.]+)\*\* median \(([\d.]+) ms plain, ([\d.]+) ms guarded\), \*\*([\d.]+)\*\*\s+mean",
      "overhead-cpu-2026-12-06.json", ("ratio", "step_ms_plain_median", "step_ms_guarded_median", "ratio_mean")),
+    ("docs/capabilities.md", r"of the clean loss \((-?[\d.]+)%, 1,000 steps", "drill-2026-12-06.json", ("loss_vs_clean",)),
+    ("docs/capabilities.md", r"goodput over the in-process faults ([\d.]+), printed", "drill-2026-12-06.json",
+     ("rows.2.goodput_in_process",)),
+    ("docs/capabilities.md", r"the insurance \+([\d.]+)% in that run", "drill-2026-12-06.json", ("rows.1.insurance_cost",)),
     ("docs/detection.md", r"\*\*([\d.]+) ms\*\* \(one forward-only replay", "overhead-sdc-2026-12-06.json",
      ("sdc_ms_per_check",)),
     ("docs/detection.md", r"\*\*([\d.]+)% of step time at one check every 100 steps\*\*", "overhead-sdc-2026-12-06.json",
@@ -95,14 +99,14 @@ def test_a_figure_in_the_text_is_the_kept_runs(doc, pattern, kept, keys):
     data = json.loads((ROOT / "bench" / "results" / kept).read_text())
     if "rows" in data and all("actions" in r for r in data["rows"]):  # (a table: its actions summed over the rows)
         data = {**data, "actions": sum(len(r["actions"]) for r in data["rows"])}
-    for group, key in zip(m.groups(), keys):
+    for i, (group, key) in enumerate(zip(m.groups(), keys), 1):
+        percent = m.string[m.end(i):m.end(i) + 1] == "%"  # (a figure said in % is the JSON's fraction)
         value = data
         for part in key.split("."):  # (a nested figure: "median.clean"; a list's item by its index: "goals.0.figure")
             value = value[int(part)] if isinstance(value, list) else value[part]
         if isinstance(value, str):  # (a figure the bench printed as it is: "10/12")
             assert group == value, (doc, key, group, value)
             continue
-        value = float(value) * (1000 if key.endswith("_s") else 100 if key.endswith("_share") else 1)  # (seconds
-        # said in ms, a share in %)
+        value = float(value) * (1000 if key.endswith("_s") else 100 if percent else 1)  # (seconds said in ms)
         decimals = len(group.split(".")[1]) if "." in group else 0  # (as printed: rounded to the digits said)
         assert _number(group) == pytest.approx(round(value, decimals)), (doc, key, group, data[key])
