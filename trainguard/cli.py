@@ -148,6 +148,9 @@ def _run(args) -> int:
     for path, block in checked:
         if block is not None and getattr(block, "enabled", True):
             print(f"trainguard run: {path}: the trainguard block is valid", file=sys.stderr)
+    if not checked:  # (a ds_config the script names itself -- TrainingArguments(deepspeed=...) -- is read by the ranks)
+        print("trainguard run: no trainguard block on the launch line -- one your script names itself is checked when "
+              "the ranks read it; `trainguard validate FILE` checks it now", file=sys.stderr)
     bootstrap = str(Path(__file__).resolve().parent / "bootstrap" / "site")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([bootstrap] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

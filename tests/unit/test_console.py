@@ -100,3 +100,20 @@ def test_a_record_on_every_rank_of_a_large_world_is_one_short_line():
 
     said = line(7, "resume", range(1024), None, {"tag": "step00000007"})
     assert said == "step 7: resume on 1024 ranks (tag: step00000007)"
+
+
+def test_the_banner_says_whose_saves_are_the_checkpoints_and_armed_faults_and_a_set_aside_log_is_said():
+    """A new user read "checkpoints: off" under HF's Trainer, whose checkpoint-N folders trainguard commits and
+    verifies; an armed fault and the earlier run's log moved aside were not said at all."""
+    out = io.StringIO()
+    sink = ConsoleSink(parse_block({"metrics": {"jsonl": "logs/tg.jsonl"}}), stream=out)
+    sink.event(0, "run_start", [], None, {"framework": "deepspeed", "world": 2})
+    armed = ConsoleSink(parse_block({"allow_faults": True, "faults": [{"type": "nan_loss", "step": 8}]}), stream=out)
+    armed.event(0, "run_start", [], None, {"framework": "deepspeed", "world": 2})
+    sink.event(1, "fresh_start", [], None, {"earlier_log": "logs/tg.before-1.jsonl", "dir": None})
+    sink.event(1, "fresh_start", [], None, {"dir": "ckpt", "earlier_log": None})  # (a checkpoint's: said elsewhere)
+    lines = out.getvalue().splitlines()
+    assert "checkpoints: your framework's own saves, committed and verified" in lines[0] and "FAULTS" not in lines[0]
+    assert "FAULTS ARMED: 1 injected (allow_faults)" in lines[1]
+    assert lines[2:] == ["[trainguard] a new run in logs/tg.jsonl: the earlier run's lines moved to "
+                         "logs/tg.before-1.jsonl"]

@@ -53,6 +53,16 @@ def test_a_good_block_and_a_json_that_is_no_ds_config_launch(tmp_path):
         [(tmp_path / "ds.json", False), (tmp_path / "vocab.json", False)]
 
 
+def test_a_launch_line_that_names_no_block_says_nothing_was_checked(tmp_path):
+    """HF's TrainingArguments(deepspeed="ds_config.json") names its ds_config inside the script: nothing on the line to
+    check -- said, with the command that checks it now (a new user's launch took a bad key to every rank unwarned)."""
+    rc, err, launched = trainguard_run(tmp_path)
+    assert rc == 0 and launched and "no trainguard block on the launch line" in err and "trainguard validate" in err, err
+    write(tmp_path, "ds.json", {"train_batch_size": 8, "trainguard": {}})
+    rc, err, launched = trainguard_run(tmp_path, "--deepspeed", "ds.json")
+    assert rc == 0 and "no trainguard block" not in err, err
+
+
 def test_a_block_alone_is_checked_a_module_beside_the_script_is_found_and_big_data_is_not_read(tmp_path):
     # (from a review: --trainguard-config takes the block itself; python train.py imports from its own folder)
     write(tmp_path, "tg.json", {"detectors": {"loss_spike": {"zz": 1}}})

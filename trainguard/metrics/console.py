@@ -46,6 +46,9 @@ class ConsoleSink:
             return self._write(self.banner(detail))
         if event == "run_end":
             return self._write(self.ending(step, detail))
+        if event == "fresh_start" and detail.get("earlier_log"):  # (an earlier run's lines moved out of this log)
+            return self._write(f"a new run in {self.cfg.metrics.jsonl or 'the log'}: the earlier run's lines moved to "
+                               f"{detail['earlier_log']}")
         if event not in SAID:
             return
         self.rollbacks += event == "rollback"
@@ -72,12 +75,14 @@ class ConsoleSink:
         releases = ", ".join(f"{k} {v}" for k, v in rel.items()) if isinstance(rel, dict) else ""
         world = start.get("world")
         ck = c.checkpoint
-        saves = f"{ck.dir} every {ck.every_steps} steps" if ck.dir and ck.every_steps else (ck.dir or "off")
+        saves = f"{ck.dir} every {ck.every_steps} steps" if ck.dir and ck.every_steps else (
+            ck.dir or "your framework's own saves, committed and verified (none of trainguard's: checkpoint.dir)")
+        armed = f"; FAULTS ARMED: {len(c.faults)} injected (allow_faults)" if c.faults else ""
         return (f"guarding this run -- {start.get('framework') or 'framework'}"
                 + (f" ({releases})" if releases else "") + (f", {world} rank{'s' if world != 1 else ''}" if world else "")
                 + f"; detectors: {', '.join(on) or 'none'}; recovery: "
                 + (f"on (rollback to {c.recovery.rollback_to})" if c.recovery.enabled else "off")
-                + f"; checkpoints: {saves}; log: {c.metrics.jsonl or 'none'}"
+                + f"; checkpoints: {saves}; log: {c.metrics.jsonl or 'none'}{armed}"
                 + " (these lines: metrics.console)")
 
     def ending(self, step: int, end: dict) -> str:
