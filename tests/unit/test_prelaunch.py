@@ -127,3 +127,12 @@ def test_validate_describes_the_block_for_the_framework_it_will_run_under(tmp_pa
     assert "Megatron-LM's --trainguard-config" in alone and "DeepSpeed" not in alone and "clipping=the framework" in alone
     ds = said({"train_batch_size": 8, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "trainguard": {}})
     assert ds.rstrip().endswith("DeepSpeed ZeRO-2 bf16") and "clipping=deepspeed" in ds
+    # a new user's trial: HF's "auto" read as bf16 (the run was fp32), and validate's detectors not the banner's
+    hf = said({"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "trainguard": {}})
+    assert "ZeRO-2 with the precision your trainer's arguments give ('auto')" in hf and " bf16" not in hf
+    from trainguard.config import parse_block
+    from trainguard.metrics.console import ConsoleSink
+
+    banner = ConsoleSink(parse_block({})).banner({})
+    listed = hf.split("detectors=")[1].split(",")[0].split("+")
+    assert banner.split("detectors: ")[1].split(";")[0].split(", ") == ["nonfinite"] + listed

@@ -39,6 +39,12 @@ class TrainguardConfig(_Section):
         "imported at initialize: its code runs with the job's rights (treat the block as code); `trainguard validate` "
         "checks the block without importing them.")
 
+    def detectors_on(self) -> list[str]:
+        """The built-in detectors the block switches on, in the order of its ``detectors`` section: what the banner and
+        ``trainguard validate`` both say."""
+        return [name for name in type(self.detectors).model_fields if getattr(getattr(self.detectors, name), "enabled",
+                                                                               False) is True]
+
     @model_validator(mode="after")
     def _faults_need_permission(self):
         if self.faults and not self.allow_faults:

@@ -68,9 +68,7 @@ class ConsoleSink:
 
     def banner(self, start: dict) -> str:
         c = self.cfg
-        d = c.detectors
-        on = [n for n in ("nonfinite", "loss_spike", "grad_norm", "loss_trend", "attention_entropy", "activation_range",
-                          "straggler", "replica_check", "peer_replay") if getattr(getattr(d, n, None), "enabled", False)]
+        on = c.detectors_on()
         rel = start.get("releases")
         releases = ", ".join(f"{k} {v}" for k, v in rel.items()) if isinstance(rel, dict) else ""
         world = start.get("world")

@@ -32,9 +32,7 @@ def validate(file: str, under: str | None = None) -> int:
         return 0
     ds_keys = [k for k in ds if k != "trainguard"]  # (none: a block alone -- Megatron's --trainguard-config)
     nf = block.detectors.nonfinite
-    d = block.detectors
-    on = [name for name in ("loss_spike", "grad_norm", "attention_entropy", "activation_range", "localize",
-                            "straggler", "replica_check", "peer_replay") if getattr(d, name).enabled]
+    on = [name for name in block.detectors_on() if name != "nonfinite"]  # (the banner's list: nonfinite said apart)
     parts = [
         "enabled" if block.enabled else "DISABLED",
         f"nonfinite={'on' if nf.enabled else 'off'}({nf.action}, grads {'checked' if nf.check_grads else 'not checked'})",
@@ -47,7 +45,9 @@ def validate(file: str, under: str | None = None) -> int:
         f"faults={len(block.faults)}",
     ]
     zero = ds.get("zero_optimization", {}).get("stage", 0)
-    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    enabled = {k: ds.get(k, {}).get("enabled") for k in ("bf16", "fp16")}
+    dtype = "with the precision your trainer's arguments give ('auto')" if "auto" in enabled.values() else \
+        "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
     runs_as = f"DeepSpeed ZeRO-{zero} {dtype}" if ds_keys else (
         "a block alone, for Megatron-LM's --trainguard-config or your megatron-core loop: precision, parallel layout "
         "and clipping come from Megatron's own arguments")
