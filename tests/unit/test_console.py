@@ -117,3 +117,17 @@ def test_the_banner_says_whose_saves_are_the_checkpoints_and_armed_faults_and_a_
     assert "FAULTS ARMED: 1 injected (allow_faults)" in lines[1]
     assert lines[2:] == ["[trainguard] a new run in logs/tg.jsonl: the earlier run's lines moved to "
                          "logs/tg.before-1.jsonl"]
+
+
+def test_the_story_says_what_its_goodput_is_of_and_that_a_resume_counts_the_time_since_its_checkpoint():
+    """A new user's relaunch ended with "goodput 0.0309" for a healthy 10-step run and no word why: the wall time
+    runs from the run's start, the gap since the checkpoint it resumed from included."""
+    out = io.StringIO()
+    sink = ConsoleSink(parse_block({}), stream=out)
+    end = {"global_steps": 40, "goodput": {"goodput": 0.0309, "steps_lost": 0, "productive_s": 1.2, "wall_s": 38.8}}
+    sink.event(40, "run_end", [], None, end)
+    sink.event(30, "resume", [0, 1], None, {"why": "checkpoint.resume"})
+    sink.event(40, "run_end", [], None, end)
+    first, _, again = out.getvalue().splitlines()
+    assert "goodput 0.0309 (0 step(s) lost; 1.2 s productive of 38.8 s)" in first
+    assert "1.2 s productive of 38.8 s, since the run began: the time from the checkpoint it resumed from counts" in again

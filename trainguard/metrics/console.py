@@ -33,6 +33,7 @@ class ConsoleSink:
         self.cfg, self.stream, self.per_minute = cfg, stream, per_minute
         self.window_start, self.said, self.held = time.monotonic(), 0, 0
         self.rollbacks = 0
+        self.resumed = False  # (a resume seen: the goodput's wall time runs from the run's start, across launches)
 
     def _write(self, text: str) -> None:
         print(f"{PREFIX} {text}", file=self.stream or sys.stderr, flush=True)
@@ -52,6 +53,7 @@ class ConsoleSink:
         if event not in SAID:
             return
         self.rollbacks += event == "rollback"
+        self.resumed = self.resumed or event == "resume"
         now = time.monotonic()
         if now - self.window_start >= 60:
             self._release(now)
@@ -89,7 +91,9 @@ class ConsoleSink:
                  f"{end.get('guard_skipped_steps', 0)} step(s) skipped by trainguard",
                  f"{self.rollbacks} rollback(s)"]
         if g:
-            parts.append(f"goodput {g.get('goodput')} ({g.get('steps_lost', 0)} step(s) lost)")
+            across = ", since the run began: the time from the checkpoint it resumed from counts" if self.resumed else ""
+            parts.append(f"goodput {g.get('goodput')} ({g.get('steps_lost', 0)} step(s) lost; "
+                         f"{g.get('productive_s', 0):.1f} s productive of {g.get('wall_s', 0):.1f} s{across})")
         story = f"; the story: trainguard report {self.cfg.metrics.jsonl}" if self.cfg.metrics.jsonl else ""
         return ", ".join(parts) + story
 
