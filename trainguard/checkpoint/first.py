@@ -34,9 +34,7 @@ def on_step(cp, step: int) -> None:
 
 def save_first(cp) -> None:
     roots = dict(cp.roots)
-    # in the background wherever the adapter can copy its state to host memory (DeepSpeed): insurance, not a stall of
-    # the first iteration (5-6 s of a tiny Megatron-LM run's, synchronous); a rollback waits for it (trainguard.step.driver)
-    tag = cp.save(first_root(cp), background=True)
+    tag = cp.save(first_root(cp))
     # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it -- and the
     # main directory's checkpoint of the same tag, if any, keeps its own watch and root)
     mine = next((w for w in reversed(cp.health.watching) if w.tag == tag), None)

@@ -239,11 +239,10 @@ class CheckpointManager:
             self.goodput.overhead(seconds)
 
     # ------------------------------------------------------------------ saving (trainguard.checkpoint.saving)
-    def save(self, root, tag: str | None = None, background: bool | None = None, **kwargs) -> str:
-        """Every rank: a checkpoint of the framework's state as ``root/tag`` (tag: the step's; ``background``: written
-        in the background whatever ``checkpoint.async`` says); ``kwargs`` go to the adapter's
-        ``write``/``capture``/``sidecar`` (DeepSpeed's client_state, megatron's data_state)."""
-        return self.saver.save(root, tag, background, **kwargs)
+    def save(self, root, tag: str | None = None, **kwargs) -> str:
+        """Every rank: a checkpoint of the framework's state as ``root/tag`` (tag: the step's); ``kwargs`` go to the
+        adapter's ``write``/``capture``/``sidecar`` (DeepSpeed's client_state, megatron's data_state)."""
+        return self.saver.save(root, tag, **kwargs)
 
     def saved(self, root: Path, tag: str, step: int) -> None:
         """A save of ``tag`` committed (or, async, begun): its root known for marks, its health watched."""

@@ -57,8 +57,7 @@ class CheckpointConfig(_Section):
     first_step: bool = Field(
         True, description="With every_steps: also save after a fresh run's first step, in dir/.first (apart from the "
         "periodic ones: retention and resume never see it; removed once the run has grown past young: "
-        "trainguard.recovery.lrcut), written in the background whatever `async` says where the adapter can copy its "
-        "state to host memory (DeepSpeed; megatron's dist_checkpointing save is a collective: synchronous). Where a young run whose LR was too "
+        "trainguard.recovery.lrcut). Where a young run whose LR was too "
         "high from the start goes back to (recovery.lr_cut), and a young run's bf16 fallback whose LR was still rising "
         "starts over from (saving it again in bf16): a checkpoint from before the damage, which the first periodic "
         "save comes too late for.")
