@@ -136,3 +136,5 @@ def test_validate_describes_the_block_for_the_framework_it_will_run_under(tmp_pa
     banner = ConsoleSink(parse_block({})).banner({})
     listed = hf.split("detectors=")[1].split(",")[0].split("+")
     assert banner.split("detectors: ")[1].split(";")[0].split(", ") == ["nonfinite"] + listed
+    assert "checkpoints=your framework's own saves, committed and verified" in hf and \
+        "checkpoints: your framework's own saves, committed and verified" in banner  # (one description, both places)

@@ -81,6 +81,12 @@ class CheckpointConfig(_Section):
     dataset_version: Optional[str] = Field(None, description="Lineage: its version or content hash.")
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
 
+    def saves(self) -> str:
+        """Whose saves the checkpoints are, as the banner and ``trainguard validate`` both say it."""
+        if not self.dir:
+            return "your framework's own saves, committed and verified (none of trainguard's: checkpoint.dir)"
+        return f"{self.dir} every {self.every_steps} steps" if self.every_steps else str(self.dir)
+
     @model_validator(mode="after")
     def _snapshots_need_dir(self):
         if self.snapshot.every_steps and not self.dir:

@@ -74,15 +74,12 @@ class ConsoleSink:
         rel = start.get("releases")
         releases = ", ".join(f"{k} {v}" for k, v in rel.items()) if isinstance(rel, dict) else ""
         world = start.get("world")
-        ck = c.checkpoint
-        saves = f"{ck.dir} every {ck.every_steps} steps" if ck.dir and ck.every_steps else (
-            ck.dir or "your framework's own saves, committed and verified (none of trainguard's: checkpoint.dir)")
         armed = f"; FAULTS ARMED: {len(c.faults)} injected (allow_faults)" if c.faults else ""
         return (f"guarding this run -- {start.get('framework') or 'framework'}"
                 + (f" ({releases})" if releases else "") + (f", {world} rank{'s' if world != 1 else ''}" if world else "")
                 + f"; detectors: {', '.join(on) or 'none'}; recovery: "
                 + (f"on (rollback to {c.recovery.rollback_to})" if c.recovery.enabled else "off")
-                + f"; checkpoints: {saves}; log: {c.metrics.jsonl or 'none'}{armed}"
+                + f"; checkpoints: {c.checkpoint.saves()}; log: {c.metrics.jsonl or 'none'}{armed}"
                 + " (these lines: metrics.console)")
 
     def ending(self, step: int, end: dict) -> str:

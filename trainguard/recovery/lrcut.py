@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from trainguard.decisions import SETTLE, YOUNG  # noqa: F401 - (their names here too: the young run's horizon)
+from trainguard.decisions import SETTLE, YOUNG
 
 JUMP = 1.5       # one step's LR over the step before: a jump
 BEFORE = 10      # steps before the onset a jump may have come (the loss answers an LR jump within a few steps)

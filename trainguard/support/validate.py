@@ -38,8 +38,7 @@ def validate(file: str, under: str | None = None) -> int:
         f"nonfinite={'on' if nf.enabled else 'off'}({nf.action}, grads {'checked' if nf.check_grads else 'not checked'})",
         f"detectors={'+'.join(on) or 'none'}",
         f"clipping={block.clipping.mode if block.clipping.mode != 'deepspeed' or ds_keys else 'the framework' + chr(39) + 's'}",
-        f"checkpoint={block.checkpoint.dir or 'on save_checkpoint calls'}"
-        + (f" every {block.checkpoint.every_steps}" if block.checkpoint.every_steps else ""),
+        f"checkpoints={block.checkpoint.saves()}",
         f"recovery={'on' if block.recovery.enabled else 'off'}",
         f"log={block.metrics.jsonl}{'+per-rank' if block.metrics.per_rank else ''}",
         f"faults={len(block.faults)}",
