@@ -78,7 +78,8 @@ class GradNormConfig(_Section):
 
     enabled: bool = Field(True, description="Watch the RMS of the ranks' local gradient norms.")
     window: int = Field(128, ge=8, description="Healthy steps kept for the median and MAD.")
-    z: float = Field(6.0, gt=0, description="Surge when (norm - median) / MAD exceeds this.")
+    z: float = Field(6.0, gt=0, description="Surge when log(norm / median) / MAD exceeds this (the "
+                   "MAD of the window's log norms: a ratio's deviation, as the norm's noise scales with it).")
     min_history: int = Field(20, ge=3, description="Steps observed before any alert.")
     trend_steps: int = Field(12, ge=3, description="Steps over which a sustained rise is measured.")
     trend_rise: float = Field(

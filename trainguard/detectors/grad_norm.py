@@ -4,8 +4,9 @@ Observes one number per step that is available *before* the optimizer step on ev
 root-mean-square of the ranks' local gradient norms (gathered by the AGREE collective). Two
 verdicts:
 
-- ``grad_surge``: this step's norm lies more than ``z`` robust deviations above the window median
-  (a jump within one step);
+- ``grad_surge``: this step's norm lies more than ``z`` robust deviations above the window median, measured as a
+  ratio (on log norms: a norm's noise scales with it -- near a loss floor a healthy norm moves by half itself from
+  step to step, and a linear z read every sixth step of a healthy Megatron-LM run as a surge);
 - ``slow_rise``: the log-norm has risen by more than ``trend_rise`` per step (least squares) over the
   last ``trend_steps`` steps and every one of them is above the median -- a sustained creep, which
   is how a too-high LR shows itself before the loss explodes. Reported once per episode. A surge that is
@@ -76,7 +77,7 @@ class GradNormDetector:
         rising_before = self.trend()
         verdicts = []
         if len(self.window) >= self.cfg.min_history:
-            z = self.window.robust_z(norm)
+            z = self.window.log_robust_z(norm)
             self.last_z = z
             if z > self.cfg.z:
                 verdicts.append(Verdict(self.name, "grad_surge", tuple(ranks), {

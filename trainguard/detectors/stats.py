@@ -38,6 +38,17 @@ class RollingWindow:
             return 0.0
         return (x - self.median()) / self.scale(floor)
 
+    def log_robust_z(self, x: float, floor: float = 1e-3) -> float:
+        """:meth:`robust_z` of log(x) among the logs of the window's positive values: how many robust deviations a
+        *ratio* to the median is, for a positive quantity whose noise scales with it (a gradient norm near a loss
+        floor moves by half itself from step to step, where early in the run it moved by a few percent). The
+        deviation is floored at ``floor`` (0.1%: the linear z's floor, as a ratio)."""
+        logs = [math.log(v) for v in self.values if v > 0]
+        if not logs or not x > 0:
+            return 0.0
+        m = _median(logs)
+        return (math.log(x) - m) / max(1.4826 * _median(abs(v - m) for v in logs), floor)
+
     def scale(self, floor: float = 1e-8) -> float:
         """The MAD, floored (see :meth:`robust_z`)."""
         m = self.median()
