@@ -35,6 +35,7 @@ Nothing is imported early: the patches wait until ``deepspeed`` / ``accelerate``
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import threading
 
@@ -213,12 +214,14 @@ def _patch_trainer(module) -> None:
 
 def _block_of_args(args):
     """The enabled block of a TrainingArguments' DeepSpeed config (a path or a dict), else None."""
-    raw = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or getattr(args, "deepspeed", None)
+    given = getattr(args, "deepspeed", None)
+    raw = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or given
     if not raw:
         return None
     from trainguard import config as tg_config
 
-    _, block = tg_config.load(raw)
+    # (the Trainer read the user's file into a dict: its errors name the file)
+    _, block = tg_config.load(raw, str(given) if isinstance(given, (str, os.PathLike)) else None)
     return block if block is not None and block.enabled else None
 
 

@@ -1,4 +1,5 @@
 """The closed record vocabulary (issue 12), the per-adapter key support, and the user's callbacks."""
+import json
 import re
 import time
 from pathlib import Path
@@ -239,6 +240,25 @@ def test_the_zero_code_entry_guards_only_training_engines_with_an_enabled_block(
     assert _wants_guard({"config": {**block, "optimizer": {"type": "AdamW"}}})
     with pytest.raises(ConfigError, match="detectors.nonfinite.actoin"):  # a bad block still fails fast
         _wants_guard({"config": {"trainguard": {"detectors": {"nonfinite": {"actoin": 1}}}}, "optimizer": object()})
+
+
+def test_under_hfs_trainer_a_bad_block_names_the_file_the_user_wrote(tmp_path):
+    """HF's Trainer reads the user's ds_config into a dict before trainguard sees it: the error on every rank named
+    no file (a new user's trial, issue 53). It names the file TrainingArguments.deepspeed gave."""
+    import types
+
+    from ds_plugins.auto import _block_of_args
+
+    path = tmp_path / "ds_config.json"
+    raw = {"trainguard": {"detectors": {"nonfinite": {"actoin": 1}}}}
+    path.write_text(json.dumps(raw))
+    args = types.SimpleNamespace(deepspeed=str(path), hf_deepspeed_config=types.SimpleNamespace(config=raw))
+    with pytest.raises(ConfigError, match=re.escape(f"in {path}:")) as err:
+        _block_of_args(args)
+    assert "detectors.nonfinite.actoin" in str(err.value)
+    args = types.SimpleNamespace(deepspeed=dict(raw), hf_deepspeed_config=None)  # (a dict given: none to name)
+    with pytest.raises(ConfigError, match="problem.s. in the trainguard config:"):
+        _block_of_args(args)
 
 
 def test_every_capability_row_names_the_tests_that_prove_it():

@@ -62,15 +62,16 @@ def read_json(path: str | os.PathLike) -> dict:
     return data
 
 
-def load(config: str | os.PathLike | dict | None) -> tuple[dict | None, TrainguardConfig | None]:
-    """Resolve a ds_config (path or dict) into ``(ds_config_dict, block_or_None)``.
+def load(config: str | os.PathLike | dict | None,
+         source: str | None = None) -> tuple[dict | None, TrainguardConfig | None]:
+    """Resolve a ds_config (path or dict) into ``(ds_config_dict, block_or_None)``. ``source``: the file a dict was
+    read from, for the errors to name (HF's Trainer reads the user's file and hands on the dict).
 
     ``None`` for the block means the config has no "trainguard" key: the caller should behave
     exactly as plain DeepSpeed.
     """
     if config is None:
         return None, None
-    source = None
     if isinstance(config, (str, os.PathLike)):
         source = str(config)
         config = read_json(config)
@@ -102,7 +103,6 @@ def block_of(config: Any, caller: str = "trainguard") -> TrainguardConfig:
     file -- the block itself, or a ds_config-style one holding a "trainguard" key."""
     if isinstance(config, TrainguardConfig):
         return config
-    source = None
     if isinstance(config, (str, os.PathLike)):
         source, config = str(config), read_json(config)
     if not isinstance(config, dict):
