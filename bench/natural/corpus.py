@@ -9,7 +9,9 @@ against the healthy run's own setting), a length, a model size, a precision -- a
 stack: DeepSpeed's own loop (the demo's worker; the default, what the kept held-out figures ran), or with
 ``--stacks deepspeed,hf`` HF's Trainer under ``trainguard run --`` too (bench/natural/hf_train.py, the same model, in
 bf16 -- its fp16 needs a GPU --, and never the "LR raised mid-run" family: the Trainer's schedule has no such
-switch, those draws stay on DeepSpeed). A corpus with another set of stacks is another corpus (its draws differ).
+switch, those draws stay on DeepSpeed), with ``megatron`` Megatron-LM's unmodified pretrain_gpt.py (TP=2, mock data:
+bench/natural/megatron_lm.py; the families its arguments can say -- a peak LR, a warmup, Adam's epsilon, wide heads
+--, the others stay on DeepSpeed; its runs carry a fourth column, Megatron-LM's own --check-for-spiky-loss). A corpus with another set of stacks is another corpus (its draws differ).
 Seeds are split once: ``DEV`` seeds are what a default may be tuned on (look at them while changing a rule); the
 ``HELD_OUT`` seeds only report -- their table is the figure, run after the rules are set. The healthy run of a case is
 the same draw with the sane setting (the demo's LR schedule, no corruption): same model, precision, seed and length.
@@ -36,8 +38,9 @@ def draw(seed: int, stacks: tuple[str, ...] = ("deepspeed",)) -> dict:
     steps, (d_model, layers), precision, stack = r.choice(LENGTHS), r.choice(SIZES), r.choice(PRECISIONS), \
         r.choice(stacks)
     common = ["--seed", str(seed), "--d-model", str(d_model), "--layers", str(layers)]
-    if stack == "hf" and family == "lr_raised":
-        stack = "deepspeed"  # (HF's schedule cannot be raised mid-run from its arguments)
+    if stack == "hf" and family == "lr_raised" or stack == "megatron" and family not in MEGATRON_FAMILIES:
+        stack = "deepspeed"  # (HF's schedule cannot be raised mid-run from its arguments; pretrain_gpt.py's arguments
+        # cannot raise it either, corrupt its mock data or drop its final norm)
     if stack == "hf":
         precision = "bf16"   # (the Trainer's fp16 needs a GPU: bench/natural/hf_train.py runs bf16)
     fp16 = precision == "fp16"
@@ -77,11 +80,32 @@ def draw(seed: int, stacks: tuple[str, ...] = ("deepspeed",)) -> dict:
         sane_args += ["--no-final-norm"]
     if family == "adam_eps":
         sane_args += ["--adam-eps", "1e-16", "--adam-beta2", "0.99999"]
-    name = f"s{seed}_{family}_x{sev}_{precision}_{d_model}x{layers}_{steps}" + ("_hf" if stack == "hf" else "")
+    if stack == "megatron":  # (Megatron-LM's own names for the same settings; TP=2: heads split over 2 ranks)
+        bad, sane_args = _megatron(bad, common, sane_args, fp16)
+        common = bad.pop("args")
+        if family == "attention_logits":
+            what = "two wide attention heads (one a TP rank)" + what[len("one wide attention head"):]
+    name = f"s{seed}_{family}_x{sev}_{precision}_{d_model}x{layers}_{steps}" + \
+        {"hf": "_hf", "megatron": "_mg"}.get(stack, "")
     return {"name": name, "stack": stack, "what": f"{what}; d_model {d_model}, {layers} layers, {precision}, "
-            f"{steps} steps, seed {seed}" + (" (HF Trainer)" if stack == "hf" else ""),
+            f"{steps} steps, seed {seed}" + {"hf": " (HF Trainer)", "megatron": " (Megatron-LM pretrain_gpt.py, "
+                                              "TP=2)"}.get(stack, ""),
             "bad": {**bad, "fp16": fp16, "args": common},
             "sane": {"lr": HEALTHY_LR, "warmup": HEALTHY_WARMUP, "fp16": fp16, "args": sane_args}, "steps": steps}
+
+
+MEGATRON_FAMILIES = ("lr_peak", "warmup_short", "adam_eps", "attention_logits")
+_MEGATRON_NAMES = {"--d-model": "--hidden-size", "--layers": "--num-layers", "--heads": "--num-attention-heads"}
+
+
+def _megatron(bad: dict, common: list, sane_args: list, fp16: bool) -> tuple[dict, list]:
+    """A draw's arguments in pretrain_gpt.py's names (bench/natural/megatron_lm.py's tiny GPT, overridden): its
+    precision a flag, one wide head two (TP=2 splits the heads)."""
+    def named(args):
+        out = [_MEGATRON_NAMES.get(a, a) for a in args]
+        out = [("2" if i and out[i - 1] == "--num-attention-heads" else a) for i, a in enumerate(out)]
+        return out + ["--fp16" if fp16 else "--bf16"]
+    return {**bad, "args": named(common)}, named(sane_args)
 
 
 def cases(which: str, n: int | None = None, stacks: tuple[str, ...] = ("deepspeed",)) -> list[dict]:

@@ -32,6 +32,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
         "--distributed-backend gloo --eval-iters 0 --eval-interval 100000 --log-interval 1 "
         "--ckpt-format torch_dist --tensor-model-parallel-size 2 --clip-grad 1.0").split()
+SPIKY = re.compile(r"iteration #?(\d+)\D.*message='Spiky loss'")
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: ([-+.0-9E]+) \|(?:.*?lm loss: ([-+.0-9E]+) \|)?")
 
 
@@ -50,20 +51,21 @@ def available() -> str | None:
 
 
 def run(setting: dict, which: str, out: Path, steps: int, block: dict) -> dict:
-    """One run: ``setting`` {"lr", "warmup", "args"}; ``which`` healthy / plain / guarded. Returns the bench's
-    run summary (run.py's ``summarise_run`` shape)."""
+    """One run: ``setting`` {"lr", "warmup", "args"}; ``which`` healthy / plain / guarded, or peer (plain, with
+    Megatron-LM's own switches in ``setting``). Returns the bench's run summary (run.py's ``summarise_run`` shape)."""
     import time
 
     out.mkdir(parents=True, exist_ok=True)
     args = [*TINY, "--lr", str(setting.get("lr", 1e-3)), "--lr-warmup-iters", str(setting.get("warmup", 30)),
             "--train-iters", str(steps), *setting.get("args", [])]
-    if which != "plain":
+    unguarded = which in ("plain", "peer")
+    if not unguarded:
         block = {**block, "metrics": {**block.get("metrics", {}), "jsonl": str(out / "trainguard.jsonl")},
                  "checkpoint": {**block.get("checkpoint", {}), "dir": str(out / "ckpt")}}
         (out / "tg.json").write_text(json.dumps({"trainguard": block}))
         args += ["--trainguard-config", str(out / "tg.json")]
     bin_ = Path(sys.executable).parent
-    prefix = [str(bin_ / "trainguard"), "run", "--"] if which != "plain" else []
+    prefix = [] if unguarded else [str(bin_ / "trainguard"), "run", "--"]
     command = [*prefix, str(bin_ / "torchrun"), "--standalone", "--nproc-per-node", "2",
                str(CHECKOUT / "pretrain_gpt.py"), *args]
     marker = f"{out}:{uuid.uuid4().hex}"
@@ -94,6 +96,8 @@ def summarise(out: Path, rc: int, seconds: float) -> dict:
     end = next((e["detail"] for e in events if e["event"] == "run_end"), {})
     final = statistics.median(series[-10:]) if len(series) >= 10 else None
     return {"rc": rc, "died": died, "aborted": aborted, "eval": final, "losses": series,
+            # (Megatron-LM's own check, where it was on: each loss its --check-for-spiky-loss rejected, on any rank)
+            "peer_fired": len({m for m in SPIKY.findall(text)}),
             "steps": max(losses, default=0), "seconds": round(seconds, 1), "events": events,
             "lost": (end.get("goodput") or {}).get("steps_lost")}
 

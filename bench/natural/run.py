@@ -85,14 +85,17 @@ class Case:
     steps: int = 300
 
     def setting(self, which: str) -> dict:
-        """The failing setting, or for *healthy* the sane one: the demo's LR schedule unless ``sane`` says."""
+        """The failing setting, or for *healthy* the sane one: the demo's LR schedule unless ``sane`` says; for
+        *peer* the failing one with the framework's own switches on (PEERS)."""
+        if which == "peer":
+            return {**self.bad, "args": [*self.bad.get("args", []), *PEERS[self.stack]]}
         return {**self.bad, "lr": 0.003, "warmup": 100, **self.sane} if which == "healthy" else self.bad
 
     def config(self, which: str, out: Path) -> dict:
         s = self.setting(which)
         if self.stack == "hf":  # (the Trainer fills the "auto"s from its arguments; LR and warmup are its own)
             cfg = copy.deepcopy(HF_BASE)
-            if which != "plain":  # (the Trainer's working directory is not the run's: paths absolute)
+            if which not in UNGUARDED:  # (the Trainer's working directory is not the run's: paths absolute)
                 cfg["trainguard"] = copy.deepcopy(BLOCK)
                 cfg["trainguard"]["metrics"]["jsonl"] = str(out / "trainguard.jsonl")
                 cfg["trainguard"]["checkpoint"]["dir"] = str(out / "ckpt")
@@ -103,7 +106,7 @@ class Case:
         if s.get("fp16"):
             cfg.pop("bf16")
             cfg["fp16"] = dict(FP16)
-        if which != "plain":
+        if which not in UNGUARDED:
             cfg["trainguard"] = copy.deepcopy(BLOCK)
         return cfg
 
@@ -116,9 +119,18 @@ class Case:
         """run_worker's module and prefix: DeepSpeed's own loop (the demo worker), or HF's Trainer under
         ``trainguard run --`` (plain: no prefix, no block)."""
         if self.stack == "hf":
-            return {"module": "bench.natural.hf_train", "prefix": () if which == "plain" else PREFIX}
+            return {"module": "bench.natural.hf_train", "prefix": () if which in UNGUARDED else PREFIX}
         return {}
 
+
+# The frameworks' own switches for what trainguard guards, run as a fourth column (*peer*: the failing setting, no
+# trainguard, the switch on) where a stack has one a user can turn on: Megatron-LM's --check-for-spiky-loss (a loss
+# 10x the largest seen is re-run; one that reproduces is logged and the run goes on). megatron-core's
+# OptimizerConfig.grad_norm_skip_threshold has no pretrain_gpt.py argument in core_v0.19.0. DeepSpeed's own handling
+# (fp16's dynamic loss scale skipping an overflowing step, the configured gradient clipping) is on in every plain run:
+# its column is *plain*. HF's Trainer adds none.
+PEERS = {"megatron": ["--check-for-spiky-loss"]}
+UNGUARDED = ("plain", "peer")
 
 CASES = [
     Case("lr_peak_early", "deepspeed", "warmup to a peak LR 17x too high (0.05)", {"lr": 0.05}),
@@ -157,7 +169,7 @@ CASES = [
 
 def run_case(case: Case, out: Path, reuse: bool = False, rerun: tuple[str, ...] = ()) -> dict:
     runs = {}
-    for which in ("healthy", "plain", "guarded"):
+    for which in ("healthy", "plain", "guarded") + (("peer",) if case.stack in PEERS else ()):
         d = out / case.name / which
         if reuse and which not in rerun and (d / "summary.json").exists():  # (judged again from what a run left, not run again)
             runs[which] = json.loads((d / "summary.json").read_text())
@@ -167,7 +179,7 @@ def run_case(case: Case, out: Path, reuse: bool = False, rerun: tuple[str, ...] 
         d.mkdir(parents=True)
         cfg_path = d / "ds_config.json"
         cfg_path.write_text(json.dumps(case.config(which, d), indent=1))
-        extra = case.args(which) + (["--plain"] if which == "plain" else [])
+        extra = case.args(which) + (["--plain"] if which in UNGUARDED else [])
         if case.stack == "megatron":
             from bench.natural import megatron_lm as megatron
 
@@ -243,6 +255,7 @@ def judge(case: Case, runs: dict) -> dict:
         "plain": "died at step %s: %s" % (plain["steps"], (plain["died"] or "")[:60]) if plain["died"]
         else f"{plain['eval']:.3f} ({rel(plain['eval']):+.0%})" if plain["eval"] is not None else "NaN",
         "plain_bad": plain_bad,
+        **_peer(runs.get("peer"), rel, h_eval),
         "guarded_did": [f"{e['event']}@{e['step']}:{e['action']}" for e in acted][:6],
         "guarded_aborted": guarded["aborted"],
         "guarded_eval": guarded["eval"], "guarded_rel": guarded_rel, "steps_lost": guarded["lost"],
@@ -252,6 +265,17 @@ def judge(case: Case, runs: dict) -> dict:
         "delay": (first["step"] - band) if first and band else None,
         "seconds": {k: v["seconds"] for k, v in runs.items()},
     }
+
+
+def _peer(peer: dict | None, rel, h_eval) -> dict:
+    """The framework's own switches' column (PEERS): its outcome against healthy and how many iterations its check
+    fired on."""
+    if peer is None:
+        return {}
+    said = "died at step %s: %s" % (peer["steps"], (peer["died"] or "")[:60]) if peer["died"] else \
+        f"{peer['eval']:.3f} ({rel(peer['eval']):+.0%})" if peer["eval"] is not None and h_eval else "NaN"
+    return {"peer": said, "peer_eval": peer["eval"], "peer_rel": None if peer["died"] else rel(peer["eval"]),
+            "peer_fired": peer.get("peer_fired")}
 
 
 def table(rows: list[dict]) -> str:
@@ -266,6 +290,13 @@ def table(rows: list[dict]) -> str:
         gap = "-" if r.get("gap_closed") is None else f"{r['gap_closed']:.0%}"
         out.append(f"{r['case']:<20.20} {r['stack']:<9} {r['plain']:<34.34} {did:<36.36} {str(r['steps_lost']):>5} "
                    f"{g:>9} {gap:>5} {str(r['left_band']):>5} {str(r['delay']):>6}")
+    peers = [r for r in rows if "peer" in r]
+    if peers:  # (the frameworks' own switches beside plain and trainguard: PEERS)
+        out += ["", "the frameworks' own switches (" + "; ".join(f"{k}: {' '.join(v)}" for k, v in PEERS.items()) + ")",
+                f"{'case':<20.20} {'plain vs healthy':<34} {'switch on vs healthy':<34} {'fired':>5} {'guarded':>9}"]
+        for r in peers:
+            g = "died" if r["guarded_eval"] is None else f"{r['guarded_rel']:+.1%}"
+            out.append(f"{r['case']:<20.20} {r['plain']:<34.34} {r['peer']:<34.34} {str(r['peer_fired']):>5} {g:>9}")
     return "\n".join(out)
 
 

@@ -58,3 +58,30 @@ def test_hf_draws_run_the_same_model_the_trainer_can_run():
         argparse.ArgumentParser.add_argument = real
     passed = {a for c in hf for a in c.args("guarded") if a.startswith("--")}
     assert passed <= taken, passed - taken
+
+
+def test_megatron_draws_say_the_draw_in_pretrain_gpts_names_and_carry_its_own_switch_as_a_column():
+    """With Megatron-LM among the stacks: the families its arguments can say run on pretrain_gpt.py (the draw's seed,
+    size and precision in its names, heads that TP=2 can split), the others stay on DeepSpeed; each Megatron-LM case
+    runs a fourth, unguarded column with --check-for-spiky-loss, judged and tabled beside plain and trainguard."""
+    from bench.natural.corpus import DEV, MEGATRON_FAMILIES, cases
+    from bench.natural.run import PEERS, Case, judge, table
+
+    drawn = [Case(**c) for c in cases("dev", None, ("deepspeed", "megatron"))]
+    mg = [c for c in drawn if c.stack == "megatron"]
+    assert len(mg) >= 6 and len(drawn) == len(DEV)
+    assert {c.name.split("_x")[0].split("_", 1)[1] for c in mg} <= set(MEGATRON_FAMILIES)
+    for c in mg:
+        for which in ("healthy", "plain", "guarded"):
+            args = c.setting(which)["args"]
+            assert args[args.index("--seed") + 1] == c.name.split("_")[0][1:] and "--hidden-size" in args
+            assert ("--fp16" if "_fp16_" in c.name else "--bf16") in args and "--d-model" not in args
+            if "--num-attention-heads" in args:
+                assert int(args[args.index("--num-attention-heads") + 1]) % 2 == 0
+        assert c.setting("peer")["args"] == c.setting("plain")["args"] + PEERS["megatron"]
+    run = {"died": None, "eval": 1.0, "losses": [1.0] * 30, "steps": 30, "seconds": 1.0, "events": [], "lost": 0,
+           "aborted": None}
+    rows = [judge(mg[0], {"healthy": run, "plain": {**run, "eval": 2.0}, "guarded": {**run, "eval": 1.05},
+                          "peer": {**run, "eval": 1.9, "peer_fired": 3}})]
+    assert rows[0]["peer"] == "1.900 (+90%)" and rows[0]["peer_fired"] == 3 and abs(rows[0]["peer_rel"] - 0.9) < 1e-9
+    assert "--check-for-spiky-loss" in table(rows) and "+90%" in table(rows).splitlines()[-1]

@@ -98,7 +98,8 @@ def summarise(results: list[dict | None]) -> dict:
 
 
 def demo(config: str | os.PathLike | None, steps: int, out: str | os.PathLike, extra: Sequence[str] = (),
-         stream=sys.stdout, natural: bool = True) -> int:
+         stream=sys.stdout, natural: bool = True, figures: dict | None = None) -> int:
+    """``figures``: filled with what the tables print (bench/demo.py keeps it)."""
     config = Path(config) if config else DEFAULT_CONFIG
     out = Path(out)
     print(f"trainguard demo: 2 ranks, {steps} steps, config {config}", file=stream)
@@ -135,8 +136,12 @@ def demo(config: str | os.PathLike | None, steps: int, out: str | os.PathLike, e
               "test_detect_dist.py).", file=stream)
     print("", file=stream)
     print(f"event log: {out / 'trainguard' / 'trainguard.jsonl'}", file=stream)
+    if figures is not None:
+        figures.update(faults=fault_table(events), trainguard=g, plain=p)
     if natural:
-        natural_case(config, out / "natural", extra=extra, stream=stream)
+        found = natural_case(config, out / "natural", extra=extra, stream=stream)
+        if figures is not None:
+            figures["natural"] = {k: found[k] for k in ("trainguard", "plain", "did")}
     return 0
 
 
