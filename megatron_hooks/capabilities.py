@@ -6,6 +6,7 @@ from __future__ import annotations
 from trainguard.ports import Refusal, World
 
 VARIANTS = ("megatron_hooks",)
+LAUNCH_FLAGS = {"--trainguard-config": "megatron_hooks"}  # (Megatron-LM's argument: `trainguard run` checks its file)
 
 _YOUR_LOADER = ("the data loader is yours (Megatron-LM's or your loop's), so trainguard never sees the samples; "
                 "check them in your dataset")
@@ -38,8 +39,6 @@ REFUSED: dict[str, dict[str, Refusal]] = {
         "divided by your number of micro-batches, which the guard does not know; use norm or adaptive",
         inert=("deepspeed", "norm", "adaptive"))},
     "clipping.value": {"megatron_hooks": Refusal("only used by clipping.mode \"value\" (refused on megatron)")},
-    "checks.min_warmup_steps": {"megatron_hooks": Refusal(
-        "the LR schedule is yours (Megatron-LM's OptimizerParamScheduler): megatron_hooks cannot read its warmup")},
     "faults[].type": {"megatron_hooks": Refusal(
         "bad_label needs the loader of ds_plugins; on megatron use nan_batch (with sample: one bad sample), nan_loss, "
         "inf_activation or inf_grad", inert=("nan_loss", "inf_grad", "spike_batch", "lr_ramp", "inf_activation",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from trainguard import config as tg_config
 from trainguard.ports import (bf16_supported, collective_device, gather_coords, releases, RunFacts, StepOutcome,
                               zero_adam_moments)
-from trainguard.errors import FallbackUnavailable
+from trainguard.errors import FallbackUnavailable, interruption
 from trainguard.events import Action, Anomaly
 from trainguard.step.session import GuardSession
 
@@ -218,9 +218,9 @@ class MegatronGuard:
         self.grad_scaler = None  # bf16: no loss scale to watch (the session arms the rest again)
         return {"from": "fp16", "to": "bf16", "at_step": self.iteration, **detail}
 
-    def close(self, clean: bool = True) -> None:
+    def close(self, clean: bool = True, why: BaseException | None = None) -> None:
         """The end of the run. ``clean=False`` (the loop raised: a peer died, ...): the snapshots in node memory
         stay for the restart, and no writer is waited for (its peer may be gone)."""
         if getattr(self.optimizer, "step", None) == self.step:
             self.optimizer.step = self._base_step
-        self.session.close({"iterations": self.iteration}, clean=clean)
+        self.session.close({"iterations": self.iteration, **interruption(why)}, clean=clean)

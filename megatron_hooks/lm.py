@@ -80,8 +80,8 @@ def install_entry() -> None:
                 return train(forward_step_func, *args, **kwargs)
             try:
                 result = train(run.wrap_forward_step(forward_step_func), *args, **kwargs)
-            except BaseException:
-                run.close(clean=False)  # (node memory's snapshots stay for the restart)
+            except BaseException as e:
+                run.close(clean=False, why=e)  # (node memory's snapshots stay for the restart; run_end says why)
                 raise
             run.close()
             return result
@@ -282,7 +282,7 @@ class LMRun:
                                 DataPosition(epoch=0, batch_in_epoch=current, consumed_samples=int(m.consumed_train_samples)))
         self._micro += 1
 
-    def close(self, clean: bool = True) -> None:
+    def close(self, clean: bool = True, why: BaseException | None = None) -> None:
         if not self.closed:
             self.closed = True
-            self.guard.close(clean)
+            self.guard.close(clean, why)

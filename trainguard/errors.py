@@ -22,6 +22,15 @@ class ConfigError(TrainguardError, ValueError):
         super().__init__("\n".join(lines))
 
 
+def interruption(error: BaseException | None) -> dict:
+    """What the run_end record says of an exception that ended the training loop: ``{"interrupted": "Type: message"}``
+    (a peer died, the launcher stopped the job); nothing for none, or an exit with status 0 (Megatron-LM's
+    --exit-interval, a signal handler's clean exit)."""
+    if error is None or isinstance(error, SystemExit) and error.code in (0, None):
+        return {}
+    return {"interrupted": f"{type(error).__name__}: {error}"[:200]}
+
+
 class TrainguardAbort(TrainguardError):
     """Every rank raises this together when the policy decides the run cannot go on.
 

@@ -380,6 +380,10 @@ def test_sigkill_and_restart_resume_once_from_the_newest_snapshot(tmp_path, rele
     assert resume["detail"]["tag"] == "step00000006" and resume["detail"]["rng_restored"]
     for i in range(9, ITERS + 1):  # every iteration after the restart's first, exactly
         assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
+    # the killed attempt's end, where rank 0's loop raised before the launcher stopped it, says it was stopped by an
+    # error (it read as an ordinary end to a new user); the restarted run's end does not
+    *before, last = run.events("run_end")
+    assert all("interrupted" in e["detail"] for e in before) and "interrupted" not in last["detail"], before + [last]
 
 
 def newest_only(release, why="the in-memory tier is trainguard's, the same on every release"):

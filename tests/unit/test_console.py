@@ -131,3 +131,25 @@ def test_the_story_says_what_its_goodput_is_of_and_that_a_resume_counts_the_time
     first, _, again = out.getvalue().splitlines()
     assert "goodput 0.0309 (0 step(s) lost; 1.2 s productive of 38.8 s)" in first
     assert "1.2 s productive of 38.8 s, since the run began: the time from the checkpoint it resumed from counts" in again
+
+
+def test_a_launch_stopped_by_an_error_says_so_at_its_end_and_in_the_summary():
+    """A new user's Megatron-LM run, rank 1 killed: rank 0 printed "run ended at step 54" and the report said
+    "finished" -- nothing said a rank died. The loop's exception is the run_end's ``interrupted``; the console and
+    the summary say it, and a relaunch that finished says the stopped launch before it."""
+    from trainguard.errors import interruption
+    from trainguard.observe.summary import summarize
+
+    assert interruption(None) == {} and interruption(SystemExit(0)) == {}
+    why = interruption(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert why == {"interrupted": "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"}
+    out = io.StringIO()
+    ConsoleSink(parse_block({}), stream=out).event(54, "run_end", [], None, {"iterations": 54, **why})
+    assert "run STOPPED at step 54 by an error (RuntimeError: [../gloo" in out.getvalue(), out.getvalue()
+
+    def end(step, **d):
+        return {"type": "event", "step": step, "event": "run_end", "ranks": [], "action": None, "detail": d}
+    assert summarize([end(54, **why)]).startswith("trainguard summary: STOPPED by an error at step 54 (RuntimeError")
+    told = summarize([end(54, **why), end(60)])
+    assert told.startswith("trainguard summary: finished (after 1 launch(es) stopped by an error: step 54, Runtime"), told
+    assert summarize([end(60)]).startswith("trainguard summary: finished; last step 60")

@@ -53,6 +53,22 @@ def test_a_good_block_and_a_json_that_is_no_ds_config_launch(tmp_path):
         [(tmp_path / "ds.json", False), (tmp_path / "vocab.json", False)]
 
 
+def test_what_megatron_hooks_refuses_stops_a_megatron_lm_launch_before_it_starts(tmp_path):
+    """``--trainguard-config`` is Megatron-LM's argument: a key megatron_hooks refuses (here ``checkpoint.async``) was
+    said valid, the job launched and every rank died at argument parsing (a new user's Megatron-LM trial). Now it is
+    refused before the launch; the same key under ``--deepspeed`` (ds_plugins applies it) launches."""
+    write(tmp_path, "tg.json", {"trainguard": {"checkpoint": {"async": True}}})
+    rc, err, launched = trainguard_run(tmp_path, "pretrain_gpt.py", "--trainguard-config", "tg.json")
+    assert rc == 2 and not launched and "trainguard.checkpoint.async" in err and "megatron_hooks" in err, err
+    assert "tg.json" in err and "nothing launched" in err, err
+    rc, err, launched = trainguard_run(tmp_path, "--deepspeed", "tg.json")
+    assert rc == 0 and launched, err
+    # (the start-of-run warmup check reads Megatron-LM's --lr-warmup-iters: its key is no longer refused there)
+    write(tmp_path, "tg.json", {"trainguard": {"checks": {"min_warmup_steps": 5}}})
+    rc, err, launched = trainguard_run(tmp_path, "pretrain_gpt.py", "--trainguard-config", "tg.json")
+    assert rc == 0 and launched, err
+
+
 def test_a_launch_line_that_names_no_block_says_nothing_was_checked(tmp_path):
     """HF's TrainingArguments(deepspeed="ds_config.json") names its ds_config inside the script: nothing on the line to
     check -- said, with the command that checks it now (a new user's launch took a bad key to every rank unwarned)."""

@@ -84,7 +84,8 @@ class ConsoleSink:
 
     def ending(self, step: int, end: dict) -> str:
         g = end.get("goodput") if isinstance(end.get("goodput"), dict) else {}
-        parts = [f"run ended at step {end.get('global_steps', end.get('iterations', step))}",
+        stopped = f"run STOPPED at step {{}} by an error ({end['interrupted']})" if end.get("interrupted") else ""
+        parts = [(stopped or "run ended at step {}").format(end.get("global_steps", end.get("iterations", step))),
                  f"{end.get('guard_skipped_steps', 0)} step(s) skipped by trainguard",
                  f"{self.rollbacks} rollback(s)"]
         if g:
@@ -115,5 +116,5 @@ def line(step: int, event: str, ranks, action: str | None, detail: dict) -> str:
         if value in (None, "", [], {}):
             continue
         text = str(value)
-        said.append(f"{key}: {text[:160] + '...' if len(text) > 160 else text}")
+        said.append(f"{key}: {text[:320] + '...' if len(text) > 320 else text}")
     return head + (f" ({'; '.join(said)})" if said else "")

@@ -41,7 +41,10 @@ def start_checks(facts: RunFacts, cfg: TrainguardConfig, replicas: int | None = 
     elif facts.warmup_steps >= 0 and facts.warmup_steps < cfg.checks.min_warmup_steps:
         out.append(Verdict("checks", "short_warmup", (), {
             "warmup_steps": facts.warmup_steps, "min_warmup_steps": cfg.checks.min_warmup_steps,
-            "advice": "the LR warmup is shorter than trainguard.checks.min_warmup_steps."}))
+            "advice": f"the LR warmup ({facts.warmup_steps} steps) is shorter than trainguard.checks.min_warmup_steps "
+                      f"({cfg.checks.min_warmup_steps}): lengthen it (Megatron-LM: --lr-warmup-iters; DeepSpeed: the "
+                      "scheduler's warmup_num_steps; HF: warmup_steps), or lower that key if this warmup is your "
+                      "choice."}))
     if facts.framework_clip <= 0 and cfg.clipping.mode == "deepspeed":
         out.append(Verdict("checks", "no_clipping", (), {
             "advice": "gradient clipping is off: set \"gradient_clipping\" (e.g. 1.0) or "

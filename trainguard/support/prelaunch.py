@@ -4,7 +4,8 @@ A bad block used to surface ~20 s after the launch, inside every rank's tracebac
 argparse usage); a callback that cannot be imported only when the guard was built. Here, before the command runs,
 once per job: the JSON files the command line names (``--deepspeed ds.json``, ``--deepspeed_config=ds.json``,
 ``--trainguard-config tg.json``, any argument ending in ``.json`` that is a file) are read; each one holding a
-trainguard block -- or a top-level key one edit away from it -- is parsed as the ranks will parse it, and the
+trainguard block -- or a top-level key one edit away from it -- is parsed as the ranks will parse it (a file
+``--trainguard-config`` names with what the adapter whose framework takes that flag refuses), and the
 modules of the callbacks, custom detectors and sinks it names are found on the path (not run). A file that is not a ds_config (a tokenizer's
 vocabulary, a dataset index) is left alone: only a file with the block, or its typo, is judged.
 """
@@ -117,6 +118,15 @@ def check(path: Path, alone: bool = False, search: list[str] | None = None):
         _, block = load(path)
     if block is not None:
         check_imports(block, search, str(path))
+        # (a flag an adapter's framework takes the block with -- Megatron-LM's --trainguard-config: what that adapter
+        # refuses stops the launch now, not every rank after it -- a new user's job launched, then died at parsing)
+        from trainguard.support.support import check_supported, launched_by
+
+        for variant in {launched_by()[f] for f in OURS if f in launched_by()} if alone else ():
+            try:
+                check_supported(block, variant)
+            except ConfigError as e:
+                raise ConfigError(e.problems, str(path)) from None
     return block
 
 

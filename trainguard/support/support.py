@@ -63,6 +63,19 @@ def adapters() -> tuple[str, ...]:
     return tuple(declared())
 
 
+@functools.cache
+def launched_by() -> dict[str, str]:
+    """The launch-line flags with which an installed adapter's framework takes the file of a trainguard block
+    ({flag: the variant it runs under}: its declaration's optional ``LAUNCH_FLAGS``): ``trainguard run`` checks such
+    a file against what that variant refuses, before anything is launched."""
+    from importlib.metadata import entry_points
+
+    out: dict[str, str] = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        out.update(getattr(ep.load(), "LAUNCH_FLAGS", {}))
+    return out
+
+
 def leaf_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
     """Every leaf key of the block, as ``section.key`` (list items as ``faults[].type``)."""
     if model is None:
