@@ -21,7 +21,8 @@ def test_a_guarded_run_says_it_is_guarded_what_it_does_and_how_it_ended(tmp_path
     acted = [x for x in lines if x.startswith("[trainguard] step ")]
     assert [x.split(":")[0] for x in acted if x.split(": ", 1)[1].startswith("nonfinite")] == ["[trainguard] step 8", "[trainguard] step 9",
                                                                       "[trainguard] step 10"]
-    assert any("step 8: nonfinite on rank(s) [0] -> skip_step" in x and "samples rank 0: [56," in x for x in acted)
+    assert any("step 8: nonfinite on rank(s) [0] -> skip_step" in x and "rank 0 (dp 0, tp 0, pp 0): samples [56," in x
+               for x in acted), acted
     assert any("step 10: rollback" in x and "to_tag: step00000005" in x for x in acted)
     assert lines[-1].startswith("[trainguard] run ended at step 16, 3 step(s) skipped") and \
         "1 rollback(s)" in lines[-1] and "trainguard report " + str(tmp_path / "tg.jsonl") in lines[-1]

@@ -107,10 +107,9 @@ def line(step: int, event: str, ranks, action: str | None, detail: dict) -> str:
     head = f"step {step}: {event}" + who + (f" -> {action}" if action else "")
     said = []
     per = detail.get("per_rank") if isinstance(detail.get("per_rank"), dict) else {}
-    ids = {r: list(v["sample_ids"]) for r, v in per.items()
-           if isinstance(v, dict) and isinstance(v.get("sample_ids"), (list, tuple)) and v["sample_ids"]}
-    if ids:  # (the culprit samples: what a person sets aside or looks at first)
-        said.append("samples " + "; ".join(f"rank {r}: {v[:8]}" + ("..." if len(v) > 8 else "") for r, v in ids.items()))
+    named = [_culprit(r, v) for r, v in list(per.items())[:4] if isinstance(v, dict)]
+    if any(named):  # (the culprit: where it sits, its samples, the first layer -- what a person looks at first)
+        said.append("; ".join(n for n in named if n))
     for key in SHOWN:
         value = detail.get(key)
         if value in (None, "", [], {}):
@@ -118,3 +117,16 @@ def line(step: int, event: str, ranks, action: str | None, detail: dict) -> str:
         text = str(value)
         said.append(f"{key}: {text[:320] + '...' if len(text) > 320 else text}")
     return head + (f" ({'; '.join(said)})" if said else "")
+
+
+def _culprit(rank, v: dict) -> str:
+    """One named rank: its (dp, tp, pp) coordinates, its samples, the first layer that produced a non-finite value."""
+    c = v.get("coords") if isinstance(v.get("coords"), dict) else {}
+    where = ", ".join(f"{k} {c[k]}" for k in ("dp", "tp", "pp") if k in c)
+    ids = v.get("sample_ids") if isinstance(v.get("sample_ids"), (list, tuple)) else []
+    parts = [f"samples {list(ids[:8])}" + ("..." if len(ids) > 8 else "")] if ids else []
+    if v.get("first_nonfinite_module"):
+        parts.append(f"first layer {v['first_nonfinite_module']}")
+    if not parts:
+        return ""
+    return f"rank {rank}" + (f" ({where})" if where else "") + ": " + ", ".join(parts)
