@@ -131,8 +131,9 @@ def summarize(lines: list[dict]) -> str:
     if done or skips:
         out.append("done about it:")
         if skips:
+            overflows = " (an fp16 scaler's own skips: overflow, above)" if by.get("overflow") else ""
             out.append(f"  skip_step            x{len(skips):<3} at steps {skips[:12]}{' ...' if len(skips) > 12 else ''}"
-                       " (the step's update left out, the run went on; an fp16 scaler's own: overflow above)")
+                       f" (the step's update left out, the run went on){overflows}")
         out += [_done(kind, es) for kind, es in done]
     rejected = [(i, why, e["step"]) for e in by.get("samples_rejected") or [] for i, why in _rejected(e)]
     if rejected:
