@@ -37,7 +37,9 @@ FIGURES = [
      ("sdc_ms_per_check",)),
     ("docs/detection.md", r"\*\*([\d.]+)% of step time at one check every 100 steps\*\*", "overhead-sdc-2026-12-06.json",
      ("sdc_share",)),
-    ("docs/detection.md", r"\*\*(\d+) actions in all 5 runs\*\*", "natural-healthy-2026-12-06.json", ("actions",)),
+    ("docs/detection.md", r"\*\*(\d+) actions in all 5\s+runs\*\*", "natural-healthy-2026-12-07.json", ("actions",)),
+    ("docs/detection.md", r"\*\*([\d.]+) in Megatron-LM's\*\*", "natural-healthy-2026-12-07.json",
+     ("rows.4.alert_incidents_per_1k",)),
     ("docs/detection.md", r"every failing case\s+acted on \*\*(\d+/\d+)\*\*; guarded within 10% of healthy or >= 90% of the gap "
      r"closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-06.json", ("goals.0.figure", "goals.1.figure")),
     ("docs/detection.md", r"\*\*-0\.1%\*\*, (\d+) steps lost\. Both healthy runs: no action", "natural-long-2026-12-06.json",
