@@ -380,10 +380,7 @@ def test_sigkill_and_restart_resume_once_from_the_newest_snapshot(tmp_path, rele
     assert resume["detail"]["tag"] == "step00000006" and resume["detail"]["rng_restored"]
     for i in range(9, ITERS + 1):  # every iteration after the restart's first, exactly
         assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
-    # the killed attempt's end, where rank 0's loop raised before the launcher stopped it, says it was stopped by an
-    # error (it read as an ordinary end to a new user); the restarted run's end does not
-    *before, last = run.events("run_end")
-    assert all("interrupted" in e["detail"] for e in before) and "interrupted" not in last["detail"], before + [last]
+    ended_as_it_did(run)
 
 
 def newest_only(release, why="the in-memory tier is trainguard's, the same on every release"):
@@ -431,6 +428,15 @@ def test_a_killed_rank_comes_back_from_node_memory_losing_at_most_one_iteration(
     for i in range(step + 3, ITERS + 1):
         assert run.iterations[i] == plain.iterations[i], (i, run.iterations[i], plain.iterations[i])
     assert not list((tmp_path / "shm").rglob("manifest.json"))  # the end of the run freed node memory
+    ended_as_it_did(run)
+
+
+def ended_as_it_did(run):
+    """The killed attempt's end, where rank 0's loop raised before the launcher stopped it, says it was stopped by an
+    error (it read as an ordinary end to a new user: the console's "run ended", the report's "finished"); the
+    restarted run's end does not."""
+    *before, last = run.events("run_end")
+    assert all("interrupted" in e["detail"] for e in before) and "interrupted" not in last["detail"], before + [last]
 
 
 def test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy(tmp_path, release, plain):
