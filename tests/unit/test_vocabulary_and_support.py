@@ -83,7 +83,7 @@ _ACTIVE = {"sanitize.max_seq_len": 512, "sanitize.vocab_size": 100, "sanitize.pa
            "sanitize.reject_all_zero": False, "sanitize.action": "fail", "data.shuffle": False, "data.seed": 3,
            "data.drop_last": False, "distributed.collective_timeout_s": 60.0,
            "distributed.fresh_store_per_attempt": True, "recovery.skip_batches": 10, "checkpoint.async": True,
-           "clipping.mode": "value", "clipping.value": 0.5, "checks.min_warmup_steps": 10, "faults[].type": "bad_label",
+           "clipping.mode": "value", "clipping.value": 0.5, "faults[].type": "bad_label",
            "checkpoint.snapshot.every_steps": 5}
 
 
@@ -259,6 +259,13 @@ def test_under_hfs_trainer_a_bad_block_names_the_file_the_user_wrote(tmp_path):
     args = types.SimpleNamespace(deepspeed=dict(raw), hf_deepspeed_config=None)  # (a dict given: none to name)
     with pytest.raises(ConfigError, match="problem.s. in the trainguard config:"):
         _block_of_args(args)
+    # (the APIs that take the block alone take a dict too: megatron_hooks.install(config={...}))
+    from trainguard.config.parsing import block_of
+
+    assert block_of({"checkpoint": {"every_steps": 5}}).checkpoint.every_steps == 5
+    assert block_of({"trainguard": {"enabled": False}}).enabled is False
+    with pytest.raises(ConfigError, match="detectors.nonfinite.actoin"):
+        block_of(raw)
 
 
 def test_every_capability_row_names_the_tests_that_prove_it():

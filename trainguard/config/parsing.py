@@ -103,6 +103,7 @@ def block_of(config: Any, caller: str = "trainguard") -> TrainguardConfig:
     file -- the block itself, or a ds_config-style one holding a "trainguard" key."""
     if isinstance(config, TrainguardConfig):
         return config
+    source = None
     if isinstance(config, (str, os.PathLike)):
         source, config = str(config), read_json(config)
     if not isinstance(config, dict):
