@@ -30,7 +30,7 @@ class _Tee(io.StringIO):
 
 def goals(f: dict) -> list[tuple[str, bool, str]]:
     g, p, n = f.get("trainguard", {}), f.get("plain", {}), f.get("natural", {})
-    close = g.get("eval_loss") is not None and (not p.get("completed") or p.get("eval_loss") is not None
+    close = g.get("eval_loss") is not None and (not p.get("completed") or bool(p.get("eval_loss"))
                                                 and abs(g["eval_loss"] / p["eval_loss"] - 1) <= 0.02)
     faults = [r for r in f.get("faults", []) if r.get("fault") and not r["fault"].startswith("(")]
     unseen = [r["fault"] for r in faults if not r.get("verdict")]

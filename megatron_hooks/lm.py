@@ -81,7 +81,8 @@ def install_entry() -> None:
             try:
                 result = train(run.wrap_forward_step(forward_step_func), *args, **kwargs)
             except BaseException as e:
-                run.close(clean=False, why=e)  # (node memory's snapshots stay for the restart; run_end says why)
+                run.close(clean=isinstance(e, SystemExit) and e.code in (0, None), why=e)  # (else node memory's
+                # snapshots stay for the restart; run_end says why)
                 raise
             run.close()
             return result

@@ -22,15 +22,6 @@ class ConfigError(TrainguardError, ValueError):
         super().__init__("\n".join(lines))
 
 
-def interruption(error: BaseException | None) -> dict:
-    """What the run_end record says of an exception that ended the training loop: ``{"interrupted": "Type: message"}``
-    (a peer died, the launcher stopped the job); nothing for none, or an exit with status 0 (Megatron-LM's
-    --exit-interval, a signal handler's clean exit)."""
-    if error is None or isinstance(error, SystemExit) and error.code in (0, None):
-        return {}
-    return {"interrupted": f"{type(error).__name__}: {error}"[:200]}
-
-
 class TrainguardAbort(TrainguardError):
     """Every rank raises this together when the policy decides the run cannot go on.
 
@@ -41,6 +32,18 @@ class TrainguardAbort(TrainguardError):
     def __init__(self, message: str, report: dict | None = None):
         self.report = report or {}
         super().__init__(message)
+
+
+def interruption(error: BaseException | None) -> dict:
+    """What the run_end record says of an exception that ended the training loop: ``{"interrupted": "Type: message"}``
+    (a peer died, the launcher stopped the job; the message's first line); nothing for none, trainguard's own abort
+    (its record says it), or an exit with status 0 (Megatron-LM's --exit-interval, a signal handler's clean exit)."""
+    if error is None or isinstance(error, (TrainguardAbort, SystemExit)) and getattr(error, "code", 0) in (0, None):
+        return {}  # (an abort is its own record, said as such)
+    said = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, KeyboardInterrupt):
+        return {"interrupted": "KeyboardInterrupt (Ctrl-C, or a signal)"}
+    return {"interrupted": (f"{type(error).__name__}: {said}" if said else type(error).__name__)[:200]}
 
 
 class UnsupportedSetup(TrainguardError):

@@ -273,7 +273,7 @@ def _peer(peer: dict | None, rel, h_eval) -> dict:
     if peer is None:
         return {}
     said = "died at step %s: %s" % (peer["steps"], (peer["died"] or "")[:60]) if peer["died"] else \
-        f"{peer['eval']:.3f} ({rel(peer['eval']):+.0%})" if peer["eval"] is not None and h_eval else "NaN"
+        "NaN" if peer["eval"] is None else f"{peer['eval']:.3f}" + (f" ({rel(peer['eval']):+.0%})" if h_eval else "")
     return {"peer": said, "peer_eval": peer["eval"], "peer_rel": None if peer["died"] else rel(peer["eval"]),
             "peer_fired": peer.get("peer_fired")}
 
@@ -295,7 +295,7 @@ def table(rows: list[dict]) -> str:
         out += ["", "the frameworks' own switches (" + "; ".join(f"{k}: {' '.join(v)}" for k, v in PEERS.items()) + ")",
                 f"{'case':<20.20} {'plain vs healthy':<34} {'switch on vs healthy':<34} {'fired':>5} {'guarded':>9}"]
         for r in peers:
-            g = "died" if r["guarded_eval"] is None else f"{r['guarded_rel']:+.1%}"
+            g = "died" if r["guarded_eval"] is None else "-" if r["guarded_rel"] is None else f"{r['guarded_rel']:+.1%}"
             out.append(f"{r['case']:<20.20} {r['plain']:<34.34} {r['peer']:<34.34} {str(r['peer_fired']):>5} {g:>9}")
     return "\n".join(out)
 

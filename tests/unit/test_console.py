@@ -152,5 +152,21 @@ def test_a_launch_stopped_by_an_error_says_so_at_its_end_and_in_the_summary():
         return {"type": "event", "step": step, "event": "run_end", "ranks": [], "action": None, "detail": d}
     assert summarize([end(54, **why)]).startswith("trainguard summary: STOPPED by an error at step 54 (RuntimeError")
     told = summarize([end(54, **why), end(60)])
-    assert told.startswith("trainguard summary: finished (after 1 launch(es) stopped by an error: step 54, Runtime"), told
+    assert told.startswith("trainguard summary: finished (after 1 launch(es) stopped by an error, the first at step 54: "
+                           "RuntimeError"), told
     assert summarize([end(60)]).startswith("trainguard summary: finished; last step 60")
+    start = {"type": "event", "step": 50, "event": "run_start", "ranks": [], "action": None, "detail": {}}
+    told = summarize([start, end(54, **why), {**start, "step": 51}])  # (the relaunch after it, still running)
+    assert told.startswith("trainguard summary: no run_end record for the last launch (still running, or killed) "
+                           "(after 1 launch(es) stopped"), told
+    # (a message with braces, an empty one, several lines; trainguard's own abort and a clean exit are no interruption)
+    from trainguard.errors import TrainguardAbort
+
+    for error, said in ((ValueError("got {'rank': 1} and {0}"), "ValueError: got {'rank': 1} and {0}"),
+                        (KeyboardInterrupt(), "KeyboardInterrupt (Ctrl-C, or a signal)"),
+                        (RuntimeError("first line\nsecond"), "RuntimeError: first line"), (SystemExit(1), "SystemExit: 1")):
+        assert interruption(error) == {"interrupted": said}
+        out = io.StringIO()
+        ConsoleSink(parse_block({}), stream=out).event(3, "run_end", [], None, {"iterations": 3, **interruption(error)})
+        assert f"run STOPPED at step 3 by an error ({said})" in out.getvalue(), out.getvalue()
+    assert interruption(TrainguardAbort("aborted")) == {} and interruption(SystemExit(None)) == {}

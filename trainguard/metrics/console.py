@@ -84,8 +84,9 @@ class ConsoleSink:
 
     def ending(self, step: int, end: dict) -> str:
         g = end.get("goodput") if isinstance(end.get("goodput"), dict) else {}
-        stopped = f"run STOPPED at step {{}} by an error ({end['interrupted']})" if end.get("interrupted") else ""
-        parts = [(stopped or "run ended at step {}").format(end.get("global_steps", end.get("iterations", step))),
+        at = end.get("global_steps", end.get("iterations", step))
+        parts = [f"run STOPPED at step {at} by an error ({end['interrupted']})" if end.get("interrupted") else
+                 f"run ended at step {at}",
                  f"{end.get('guard_skipped_steps', 0)} step(s) skipped by trainguard",
                  f"{self.rollbacks} rollback(s)"]
         if g:
@@ -107,9 +108,9 @@ def line(step: int, event: str, ranks, action: str | None, detail: dict) -> str:
     head = f"step {step}: {event}" + who + (f" -> {action}" if action else "")
     said = []
     per = detail.get("per_rank") if isinstance(detail.get("per_rank"), dict) else {}
-    named = [_culprit(r, v) for r, v in list(per.items())[:4] if isinstance(v, dict)]
-    if any(named):  # (the culprit: where it sits, its samples, the first layer -- what a person looks at first)
-        said.append("; ".join(n for n in named if n))
+    named = [n for n in (_culprit(r, v) for r, v in per.items() if isinstance(v, dict)) if n]
+    if named:  # (the culprit: where it sits, its samples, the first layer -- what a person looks at first)
+        said.append("; ".join(named[:4]) + (f"; +{len(named) - 4} more rank(s)" if len(named) > 4 else ""))
     for key in SHOWN:
         value = detail.get(key)
         if value in (None, "", [], {}):
@@ -127,6 +128,6 @@ def _culprit(rank, v: dict) -> str:
     parts = [f"samples {list(ids[:8])}" + ("..." if len(ids) > 8 else "")] if ids else []
     if v.get("first_nonfinite_module"):
         parts.append(f"first layer {v['first_nonfinite_module']}")
-    if not parts:
+    if not parts and not where:
         return ""
-    return f"rank {rank}" + (f" ({where})" if where else "") + ": " + ", ".join(parts)
+    return f"rank {rank}" + (f" ({where})" if where else "") + (": " + ", ".join(parts) if parts else "")

@@ -91,12 +91,17 @@ def summarize(lines: list[dict]) -> str:
         good = {"goodput": metrics[-1].get("goodput")}
     out = []
     verdict = "ABORTED" if by.get("abort") else "finished" if ends else "no run_end record (still running, or killed)"
-    # (a launch whose loop raised -- a peer died, the job was stopped -- says so: it was no end of the run)
+    # (a launch whose loop raised -- a peer died, the job was stopped -- says so: it was no end of the run; a launch
+    # begun after the last run_end is the run now, still running or killed)
     stopped = [(e["step"], e["detail"]["interrupted"]) for e in ends if (e.get("detail") or {}).get("interrupted")]
-    if stopped and not by.get("abort") and (ends[-1].get("detail") or {}).get("interrupted"):
-        verdict = f"STOPPED by an error at step {stopped[-1][0]} ({stopped[-1][1]})"
-    elif stopped:
-        verdict += f" (after {len(stopped)} launch(es) stopped by an error: step {stopped[0][0]}, {stopped[0][1]})"
+    last_start = max((i for i, e in enumerate(events) if e["event"] == "run_start"), default=-1)
+    if ends and last_start > max(i for i, e in enumerate(events) if e["event"] == "run_end"):
+        verdict = "no run_end record for the last launch (still running, or killed)"
+    elif stopped and not by.get("abort") and (ends[-1].get("detail") or {}).get("interrupted"):
+        verdict, stopped = f"STOPPED by an error at step {stopped[-1][0]} ({stopped[-1][1]})", stopped[:-1]
+    if stopped:
+        verdict += f" (after {len(stopped)} launch(es) stopped by an error, the first at step {stopped[0][0]}: " \
+                   f"{stopped[0][1]})"
     out.append(f"trainguard summary: {verdict}; last step {last_step}; "
                + (f"goodput {good['goodput']:.3f}" if isinstance(good.get("goodput"), (int, float)) else "goodput -")
                + (f", steps lost {good['steps_lost']}" if good.get("steps_lost") is not None else "")

@@ -37,7 +37,8 @@ def start_checks(facts: RunFacts, cfg: TrainguardConfig, replicas: int | None = 
         out.append(Verdict("checks", "no_warmup", (), {
             "scheduler": facts.scheduler,
             "advice": "no LR warmup is configured: the first steps of Adam with a full LR are a classic "
-                      "cause of early loss spikes; use a warmup (e.g. WarmupLR / WarmupDecayLR)."}))
+                      "cause of early loss spikes; use a warmup (Megatron-LM: --lr-warmup-iters; DeepSpeed: WarmupLR "
+                      "/ WarmupDecayLR; HF: warmup_steps)."}))
     elif facts.warmup_steps >= 0 and facts.warmup_steps < cfg.checks.min_warmup_steps:
         out.append(Verdict("checks", "short_warmup", (), {
             "warmup_steps": facts.warmup_steps, "min_warmup_steps": cfg.checks.min_warmup_steps,
