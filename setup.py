@@ -61,7 +61,9 @@ setup(
         # the matrix changes no version of its framework
         "deepspeed": [f"deepspeed>={_floor('deepspeed')}"],
         "megatron": [f"megatron-core>={_floor('megatron-core')}", "psutil"],
-        "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6", "wandb>=0.17"],
+        # (wandb apart: it and its own dependencies were most of what a new user's [monitor] pulled, for one sink)
+        "monitor": ["tensorboard>=2.10", "prometheus-client>=0.17", "matplotlib>=3.6"],
+        "wandb": ["wandb>=0.17"],
         # the suite runs the newest releases inside the support matrix (what a fresh install resolves, capped at the
         # matrix's top: a newer release is refused at start until the matrix says otherwise); the oldest row runs in
         # its own venv (scripts/compat.sh)

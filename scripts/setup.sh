@@ -34,14 +34,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # 3.9.0, which its pipeline schedules import, loads without a GPU), 0.17.1 beside it (with
     # megatron.training, for Megatron-LM core_v0.17.1) and 0.16.1 (the newest whose metadata allows 3.11),
     # each put first on the workers' PYTHONPATH by the tests that run them
-    python -m pip install -q -e ".[deepspeed,monitor,test,megatron]"
+    python -m pip install -q -e ".[deepspeed,monitor,wandb,test,megatron]"
     python -m pip install -q "trl>=1.16,<1.17"  # (TRL's SFTTrainer: one of the zero-code entry's import shapes)
     python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2" "triton==3.9.0"
     python -m pip install -q --no-deps --upgrade --ignore-requires-python --target "$VENV/megatron-core-0.17.1" "megatron-core==0.17.1"
     python -m pip install -q --no-deps --upgrade --target "$VENV/megatron-core-0.16.1" "megatron-core==0.16.1"
     python -c "import megatron.core as m; assert m.__version__.split('+')[0] == '0.19.2', m.__version__"
   else
-    python -m pip install -q -e ".[deepspeed,monitor,test]"
+    python -m pip install -q -e ".[deepspeed,monitor,wandb,test]"
   fi
   python -c "import torch, deepspeed; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   echo "$want" > "$stamp"

@@ -29,7 +29,8 @@ class WandbSink:
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise TrainguardError(f"trainguard.metrics.wandb needs the wandb package: pip install wandb ({e})") from None
+            raise TrainguardError(f"trainguard.metrics.wandb needs the wandb package: pip install wandb, or trainguard's "
+                                  f"[wandb] extra ({e})") from None
         kwargs = {"project": cfg.project, "name": cfg.name, "dir": cfg.dir, "config": run_config or {}}
         if cfg.mode is not None:
             kwargs["mode"] = cfg.mode
