@@ -1,6 +1,7 @@
 """A corpus of natural failures: settings that really fail, nothing injected, each run three ways.
 
-    python bench/natural/run.py [--cases NAME,...] [--stack deepspeed|hf] [--out DIR] [--json FILE]
+    python bench/natural/run.py [--cases NAME,...] [--stack deepspeed|hf|megatron] [--out DIR] [--json FILE]
+    python bench/natural/run.py --corpus held-out [--n 16] [--stacks deepspeed,hf,megatron] [--json FILE]
 
 Every case is a small model that fails when run plainly -- an LR peak too high, a warmup too short, fp16 whose
 loss scale collapses, a schedule raised mid-run, a stretch of corrupted data, Adam's epsilon too small,
@@ -10,7 +11,11 @@ unnormalised output logits -- run
   the run should reach, and what trainguard must leave alone (no action, at most one alert incident per 1,000
   steps);
 - *plain*: the failing setting without trainguard;
-- *guarded*: the failing setting under trainguard (the same block).
+- *guarded*: the failing setting under trainguard (the same block);
+- *peer*, where a stack has a switch of its own for what trainguard guards (``PEERS``: Megatron-LM's
+  ``--check-for-spiky-loss``): the failing setting without trainguard, the switch on -- a second table says where
+  the framework's own switch gets, beside plain and trainguard. (DeepSpeed's own handling -- fp16's dynamic loss
+  scale, its gradient clipping -- is on in every plain run.)
 
 One table: the plain outcome (its held-out loss against healthy's, or how it died), what the guarded run did and
 when, the steps it lost, its held-out loss against healthy's, and the detection delay: the first action's step
@@ -22,7 +27,7 @@ is missed; ``--json`` keeps the rows and goals with the date, commit and a clean
 The DeepSpeed cases run the demo's model (trainguard/demo) under DeepSpeed's own loop; the HF cases the same model
 through Hugging Face's Trainer under ``trainguard run -- torchrun`` (bench/natural/hf_train.py: the script knows
 nothing of trainguard); the Megatron-LM cases its unmodified pretrain_gpt.py, a tiny GPT on mock data at TP=2
-(bench/natural/megatron.py; their outcome is the final training loss, Megatron-LM evaluating nothing here).
+(bench/natural/megatron_lm.py; their outcome is the final training loss, Megatron-LM evaluating nothing here).
 """
 from __future__ import annotations
 
