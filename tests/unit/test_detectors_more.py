@@ -113,6 +113,14 @@ def test_a_norm_whose_noise_scales_with_it_is_no_surge_and_a_jump_on_a_steady_no
     got = [s for s in range(1500) if any(v.anomaly == "grad_surge" for v in grad.observe(
         s, (3.0 if s in jumps else 1.0) * 0.5 * math.exp(rng.gauss(0, 0.1)), [0]))]
     assert set(got) == jumps, sorted(set(got) ^ jumps)
+    # Megatron-LM at --lr 0.3 after a 30-iteration warmup (bench/natural's mg_lr_peak_early, its norms as trainguard
+    # read them): 3.6x jumps in a warmup's noisy norm are no news as a ratio, but three of them while the loss stands
+    # above its best are the LR's climb -- the ratio z alone let that run go on to 13x healthy's loss
+    norms = [1.515, 1.394, 1.69, 2.96, 4.039, 1.798, 2.392, 3.338, 2.829, 1.651, 1.455, 1.666, 1.491, 1.536, 1.445,
+             1.174, 1.192, 2.267, 1.478, 1.242, 1.023, 1.41, 1.776, 1.865, 1.302, 4.769, 3.78, 1.827, 2.557, 4.137]
+    grad = GradNormDetector(GradNormConfig())
+    found = {s: [v.anomaly for v in grad.observe(s, x, [0], loss_up=True)] for s, x in enumerate(norms, 1)}
+    assert found[30] == ["slow_rise"] and grad.surges == [26, 27, 30], (found, grad.surges)
 
 
 def test_clipper_modes():

@@ -78,18 +78,19 @@ class GradNormConfig(_Section):
 
     enabled: bool = Field(True, description="Watch the RMS of the ranks' local gradient norms.")
     window: int = Field(128, ge=8, description="Healthy steps kept for the median and MAD.")
-    z: float = Field(6.0, gt=0, description="Surge when log(norm / median) / MAD exceeds this (the "
-                   "MAD of the window's log norms: a ratio's deviation, as the norm's noise scales with it).")
+    z: float = Field(6.0, gt=0, description="Surge when (norm - median) / MAD exceeds this (counted "
+                   "toward surges_to_rise); alerted as grad_surge when log(norm / median) over the MAD of the window's "
+                   "log norms exceeds it too (a ratio's deviation: the norm's noise scales with it).")
     min_history: int = Field(20, ge=3, description="Steps observed before any alert.")
     trend_steps: int = Field(12, ge=3, description="Steps over which a sustained rise is measured.")
     trend_rise: float = Field(
         0.03, gt=0, description="Rise alert when log(norm) grows faster than this per step (least squares) "
         "over trend_steps, all above the median. 0.03/step = +43% over 12 steps.")
-    surges_to_rise: int = Field(3, ge=0, description="This many grad_surge alerts within surge_window steps, while "
+    surges_to_rise: int = Field(3, ge=0, description="This many surges (z past `z`) within surge_window steps, while "
                                 "the loss stands 5% above its best level (detectors.loss_trend), are a slow_rise (an "
                                 "irregular surge never gives a clean log-slope; a bad batch's surge does not count; "
                                 "0: never).")
-    surge_window: int = Field(50, ge=2, description="Steps over which grad_surge alerts are counted.")
+    surge_window: int = Field(50, ge=2, description="Steps over which surges are counted.")
 
 
 class StragglerConfig(_Section):

@@ -4,9 +4,11 @@ Observes one number per step that is available *before* the optimizer step on ev
 root-mean-square of the ranks' local gradient norms (gathered by the AGREE collective). Two
 verdicts:
 
-- ``grad_surge``: this step's norm lies more than ``z`` robust deviations above the window median, measured as a
-  ratio (on log norms: a norm's noise scales with it -- near a loss floor a healthy norm moves by half itself from
-  step to step, and a linear z read every sixth step of a healthy Megatron-LM run as a surge);
+- ``grad_surge``: this step's norm lies more than ``z`` robust deviations above the window median -- a surge, counted
+  toward a repeated surge below -- and is alerted when it does so as a ratio too (on log norms: a norm's noise scales
+  with it -- near a loss floor a healthy norm moves 17x from one step to the next, and the linear z alone alerted
+  every fifth step of a healthy Megatron-LM run; a too-high LR's 3.6x jumps in a warmup's noisy norm are evidence on
+  the linear z alone, their escalation gated by the loss);
 - ``slow_rise``: the log-norm has risen by more than ``trend_rise`` per step (least squares) over the
   last ``trend_steps`` steps and every one of them is above the median -- a sustained creep, which
   is how a too-high LR shows itself before the loss explodes. Reported once per episode. A surge that is
@@ -75,21 +77,23 @@ class GradNormDetector:
         if norm is None or not math.isfinite(norm):
             return []
         rising_before = self.trend()
-        verdicts = []
+        verdicts, surged = [], False
         if len(self.window) >= self.cfg.min_history:
-            z = self.window.log_robust_z(norm)
+            z = self.window.robust_z(norm)
             self.last_z = z
-            if z > self.cfg.z:
+            surged = z > self.cfg.z  # (evidence: it counts toward a repeated surge, and stays out of the baseline)
+            ratio_z = self.window.log_robust_z(norm) if surged else 0.0
+            if ratio_z > self.cfg.z:  # (news: a jump past the norm's own multiplicative noise too -- an alert)
                 verdicts.append(Verdict(self.name, "grad_surge", tuple(ranks), {
-                    "grad_norm": norm, "median": self.window.median(), "z": round(z, 2),
+                    "grad_norm": norm, "median": self.window.median(), "z": round(z, 2), "ratio_z": round(ratio_z, 2),
                     "trend": rising_before or "flat"}))
         self.recent.push(norm)
         self.history = (self.history + [(step, norm)])[-self.cfg.window:]
-        if not verdicts:  # surges stay out of the baseline
+        if not surged:  # surges stay out of the baseline
             self.window.push(norm)
-        self.pushed = (step, not verdicts)
+        self.pushed = (step, not surged)
         rising_now = self.trend()
-        self.surges = [s for s in self.surges if s > step - self.cfg.surge_window] + ([step] if verdicts else [])
+        self.surges = [s for s in self.surges if s > step - self.cfg.surge_window] + ([step] if surged else [])
         repeated = 0 < self.cfg.surges_to_rise <= len(self.surges) and loss_up
         rising_now = rising_now and loss_up  # (a creep while the loss stays in its band -- a loss near its floor, whose
         # norm wiggles by half itself -- is no divergence: Megatron-LM at --lr 0.01 was rolled back three times for it)
