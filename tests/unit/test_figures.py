@@ -114,3 +114,22 @@ def test_a_figure_in_the_text_is_the_kept_runs(doc, pattern, kept, keys):
         value = float(value) * (1000 if key.endswith("_s") else 100 if percent else 1)  # (seconds said in ms)
         decimals = len(group.split(".")[1]) if "." in group else 0  # (as printed: rounded to the digits said)
         assert _number(group) == pytest.approx(round(value, decimals)), (doc, key, group, data[key])
+
+
+def test_the_demos_tables_in_its_page_are_a_kept_runs_print():
+    """docs/demo.md shows what `trainguard demo` prints: each of its tables is the text a kept run of bench/demo.py
+    printed (bench/results/demo-*.json, named on the page), line for line -- not a paste from an unkept run."""
+    page = (ROOT / "docs" / "demo.md").read_text()
+    (name,) = set(re.findall(r"bench/results/(demo-[\w.-]+\.json)", page))
+    printed = "\n".join(line.rstrip() for line in
+                        json.loads((ROOT / "bench" / "results" / name).read_text())["printed"].splitlines())
+    blocks = [b.strip("\n") for b in re.findall(r"```\n(.*?)```", page, re.S)
+              if b.startswith((" step  rank", "A natural failure"))]
+    assert len(blocks) == 2
+    for block in blocks:
+        lines = [line for line in block.splitlines() if line.strip()]
+        at = 0
+        for line in lines:  # (in order; the runs' progress lines between them are left out of the page)
+            found = printed.find(line, at)
+            assert found >= 0, (name, line)
+            at = found + len(line)
