@@ -44,6 +44,10 @@ FIGURES = [
      r"closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-07.json", ("goals.0.figure", "goals.1.figure")),
     ("docs/detection.md", r"earlier day \(bench/results/natural-corpus-held-out-2026-12-06.json, commit 0166606\) gave (\d+/\d+) and "
      r"(\d+/\d+)", "natural-corpus-held-out-2026-12-06.json", ("goals.0.figure", "goals.1.figure")),
+    ("docs/detection.md", r"the switch fired \*\*(\d+)\*\* times", "natural-megatron-peers-2026-12-07.json",
+     ("rows.0.peer_fired",)),
+    ("docs/detection.md", r"with a tenth of the LR: \*\*([\d.]+)\*\*", "natural-megatron-peers-2026-12-07.json",
+     ("rows.0.guarded_eval",)),
     ("docs/detection.md", r"\*\*-0\.1%\*\*, (\d+) steps lost\. Both healthy runs: no action", "natural-long-2026-12-06.json",
      ("rows.1.steps_lost",)),
     ("docs/checkpoints.md", r"raw write of the same bytes \(open/write/fsync\) \| ([\d,]+) MB/s", "checkpoint-io-2026-12-06.json",
