@@ -170,3 +170,16 @@ def test_a_launch_stopped_by_an_error_says_so_at_its_end_and_in_the_summary():
         ConsoleSink(parse_block({}), stream=out).event(3, "run_end", [], None, {"iterations": 3, **interruption(error)})
         assert f"run STOPPED at step 3 by an error ({said})" in out.getvalue(), out.getvalue()
     assert interruption(TrainguardAbort("aborted")) == {} and interruption(SystemExit(None)) == {}
+
+
+def test_an_attention_detector_that_found_no_module_to_sample_says_so_at_start():
+    """A model whose attention is fused (HF's sdpa or flash attention) has no softmax module to sample: the banner said
+    attention_entropy was on while it could never fire. It says it found none, and what would give it one."""
+    out = io.StringIO()
+    sink = ConsoleSink(parse_block({}), stream=out)
+    sink.event(0, "run_start", [0], None, {"framework": "deepspeed", "world": 2, "probes": {"attention_modules": []}})
+    sink.event(0, "run_start", [0], None, {"framework": "deepspeed", "world": 2,
+                                           "probes": {"attention_modules": ["blocks.0.attn.softmax"]}})
+    none, found = out.getvalue().splitlines()
+    assert "attention_entropy (no attention-probability module matched" in none and "eager" in none, none
+    assert "attention_entropy (" not in found and "attention_entropy" in found

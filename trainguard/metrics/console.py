@@ -75,6 +75,11 @@ class ConsoleSink:
         releases = ", ".join(f"{k} {v}" for k, v in rel.items()) if isinstance(rel, dict) else ""
         world = start.get("world")
         armed = f"; FAULTS ARMED: {len(c.faults)} injected (allow_faults)" if c.faults else ""
+        probes = start.get("probes") if isinstance(start.get("probes"), dict) else {}
+        if "attention_entropy" in on and probes.get("attention_modules") == []:  # (found none: said, not run silently)
+            on = [d if d != "attention_entropy" else "attention_entropy (no attention-probability module matched "
+                  "detectors.attention_entropy.modules: a fused attention -- HF's sdpa, flash -- has none to sample; "
+                  "attn_implementation='eager' does)" for d in on]
         return (f"guarding this run -- {start.get('framework') or 'framework'}"
                 + (f" ({releases})" if releases else "") + (f", {world} rank{'s' if world != 1 else ''}" if world else "")
                 + f"; detectors: {', '.join(on) or 'none'}; recovery: "
