@@ -40,8 +40,8 @@ class RollingWindow:
 
     def log_robust_z(self, x: float, floor: float = 1e-3) -> float:
         """:meth:`robust_z` of log(x) among the logs of the window's positive values: how many robust deviations a
-        *ratio* to the median is, for a positive quantity whose noise scales with it (a gradient norm near a loss
-        floor moves by half itself from step to step, where early in the run it moved by a few percent). The
+        *ratio* to the median is, for a positive quantity whose noise scales with it (a healthy gradient norm near a
+        loss floor moves up to 17x from one step to the next, where early in the run it moved by a few percent). The
         deviation is floored at ``floor`` (0.1%: the linear z's floor, as a ratio)."""
         logs = [math.log(v) for v in self.values if v > 0]
         if not logs or not x > 0:
