@@ -49,11 +49,8 @@ def declared() -> dict[str, dict[str, Refusal]]:
     declares itself once, in a module its entry point (group :data:`GROUP`) names: ``VARIANTS`` (the names it runs
     under) and ``REFUSED`` ({key path: {variant: Refusal}}; a path ending in "." covers every key under it, and
     "faults[].type" is checked per fault). The core names no adapter: this is how it learns of them."""
-    from importlib.metadata import entry_points
-
     out: dict[str, dict[str, Refusal]] = {}
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        mod = ep.load()
+    for mod in _declarations():
         for variant in mod.VARIANTS:
             out[variant] = {path: per[variant] for path, per in mod.REFUSED.items() if variant in per}
     return out
@@ -68,12 +65,18 @@ def launched_by() -> dict[str, str]:
     """The launch-line flags with which an installed adapter's framework takes the file of a trainguard block
     ({flag: the variant it runs under}: its declaration's optional ``LAUNCH_FLAGS``): ``trainguard run`` checks such
     a file against what that variant refuses, before anything is launched."""
+    out: dict[str, str] = {}
+    for mod in _declarations():
+        out.update(getattr(mod, "LAUNCH_FLAGS", {}))
+    return out
+
+
+@functools.cache
+def _declarations() -> tuple:
+    """The installed adapters' declaration modules, in their entry points' name order (group :data:`GROUP`)."""
     from importlib.metadata import entry_points
 
-    out: dict[str, str] = {}
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        out.update(getattr(ep.load(), "LAUNCH_FLAGS", {}))
-    return out
+    return tuple(ep.load() for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name))
 
 
 def leaf_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
