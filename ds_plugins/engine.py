@@ -1,12 +1,10 @@
 """The DeepSpeed engine, guarded: the user's loop is unchanged, the guard runs inside it.
 
 ``attach`` swaps the engine's class for a subclass (ds_plugins.guarded; ``isinstance(engine, DeepSpeedEngine)``
-still holds) whose ``forward``, ``backward`` and ``step`` call the guard's loop points around
-DeepSpeed's own, and registers one tensor hook per parameter. Tensor hooks fire with the local
-gradient *before* it is accumulated into ``.grad``, i.e. before DeepSpeed's data-parallel
-reduction at every ZeRO stage (ZeRO-0/1 reduce after backward, ZeRO-2 in its accumulate hooks,
-ZeRO-3 in its reduce-scatter hooks): the non-finite check therefore sees each rank's own values at
-every stage, and names the rank that produced them.
+still holds) whose ``forward``, ``backward`` and ``step`` call the guard's loop points around DeepSpeed's own. The
+non-finite check reads each rank's local gradients where DeepSpeed is about to reduce them (ds_plugins.facts.
+_reduction_points: ZeRO-0 every gradient at the boundary, ZeRO-1/2 each bucket; ZeRO-3, a tensor hook a parameter):
+it sees each rank's own values at every stage, and names the rank that produced them.
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import torch.distributed as dist
 
 from ds_plugins.applied_grad import _applied_grad_meter
 from ds_plugins.capabilities import FRAMEWORK_HINTS, HINTS
-from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_facts, _run_facts
+from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_facts, _reduction_points, _run_facts
 from ds_plugins.guarded import _guarded_class, _plain_class
 from ds_plugins.loss_scale import _loss_scale, ScalerView
 from ds_plugins.skip import find_strategy, forced_skip
@@ -110,9 +108,11 @@ class EngineGuard:
         named = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
         check = self.guard is not None and self.cfg.detectors.nonfinite.enabled and \
             self.cfg.detectors.nonfinite.check_grads
-        clamp = self.session.value_bound() is not None
-        self._hooks += install_grad_hooks(named, self.faults, self.step_number, self.session.grad_hook if check else
-                                          None, [self._clamp_grad] if clamp else [])  # (clipping by value: last)
+        clamp = self.session.value_bound() is not None  # (a clip by value turns an Inf finite: hooks, check first)
+        points, self._divisor = _reduction_points(self.engine) if not clamp else ([], None)
+        add, add_all = self.session.grad_checks if check else (None, None)
+        self._hooks += install_grad_hooks(named, self.faults, self.step_number, add, [self._clamp_grad] if clamp else
+                                          [], points, add_all)  # (clipping by value: last)
 
     def _clamp_grad(self, grad):
         # the hook sees loss-scaled gradients divided by the accumulation steps: scale the bound alike
@@ -170,7 +170,7 @@ class EngineGuard:
         return self.scaler_view if self.scaler_view.active() else None
 
     def agree_scale(self) -> tuple[float, float]:
-        return _loss_scale(self.engine), float(self.engine.gradient_accumulation_steps())
+        return _loss_scale(self.engine), self._divisor or float(self.engine.gradient_accumulation_steps())
 
     def applied_grad_meter(self):
         return _applied_grad_meter(self.engine)

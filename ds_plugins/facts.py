@@ -1,6 +1,6 @@
 """What a DeepSpeed engine tells the session at the start (ds_plugins.engine.EngineGuard): the rank's coordinates,
 the run_start record's framework facts, the run's facts for the start-of-run checks (trainguard.prevent.checks.RunFacts),
-its precision, and the device of the AGREE table."""
+its precision, the device of the AGREE table, and where DeepSpeed reduces the local gradients."""
 from __future__ import annotations
 
 import os
@@ -33,7 +33,6 @@ def _framework_facts(eng, cfg: TrainguardConfig) -> dict:
     return {"framework": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
             "zero_stage": eng.zero_optimization_stage(), "dtype": _dtype(eng),
             "optimizer": type(eng.optimizer).__name__,
-            "grad_check_point": "local, before the data-parallel reduction (tensor hooks)",
             "gradient_accumulation_steps": eng.gradient_accumulation_steps(),
             "micro_batch_per_rank": eng.train_micro_batch_size_per_gpu(),
             "clipping": {"mode": cfg.clipping.mode, "deepspeed_gradient_clipping": eng.gradient_clipping()},
@@ -74,3 +73,16 @@ def _collective_device() -> torch.device:
     except Exception:  # noqa: BLE001
         name = None
     return collective_device(name)
+
+
+def _reduction_points(engine) -> tuple[list, float | None]:
+    """Where this engine reduces the local gradients (trainguard.step.gradhooks ``at_reduction``), and the divisor of
+    the norms seen there: ZeRO-0 all at the boundary, accumulated (1); ZeRO-1/2 each contiguous bucket, ZeRO-1's
+    accumulated, ZeRO-2's every micro-batch's (None: the accumulation steps'). ZeRO-3 or unknown internals: none."""
+    stage, opt = engine.zero_optimization_stage(), engine.optimizer
+    if stage == 0 and hasattr(engine, "_reduce_non_expert_gradients"):
+        return [(engine, "_reduce_non_expert_gradients", lambda grads, *a, **k: grads), (
+            engine, "_reduce_expert_gradients", lambda grads, *a, **k: [g for gs in grads.values() for g in gs])], 1.0
+    if stage in (1, 2) and getattr(opt, "contiguous_gradients", False) and hasattr(opt, "average_tensor"):
+        return [(opt, "average_tensor", lambda tensor, *a, **k: (tensor,))], 1.0 if stage == 1 else None
+    return [], None

@@ -87,8 +87,7 @@ class MegatronGuard:
             "parallel": {"tp": ps.get_tensor_model_parallel_world_size(),
                          "pp": ps.get_pipeline_model_parallel_world_size(),
                          "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()},
-            "optimizer": type(optimizer).__name__,
-            "grad_check_point": "local, before the data-parallel reduction (tensor hooks)"},
+            "optimizer": type(optimizer).__name__},
             RunFacts(dtype=_dtype(self.chunks[0]), bf16_supported=bf16_supported(),
                      # (your scheduler is not ours to read; Megatron-LM's is: megatron_hooks.lm)
                      warmup_steps=loop.warmup_steps() if loop is not None else -1,

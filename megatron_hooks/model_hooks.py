@@ -31,7 +31,13 @@ class ModelHooks:
         mg = self.mg
         named = [(n, p) for c in mg.chunks for n, p in _unwrap(c).named_parameters() if p.requires_grad]
         check = mg.guard is not None and mg.cfg.detectors.nonfinite.enabled and mg.cfg.detectors.nonfinite.check_grads
-        mg._hooks += install_grad_hooks(named, mg.faults, mg.step_number, mg.session.grad_hook if check else None)
+        # (the check where megatron's DDP reduces each bucket group -- its local gradients, accumulated -- else hooks)
+        points = [(g, "start_grad_sync", lambda *a, g=g, **k: [] if getattr(g, "grad_reduce_handle", None) is not None
+                   else [b.grad_data for b in g.buckets] + [p.main_grad for b in g.buckets for p in getattr(
+                       b, "params_with_extra_main_grads", ())]) for c in mg.chunks for groups in (getattr(
+                           c, "bucket_groups", None), getattr(c, "expert_parallel_bucket_groups", None)) for g in groups or ()]
+        add, add_all = mg.session.grad_checks if check else (None, None)
+        mg._hooks += install_grad_hooks(named, mg.faults, mg.step_number, add, (), points, add_all)
         for chunk in mg.chunks:
             inner = _unwrap(chunk)
             mg._hooks.append(inner.register_forward_pre_hook(self._on_forward_pre))

@@ -25,9 +25,9 @@ class Event(str, enum.Enum):
                 FORWARD    the model's forward: injected faults poison the inputs; sampled probes open
                 LOSS       the local loss is checked (a device-side flag, no host sync): DeepSpeed's
                            engine.backward(loss); megatron: the last pipeline stage's output
-                BACKWARD   autograd: a tensor hook per parameter adds the *local* gradient's
-                           squared norm into one device scalar -- before the framework's
-                           data-parallel reduction (every ZeRO stage; megatron's DDP buffers)
+                BACKWARD   the *local* gradients' norms (one multi-tensor launch where the framework
+                           reduces a bucket, ZeRO-3: a tensor hook per parameter) -- before the
+                           framework's data-parallel reduction (every ZeRO stage; megatron's DDP)
             AGREE      ONE all-reduce of a [world, fields] tensor (each rank fills its own row); one
                        host sync reads it; every rank now holds every rank's flags, loss and norm
             DECIDE     pure detectors turn the gathered observations into verdicts; the policy turns

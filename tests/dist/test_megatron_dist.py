@@ -49,6 +49,8 @@ def megatron_core(request, monkeypatch):
 def ran_on(lines, version):
     (start,) = [x for x in lines if x.get("event") == "run_start"]
     assert start["detail"]["megatron_core"].split("+")[0] == version  # (0.19's carries a git hash)
+    # (issue 52: the local-gradient check where megatron's DDP reduces each bucket group, not a hook a parameter)
+    assert "multi-tensor norm a call of _ParamAndGradBucketGroup.start_grad_sync" in start["detail"]["grad_check_point"]
 
 
 def run(tmp_path, name, layout, steps, block=None, more=()):

@@ -107,11 +107,26 @@ def test_acceptance_nan_loss_rank1_step20(tmp_path, torchrun):
         assert all(key in m for m in run.metrics)
 
 
-def test_inf_grad_and_nan_batch_are_attributed(tmp_path, torchrun):
+# the local-gradient check where DeepSpeed reduces (issue 52): ZeRO-0 every gradient at the boundary, ZeRO-1/2 each
+# bucket (ZeRO-2: every micro-batch's, 4 of them a step here), ZeRO-3 a tensor hook a parameter
+@pytest.mark.parametrize("stage, at, gas", [(0, "_reduce_non_expert_gradients", 1), (1, "average_tensor", 1),
+                                            (2, "average_tensor", 4), (3, None, 1)])
+def test_inf_grad_and_nan_batch_are_attributed(tmp_path, torchrun, stage, at, gas):
     faults = [{"type": "inf_grad", "step": 3, "rank": 1, "param": "blocks.1.mlp.0.weight"},
               {"type": "nan_batch", "step": 7, "rank": 0}]
-    cfg = make_config(tmp_path, faults=faults, zero_optimization={"stage": 1})
+    cfg = make_config(tmp_path, faults=faults, zero_optimization={"stage": stage}, gradient_accumulation_steps=gas)
     run = torchrun(cfg, 10).ok()
+    (start,) = [e for e in run.events if e["event"] == "run_start"]
+    point = start["detail"]["grad_check_point"]
+    assert (f".{at}" in point and "multi-tensor" in point) if at else "a tensor hook a parameter" in point, point
+    # every healthy step checked each rank's local gradients, and their norms are the global one's scale (the
+    # divisor right: the global norm of the ranks' mean is at most the larger local one, and not far below it)
+    healthy = {m["step"]: m["grad_norm"] for m in run.metrics if m["applied"] and m["step"] not in (3, 7)}
+    for step, norm in healthy.items():
+        local = [x["local_grad_norm"] for r in (0, 1) for x in run.rank_lines(r) if x["type"] == "metric"
+                 and x["step"] == step]
+        assert len(local) == 2 and all(v is not None for v in local), (step, local)
+        assert 0.25 * sum(local) / 2 <= norm <= max(local) * 1.01, (step, norm, local)
     events = {e["step"]: e for e in nonfinite_events(run)}
     assert sorted(events) == [3, 7]
     assert events[3]["ranks"] == [1]

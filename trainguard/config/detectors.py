@@ -14,8 +14,9 @@ class NonfiniteConfig(_Section):
     enabled: bool = Field(True, description="Check every step's local loss and local gradients for NaN/Inf.")
     check_grads: bool = Field(
         True,
-        description="Also check gradients (a tensor hook per parameter, before the data-parallel "
-        "reduction). Off: only the loss is checked.")
+        description="Also check each rank's local gradients, before the data-parallel reduction (where the "
+        "framework reduces them: one multi-tensor norm a bucket; ZeRO-3: a tensor hook per parameter). Off: only the "
+        "loss is checked.")
     action: Literal["skip_step", "abort"] = Field(
         "skip_step",
         description="What every rank does when any rank's values are non-finite: skip the optimizer "

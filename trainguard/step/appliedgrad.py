@@ -56,5 +56,5 @@ class AppliedGradMeter:
         if not grads:
             return
         sq = torch.stack(norms_f32(grads)).to(torch.float64).square().sum()  # (four launches, whatever the count)
-        sq = sq / self.replication
+        sq = sq / self.replication if self.replication != 1 else sq
         self._sq = sq if self._sq is None else self._sq + sq

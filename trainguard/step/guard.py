@@ -97,8 +97,8 @@ class StepGuard:
         self.agreement = Agreement(rank, world, self.device, group, collective, extra=self.detectors.columns)
         self.evidence = Evidence(cfg, rank, self.device, group, self.detectors, self.probes, self.replays,
                                  self.agreement, localize)  # (DECIDE's first half: trainguard.step.evidence)
-        self.grads = LocalGrads()  # the local gradients' norms; ``grad_hook``: what the per-parameter hook calls
-        self.grad_hook: Callable[[torch.Tensor], None] = self.grads.add  # (on_backward's work, no call between)
+        self.grads = LocalGrads()  # the local gradients' norms; ``grad_checks``: what the hooks call, no call between
+        self.grad_checks = (self.grads.add, self.grads.add_all)  # (a tensor hook's; a reduction point's)
         self.tally = StepTally(self.device, self.grads)  # this step's accumulators (trainguard.step.tally), anew each step
 
     # ------------------------------------------------------------------ helpers
@@ -155,8 +155,8 @@ class StepGuard:
         return loss
 
     def on_backward(self, grad: torch.Tensor) -> None:
-        """BACKWARD: a tensor hook per parameter, fired with the *local* gradient before any
-        data-parallel reduction. Adds its squared norm into one device scalar (NaN/Inf propagate)."""
+        """BACKWARD: one *local* gradient, before any data-parallel reduction (a tensor hook's; where the framework
+        reduces buckets, trainguard.step.gradhooks calls ``grads.add_all`` instead). Its norm, NaN/Inf propagating."""
         self.grads.add(grad)  # (one norm kernel per gradient; combined once, at AGREE)
 
     def on_agree(self, step: int, loss_scale: float = 1.0, grad_divisor: float = 1.0,

@@ -143,7 +143,8 @@ class GuardSession:
     def begin(self, coords, framework: dict[str, Any], facts=None) -> None:
         """BEGIN: every rank's coordinates, the run_start record, the start-of-run checks."""
         if self.guard is not None:
-            self.guard.on_begin(coords, framework, facts)
+            from trainguard.step.gradhooks import where  # (run_start says where the local-gradient check runs)
+            self.guard.on_begin(coords, {**framework, "grad_check_point": where(self.hooks)}, facts)
 
     def running(self, newer_than: int = 0, resume: bool = True) -> Any:
         """The end of BEGIN, once the adapter's data loader is in place: with ``checkpoint.dir``, what a crash left in
@@ -246,14 +247,14 @@ class GuardSession:
         return loss
 
     def backward(self, grad) -> None:
-        """BACKWARD: a parameter's local gradient (from a tensor hook; :attr:`grad_hook` is the same, called directly)."""
+        """BACKWARD: a parameter's local gradient (from a tensor hook; :attr:`grad_checks` hands the same out)."""
         self.guard.on_backward(grad)
 
     @property
-    def grad_hook(self):
-        """The tensor hook's target for the guard's local-gradient check (trainguard.step.tally.LocalGrads.add): the
-        guard's work itself, no chain of calls -- the healthy backward's only Python per parameter."""
-        return self.guard.grad_hook
+    def grad_checks(self) -> tuple:
+        """The guard's local-gradient check itself, no chain of calls (trainguard.step.tally.LocalGrads): ``add``, a
+        tensor hook's (one gradient), ``add_all``, a framework's reduction point's (trainguard.step.gradhooks)."""
+        return self.guard.grad_checks
 
     # ------------------------------------------------------------------ the step
     def step(self, base_step: Callable[[], Any]) -> Any:

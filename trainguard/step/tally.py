@@ -1,10 +1,10 @@
 """What one rank accumulates over the micro-batches of one optimizer step, until AGREE reads it.
 
 LOSS adds each micro-batch's loss and a non-finite flag into one device tensor; BACKWARD keeps each local
-gradient's norm (:class:`LocalGrads`: one Python call and one kernel per gradient); BATCH keeps the samples' dataset
-indices, the ones the sanitiser set aside and the data position. Nothing here reads a device value: AGREE
-copies the device parts into its row (trainguard.ranks.isolation), and the one host synchronisation of a healthy
-step happens there. A new tally starts with every step.
+gradient's norm (:class:`LocalGrads`: multi-tensor where the framework reduces, else a hook a gradient); BATCH
+keeps the samples' dataset indices, the ones the sanitiser set aside and the data position. Nothing here reads a
+device value: AGREE copies the device parts into its row (trainguard.ranks.isolation), and the one host
+synchronisation of a healthy step happens there. A new tally starts with every step.
 """
 from __future__ import annotations
 
@@ -18,16 +18,18 @@ from trainguard.ranks.isolation import FIELDS, F
 
 
 class LocalGrads:
-    """The local gradients' norms of the step being computed, before any data-parallel reduction. ``add`` is what
-    the per-parameter tensor hook calls (trainguard.step.gradhooks) -- itself, no chain of calls: one Python call and one
-    kernel (an fp32-accumulated norm, NaN/Inf-propagating) a gradient, nothing read on the host, the gradient not
-    held (the framework may reduce or free it as soon as the hook returns). One per guard, across steps: the hooks
-    hold its ``add``; the step's tally takes what it holds at AGREE, and a new step starts it afresh."""
+    """The local gradients' norms of the step being computed, before any data-parallel reduction. Two ways in, chosen
+    by the adapter (trainguard.step.gradhooks): ``add_all``, where the framework reduces -- a bucket, or every gradient
+    at the accumulation boundary: one multi-tensor norm launch and one stack, whatever the number of gradients -- and
+    ``add``, the per-parameter tensor hook's target where no such point is known (one Python call and one kernel a
+    gradient). Nothing read on the host, no gradient held (the framework may reduce or free it right after). One per
+    guard, across steps: the step's tally takes what it holds at AGREE, and a new step starts it afresh."""
 
-    __slots__ = ("norms", "count")
+    __slots__ = ("norms", "flat", "count")
 
     def __init__(self):
-        self.norms: list[torch.Tensor] = []  # 0-dim fp32 norms
+        self.norms: list[torch.Tensor] = []  # 0-dim fp32 norms (the per-parameter hooks')
+        self.flat: list[torch.Tensor] = []   # 1-dim fp32 norms (add_all's)
         self.count = 0                       # gradients seen
 
     def add(self, grad: torch.Tensor | None) -> None:
@@ -36,21 +38,31 @@ class LocalGrads:
                               torch.linalg.vector_norm(grad, dtype=_F32))  # (torch's own: no call of ours)
             self.count += 1
 
+    def add_all(self, grads: Sequence) -> None:
+        """Every local gradient the framework is about to reduce (tensors; anything else -- DeepSpeed's sparse
+        gradients' wrapper -- is passed over)."""
+        dense = [g for g in grads if isinstance(g, torch.Tensor)]
+        if dense:
+            self.flat.append(torch.stack(norms_f32(dense)))
+            self.count += len(dense)
+
     def clear(self) -> None:
-        self.norms, self.count = [], 0
+        self.norms, self.flat, self.count = [], [], 0
 
     def sq(self, device: torch.device) -> torch.Tensor | None:
         """The squared norm of every gradient seen, a float64 device scalar (None: none seen): four kernels,
         whatever the number of gradients."""
-        if not self.norms:
+        parts = ([torch.stack(self.norms)] if self.norms else []) + self.flat
+        if not parts:
             return None
-        return torch.stack(self.norms).to(device, torch.float64).square().sum()
+        both = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return both.to(device, torch.float64).square().sum()
 
 
 class StepTally:
     def __init__(self, device: torch.device, grads: LocalGrads | None = None):
         self.device = device
-        self.acc: torch.Tensor | None = None       # [loss_sum, loss_nonfinite] on device
+        self.losses: list[torch.Tensor] = []       # each micro-batch's loss, on its device
         self.grads = grads if grads is not None else LocalGrads()  # the local gradients' norms (its hooks' target)
         self.grads.clear()
         self.micro = 0                             # micro-batches whose loss was seen
@@ -65,15 +77,10 @@ class StepTally:
         self.position = position
 
     def loss(self, loss: torch.Tensor, checking: bool) -> None:
-        """One micro-batch's loss (device-side flags only: no host sync)."""
+        """One micro-batch's loss, kept on the device (summed and flagged once, at AGREE: no host sync)."""
         self.micro += 1
         if checking and isinstance(loss, torch.Tensor):
-            if self.acc is None:
-                # on the device the collective backend reduces (gloo: CPU; NCCL: the rank's GPU)
-                self.acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-            value = loss.detach().to(self.device, torch.float64).sum()
-            self.acc[0].add_(value)
-            self.acc[1].add_((~torch.isfinite(value)).to(torch.float64))
+            self.losses.append(loss.detach() if loss.dim() == 0 else loss.detach().sum())
 
     def take_ids(self) -> list[int]:
         """The sample ids since the last call (a recorded micro-batch's own)."""
@@ -96,18 +103,27 @@ class StepTally:
         pending = deferred.norm
         if not isinstance(pending, torch.Tensor):
             host[F["prev_grad_norm"]] = float("nan") if pending is None else float(pending)
+        applied = deferred.applied_sq
+        if applied is None:
+            host[F["prev_applied_sq"]] = float("nan")
         row = agreement.row(host)
-        if self.acc is not None:
-            row[F["loss_sum"]] = self.acc[0]
-            row[F["loss_nonfinite"]] = self.acc[1]
+        at, values = [], []  # (the device values: one stack, one indexed write into the row)
+        if self.losses:
+            each = torch.stack(self.losses).to(self.device, torch.float64)
+            at += [F["loss_sum"], F["loss_nonfinite"]]
+            values += [each.sum(), each.mul(0).nan_to_num(1.0).sum()]  # (0 * a finite loss is 0; else NaN -> 1)
         grad_sq = self.grads.sq(self.device)
         if grad_sq is not None:
-            row[F["grad_sq"]] = grad_sq
+            at.append(F["grad_sq"])
+            values.append(grad_sq)
         if isinstance(pending, torch.Tensor):
-            row[F["prev_grad_norm"]] = pending.detach().reshape(()).to(self.device, torch.float64)  # no sync
-        applied = deferred.applied_sq
-        row[F["prev_applied_sq"]] = float("nan") if applied is None else applied.detach().reshape(()).to(
-            self.device, torch.float64)  # (likewise)
+            at.append(F["prev_grad_norm"])
+            values.append(pending.detach().reshape(()).to(self.device, torch.float64))
+        if applied is not None:
+            at.append(F["prev_applied_sq"])
+            values.append(applied.detach().reshape(()).to(self.device, torch.float64))
+        if values:
+            row.index_put_((torch.tensor(at, device=self.device),), torch.stack(values))
         return row
 
     def where(self) -> dict | None:
