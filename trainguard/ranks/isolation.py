@@ -68,10 +68,10 @@ class TorchCollective:
 
     def table(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's row: an all-reduce (SUM) of a ``[world, n]`` float64 table in which each rank filled its
-        own row (exact: every other rank adds zeros). Left on the device."""
-        if not _distributed():
+        own row (exact: every other rank adds zeros). Left on the device. A group of one: the row itself."""
+        world = dist.get_world_size(self.group) if _distributed() else 1
+        if world == 1:
             return row.reshape(1, -1)
-        world = dist.get_world_size(self.group)
         table = torch.zeros(world, row.numel(), dtype=torch.float64, device=row.device)
         table[dist.get_rank(self.group)].copy_(row)
         dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group)
@@ -79,7 +79,7 @@ class TorchCollective:
 
     def reduce(self, sums: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-size summary (trainguard.ranks.reduced): SUM of the float64 sums, MAX of the int64 keys."""
-        if _distributed():
+        if _distributed() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
             dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self.group)
         return sums, keys
