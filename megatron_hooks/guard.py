@@ -147,14 +147,15 @@ class MegatronGuard:
 
         from megatron_hooks.checkpoint import _distributed
 
-        outer = {id(o.optimizer): o for o in _optimizers(self.optimizer)
-                 if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)
-                 and hasattr(o, "get_main_grads_for_grad_norm")}
+        outer = {id(o.optimizer): (o.optimizer, getattr(o, "get_main_grads_for_grad_norm", None) or getattr(
+            o, "get_grads_for_grad_norm", None)) for o in _optimizers(self.optimizer)  # (the latter: 0.19's name)
+            if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)}
+        outer = {k: v for k, v in outer.items() if v[1] is not None}
         if not outer:
             return None
         replication = 1 if _distributed(self.optimizer) else ps.get_data_parallel_world_size(with_context_parallel=True)
-        return AppliedGradMeter([o.optimizer for o in outer.values()], replication=replication,
-                                grads=lambda inner: outer[id(inner)].get_main_grads_for_grad_norm())
+        return AppliedGradMeter([inner for inner, _ in outer.values()], replication=replication,
+                                grads=lambda inner: outer[id(inner)][1]())
 
     def set_clip(self, max_norm: float) -> None:
         """megatron clips inside optimizer.step() by its config's clip_grad (the global norm it computes anyway)."""

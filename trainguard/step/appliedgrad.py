@@ -2,7 +2,9 @@
 
 The framework clips inside its own step (DeepSpeed's ZeRO optimizers unscale and clip the
 partitioned fp32 gradients; megatron clips its main gradients) and then calls the inner torch
-optimizer. A step pre-hook on that inner optimizer sees exactly the gradients the update uses. On a
+optimizer. A step post-hook on that inner optimizer sees exactly the gradients the update used (a torch
+optimizer leaves them as they were), its work queued after the update's -- not between the decision and the
+update's launch, where it would grow with the parameters. On a
 step whose metric line is written (armed by the driver), the hook adds up their squared norm on the
 device (no host read); the value rides in the next step's AGREE table, whose sum over ranks is the
 global squared norm of what was applied -- the line's ``grad_norm_clipped``, measured rather than
@@ -28,7 +30,7 @@ class AppliedGradMeter:
         self._grads = grads
         self._armed = False
         self._sq: torch.Tensor | None = None
-        self._handles = [o.register_step_pre_hook(self._pre_step) for o in optimizers]
+        self._handles = [o.register_step_post_hook(self._after_step) for o in optimizers]
 
     def arm(self) -> None:
         """Measure the coming step (every inner ``step()`` call until :meth:`take`: DeepSpeed steps its
@@ -46,7 +48,7 @@ class AppliedGradMeter:
             h.remove()
         self._handles = []
 
-    def _pre_step(self, opt, args, kwargs) -> None:
+    def _after_step(self, opt, args, kwargs) -> None:
         if not self._armed:
             return
         if self._grads is not None:
