@@ -78,8 +78,12 @@ def _collective_device() -> torch.device:
 def _reduction_points(engine) -> tuple[list, float | None]:
     """Where this engine reduces the local gradients (trainguard.step.gradhooks ``at_reduction``), and the divisor of
     the norms seen there: ZeRO-0 all at the boundary, accumulated (1); ZeRO-1/2 each contiguous bucket, ZeRO-1's
-    accumulated, ZeRO-2's every micro-batch's (None: the accumulation steps'). ZeRO-3 or unknown internals: none."""
+    accumulated, ZeRO-2's every micro-batch's (None: the accumulation steps'). None (hooks): ZeRO-3, unknown internals,
+    sparse gradients (passed as DeepSpeed's own wrapper) and CPU offload (its reduction stream waits on the bucket's
+    fill events only, not on a norm queued after them)."""
     stage, opt = engine.zero_optimization_stage(), engine.optimizer
+    if getattr(engine, "sparse_gradients_enabled", lambda: False)() or getattr(opt, "cpu_offload", False):
+        return [], None
     if stage == 0 and hasattr(engine, "_reduce_non_expert_gradients"):
         return [(engine, "_reduce_non_expert_gradients", lambda grads, *a, **k: grads), (
             engine, "_reduce_expert_gradients", lambda grads, *a, **k: [g for gs in grads.values() for g in gs])], 1.0

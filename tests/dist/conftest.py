@@ -56,8 +56,6 @@ def make_config(tmp: Path, *, faults=(), block=None, **ds) -> Path:
 LONG = {
     "test_megatron_dist.py::test_nan_at_each_coordinate_is_attributed_to_it[0.17.1-tp]":
         "megatron-core 0.17.1 runs under Megatron-LM core_v0.17.1's tests; the oldest, 0.16.1, keeps this one",
-    "test_megatron_dist.py::test_nan_at_each_coordinate_is_attributed_to_it[0.19.2-dp]":
-        "DP=2 attribution on megatron-core: the contract test and the SDC test run that layout",
     "test_megatron_lm_dist.py::test_nonfinite_on_one_rank_is_named_and_skipped_pp[core_v0.17.1]":
         "core_v0.17.1's NaN handover, skip and rollback: its TP=2 ladder test; the PP=2 path is trainguard's",
     "test_megatron_lm_dist.py::test_a_killed_rank_whose_node_memory_is_gone_comes_back_from_its_peers_copy[core_v0.19.0]":

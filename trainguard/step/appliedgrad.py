@@ -2,9 +2,10 @@
 
 The framework clips inside its own step (DeepSpeed's ZeRO optimizers unscale and clip the
 partitioned fp32 gradients; megatron clips its main gradients) and then calls the inner torch
-optimizer. A step post-hook on that inner optimizer sees exactly the gradients the update used (a torch
-optimizer leaves them as they were), its work queued after the update's -- not between the decision and the
-update's launch, where it would grow with the parameters. On a
+optimizer. A step post-hook on that inner optimizer sees exactly the gradients the update used (Adam, AdamW,
+DeepSpeed's fused and CPU Adam leave them as they were), its work queued after the update's -- not between the
+decision and the update's launch, where it would grow with the parameters (an optimizer that writes into its
+gradients -- SGD with Nesterov momentum, Muon -- is measured before its step, as all were). On a
 step whose metric line is written (armed by the driver), the hook adds up their squared norm on the
 device (no host read); the value rides in the next step's AGREE table, whose sum over ranks is the
 global squared norm of what was applied -- the line's ``grad_norm_clipped``, measured rather than
@@ -30,7 +31,8 @@ class AppliedGradMeter:
         self._grads = grads
         self._armed = False
         self._sq: torch.Tensor | None = None
-        self._handles = [o.register_step_post_hook(self._after_step) for o in optimizers]
+        self._handles = [o.register_step_pre_hook(self._after_step) if _changes_grads(o) else
+                         o.register_step_post_hook(self._after_step) for o in optimizers]
 
     def arm(self) -> None:
         """Measure the coming step (every inner ``step()`` call until :meth:`take`: DeepSpeed steps its
@@ -60,3 +62,10 @@ class AppliedGradMeter:
         sq = torch.stack(norms_f32(grads)).to(torch.float64).square().sum()  # (four launches, whatever the count)
         sq = sq / self.replication if self.replication != 1 else sq
         self._sq = sq if self._sq is None else self._sq + sq
+
+
+def _changes_grads(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s step writes into the gradients it steps with (torch's SGD with Nesterov momentum, Muon): then
+    they are measured before the step, not after it."""
+    return "Muon" in type(opt).__name__ or (isinstance(opt, torch.optim.SGD) and any(
+        g.get("nesterov") for g in opt.param_groups))

@@ -82,7 +82,7 @@ class StepTally:
         """One micro-batch's loss, kept on the device (summed and flagged once, at AGREE: no host sync)."""
         self.micro += 1
         if checking and isinstance(loss, torch.Tensor):
-            self.losses.append(loss.detach() if loss.dim() == 0 else loss.detach().sum())
+            self.losses.append(loss.detach() if loss.dim() == 0 else loss.detach().sum(dtype=torch.float64))
 
     def take_ids(self) -> list[int]:
         """The sample ids since the last call (a recorded micro-batch's own)."""
@@ -125,7 +125,7 @@ class StepTally:
             at.append(F["prev_applied_sq"])
             values.append(applied.detach().reshape(()).to(self.device, torch.float64))
         if values:
-            row.index_put_((torch.tensor(at, device=self.device),), torch.stack(values))
+            row.index_put_((_index(tuple(at), self.device),), torch.stack(values))
         return row
 
     def where(self) -> dict | None:
@@ -141,6 +141,17 @@ class StepTally:
 
 
 _F32 = torch.float32
+_INDEXES: dict = {}  # (the row's device-value columns, device) -> their index tensor, made once
+
+
+def _index(at: tuple, device: torch.device) -> torch.Tensor:
+    """The columns as a device tensor, made once for each combination (a few in a run): a list copied to a GPU
+    each step would wait for the whole backward first -- a copy from pageable memory is a host sync."""
+    key = (at, str(device))
+    if key not in _INDEXES:
+        _INDEXES[key] = torch.tensor(at, device=device)
+    return _INDEXES[key]
+
 _CPU_PIECE = 1 << 18  # elements
 
 
