@@ -113,6 +113,8 @@ def main(argv=None) -> int:
                  f for _, f in in_run["insured"]) <= 0.01}
     for name, ok in goals.items():
         print(f"  goal (issues 16, 52): {name}: {'met' if ok else 'NOT met'}")
+    if not in_run["insured"]:
+        print("  (no snapshot was taken in insured: --snapshot-every fell on the disk saves' steps, which stand in)")
     print(f"  (intervals the paced variant settled on: {intervals['paced']})")
     if args.json:  # (kept with its date, commit and whether the tree was clean: bench/_results.keep)
         from bench._results import keep
