@@ -64,6 +64,8 @@ FIGURES = [
      ("median.clean", "median.guard", "median.insured", "median.paced")),
     ("docs/checkpoints.md", r"\*\*([\d.]+) ms\*\* a snapshot, \+[\d.]+% of the run at S = 10; \*\*([\d.]+) ms\*\*",
      "insurance-2026-12-06.json", ("in_step.insured.snapshot_s", "in_step.paced.snapshot_s")),
+    ("docs/checkpoints.md", r"\*\*([\d.]+) ms\*\* a snapshot, \*\*\+([\d.]+)%\*\* of the run", "insurance-2026-12-07.json",
+     ("in_step.insured.snapshot_s", "in_step.insured.share")),
 ]
 
 
