@@ -42,11 +42,11 @@ class LocalGrads:
         """Every local gradient the framework is about to reduce (tensors; anything else -- DeepSpeed's sparse
         gradients' wrapper -- is passed over)."""
         dense = [g for g in grads if isinstance(g, torch.Tensor)]
+        self.count += len(dense)
         if dense and dense[0].device.type == "cpu":  # (a CPU's norm of one large bucket: ~2x its pieces' time)
             dense = [p for g in dense for p in (g.reshape(-1).split(_CPU_PIECE) if g.numel() > _CPU_PIECE else (g,))]
         if dense:
             self.flat.append(torch.stack(norms_f32(dense)))
-            self.count += len(dense)
 
     def clear(self) -> None:
         self.norms, self.flat, self.count = [], [], 0
