@@ -118,6 +118,12 @@ def engine_of(tensors: int, guarded: bool, out: Path):
     return engine
 
 
+def _counted(i: int) -> bool:
+    """Whether step ``i`` is counted (ops, syncs, calls) or timed: two of each in turn -- the counters' own Python
+    would be in the times."""
+    return i % 4 < 2
+
+
 def measure(tensors: int, steps: int, warmup: int, out: Path, syncs: Syncs) -> dict:
     engines = {"plain": engine_of(tensors, False, out), "guarded": engine_of(tensors, True, out)}
     g = torch.Generator().manual_seed(1)
@@ -144,7 +150,7 @@ def measure(tensors: int, steps: int, warmup: int, out: Path, syncs: Syncs) -> d
 
     for i in range(warmup + steps):
         keep = i >= warmup
-        counting = i % 4 < 2  # (two steps counted, two timed: the counters' own Python would be in the times)
+        counting = _counted(i)
         for name, eng in (engines.items() if i % 2 == 0 else reversed(list(engines.items()))):
             batch = {k: v.to(eng.device).to(torch.bfloat16) for k, v in batches[i % len(batches)].items()}
             counter = OpCounter()
@@ -189,7 +195,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     syncs = Syncs()
     try:
-        counted = sum(1 for i in range(args.warmup, args.warmup + args.steps) if i % 4 < 2)  # (measure's)
+        counted = sum(map(_counted, range(args.warmup, args.warmup + args.steps)))  # (steps whose syncs were counted)
         small = measure(20, args.steps, args.warmup, out, syncs)
         where_small = dict(syncs.where)
         syncs.where.clear()
