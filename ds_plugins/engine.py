@@ -18,8 +18,8 @@ from ds_plugins.capabilities import FRAMEWORK_HINTS, HINTS
 from ds_plugins.facts import _collective_device, _coords, _dtype, _framework_facts, _reduction_points, _run_facts
 from ds_plugins.guarded import _guarded_class, _plain_class
 from ds_plugins.loss_scale import _loss_scale, ScalerView
-from ds_plugins.skip import find_strategy, forced_skip
-from trainguard.ports import (DataPosition, goes_on, ModuleReplays, output_value, PoisonFirstLeaf, rng_state, rows_of,
+from ds_plugins.skip import find_strategy, forced_skip, GATED
+from trainguard.ports import (DataPosition, goes_on, LaunchGate, ModuleReplays, output_value, PoisonFirstLeaf, rng_state, rows_of,
                               StepOutcome, surviving, take_tags, zero_adam_moments)
 from trainguard.config import TrainguardConfig
 from trainguard.errors import FallbackUnavailable
@@ -201,6 +201,18 @@ class EngineGuard:
         if norm is None and applied:
             norm = own_norm
         return StepOutcome(result, applied, norm, float(eng.gradient_clipping() or 0.0))
+
+    def launch_gate(self) -> LaunchGate | None:
+        """Where DeepSpeed's step ends in one torch optimizer's launch, nothing changed on the decision's behalf before
+        it (trainguard.step.launchgate): ZeRO 0-2 without offload, bf16 or fp32 (the driver leaves fp16's dynamic
+        scale and adaptive clipping out). A refused update takes DeepSpeed's own skip bookkeeping: the optimizer says
+        ``overflow``, the engine counts the step as skipped and leaves the scheduler alone."""
+        eng, opt = self.engine, self.engine.optimizer
+        if eng.fp16_enabled() or eng.zero_optimization_stage() > 2 or eng.zero_cpu_offload() or \
+                getattr(eng, "torch_autocast_z0_gradscaler", None) or getattr(opt, "torch_autocast_gradscaler", None) \
+                or getattr(opt, "zenflow", False):
+            return None
+        return LaunchGate.at(opt, GATED, "overflow")
 
     def lr_groups(self) -> list[dict]:
         return self.engine.optimizer.param_groups

@@ -32,6 +32,12 @@ def strategy(*class_names: str):
     return register
 
 
+# DeepSpeed's optimizers whose step ends in one launch of the inner torch optimizer, with no state changed before it on
+# a bf16/fp32 run (trainguard.step.launchgate: the decision taken there); their skip path is the engine's "overflow"
+# (and a torch optimizer of its own: ZeRO 0, fp32)
+GATED = ("DeepSpeedZeroOptimizer", "BF16_Optimizer", "FP16_UnfusedOptimizer")
+
+
 def find_strategy(optimizer) -> Callable:
     for cls in type(optimizer).__mro__:
         if cls.__name__ in _STRATEGIES:

@@ -17,12 +17,13 @@ from trainguard import __version__ as CORE_VERSION
 from trainguard.support import releases
 from trainguard.protocols import DataControl, Framework, Loop, ScalerControl, ShardSource, State, StepOutcome
 from trainguard.verdicts import ScalerState
+from trainguard.step.launchgate import LaunchGate  # (the step decided at its update's launch: Framework.launch_gate)
 
 # the model: the gradient and output hooks, the poison of a batch fault, what a replay keeps and the replays of a
 # plain torch module, the applied gradient
 from trainguard.step.appliedgrad import AppliedGradMeter
 from trainguard.ranks.bits import digest
-from trainguard.step.driver import zero_adam_moments
+from trainguard.recovery.moments import zero_adam_moments
 from trainguard.recovery.lrapply import goes_on
 from trainguard.faults.poison import PoisonFirstLeaf
 from trainguard.step.gradhooks import install as install_grad_hooks
@@ -62,7 +63,7 @@ from trainguard.support.support import Refusal, check_release, check_supported, 
 
 __all__ = [
     "CORE_VERSION", "releases", "DataControl", "Framework", "Loop", "ScalerControl", "ShardSource", "State",
-    "StepOutcome", "ScalerState", "AppliedGradMeter", "digest", "zero_adam_moments", "goes_on", "PoisonFirstLeaf",
+    "StepOutcome", "ScalerState", "AppliedGradMeter", "LaunchGate", "digest", "zero_adam_moments", "goes_on", "PoisonFirstLeaf",
     "install_grad_hooks", "OutputFlags", "finite_proxy", "output_value", "rng_state", "row_of", "rows_of",
     "scalar_loss", "set_rng_state", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
     "save_hashed", "STAGING", "CheckpointError", "first_resumable", "newest_resumable_folder", "load_weights", "verified_reads", "hashed_writes",

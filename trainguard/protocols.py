@@ -70,7 +70,9 @@ class Framework(Protocol):
         gradients, or None: built by the session at start and again after a precision switch rebuilt them."""
 
     def apply(self, decision: Decision, base_step: Callable[[], Any]) -> StepOutcome:
-        """Apply the optimizer step (``base_step``), or take the framework's skip path."""
+        """Apply the optimizer step (``base_step``), or take the framework's skip path. (Optional beside it:
+        ``launch_gate()`` -> a trainguard.step.launchgate.LaunchGate, or None, for a step DECIDE can wait in until the
+        update's launch; the driver then runs ``apply`` with CONTINUE inside the gate.)"""
 
     def lr_groups(self) -> list[dict]:
         """The optimizer's param groups (their ``lr`` is scaled around a step)."""

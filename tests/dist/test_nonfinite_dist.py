@@ -196,5 +196,7 @@ def test_abort_action_stops_every_rank_with_a_report(tmp_path, torchrun):
         report = r["aborted"]["report"]
         assert report["step"] == 6 and report["verdicts"][0]["ranks"] == [1]
         assert report["coords"]["1"]["dp"] == 1 and report["samples"]["1"]["sample_ids"]
-        assert r["global_steps"] == 5  # steps 1-5 applied, nothing after the abort
+        # steps 1-5 applied, step 6 not (decided at its update's launch, DeepSpeed's own skip of a non-finite gradient
+        # may have counted it first: trainguard.step.launchgate), nothing after the abort
+        assert r["global_steps"] - r["skipped_steps"] == 5 and r["global_steps"] <= 6 and r["weights_finite"], r
     assert [e["step"] for e in run.events if e["event"] == "abort"] == [6]

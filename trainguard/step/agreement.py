@@ -108,38 +108,54 @@ class Agreement:
               want_rows: bool = False) -> StepView:
         """The step's collectives and its one host read. ``want_rows``: every rank's row is needed this step (the
         same on every rank)."""
+        return self.launch(row, loss_scale, grad_divisor, want_rows)()
+
+    def launch(self, row: torch.Tensor, loss_scale: float = 1.0, grad_divisor: float = 1.0,
+               want_rows: bool = False) -> Callable[[], StepView]:
+        """The step's collectives, launched; the returned call reads them on the host (and takes whatever else the
+        step needs). Between the two, what the framework queues keeps a GPU busy while the host waits for the
+        read: on a GPU the result is copied to pinned host memory without blocking, behind an event that the
+        read waits on -- the wait covers the backward and this collective, never the work queued after them."""
         def obs(rows, ranks=None):
             return observations(rows, loss_scale=loss_scale, grad_divisor=grad_divisor, extra=self.extra,
                                 ranks=ranks)
 
         if not self.summary_way:
             table = self.collective.table(row)
-            every = obs(table.tolist())  # the single host synchronisation of a healthy step
-            return StepView(Summary.of_rows(every), every[self.rank], dict(enumerate(every)), True, table)
+            ready = _to_host(table)
+
+            def read_table() -> StepView:
+                every = obs(ready().tolist())  # the single host synchronisation of a healthy step
+                return StepView(Summary.of_rows(every), every[self.rank], dict(enumerate(every)), True, table)
+            return read_table
         sums, keys = contribution(row.reshape(1, -1), self._rank_t, loss_scale, grad_divisor, self.bits)
         sums, keys = self.collective.reduce(sums[0], keys[0])
-        read = torch.cat([sums.view(torch.int64), keys, row.reshape(-1).view(torch.int64)]).tolist()  # (one sync)
-        n = len(SUMS)
-        m = n + keys.numel()
-        summary = Summary.reduced(as_floats(read[:n]), read[n:m], self.bits)
-        own = obs([as_floats(read[m:])], [self.rank])[0]
+        ready = _to_host(torch.cat([sums.view(torch.int64), keys, row.reshape(-1).view(torch.int64)]))
 
-        def fetch() -> torch.Tensor:
-            return self.collective.table(row)
+        def read_summary() -> StepView:
+            read = ready().tolist()  # (one sync)
+            n = len(SUMS)
+            m = n + keys.numel()
+            summary = Summary.reduced(as_floats(read[:n]), read[n:m], self.bits)
+            own = obs([as_floats(read[m:])], [self.rank])[0]
 
-        if not (want_rows or summary.needs_rows):
-            return StepView(summary, own, {}, False, None, fetch)
-        table = fetch()
-        if want_rows:
-            return StepView(summary, own, dict(enumerate(obs(table.tolist()))), True, table, fetch)
-        # the ranks that matter: non-finite, a fault fired, samples set aside (a vectorised pick, then their rows)
-        t = table.cpu()
-        every = torch.arange(t.shape[0])
-        sums_each, _ = contribution(t, every, loss_scale, grad_divisor, self.bits)
-        pick = (sums_each[:, SUMS.index("bad")] > 0) | (t[:, F["faults_fired"]] > 0) | \
-            (t[:, F["samples_rejected"]] > 0)
-        ranks = every[pick].tolist()
-        return StepView(summary, own, dict(zip(ranks, obs(t[pick].tolist(), ranks))), False, table, fetch)
+            def fetch() -> torch.Tensor:
+                return self.collective.table(row)
+
+            if not (want_rows or summary.needs_rows):
+                return StepView(summary, own, {}, False, None, fetch)
+            table = fetch()
+            if want_rows:
+                return StepView(summary, own, dict(enumerate(obs(table.tolist()))), True, table, fetch)
+            # the ranks that matter: non-finite, a fault fired, samples set aside (a vectorised pick, then their rows)
+            t = table.cpu()
+            every = torch.arange(t.shape[0])
+            sums_each, _ = contribution(t, every, loss_scale, grad_divisor, self.bits)
+            pick = (sums_each[:, SUMS.index("bad")] > 0) | (t[:, F["faults_fired"]] > 0) | \
+                (t[:, F["samples_rejected"]] > 0)
+            ranks = every[pick].tolist()
+            return StepView(summary, own, dict(zip(ranks, obs(t[pick].tolist(), ranks))), False, table, fetch)
+        return read_summary
 
     def objects(self, obj: Any, ranks: Sequence[int] | None = None) -> dict[int, Any]:
         """``{rank: obj}`` from every rank (the table way, or ``ranks`` None) or only from ``ranks`` (the summary
@@ -147,3 +163,19 @@ class Agreement:
         if not self.summary_way:
             ranks = None
         return self.collective.objects(obj, ranks)
+
+
+def _to_host(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``t``'s values on the host, when asked: on a GPU a copy into pinned memory queued now, without blocking, and an
+    event after it (the call waits for that event alone); elsewhere ``t`` itself."""
+    if t.device.type != "cuda":
+        return lambda: t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def ready() -> torch.Tensor:
+        done.synchronize()
+        return host
+    return ready

@@ -35,6 +35,9 @@ from trainguard.recovery.policy import Decision, Policy
 from trainguard.protocols import Framework
 
 
+_AT_LAUNCH = Decision(Action.CONTINUE, "decided at the update's launch")
+
+
 class StepDriver:
     """One per rank. ``heart``: trainguard.liveness.watchdog.Heartbeat."""
 
@@ -54,32 +57,37 @@ class StepDriver:
         self.heart.beat("collective", step)
         scaler = fw.scaler()
         before = scaler.state() if scaler is not None else None
+        meter = getattr(fw, "applied_grad", None)
         with self._lr_scaled(step):
             loss_scale, divisor = fw.agree_scale()
             lr = guard.lr_now = self.step_lr if self.step_lr is not None else first_lr(fw.lr_groups())  # (the table's)
-            obs = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None)
-            decision = guard.on_decide(step, obs)
-            if decision.action in (Action.CONTINUE, Action.SKIP_STEP) and self.cfg.faults:  # (force_action: fuzzing)
-                forced = self.faults.forced_action(step)
-                if forced is not None:
-                    decision = decisions.forced(forced, step, self.cfg.recovery.lr_factor, fp16=before is not None)
-                    guard.emit(step, Record.FAULT_INJECTED, [], decision.action.value, {"faults": [
-                        {"type": "force_action", "step": step, "action": forced}], "reason": decision.reason})
-            if decision.action is Action.ABORT:
-                raise guard.abort(step, decision)
-            if fw.data is not None and fw.rank in guard.culprit_samples:  # (a skip's or a rollback's)
-                fw.data.set_aside(guard.culprit_samples[fw.rank])  # never read again
-            limit = self.clipper.max_norm()  # (the max-norm for the coming step; None: leave the framework's)
-            if limit is not None and self.cfg.clipping.mode == "adaptive":
-                fw.set_clip(limit)
-            meter = getattr(fw, "applied_grad", None)
-            if meter is not None and guard.line_due(step):
-                meter.arm()  # (the line written for this step says what the update really used)
+            # (decided at the update's launch where the adapter can -- trainguard.step.launchgate --, not under fp16's
+            gate = fw.launch_gate() if hasattr(fw, "launch_gate") and before is None and \
+                self.cfg.clipping.mode != "adaptive" else None  # dynamic scale or adaptive clipping: state set before it)
+            read = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None,
+                                  late=True)
+            seen = {}
+
+            def decide() -> Decision:
+                seen["obs"] = read()
+                seen["decision"] = self._decided(step, seen["obs"], before, meter)
+                if seen["decision"].action is Action.ABORT:  # (nothing applied: at the launch too, before it)
+                    raise guard.abort(step, seen["decision"])
+                return seen["decision"]
+
             self.applying = step
             try:
-                out = fw.apply(decision, base_step)
+                if gate is None:
+                    decide()
+                    limit = self.clipper.max_norm()  # (the max-norm for the coming step; None: leave the framework's)
+                    if limit is not None and self.cfg.clipping.mode == "adaptive":
+                        fw.set_clip(limit)
+                    out = fw.apply(seen["decision"], base_step)
+                else:  # (a refused update takes the framework's skip path at the launch: trainguard.step.launchgate)
+                    out = gate.run(decide, lambda: fw.apply(_AT_LAUNCH, base_step))[0]
             finally:
                 self.applying = None
+        obs, decision = seen["obs"], seen["decision"]
         scale_decision = guard.on_step(step, decision, out.applied, before)
         guard.on_end(step, obs, {
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
@@ -101,6 +109,24 @@ class StepDriver:
         self.goodput.step_done(step, out.applied and not rolled_back)
         self.heart.beat("data", fw.completed_steps())
         return out.result
+
+    def _decided(self, step: int, obs, before, meter) -> Decision:
+        """DECIDE, and what the decision asks before the update: a forced action (fuzzing), the culprit samples set
+        aside, the applied-gradient meter armed where this step's line is due."""
+        guard = self.guard
+        decision = guard.on_decide(step, obs)
+        if decision.action in (Action.CONTINUE, Action.SKIP_STEP) and self.cfg.faults:  # (force_action: fuzzing)
+            forced = self.faults.forced_action(step)
+            if forced is not None:
+                decision = decisions.forced(forced, step, self.cfg.recovery.lr_factor, fp16=before is not None)
+                guard.emit(step, Record.FAULT_INJECTED, [], decision.action.value, {"faults": [
+                    {"type": "force_action", "step": step, "action": forced}], "reason": decision.reason})
+        fw = self.fw
+        if decision.action is not Action.ABORT and fw.data is not None and fw.rank in guard.culprit_samples:
+            fw.data.set_aside(guard.culprit_samples[fw.rank])  # never read again (a skip's or a rollback's)
+        if meter is not None and guard.line_due(step):
+            meter.arm()  # (the line written for this step says what the update really used)
+        return decision
 
     def _after_step(self, step: int, obs, decision: Decision) -> None:
         """Checkpoint health (stable marks, post-save trajectory, resume check), periodic saves and
@@ -264,21 +290,6 @@ class StepDriver:
         self.policy.tried_also(step, decision.remedy.value, {**detail, "after_rollback": rolled_back})
         guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy.value, detail)
         return detail
-
-
-def zero_adam_moments(optimizer) -> int:
-    """Zero Adam's moment estimates (SPAM-style reset after a spike) of a torch optimizer; returns how
-    many elements were zeroed (0: no moments where they were looked for)."""
-    import torch
-
-    n = 0
-    for state in getattr(optimizer, "state", {}).values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            t = state.get(key) if isinstance(state, dict) else None
-            if isinstance(t, torch.Tensor):
-                t.zero_()
-                n += t.numel()
-    return n
 
 
 def health_loss(view) -> float | None:

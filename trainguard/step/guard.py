@@ -4,12 +4,11 @@ Framework-free: an adapter (``ds_plugins``, ``megatron_hooks``) calls ``on_<even
 moments of its framework's loop and carries out the action it gets back from ``on_decide``. The
 guard never imports a framework and never touches an optimizer.
 
-Cost on a healthy, unsampled step: a few device-side ops per micro-batch (loss flag) and per
-parameter gradient (a norm added into one scalar), the step's agreement (trainguard.step.agreement: every
-rank's row up to 64 ranks, a fixed-size summary above), and one host synchronisation to read it. The
-framework's global gradient norm of a step rides in the *next* step's table (so reading it costs no
-second sync), which is why a metric line is written one step late. Sampled steps (probes), anomaly steps and steps where the sanitiser set samples aside
-add one object gather (sample ids, probe statistics, localisation; above 64 ranks from the named ranks only).
+Cost on a healthy, unsampled step: a handful of device-side ops (the loss flags, the local gradients' norms at the
+framework's reduction points), the step's agreement (trainguard.step.agreement) and one host read of it -- at the
+update's launch where the adapter can (trainguard.step.launchgate). The framework's global gradient norm of a step
+rides in the *next* step's table, which is why a metric line is written one step late. Sampled, anomaly and
+set-aside steps add one object gather (sample ids, probe statistics, localisation; above 64 ranks the named ranks').
 """
 from __future__ import annotations
 
@@ -160,15 +159,16 @@ class StepGuard:
         self.grads.add(grad)  # (one norm kernel per gradient; combined once, at AGREE)
 
     def on_agree(self, step: int, loss_scale: float = 1.0, grad_divisor: float = 1.0,
-                 dynamic_scale: bool = False) -> StepView:
-        """AGREE: the step's collectives (trainguard.step.agreement). Every rank calls it at every optimizer step.
-        ``dynamic_scale``: an fp16 dynamic loss scaler is on (gradient overflows are then its routine)."""
+                 dynamic_scale: bool = False, late: bool = False) -> StepView | Callable[[], StepView]:
+        """AGREE: the step's collectives (trainguard.step.agreement), every rank, every optimizer step. ``dynamic_scale``:
+        fp16's dynamic loss scaler is on. ``late``: launched; the call returned reads them (trainguard.step.launchgate)."""
         row = self.tally.row(self.agreement, self.faults.fired_in(step), self.timer.take(), self.lr_now, self.deferred)
         self.detectors.local(step, row)
-        view = self.agreement.agree(row, loss_scale, grad_divisor, want_rows=self.detectors.wants_rows(step))
+        read = self.agreement.launch(row, loss_scale, grad_divisor, want_rows=self.detectors.wants_rows(step))
         self._scaled = dynamic_scale
-        self.deferred.flush(view.summary.prev_grad_norm, view.summary.prev_applied_sq)
-        return view
+        if not late:
+            return self.deferred.flushed(read())
+        return lambda: self.deferred.flushed(read())  # (the previous step's line, with the norms the read brings)
 
     def on_decide(self, step: int, obs: StepView) -> Decision:
         """DECIDE: pure detectors -> policy -> one action, identical on every rank. The registered detectors

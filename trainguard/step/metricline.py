@@ -87,6 +87,11 @@ class DeferredLine:
         self.norm = grad_norm
         self.applied_sq = applied_grad_sq
 
+    def flushed(self, view):
+        """``view`` (an AGREE StepView), after the held line was written with the norms it brought."""
+        self.flush(view.summary.prev_grad_norm, view.summary.prev_applied_sq)
+        return view
+
     def flush(self, norm: float, applied_sq: float | None = None) -> None:
         """Write the held line with its norm and the global squared norm of what it applied (host
         floats, read from the AGREE table; ``applied_sq`` None or NaN: not measured)."""
