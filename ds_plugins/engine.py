@@ -89,8 +89,10 @@ class EngineGuard:
             self.scaler_view.arm()
 
     def step_number(self) -> int:
-        """The optimizer step being computed (1-based, as logged)."""
-        return self.engine.global_steps + 1
+        """The optimizer step being computed (1-based, as logged): while one is applied, that one -- a DECIDE after
+        DeepSpeed's own skip counted it (trainguard.step.launchgate) replays it as it was."""
+        applying = self.driver.applying if self.driver is not None else None
+        return applying if applying is not None else self.engine.global_steps + 1
 
     # ------------------------------------------------------------------ setup
     def _hook_engine(self) -> None:

@@ -37,6 +37,7 @@ def test_burst_activation_and_attention_faults_are_classified_and_located(tmp_pa
     (nf,) = events(run, "nonfinite")
     assert nf["step"] == 50 and nf["ranks"] == [1] and nf["action"] == "skip_step"
     assert nf["detail"]["per_rank"]["1"]["first_nonfinite_module"] == "blocks.1.mlp.0"
+    assert "type" in nf["detail"]["per_rank"]["1"]["localized"], nf["detail"]["per_rank"]["1"]
     assert nf["detail"]["per_rank"]["1"]["localized"]["type"] == "Linear"
 
     # attention_collapse -> an entropy alert naming the layer and head (and rank), on a sampled step

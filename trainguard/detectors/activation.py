@@ -37,6 +37,9 @@ class ActivationRange:
     def __init__(self, cfg: ActivationRangeConfig, device=None):
         self.cfg = cfg
 
+    def clear(self, step: int, s) -> bool:
+        return True  # (it finds only on a sampled probe's step, which is never a clear one: trainguard.step.evidence)
+
     def observe(self, step: int, ctx: Decide) -> list[Verdict]:
         if not ctx.everyone or ctx.probed.get("activation") is None:
             return []

@@ -45,6 +45,9 @@ class AttentionEntropy:
         self.cfg = cfg
         self.focused: set = set()  # the heads seen focused (the same on every rank: every rank's entropies gathered)
 
+    def clear(self, step: int, s) -> bool:
+        return True  # (it finds only on a sampled probe's step, which is never a clear one: trainguard.step.evidence)
+
     def observe(self, step: int, ctx: Decide) -> list[Verdict]:
         if not ctx.everyone or ctx.probed.get("entropy") is None:
             return []

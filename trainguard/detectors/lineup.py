@@ -62,6 +62,12 @@ class Lineup:
         compares every rank, or a detector of yours that reads the rows."""
         return bool(self.rows_every_step) or self.sampled(step)
 
+    def clear(self, step: int, summary) -> bool:
+        """Whether every registered detector says that nothing it could find this step would refuse the update (its
+        ``clear``; one without it says no) -- and nothing is sampled (trainguard.step.launchgate)."""
+        return not self.sampled(step) and all(getattr(det, "clear", None) is not None and det.clear(step, summary)
+                                              for _, det in self.registered)
+
     # ------------------------------------------------------------------ DECIDE
     def early(self, step: int, ctx: Decide) -> None:
         """Before the step's object gather: what the agreement shows (into ``ctx.found`` / ``ctx.nonfinite``)."""

@@ -41,6 +41,7 @@ class LossSpikeDetector:
         self.cfg = cfg
         self.window = RollingWindow(cfg.window)
         self.first: float | None = None  # the first level: the median of the first FIRST losses
+        self._bound: tuple | None = None  # (the window, its version, its median, its deviation): below()'s
 
     def observe(self, step: int, loss: float, trend: str | None, grad_z: float, ranks=(),
                 lr_ratio: float | None = None) -> Verdict | None:
@@ -68,6 +69,24 @@ class LossSpikeDetector:
             "grad_z": round(grad_z, 2), "class": kind, "remedy": REMEDY[kind],
             **({"lr_ratio": round(lr_ratio, 3), "why": f"the LR rose x{lr_ratio:.2f} within the last {LR_LOOKBACK} "
                 "steps"} if lr_jumped else {})})
+
+    def below(self, loss: float) -> bool:
+        """Whether :meth:`observe` cannot call ``loss`` a spike now: its robust z at most ``z`` (the window's median and
+        deviation kept until the window moves: a clear step's check costs two comparisons), or the window still filling.
+        A spike needs more (its regain too): this only ever says "cannot" where observe would find none."""
+        w = self.window
+        if len(w) < self.cfg.min_history:
+            return True
+        if self._bound is None or self._bound[0] is not w or self._bound[1] != w.version:
+            self._bound = (w, w.version, w.median(), w.scale())
+        _, _, median, scale = self._bound
+        return (loss - median) / scale <= self.cfg.z
+
+    def prime(self) -> None:
+        """Where :meth:`below` is asked (a clear step's check, at the update's launch), its statistics taken now, after
+        this step's DECIDE: the next check finds them kept."""
+        if self._bound is not None:
+            self.below(self._bound[2])
 
     def reset(self) -> None:
         """After a restart from the run's first step: the window's losses belong to a later stage of training,

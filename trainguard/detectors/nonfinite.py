@@ -50,6 +50,9 @@ class NonfiniteCheck:
     def __init__(self, cfg, device=None):
         self.cfg = cfg
 
+    def clear(self, step: int, s) -> bool:
+        return not (s.bad or s.loss_bad)  # (no rank's loss or gradient was non-finite)
+
     def early(self, step: int, ctx: Decide) -> list[Verdict]:
         if ctx.summary.bad:
             ctx.nonfinite = detect_nonfinite(ctx.rows, scaled=ctx.scaled)

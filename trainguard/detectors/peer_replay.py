@@ -120,6 +120,9 @@ class PeerReplay:
     def sampled(self, step: int) -> bool:
         return step % self.cfg.every_steps == 0
 
+    def clear(self, step: int, s) -> bool:
+        return not self.sampled(step)  # (a replay on a spike's step: one step late, as the spike's other verdicts)
+
     def local(self, step: int):
         return None
 

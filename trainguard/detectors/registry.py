@@ -79,6 +79,11 @@ class LadderDetector(Protocol):
     def observe(self, step: int, ctx: Decide) -> list[Verdict]:
         """After the gather (``ctx.rows[r].extra[column]``: every rank's value on a ``sampled`` step). Pure."""
 
+    def clear(self, step: int, summary) -> bool:
+        """Optional: True when nothing it could find this step asks for the update to be refused -- the step may
+        then launch before it is decided (trainguard.step.launchgate; its verdicts one step late). A detector
+        without it keeps every step decided before the update."""
+
 
 @dataclass(frozen=True)
 class Registration:

@@ -43,6 +43,9 @@ class ReplicaCheck:
     def local(self, step: int):
         return digest(self.params) if self.sampled(step) and self.params else None
 
+    def clear(self, step: int, s) -> bool:
+        return step % self.cfg.every_steps != 0  # (its check steps are decided before the update)
+
     def observe(self, step: int, ctx: Decide) -> list[Verdict]:
         coords = ctx.coords
         values = {o.rank: o.extra.get("replica_digest", float("nan")) for o in ctx.rows}

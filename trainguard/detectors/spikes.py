@@ -13,6 +13,8 @@ suspects'), the loss median of the metric line, where a gradient rise began (the
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trainguard.detectors.grad_norm import GradNormDetector
@@ -51,6 +53,14 @@ class Spikes:
                 found.append(v)
         return found
 
+    def clear(self, step: int, s) -> bool:
+        """Nothing here can refuse this step's update (trainguard.step.launchgate): a finite gradient proxy and a loss
+        the loss-spike detector cannot call a burst (its window's statistics, kept: two comparisons). A creep, a
+        trend or a surge found after the launch is one step late -- a rollback discards the update, an alert says so."""
+        if s.grad_proxy is not None and not math.isfinite(s.grad_proxy):
+            return False
+        return not self.cfg.loss_spike.enabled or (math.isfinite(s.loss_mean) and self.loss_spike.below(s.loss_mean))
+
     def observe(self, step: int, ctx: Decide) -> list[Verdict]:
         """After the weights check: a burst the weights do not explain leaves the gradient's creep (its slow_rise
         withdrawn when the data is to blame); any other step's loss goes to the loss trend (one record per class)."""
@@ -65,7 +75,9 @@ class Spikes:
             v = self.loss_trend.observe(step, s.loss_mean, ctx.lr, self.grad_norm.ratio_since, ranks=[s.loss_rank],
                                         grad=s.grad_proxy)
             if v is not None and not any(f.anomaly == v.anomaly for f in ctx.found):
+                self.loss_spike.prime()
                 return [v]
+        self.loss_spike.prime()
         return []
 
     # ------------------------------------------------------------------ what the windows answer

@@ -15,6 +15,7 @@ class RollingWindow:
             raise ValueError(f"window size must be >= 3, got {size}")
         self.size = size
         self.values: deque[float] = deque(maxlen=size)
+        self.version = 0  # (counts the changes: what a cached statistic is keyed by)
 
     def __len__(self) -> int:
         return len(self.values)
@@ -22,6 +23,7 @@ class RollingWindow:
     def push(self, x: float) -> None:
         if x is not None and math.isfinite(x):
             self.values.append(float(x))
+            self.version += 1
 
     def median(self) -> float:
         return _median(self.values)
@@ -73,6 +75,7 @@ class RollingWindow:
     def load_state_dict(self, state: dict) -> None:
         self.size = int(state["size"])
         self.values = deque((float(v) for v in state["values"]), maxlen=self.size)
+        self.version += 1
 
 
 class EMA:

@@ -245,6 +245,10 @@ class FaultInjector:
         return OSError(28, "No space left on device (injected: checkpoint_write_error)")
 
     # STEP ------------------------------------------------------------------------------------
+    def forcing(self, step: int) -> bool:
+        """Whether a force_action is due at ``step`` (its decision must be taken before the update's launch)."""
+        return bool(self._due("force_action", step))
+
     def forced_action(self, step: int) -> str | None:
         """force_action: the decision this step is forced to (the same on every rank), None when none is."""
         for f in self._due("force_action", step):

@@ -22,11 +22,10 @@ from typing import Any, Callable, Iterator
 
 from trainguard import decisions
 
-from trainguard.recovery import degrade
+from trainguard.recovery import degrade, scale_remedy
 from trainguard.prevent.clipping import Clipper
 from trainguard.config import TrainguardConfig
-from trainguard.errors import FallbackUnavailable
-from trainguard.events import Action, Anomaly, Record, Remedy
+from trainguard.events import Action, Anomaly, Record
 from trainguard.step.guard import StepGuard
 from trainguard.recovery.lrapply import first_lr, scaled_lr
 from trainguard.faults.injector import FaultInjector
@@ -69,8 +68,14 @@ class StepDriver:
             seen = {}
 
             def decide() -> Decision:
-                seen["obs"] = read()
-                seen["decision"] = self._decided(step, seen["obs"], before, meter)
+                view = seen["obs"] = read()
+                if gate is not None and guard.clear(step, view) and not self.faults.forcing(step):
+                    if meter is not None and step % self.cfg.metrics.every_steps == 0:
+                        meter.arm()  # (a clear step launches first, its DECIDE after: trainguard.step.launchgate)
+                    seen["late"] = True
+                    return _AT_LAUNCH
+                guard.agreed(view)
+                seen["decision"] = self._decided(step, view, before, meter)
                 if seen["decision"].action is Action.ABORT:  # (nothing applied: at the launch too, before it)
                     raise guard.abort(step, seen["decision"])
                 return seen["decision"]
@@ -85,9 +90,14 @@ class StepDriver:
                     out = fw.apply(seen["decision"], base_step)
                 else:  # (a refused update takes the framework's skip path at the launch: trainguard.step.launchgate)
                     out = gate.run(decide, lambda: fw.apply(_AT_LAUNCH, base_step))[0]
+                    if seen.get("late"):
+                        guard.agreed(seen["obs"])
+                        seen["decision"] = self._late(step, seen["obs"], before)
             finally:
                 self.applying = None
         obs, decision = seen["obs"], seen["decision"]
+        if seen.get("late") and decision.action is Action.ROLLBACK:
+            out = dataclasses.replace(out, applied=False)  # (the update it let through is what the rollback discards)
         scale_decision = guard.on_step(step, decision, out.applied, before)
         guard.on_end(step, obs, {
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
@@ -109,6 +119,17 @@ class StepDriver:
         self.goodput.step_done(step, out.applied and not rolled_back)
         self.heart.beat("data", fw.completed_steps())
         return out.result
+
+    def _late(self, step: int, obs, before) -> Decision:
+        """DECIDE after a clear step's update launched (trainguard.step.launchgate): what it finds is one step late --
+        an abort is raised now, a rollback discards the update, a skip cannot be: the update stays, and says so."""
+        decision = self._decided(step, obs, before, None)
+        if decision.action is Action.ABORT:
+            raise self.guard.abort(step, decision)
+        if decision.action is Action.SKIP_STEP:
+            return dataclasses.replace(decision, action=Action.CONTINUE,
+                                       reason=decision.reason + " (decided after its update's launch: applied)")
+        return decision
 
     def _decided(self, step: int, obs, before, meter) -> Decision:
         """DECIDE, and what the decision asks before the update: a forced action (fuzzing), the culprit samples set
@@ -259,37 +280,8 @@ class StepDriver:
         return True
 
     def scale_remedy(self, step: int, decision: Decision, rolled_back: bool) -> dict:
-        """The loss_scale rung's remedy: reset the scale, also raise its floor, or continue in bf16."""
-        fw, guard = self.fw, self.guard
-        guard.scaler_reset()
-        if decision.remedy is Remedy.BF16_FALLBACK:
-            if fw.checkpointer is not None:
-                fw.checkpointer.wait_pending()
-            try:
-                detail = self.to_bf16(step)
-            except FallbackUnavailable as e:  # (where the framework itself stops -- fp16 at its floor: named)
-                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
-                                                 decision.verdicts)) from None
-            except Exception as e:  # noqa: BLE001 - a conversion that failed part-way: no state to go on from
-                raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: the bf16 fallback failed part-way "
-                                                 f"({type(e).__name__}: {e}); stopped here, the checkpoint it rolled back to kept",
-                                                 decision.verdicts)) from e
-            detail = {"from": "fp16", "to": "bf16", "at_step": fw.completed_steps(), **detail,
-                      "after_rollback": rolled_back}
-            self.policy.tried_also(step, Remedy.BF16_FALLBACK.value, detail)
-            guard.emit(step, Record.PRECISION_FALLBACK, [], Remedy.BF16_FALLBACK.value, detail)
-            if fw.checkpointer is not None:
-                fw.checkpointer.after_precision_change()
-            return detail
-        scaler = fw.scaler()
-        detail = {}
-        if scaler is not None:
-            if decision.remedy is Remedy.RAISE_FLOOR:
-                detail.update(scaler.raise_floor(self.cfg.recovery.floor_factor))
-            detail.update(scaler.reset())
-        self.policy.tried_also(step, decision.remedy.value, {**detail, "after_rollback": rolled_back})
-        guard.emit(step, Record.LOSS_SCALE_RESET, [], decision.remedy.value, detail)
-        return detail
+        """The loss_scale rung's remedy (trainguard.recovery.scale_remedy)."""
+        return scale_remedy.carry_out(self, step, decision, rolled_back)
 
 
 def health_loss(view) -> float | None:

@@ -25,6 +25,14 @@ class Evidence:
         self.detectors, self.probes, self.replays, self.agreement = detectors, probes, replays, agreement
         self.localize = localize
 
+    def clear(self, step: int, view) -> bool:
+        """Whether the step may be applied before it is decided, its DECIDE taken after the update's launch
+        (trainguard.step.launchgate): nothing it gathers is due -- nothing non-finite, no fault fired, no sample set
+        aside, no probe or check sampled, no row wanted -- and no detector could refuse it (a burst)."""
+        s = view.summary
+        return not (s.needs_rows or self.probes.sampled(step) or self.detectors.wants_rows(step)) and \
+            self.detectors.clear(step, s)
+
     def gather(self, step: int, ctx: Decide, tally, suspect: Callable[[int, int, str], None]) -> dict | None:
         """Fill ``ctx`` (its verdicts, the gathered objects, the weights check, the probes' values); returns every
         named rank's objects (``{rank: values}``), or None on a step that gathered none."""

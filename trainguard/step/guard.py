@@ -102,8 +102,7 @@ class StepGuard:
 
     # ------------------------------------------------------------------ helpers
     def attach_model(self, model: torch.nn.Module) -> None:
-        """Choose the modules the sampled probes watch (hooks are added only on sampled steps); hand the model
-        to the registered detectors."""
+        """The modules the sampled probes watch (hooked on sampled steps only); the model to the detectors."""
         self.detectors.attach_model(model)
         self.probes.attach(model)
 
@@ -125,8 +124,7 @@ class StepGuard:
 
     # ------------------------------------------------------------------ loop points
     def on_begin(self, coords: Sequence[RankCoords], framework: dict[str, Any], facts: RunFacts | None = None) -> None:
-        """BEGIN: coordinates of every rank are known; open the logs; record the run's identity;
-        run the start-of-run checks."""
+        """BEGIN: every rank's coordinates known; the logs opened, the run's identity recorded, the start checks run."""
         self.coords = list(coords)
         self.suspects.begin(self.coords)
         self.events.open(self.cfg)
@@ -166,9 +164,14 @@ class StepGuard:
         self.detectors.local(step, row)
         read = self.agreement.launch(row, loss_scale, grad_divisor, want_rows=self.detectors.wants_rows(step))
         self._scaled = dynamic_scale
-        if not late:
-            return self.deferred.flushed(read())
-        return lambda: self.deferred.flushed(read())  # (the previous step's line, with the norms the read brings)
+        return read if late else self.agreed(read())
+
+    def agreed(self, view: StepView) -> StepView:  # (the previous step's line written, with the norms ``view`` brought)
+        return self.deferred.flushed(view)
+
+    def clear(self, step: int, view: StepView) -> bool:
+        """Whether ``view``'s step may be applied before DECIDE: trainguard.step.evidence.Evidence.clear."""
+        return self.evidence.clear(step, view)
 
     def on_decide(self, step: int, obs: StepView) -> Decision:
         """DECIDE: pure detectors -> policy -> one action, identical on every rank. The registered detectors
@@ -210,8 +213,7 @@ class StepGuard:
         return self.judgement.stepped(step, decision, applied, scaler)
 
     def on_end(self, step: int, obs: StepView, metrics: dict[str, Any]) -> None:
-        """END: the metric line(s) of this step, written once the framework's global gradient norm
-        arrives with the next table (``metrics["grad_norm"]`` may be a device tensor)."""
+        """END: this step's line(s), written when its global norm comes with the next table (may be a device tensor)."""
         self.last_step = step
         pending = {k: metrics.pop(k, None) for k in ("grad_norm", "clip_limit", "applied_grad_sq")}
         line = step_line(obs, metrics, self.stats.loss_median(), self.skipped_steps, self.judgement.straggler.last,
@@ -233,8 +235,7 @@ class StepGuard:
         return step % self.cfg.metrics.every_steps == 0 or (
             self.judgement.last is not None and self.judgement.last.action is not Action.CONTINUE)
 
-    def on_close(self, totals: dict[str, Any] | None = None) -> None:
-        """CLOSE: the last metric line, totals, then close the files."""
+    def on_close(self, totals: dict[str, Any] | None = None) -> None:  # CLOSE: the last metric line, the totals
         self.deferred.close(self.world)
         self.log.run_end(self.last_step, self.world, {"guard_skipped_steps": self.skipped_steps,
                                                       "nonfinite_steps": self.policy.total_nonfinite,
@@ -276,8 +277,7 @@ class StepGuard:
         return self.log.abort(step, decision, self.judgement.everyone or {}, self.skipped_steps, self.policy)
 
     def health(self) -> dict:
-        """What a checkpoint saved now says of the run (its manifest's ``health``): the last metric line's loss, loss
-        median and loss scale, and the recent verdicts."""
+        """A checkpoint's manifest's ``health``: the last line's loss, loss median, loss scale; the recent verdicts."""
         last = self.last_metrics
         return {"loss": last.get("loss"), "loss_median": last.get("loss_median"), "loss_scale": last.get("loss_scale"),
                 "recent_anomalies": self.judgement.recent_anomalies[-10:]}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 
 def step_line(view, metrics: dict, loss_median: float | None, guard_skipped: int, straggler_ratio: dict | None,
               probes: dict) -> dict:
@@ -84,8 +86,11 @@ class DeferredLine:
         tensor), the limit it clipped at, this rank's squared norm of what the step applied (a device tensor)."""
         self._held = {"step": step, "line": line, "rank_line": rank_line, "due": due, "limit": clip_limit,
                       "applied": applied}
-        self.norm = grad_norm
-        self.applied_sq = applied_grad_sq
+        # (as the next row takes them: float64 device scalars, converted now, after this step's launch)
+        self.norm = grad_norm.detach().reshape(()).to(torch.float64) if isinstance(grad_norm, torch.Tensor) else \
+            grad_norm
+        self.applied_sq = applied_grad_sq.detach().reshape(()).to(torch.float64) \
+            if isinstance(applied_grad_sq, torch.Tensor) else applied_grad_sq
 
     def flushed(self, view):
         """``view`` (an AGREE StepView), after the held line was written with the norms it brought."""

@@ -25,11 +25,11 @@ class LocalGrads:
     gradient). Nothing read on the host, no gradient held (the framework may reduce or free it right after). One per
     guard, across steps: the step's tally takes what it holds at AGREE, and a new step starts it afresh."""
 
-    __slots__ = ("norms", "flat", "count")
+    __slots__ = ("norms", "acc", "count")
 
     def __init__(self):
         self.norms: list[torch.Tensor] = []  # 0-dim fp32 norms (the per-parameter hooks')
-        self.flat: list[torch.Tensor] = []   # 1-dim fp32 norms (add_all's)
+        self.acc: torch.Tensor | None = None  # add_all's squared norms, summed as they come (float64)
         self.count = 0                       # gradients seen
 
     def add(self, grad: torch.Tensor | None) -> None:
@@ -45,26 +45,26 @@ class LocalGrads:
         self.count += len(dense)
         if dense and dense[0].device.type == "cpu":  # (a CPU's norm of one large bucket: ~2x its pieces' time)
             dense = [p for g in dense for p in (g.reshape(-1).split(_CPU_PIECE) if g.numel() > _CPU_PIECE else (g,))]
-        if dense:
-            self.flat.append(torch.stack(norms_f32(dense)))
+        if dense:  # (summed now, where the framework reduces: nothing left for AGREE but to copy it)
+            sq = torch.stack(norms_f32(dense)).to(torch.float64).square().sum()
+            self.acc = sq if self.acc is None else self.acc.add(sq)
 
     def clear(self) -> None:
-        self.norms, self.flat, self.count = [], [], 0
+        self.norms, self.acc, self.count = [], None, 0
 
     def sq(self, device: torch.device) -> torch.Tensor | None:
-        """The squared norm of every gradient seen, a float64 device scalar (None: none seen): four kernels,
-        whatever the number of gradients."""
-        parts = ([torch.stack(self.norms)] if self.norms else []) + self.flat
-        if not parts:
-            return None
-        both = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return both.to(device, torch.float64).square().sum()
+        """The squared norm of every gradient seen, a float64 device scalar (None: none seen): the reduction points'
+        sum as it stands, the hooks' norms stacked (four kernels, whatever the number of gradients)."""
+        hooks = torch.stack(self.norms).to(device, torch.float64).square().sum() if self.norms else None
+        acc = self.acc.to(device) if self.acc is not None else None
+        return acc if hooks is None else hooks if acc is None else acc + hooks
 
 
 class StepTally:
     def __init__(self, device: torch.device, grads: LocalGrads | None = None):
         self.device = device
-        self.losses: list[torch.Tensor] = []       # each micro-batch's loss, on its device
+        self.loss_sum: torch.Tensor | None = None  # the micro-batches' losses, summed as they come (float64)
+        self.loss_bad: torch.Tensor | None = None  # how many of them were not finite
         self.grads = grads if grads is not None else LocalGrads()  # the local gradients' norms (its hooks' target)
         self.grads.clear()
         self.micro = 0                             # micro-batches whose loss was seen
@@ -81,8 +81,12 @@ class StepTally:
     def loss(self, loss: torch.Tensor, checking: bool) -> None:
         """One micro-batch's loss, kept on the device (summed and flagged once, at AGREE: no host sync)."""
         self.micro += 1
-        if checking and isinstance(loss, torch.Tensor):
-            self.losses.append(loss.detach() if loss.dim() == 0 else loss.detach().sum(dtype=torch.float64))
+        if checking and isinstance(loss, torch.Tensor):  # (summed and flagged now: AGREE only copies them)
+            each = loss.detach().to(self.device, torch.float64) if loss.dim() == 0 else \
+                loss.detach().sum(dtype=torch.float64).to(self.device)
+            bad = each.mul(0).nan_to_num(1.0)  # (0 * a finite loss is 0; else NaN -> 1)
+            first = self.loss_sum is None
+            self.loss_sum, self.loss_bad = (each, bad) if first else (self.loss_sum + each, self.loss_bad + bad)
 
     def take_ids(self) -> list[int]:
         """The sample ids since the last call (a recorded micro-batch's own)."""
@@ -110,20 +114,19 @@ class StepTally:
             host[F["prev_applied_sq"]] = float("nan")
         row = agreement.row(host)
         at, values = [], []  # (the device values: one stack, one indexed write into the row)
-        if self.losses:
-            each = torch.stack(self.losses).to(self.device, torch.float64)
+        if self.loss_sum is not None:
             at += [F["loss_sum"], F["loss_nonfinite"]]
-            values += [each.sum(), each.mul(0).nan_to_num(1.0).sum()]  # (0 * a finite loss is 0; else NaN -> 1)
+            values += [self.loss_sum, self.loss_bad]
         grad_sq = self.grads.sq(self.device)
         if grad_sq is not None:
             at.append(F["grad_sq"])
             values.append(grad_sq)
-        if isinstance(pending, torch.Tensor):
+        if isinstance(pending, torch.Tensor):  # (made float64 device scalars when the line was held)
             at.append(F["prev_grad_norm"])
-            values.append(pending.detach().reshape(()).to(self.device, torch.float64))
+            values.append(pending.to(self.device))
         if applied is not None:
             at.append(F["prev_applied_sq"])
-            values.append(applied.detach().reshape(()).to(self.device, torch.float64))
+            values.append(applied.to(self.device))
         if values:
             row.index_put_((_index(tuple(at), self.device),), torch.stack(values))
         return row
