@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import config as tg_config
-from trainguard.ports import (bf16_supported, collective_device, gather_coords, releases, RunFacts, StepOutcome,
+from trainguard.ports import (bf16_supported, collective_device, gather_coords, LaunchGate, releases, RunFacts, StepOutcome,
                               zero_adam_moments)
 from trainguard.errors import FallbackUnavailable, interruption
 from trainguard.events import Action, Anomaly
@@ -99,8 +99,9 @@ class MegatronGuard:
     def watchdog(self):
         return self.session.watchdog
 
-    def step_number(self) -> int:
-        return self.iteration + 1
+    def step_number(self) -> int:  # (while one is applied, that one: a DECIDE after its launch replays it as it was)
+        applying = self.driver.applying if self.driver is not None else None
+        return applying if applying is not None else self.iteration + 1
 
     def heart_beat(self, phase: str) -> None:
         self.session.beat(phase, self.iteration)
@@ -163,6 +164,17 @@ class MegatronGuard:
             if getattr(o, "config", None) is not None:
                 o.config.clip_grad = float(max_norm)
 
+    def launch_gate(self) -> LaunchGate | None:
+        """Where megatron's optimizer step (one, not chained) ends in its torch optimizer's launch -- after its own
+        global norm, read on the host (trainguard.step.launchgate; fp16's scaler the driver leaves out). A refused
+        update returns megatron's own "not applied", as a skip of ours does."""
+        opts = _optimizers(self.optimizer)
+        inner = getattr(opts[0], "optimizer", None) if len(opts) == 1 else None
+        if not isinstance(inner, torch.optim.Optimizer) or "Muon" in type(inner).__name__:
+            return None
+        self.declined = False
+        return LaunchGate(inner, lambda: setattr(self, "declined", True), lambda: None)
+
     def apply(self, decision, base_step) -> StepOutcome:
         ours = decision.action in (Action.SKIP_STEP, Action.ROLLBACK) and decision.anomaly is not Anomaly.OVERFLOW
         if ours:
@@ -173,6 +185,8 @@ class MegatronGuard:
             result, applied, norm = (False, None, None), False, None
         else:  # (an fp16 overflow too: megatron finds it, skips and lowers its scale itself)
             result = base_step()
+            if getattr(self, "declined", False):  # (refused at the update's launch: trainguard.step.launchgate)
+                self.declined, ours, result = False, True, (False, None, None)
             applied = bool(result[0]) if isinstance(result, tuple) else True
             norm = result[1] if isinstance(result, tuple) and len(result) > 1 else None
         self.not_applied += not applied

@@ -64,6 +64,11 @@ def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
     assert saved["detail"].get("async", False) == async_save
     if async_save:
         assert saved["detail"]["blocking_s"] <= saved["detail"]["total_s"]
+    # the first step's checkpoint, the insurance, is written in the background whatever `async` says (issue 52: off
+    # the step's critical path -- its blocking part the host copy), committed and listed in dir/.first
+    (insured,) = [e for e in first.events if e["event"] == "checkpoint_saved" and e["detail"]["dir"].endswith(".first")]
+    assert insured["step"] == 1 and insured["detail"]["async"] and insured["detail"]["tag"] == "step00000001"
+    assert insured["detail"]["blocking_s"] <= insured["detail"]["total_s"]
     (ok,) = [e for e in resumed.events if e["event"] in ("resume_verified", "resume_discontinuity")]
     assert ok["event"] == "resume_verified" and ok["detail"]["max_rel_diff"] == 0.0
     assert [s["step"] for s in ok["detail"]["steps"]] == [N + 1, N + 2, N + 3]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.metrics.jsonl import read
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.dist
 
@@ -24,6 +26,8 @@ def test_a_step_refused_at_its_launch_changes_nothing_and_is_counted_skipped(tmp
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "overridden after learning rate scheduler" not in done.stderr  # (the scheduler's mark kept on the gate)
     steps = json.loads((tmp_path / "gate.json").read_text())
+    (start,) = [x for x in read(tmp_path / "trainguard.jsonl") if x.get("event") == "run_start"]
+    assert start["detail"]["decided_at"] == ("the update's launch" if gated else "the step's start")
     for s in steps:
         refused = s["step"] == 3
         assert s["at_launch"] is (True if gated else None), s

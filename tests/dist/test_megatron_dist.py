@@ -97,6 +97,24 @@ def test_nan_at_each_coordinate_is_attributed_to_it(tmp_path, layout, megatron_c
         assert r["applied"] == [True, True, False, True, False, True, True] and r["weights_finite"]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_step_refused_at_its_update_launch_changes_nothing(tmp_path, precision):
+    """Issue 52 on megatron-core: DECIDE waits for the update's launch -- megatron's optimizer step, after it read its
+    own global norm on the host (trainguard.step.launchgate). A step refused there (a force_action skip: a
+    detector's path) leaves the weights, the main weights and the moments bit-identical and is megatron's own "not
+    applied"; the steps around it apply."""
+    block = {"allow_faults": True, "faults": [{"type": "force_action", "step": 4, "action": "skip"}]}
+    results, lines = run(tmp_path, "gate", "tp", 6, block, more=["--digest-each"] + (["--bf16"] if precision == "bf16"
+                                                                                     else []))
+    (start,) = [x for x in lines if x.get("event") == "run_start"]
+    assert start["detail"]["decided_at"] == "the update's launch"
+    for r in results:
+        assert r["applied"] == [True, True, True, False, True, True] and r["weights_finite"], r["applied"]
+        assert r["at_launch"] == [True] * 6  # (each decided at the launch: the refused one refused there)
+        d = r["digests"]
+        assert d[3] == d[2] and all(d[i] != d[i - 1] for i in (1, 2, 4, 5)), d
+
+
 # in CI (30 s): the only test of megatron's measured clipped norm -- long, it let megatron-core 0.19's rename of
 # get_main_grads_for_grad_norm leave every metric line's grad_norm_clipped empty
 def test_guard_changes_nothing_when_no_fault_fires(tmp_path):

@@ -39,6 +39,19 @@ def batches(seed: int, dp_rank: int, dp_world: int, consumed: int = 0, split: st
         i += MICRO * dp_world
 
 
+def _digest(model, opt) -> str:
+    """The weights and every tensor of the inner torch optimizer(s)' state, hashed."""
+    d = hashlib.sha256()
+    tensors = [p.detach() for p in model.parameters()]
+    for o in getattr(opt, "chained_optimizers", None) or [opt]:
+        inner = getattr(o, "optimizer", o)
+        tensors += [p.detach() for g in inner.param_groups for p in g["params"]]
+        tensors += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        d.update(t.float().cpu().numpy().tobytes())
+    return d.hexdigest()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
@@ -47,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", help="a JSON file with the trainguard block")
     ap.add_argument("--no-guard", action="store_true")
+    ap.add_argument("--digest-each", action="store_true", help="after every iteration, a digest of the weights and the "
+                    "inner torch optimizer's state (its master weights and moments): result['digests']")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout (draws from megatron's "
                     "tensor-parallel RNG tracker: what an exact resume must restore)")
@@ -107,6 +122,17 @@ def run(args) -> int:
     MICROBATCHES = 2
     loop = {"consumed": 0}  # micro-batches read so far: the data position saved with every snapshot
     guard = None
+    at_launch: list = []  # (--digest-each: whether each iteration reached trainguard.step.launchgate's launch)
+    if args.digest_each:
+        from trainguard.step import launchgate
+
+        run_gate = launchgate.LaunchGate.run
+
+        def spy(self, decide, base_step):
+            out = run_gate(self, decide, base_step)
+            at_launch.append(out[2])
+            return out
+        launchgate.LaunchGate.run = spy
     if args.config:
         import megatron_hooks
 
@@ -190,6 +216,9 @@ def run(args) -> int:
         if not applied and guard is None:  # (megatron alone: a skipped step leaves its gradients)
             opt.zero_grad()
         result["applied"].append(bool(applied))
+        if args.digest_each:
+            result.setdefault("digests", []).append(_digest(model, opt))
+            result["at_launch"] = at_launch
         result.setdefault("loss_scale", []).append(float(opt.get_loss_scale()))
         if losses:
             result["losses"].append(float(sum(x["loss"] for x in losses) / len(losses)))

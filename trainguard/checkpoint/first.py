@@ -33,8 +33,11 @@ def on_step(cp, step: int) -> None:
 
 
 def save_first(cp) -> None:
+    """Insurance, off the step's critical path: written in the background where the adapter can capture its state
+    to host memory (DeepSpeed's; dist_checkpointing's save is a collective: megatron's is synchronous), whatever
+    ``checkpoint.async`` says of the periodic saves; committed at the next step's end, waited for by a restart."""
     roots = dict(cp.roots)
-    tag = cp.save(first_root(cp))
+    tag = cp.save(first_root(cp), asynchronous=True)
     # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it -- and the
     # main directory's checkpoint of the same tag, if any, keeps its own watch and root)
     mine = next((w for w in reversed(cp.health.watching) if w.tag == tag), None)
@@ -71,6 +74,7 @@ def refresh_first(cp) -> None:
 
 def first_target(cp) -> tuple[Path | None, str | None, str]:
     """The first step's checkpoint, verified, when it fits the run (every rank learns)."""
+    cp.wait_pending()  # (every rank: a first step's save still in flight is committed first)
     root = first_root(cp)
     floor = cp.not_before(root) if root is not None else 0  # (every rank: a collective)
     choice = None

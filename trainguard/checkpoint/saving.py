@@ -48,13 +48,15 @@ class Saver:
         self.revision = code_revision() if rank() == 0 else None
 
     # ------------------------------------------------------------------ save
-    def save(self, root: str | os.PathLike, tag: str | None = None, **kwargs) -> str:
+    def save(self, root: str | os.PathLike, tag: str | None = None, asynchronous: bool | None = None,
+             **kwargs) -> str:
         """Every rank: commit a checkpoint of the framework's state as ``root/tag`` (tag: the step's) or raise --
-        with ``checkpoint.async`` and an adapter that can capture, the commit comes later (:meth:`AsyncSave.poll`)."""
+        asynchronous (``checkpoint.async``, or ``asynchronous``: the insurance's) with an adapter that can capture,
+        the commit comes later (:meth:`AsyncSave.poll`)."""
         cp = self.cp
         self.pending.poll(wait=True)  # a new save waits for the previous one
         state = cp.state
-        if cp.cfg.async_:
+        if cp.cfg.async_ if asynchronous is None else asynchronous:
             cp.heart.beat("checkpoint")  # (the watchdog: the host copy of a large model is progress too)
             t0 = time.perf_counter()
             tag = validate_tag(tag if tag is not None else step_tag(state.step()))

@@ -60,9 +60,7 @@ class StepDriver:
         with self._lr_scaled(step):
             loss_scale, divisor = fw.agree_scale()
             lr = guard.lr_now = self.step_lr if self.step_lr is not None else first_lr(fw.lr_groups())  # (the table's)
-            # (decided at the update's launch where the adapter can -- trainguard.step.launchgate --, not under fp16's
-            gate = fw.launch_gate() if hasattr(fw, "launch_gate") and before is None and \
-                self.cfg.clipping.mode != "adaptive" else None  # dynamic scale or adaptive clipping: state set before it)
+            gate = self._gate(before is not None)
             read = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None,
                                   late=True)
             seen = {}
@@ -119,6 +117,17 @@ class StepDriver:
         self.goodput.step_done(step, out.applied and not rolled_back)
         self.heart.beat("data", fw.completed_steps())
         return out.result
+
+    def _gate(self, scaled: bool):
+        """The update's launch, where DECIDE waits (trainguard.step.launchgate) -- where the adapter has one, and not
+        under fp16's dynamic scale or adaptive clipping (state set on the decision's behalf before the launch)."""
+        fw = self.fw
+        ok = hasattr(fw, "launch_gate") and not scaled and self.cfg.clipping.mode != "adaptive"
+        return fw.launch_gate() if ok else None
+
+    def point(self) -> dict:
+        """run_start's ``decided_at``: where a healthy step is decided, as the run starts."""
+        return {"decided_at": "the update's launch" if self._gate(self.fw.scaler() is not None) else "the step's start"}
 
     def _late(self, step: int, obs, before) -> Decision:
         """DECIDE after a clear step's update launched (trainguard.step.launchgate): what it finds is one step late --

@@ -144,7 +144,7 @@ class GuardSession:
         """BEGIN: every rank's coordinates, the run_start record, the start-of-run checks."""
         if self.guard is not None:
             from trainguard.step.gradhooks import where  # (run_start says where the local-gradient check runs)
-            self.guard.on_begin(coords, {**framework, "grad_check_point": where(self.hooks)}, facts)
+            self.guard.on_begin(coords, {**framework, "grad_check_point": where(self.hooks), **self.driver.point()}, facts)
 
     def running(self, newer_than: int = 0, resume: bool = True) -> Any:
         """The end of BEGIN, once the adapter's data loader is in place: with ``checkpoint.dir``, what a crash left in
