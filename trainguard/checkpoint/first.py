@@ -27,7 +27,8 @@ def on_step(cp, step: int) -> None:
     after it): removed (a restart from it is for a climb that began young)."""
     if step == 1:
         save_first(cp)
-    elif not cp._first_dropped:  # (once per process: a run resumed past FIRST_KEPT drops it too)
+    elif not cp._first_dropped and cp.pending_tag() is None:  # (once per process: a run resumed past FIRST_KEPT
+        # drops it too; never under its own background write -- a save in flight is every rank's alike)
         cp._first_dropped = True
         drop_first(cp)
 

@@ -147,6 +147,12 @@ class Summary:
     clock_min: Extreme
 
     @property
+    def finite_loss(self) -> float | None:
+        """The step's loss for checkpoint health: the mean over the ranks that have one (the last pipeline stage holds
+        it under megatron), None when any of them is not finite."""
+        return self.loss_mean if math.isfinite(self.loss_mean) else None
+
+    @property
     def loss_rank(self) -> int:
         """The rank with the highest finite loss (0 when none): what a loss verdict names."""
         return self.loss_max.rank or 0

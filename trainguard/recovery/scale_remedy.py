@@ -17,6 +17,7 @@ def carry_out(d, step: int, decision: Decision, rolled_back: bool) -> dict:
             fw.checkpointer.wait_pending()
         try:
             detail = d.to_bf16(step)
+            d.gating = False  # (rebuilt optimizers: decided at the step's start from here, every rank alike)
         except FallbackUnavailable as e:  # (where the framework itself stops -- fp16 at its floor: named)
             raise guard.abort(step, Decision(Action.ABORT, f"{decision.reason}: bf16 fallback unavailable: {e}",
                                              decision.verdicts)) from None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any, Callable, Iterator
 
 from trainguard import decisions
@@ -28,6 +27,7 @@ from trainguard.config import TrainguardConfig
 from trainguard.events import Action, Anomaly, Record
 from trainguard.step.guard import StepGuard
 from trainguard.recovery.lrapply import first_lr, scaled_lr
+from trainguard.ranks.isolation import all_true
 from trainguard.faults.injector import FaultInjector
 from trainguard.observe.goodput import GoodputMeter
 from trainguard.recovery.policy import Decision, Policy
@@ -48,6 +48,7 @@ class StepDriver:
         self.to_bf16 = to_bf16  # (the session's: the framework's fallback, then what depends on the precision re-armed)
         self.step_lr: float | None = None  # the LR this step's update used, when the driver scaled it
         self.applying: int | None = None   # the step whose update the framework is applying (its scheduler sets the next)
+        self.gating, self.taken = False, 0  # (every rank has the update's launch: point(); steps this process took)
 
     # ------------------------------------------------------------------ the step
     def step(self, base_step: Callable[[], Any]) -> Any:
@@ -94,9 +95,8 @@ class StepDriver:
             finally:
                 self.applying = None
         obs, decision = seen["obs"], seen["decision"]
-        if seen.get("late") and decision.action is Action.ROLLBACK:
-            out = dataclasses.replace(out, applied=False)  # (the update it let through is what the rollback discards)
-        scale_decision = guard.on_step(step, decision, out.applied, before)
+        late_rollback = seen.get("late") and decision.action is Action.ROLLBACK  # (its update applied, then rolled back)
+        scale_decision = guard.on_step(step, _AT_LAUNCH if late_rollback else decision, out.applied, before)
         guard.on_end(step, obs, {
             "grad_norm": out.grad_norm, "clip_limit": out.clip_limit,
             "applied_grad_sq": meter.take() if meter is not None else None,
@@ -115,6 +115,7 @@ class StepDriver:
         if not rolled_back:  # (a rollback that happened re-runs from its checkpoint)
             self._after_step(step, obs, decision)
         self.goodput.step_done(step, out.applied and not rolled_back)
+        self.taken += 1
         self.heart.beat("data", fw.completed_steps())
         return out.result
 
@@ -122,19 +123,24 @@ class StepDriver:
         """The update's launch, where DECIDE waits (trainguard.step.launchgate) -- where the adapter has one, and not
         under fp16's dynamic scale or adaptive clipping (state set on the decision's behalf before the launch)."""
         fw = self.fw
-        ok = hasattr(fw, "launch_gate") and not scaled and self.cfg.clipping.mode != "adaptive"
-        return fw.launch_gate() if ok else None
+        ok = self.gating and self.taken and not scaled and self.cfg.clipping.mode != "adaptive"
+        return fw.launch_gate() if ok else None  # (a process's first step at its start: no optimizer state to leave)
 
     def point(self) -> dict:
-        """run_start's ``decided_at``: where a healthy step is decided, as the run starts."""
-        return {"decided_at": "the update's launch" if self._gate(self.fw.scaler() is not None) else "the step's start"}
+        """BEGIN, every rank: whether every rank's adapter has the launch (agreed: decided at different points, the
+        ranks' collectives would cross), and run_start's ``decided_at`` saying where a healthy step is decided."""
+        fw = self.fw
+        self.gating = all_true(hasattr(fw, "launch_gate") and fw.launch_gate() is not None)
+        at = self.gating and fw.scaler() is None and self.cfg.clipping.mode != "adaptive"
+        return {"decided_at": "the update's launch" if at else "the step's start"}
 
     def _late(self, step: int, obs, before) -> Decision:
         """DECIDE after a clear step's update launched (trainguard.step.launchgate): what it finds is one step late --
         an abort is raised now, a rollback discards the update, a skip cannot be: the update stays, and says so."""
         decision = self._decided(step, obs, before, None)
         if decision.action is Action.ABORT:
-            raise self.guard.abort(step, decision)
+            raise self.guard.abort(step, dataclasses.replace(
+                decision, reason=decision.reason + " (decided after its update's launch: that update applied)"))
         if decision.action is Action.SKIP_STEP:
             return dataclasses.replace(decision, action=Action.CONTINUE,
                                        reason=decision.reason + " (decided after its update's launch: applied)")
@@ -167,7 +173,7 @@ class StepDriver:
         # fp16 overflows are the scaler's routine, not a sign that the checkpoint is unhealthy; nor is bad data
         # whose steps were skipped (the replay found the weights healthy: trainguard.replay.replay)
         blamed_data = decision.action is Action.SKIP_STEP and self.guard.weights == "healthy"
-        cp.on_step_end(step, health_loss(obs), anomaly=not blamed_data and any(v.anomaly != Anomaly.OVERFLOW
+        cp.on_step_end(step, obs.summary.finite_loss, anomaly=not blamed_data and any(v.anomaly != Anomaly.OVERFLOW
                                                                                for v in decision.verdicts))
         cp.after_step(step)
 
@@ -291,10 +297,3 @@ class StepDriver:
     def scale_remedy(self, step: int, decision: Decision, rolled_back: bool) -> dict:
         """The loss_scale rung's remedy (trainguard.recovery.scale_remedy)."""
         return scale_remedy.carry_out(self, step, decision, rolled_back)
-
-
-def health_loss(view) -> float | None:
-    """The step's loss for checkpoint health: the mean over the ranks that have one (the last
-    pipeline stage holds the loss under megatron), None when any of them is not finite."""
-    mean = view.summary.loss_mean
-    return mean if math.isfinite(mean) else None

@@ -24,14 +24,17 @@ class Evidence:
         self.cfg, self.rank, self.device, self.group = cfg, rank, device, group
         self.detectors, self.probes, self.replays, self.agreement = detectors, probes, replays, agreement
         self.localize = localize
+        # (a ladder of yours that skips what is found after the launch -- a creep, the loss trend's burst --: every
+        # step decided before its update, as a skip after it cannot be taken)
+        self.late_skips = any("skip_step" in cfg.recovery.ladders.get(c, ()) for c in ("slow_rise", "instant_burst"))
 
     def clear(self, step: int, view) -> bool:
         """Whether the step may be applied before it is decided, its DECIDE taken after the update's launch
         (trainguard.step.launchgate): nothing it gathers is due -- nothing non-finite, no fault fired, no sample set
         aside, no probe or check sampled, no row wanted -- and no detector could refuse it (a burst)."""
         s = view.summary
-        return not (s.needs_rows or self.probes.sampled(step) or self.detectors.wants_rows(step)) and \
-            self.detectors.clear(step, s)
+        return not (self.late_skips or s.needs_rows or self.probes.sampled(step) or self.detectors.wants_rows(step)) \
+            and self.detectors.clear(step, s)
 
     def gather(self, step: int, ctx: Decide, tally, suspect: Callable[[int, int, str], None]) -> dict | None:
         """Fill ``ctx`` (its verdicts, the gathered objects, the weights check, the probes' values); returns every

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from trainguard.events import Action
 
-REFUSED = (Action.SKIP_STEP, Action.ROLLBACK)  # (an abort: ``decide()`` raises it, at the launch)
+REFUSED = (Action.SKIP_STEP, Action.ROLLBACK)  # (an abort: ``decide()`` raises it -- refused, raised once the step ended)
 
 
 class LaunchGate:
@@ -34,18 +34,18 @@ class LaunchGate:
 
     @classmethod
     def at(cls, outer, wrappers: Sequence[str], flag: str) -> "LaunchGate | None":
-        """The gate of a framework's optimizer ``outer`` (one of ``wrappers``, by class name, around a torch optimizer
-        reached through ``.optimizer``, or that torch optimizer itself) whose refused step is told by setting its
-        attribute ``flag`` (put back after); None where the update is not one torch optimizer's launch, or where
-        that launch writes state before it reads the gradients (Muon's momentum)."""
+        """The gate of a framework's optimizer ``outer`` (one of ``wrappers``, by class name, that keeps an attribute
+        ``flag`` of its own, around a torch optimizer reached through ``.optimizer``; or that torch optimizer itself)
+        whose refused step is told by setting ``flag`` (put back after); None where the update is not one torch
+        optimizer's launch, or where that launch writes state before it reads the gradients (Muon's momentum)."""
         import torch
 
         inner = outer
         while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
             inner = inner.optimizer
         if not isinstance(inner, torch.optim.Optimizer) or "Muon" in type(inner).__name__ or \
-                not (outer is inner or type(outer).__name__ in wrappers):
-            return None
+                not (outer is inner or (type(outer).__name__ in wrappers and flag in vars(outer))):
+            return None  # (a wrapper without the flag does not skip by it: DeepSpeed 0.16-0.18's BF16_Optimizer asserts)
         had, old = flag in vars(outer), vars(outer).get(flag)
         return cls(inner, lambda: setattr(outer, flag, True),
                    lambda: setattr(outer, flag, old) if had else delattr(outer, flag))
@@ -57,13 +57,16 @@ class LaunchGate:
         inner = self.inner
         shadowed = vars(inner).get("step")  # (an instance's own step, if any: put back after)
         launch = inner.step
-        decision, declined = None, False
+        decision, declined, raised = None, False, None
 
         def step(*args, **kwargs):
-            nonlocal decision, declined
-            if decision is None:
-                decision = decide()
-            if decision.action in REFUSED:
+            nonlocal decision, declined, raised
+            if decision is None and raised is None:
+                try:
+                    decision = decide()
+                except BaseException as e:  # noqa: BLE001 - (an abort: the framework's step ends as a skip, then it)
+                    raised = e
+            if raised is not None or decision.action in REFUSED:
                 if not declined:
                     declined = True
                     self.decline()
@@ -81,5 +84,7 @@ class LaunchGate:
                 inner.step = shadowed
             if declined:
                 self.restore()
+        if raised is not None:
+            raise raised
         reached = decision is not None
         return result, (decision if reached else decide()), reached
