@@ -210,11 +210,15 @@ class EngineGuard:
         scale and adaptive clipping out). A refused update takes DeepSpeed's own skip bookkeeping: the optimizer says
         ``overflow``, the engine counts the step as skipped and leaves the scheduler alone."""
         eng, opt = self.engine, self.engine.optimizer
+        if getattr(self, "_launch", (None, None))[0] is opt:  # (made once for the optimizer the engine has)
+            return self._launch[1]
+        self._launch = (opt, None)
         if eng.fp16_enabled() or eng.zero_optimization_stage() > 2 or eng.zero_cpu_offload() or \
                 getattr(eng, "torch_autocast_z0_gradscaler", None) or getattr(opt, "torch_autocast_gradscaler", None) \
                 or getattr(opt, "zenflow", False):
             return None
-        return LaunchGate.at(opt, GATED, "overflow")
+        self._launch = (opt, LaunchGate.at(opt, GATED, "overflow"))
+        return self._launch[1]
 
     def lr_groups(self) -> list[dict]:
         return self.engine.optimizer.param_groups

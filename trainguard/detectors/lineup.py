@@ -64,9 +64,9 @@ class Lineup:
 
     def clear(self, step: int, summary) -> bool:
         """Whether every registered detector says that nothing it could find this step would refuse the update (its
-        ``clear``; one without it says no) -- and nothing is sampled (trainguard.step.launchgate)."""
-        return not self.sampled(step) and all(getattr(det, "clear", None) is not None and det.clear(step, summary)
-                                              for _, det in self.registered)
+        ``clear``; one without it says no: trainguard.step.launchgate). (A sampled step is not clear either: the
+        caller's wants_rows says so.)"""
+        return all(getattr(det, "clear", None) is not None and det.clear(step, summary) for _, det in self.registered)
 
     # ------------------------------------------------------------------ DECIDE
     def early(self, step: int, ctx: Decide) -> None:

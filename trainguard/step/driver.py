@@ -122,9 +122,8 @@ class StepDriver:
     def _gate(self, scaled: bool):
         """The update's launch, where DECIDE waits (trainguard.step.launchgate) -- where the adapter has one, and not
         under fp16's dynamic scale or adaptive clipping (state set on the decision's behalf before the launch)."""
-        fw = self.fw
         ok = self.gating and self.taken and not scaled and self.cfg.clipping.mode != "adaptive"
-        return fw.launch_gate() if ok else None  # (a process's first step at its start: no optimizer state to leave)
+        return self.fw.launch_gate() if ok else None  # (a process's first step at its start: no state to leave)
 
     def point(self) -> dict:
         """BEGIN, every rank: whether every rank's adapter has the launch (agreed: decided at different points, the
