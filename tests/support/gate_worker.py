@@ -40,16 +40,9 @@ def main() -> int:
     args = ap.parse_args()
     single_rank_env(29800 + 10 * args.stage)
     import ds_plugins
-    from trainguard.step import launchgate
+    from tests.support.gate_spy import watch_launches
 
-    reached = []
-    run = launchgate.LaunchGate.run
-
-    def spy(self, decide, base_step):
-        out = run(self, decide, base_step)
-        reached.append(out[2])
-        return out
-    launchgate.LaunchGate.run = spy
+    reached = watch_launches()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

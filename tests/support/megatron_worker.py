@@ -124,15 +124,9 @@ def run(args) -> int:
     guard = None
     at_launch: list = []  # (--digest-each: whether each iteration reached trainguard.step.launchgate's launch)
     if args.digest_each:
-        from trainguard.step import launchgate
+        from tests.support.gate_spy import watch_launches
 
-        run_gate = launchgate.LaunchGate.run
-
-        def spy(self, decide, base_step):
-            out = run_gate(self, decide, base_step)
-            at_launch.append(out[2])
-            return out
-        launchgate.LaunchGate.run = spy
+        at_launch = watch_launches()
     if args.config:
         import megatron_hooks
 
