@@ -51,6 +51,7 @@ class Spikes:
                                         ranks=[s.loss_rank], lr_ratio=lr_ratio)
             if v is not None:
                 found.append(v)
+            self.loss_spike.prime()  # (its window moved: the next clear step's check finds its statistics kept)
         return found
 
     def clear(self, step: int, s) -> bool:
@@ -75,9 +76,7 @@ class Spikes:
             v = self.loss_trend.observe(step, s.loss_mean, ctx.lr, self.grad_norm.ratio_since, ranks=[s.loss_rank],
                                         grad=s.grad_proxy)
             if v is not None and not any(f.anomaly == v.anomaly for f in ctx.found):
-                self.loss_spike.prime()
                 return [v]
-        self.loss_spike.prime()
         return []
 
     # ------------------------------------------------------------------ what the windows answer

@@ -61,7 +61,8 @@ class StepDriver:
         with self._lr_scaled(step):
             loss_scale, divisor = fw.agree_scale()
             lr = guard.lr_now = self.step_lr if self.step_lr is not None else first_lr(fw.lr_groups())  # (the table's)
-            gate = self._gate(before is not None)
+            # (a process's first step at its start: no optimizer state yet to leave as it was)
+            gate = self.fw.launch_gate() if self.taken and self._gating(before is not None) else None
             read = guard.on_agree(step, loss_scale=loss_scale, grad_divisor=divisor, dynamic_scale=before is not None,
                                   late=True)
             seen = {}
@@ -119,19 +120,17 @@ class StepDriver:
         self.heart.beat("data", fw.completed_steps())
         return out.result
 
-    def _gate(self, scaled: bool):
-        """The update's launch, where DECIDE waits (trainguard.step.launchgate) -- where the adapter has one, and not
-        under fp16's dynamic scale or adaptive clipping (state set on the decision's behalf before the launch)."""
-        ok = self.gating and self.taken and not scaled and self.cfg.clipping.mode != "adaptive"
-        return self.fw.launch_gate() if ok else None  # (a process's first step at its start: no state to leave)
+    def _gating(self, scaled: bool) -> bool:
+        """Whether a step waits for the update's launch (trainguard.step.launchgate): every rank's adapter has one, and
+        not under fp16's dynamic scale or adaptive clipping (state set on the decision's behalf before the launch)."""
+        return self.gating and not scaled and self.cfg.clipping.mode != "adaptive"
 
     def point(self) -> dict:
         """BEGIN, every rank: whether every rank's adapter has the launch (agreed: decided at different points, the
         ranks' collectives would cross), and run_start's ``decided_at`` saying where a healthy step is decided."""
         fw = self.fw
         self.gating = all_true(hasattr(fw, "launch_gate") and fw.launch_gate() is not None)
-        at = self.gating and fw.scaler() is None and self.cfg.clipping.mode != "adaptive"
-        return {"decided_at": "the update's launch" if at else "the step's start"}
+        return {"decided_at": "the update's launch" if self._gating(fw.scaler() is not None) else "the step's start"}
 
     def _late(self, step: int, obs, before) -> Decision:
         """DECIDE after a clear step's update launched (trainguard.step.launchgate): what it finds is one step late --
