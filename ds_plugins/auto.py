@@ -195,6 +195,8 @@ def _patch_trainer(module) -> None:
 
             from trainguard.ports import World
 
+            if block is not None:
+                _told_its_length(self)
             hf = getattr(self.args, "hf_deepspeed_config", None)  # (ZeRO-3: restarts whole -- ds_plugins.inprocess)
             if block is None or World.current is None or World.current.rank is None or hf is not None and hf.is_zero3():
                 return once(resume_from_checkpoint)
@@ -210,6 +212,20 @@ def _patch_trainer(module) -> None:
         return train
 
     _wrap(module.Trainer, "train", make)
+
+
+def _told_its_length(trainer) -> None:
+    """The run's last step, once the Trainer knows it (``state.max_steps`` at ``on_train_begin``; its own schedule is
+    built after the engine): what a restart may throw away (trainguard.recovery.lrcut.LrHistory.no_room)."""
+    from transformers import TrainerCallback
+
+    class TrainguardRunLength(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            guarded = getattr(trainer.model_wrapped, "_trainguard", None)
+            if guarded is not None and guarded.session.lr_history is not None and state.max_steps > 0:
+                guarded.session.lr_history.last_step = int(state.max_steps)
+    if not any(type(c).__name__ == "TrainguardRunLength" for c in trainer.callback_handler.callbacks):
+        trainer.add_callback(TrainguardRunLength())
 
 
 def _block_of_args(args):

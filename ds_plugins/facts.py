@@ -40,7 +40,8 @@ def _framework_facts(eng, cfg: TrainguardConfig) -> dict:
             "untested_releases": list(ds_plugins.RELEASES["untested"])}
 
 
-def _run_facts(eng, client_scheduler) -> RunFacts:
+def _run_facts(eng, client_scheduler, goes_on: bool = False) -> RunFacts:
+    """``goes_on``: the loop's count goes on through a rollback (the zero-code entry's HF Trainer, Accelerate)."""
     from trainguard.ports import bf16_supported
 
     bf16 = bf16_supported()
@@ -60,7 +61,17 @@ def _run_facts(eng, client_scheduler) -> RunFacts:
         name = client_scheduler if isinstance(client_scheduler, str) else type(client_scheduler).__name__
         warmup = -1
     return RunFacts(dtype=_dtype(eng), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
-                    framework_clip=float(eng.gradient_clipping() or 0.0))
+                    framework_clip=float(eng.gradient_clipping() or 0.0),
+                    last_step=_last_step(eng, sched_cfg) if goes_on else None)
+
+
+def _last_step(eng, sched_cfg: dict | None) -> int | None:
+    """The run's length as its schedule was told it: DeepSpeed's ``total_num_steps`` (HF's Trainer fills it), or
+    transformers' schedules' ``num_training_steps`` (a LambdaLR over a partial); None: not said."""
+    lambdas = getattr(eng.lr_scheduler, "lr_lambdas", None) or [None]
+    total = ((sched_cfg or {}).get("params") or {}).get("total_num_steps",
+                                                         getattr(lambdas[0], "keywords", {}).get("num_training_steps"))
+    return int(total) if isinstance(total, int) and total > 0 else None  # (not "auto" left unfilled)
 
 
 def _collective_device() -> torch.device:

@@ -92,7 +92,7 @@ class MegatronGuard:
                      # (your scheduler is not ours to read; Megatron-LM's is: megatron_hooks.lm)
                      warmup_steps=loop.warmup_steps() if loop is not None else -1,
                      scheduler=type(loop.scheduler).__name__ if loop is not None and loop.scheduler is not None else None,
-                     framework_clip=self._clip_grad()))
+                     framework_clip=self._clip_grad(), last_step=loop.last_step() if loop is not None else None))
         self.resumed_data_state = s.running(newer_than=start_iteration)  # (only a snapshot newer than your own)
 
     @property

@@ -191,6 +191,9 @@ class LMRun:
             return -1
         return samples // max(1, self._samples_per_iteration()) if samples else None
 
+    def last_step(self) -> int | None:  # (--train-iters, or what --train-samples come to: its count goes on)
+        return int(self.margs.train_iters) if getattr(self.margs, "train_iters", None) else None
+
     def _samples_per_iteration(self) -> int:
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import get_num_microbatches

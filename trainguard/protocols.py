@@ -204,6 +204,9 @@ class Loop(Protocol):
     def warmup_steps(self) -> int | None:
         """The LR warm-up, in steps (None: none; -1: unknown)."""
 
+    def last_step(self) -> int | None:
+        """The loop's last step (None: unknown): its count goes on through a rollback."""
+
     def not_applied(self) -> None:
         """A step the guard skipped: the loop counts it as its own skipped iteration."""
 

@@ -92,7 +92,8 @@ def test_after_a_rollback_with_an_lr_cut_the_trainers_step_log_and_checkpoints_a
     3) -- the updates of exactly the next 3 steps use half plain's LR, the engine ends at the Trainer's step, every
     checkpoint-N holds DeepSpeed's global_stepN. The Trainer's logged learning_rate: with a DeepSpeed scheduler
     (ds_config "scheduler") it is the LR the updates used, the cut included; with the Trainer's own (Accelerate steps
-    it, DeepSpeed never sees it) it stays the schedule's -- not yet the cut (docs/integrations.md)."""
+    it, DeepSpeed never sees it) it stays the schedule's -- not yet the cut (docs/integrations.md). Either way the run's
+    length is read off the schedule (what bounds a restart from the first step: trainguard.recovery.lrcut.no_room)."""
     ds = DS_SCHEDULER if schedule == "deepspeed" else None
     _, plain, plain_lines = trainer(tmp_path, "plain", None, "--save-steps", "4", prefix=(), ds=ds)
     block = {"allow_faults": True, "faults": [{"type": "force_action", "step": 6, "action": "lr_cut"}],
@@ -110,6 +111,7 @@ def test_after_a_rollback_with_an_lr_cut_the_trainers_step_log_and_checkpoints_a
         assert used[s] == pytest.approx(want[s - lag] * (0.5 if s < 10 else 1.0), rel=1e-6), (s, used, want)
     for r in results:
         assert r["global_step"] == r["engine_steps"] == 10
+        assert r["run_length"] == 10  # (the Trainer's max_steps, read off its schedule: a restart's room)
         got = dict(r["lrs"])
         assert sorted(got) == sorted(want) == list(range(1, 11))
         ratio = {s: got[s] / want[s] for s in want if want[s]}

@@ -93,9 +93,13 @@ def main(argv=None, make_trainer=None) -> int:
     resume = bool(args.resume and os.path.isdir(targs.output_dir) and get_last_checkpoint(targs.output_dir))
     trainer.train(resume_from_checkpoint=resume or None)
     # (whether trainguard closed its run when train() returned: the Trainer never destroys its engine)
-    closed = getattr(getattr(getattr(trainer.model_wrapped, "_trainguard", None), "session", None), "closed", None)
+    session = getattr(getattr(trainer.model_wrapped, "_trainguard", None), "session", None)
+    closed = getattr(session, "closed", None)
+    # (the run's length as trainguard read it off the Trainer's schedule: what a restart may throw away)
+    length = getattr(getattr(session, "lr_history", None), "last_step", None)
     return finish(out, trainer.model, trainer.model_wrapped, losses=losses, lrs=lrs, global_step=trainer.state.global_step,
-                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), guard_closed_after_train=closed)
+                  restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), guard_closed_after_train=closed,
+                  run_length=length)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -164,3 +164,34 @@ def test_only_a_cut_the_evidence_sized_lasts_and_it_lasts_at_the_lr_the_evidence
     assert young.lasting
     p.lower_lr(young.lr_scale, until=1100, lasting=young.lasting)
     assert p.lr_applied(500) == pytest.approx(0.05) and p.lr_applied(5000) == pytest.approx(0.05)
+
+
+def test_the_runs_length_is_read_where_its_loop_goes_on_through_a_rollback():
+    """LrHistory.no_room's input, as each framework says it: HF's Trainer builds its schedule with the run's
+    length (transformers' get_scheduler: a LambdaLR over a partial holding num_training_steps) or fills DeepSpeed's
+    ``total_num_steps``; Megatron-LM's ``--train-iters``. DeepSpeed's own loop rewinds with the weights: no length."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import get_scheduler
+
+    from ds_plugins.facts import _last_step
+    from megatron_hooks.lm import LMRun
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for kind in ("linear", "cosine"):
+        sched = get_scheduler(kind, opt, num_warmup_steps=10, num_training_steps=700)
+        assert _last_step(SimpleNamespace(lr_scheduler=sched), None) == 700
+    constant = get_scheduler("constant", opt)
+    assert _last_step(SimpleNamespace(lr_scheduler=constant), None) is None
+    ds = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 300}}
+    assert _last_step(SimpleNamespace(lr_scheduler=None), ds) == 300
+    assert _last_step(SimpleNamespace(lr_scheduler=None), {"type": "WarmupDecayLR",
+                                                           "params": {"total_num_steps": "auto"}}) is None
+    assert LMRun.last_step(SimpleNamespace(margs=SimpleNamespace(train_iters=150))) == 150
+    assert LMRun.last_step(SimpleNamespace(margs=SimpleNamespace(train_iters=None))) is None
+    h = LrHistory()
+    h.last_step = 150
+    assert "throw away 139 steps with 10 left" in h.no_room(140) and h.no_room(75) is None
+    h.last_step = None
+    assert h.no_room(140) is None

@@ -192,7 +192,7 @@ def _recorded(guard, seen):
         setattr(guard, name, wrapper)
 
 
-def run(tmp_path, block, steps, fp16=False, replays=False):
+def run(tmp_path, block, steps, fp16=False, replays=False, facts=None):
     """A user's loop over the fake framework, through the session's loop points. Returns (framework, session,
     the Events seen, the records written, the exception that ended the run or None). ``replays``: the fake records
     each micro-batch and replays it through the core's ModuleReplays, as DeepSpeed's adapter does (data or weights,
@@ -216,7 +216,7 @@ def run(tmp_path, block, steps, fp16=False, replays=False):
                                        session.backward)
     session.arm(framework_clip=0.0)  # (plain torch clips nothing of its own)
     fw.checkpointer = session.start(TorchState(fw), gather_coords(dp=0, tp=0, pp=0, local_rank=0),
-                                    {"framework": "torch"})
+                                    {"framework": "torch"}, facts)
     session.running()  # (a fresh checkpoint folder: nothing to resume)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(steps)]
@@ -388,6 +388,39 @@ def test_a_young_run_that_climbs_restarts_from_its_first_steps_checkpoint(tmp_pa
     assert rb["detail"]["lr_factor"] < 0.5 and "step00000020" in rb["detail"]["abandoned"]
     assert (tmp_path / "ck" / ".first" / "step00000001").is_dir()
     assert all(torch.isfinite(p).all() for p in fw.model.parameters())
+
+
+def test_no_restart_throws_away_more_steps_than_the_run_has_left(tmp_path):
+    """The same young climb in a run whose loop goes on through a rollback and ends soon after (Megatron-LM's
+    iteration, HF's global_step: RunFacts.last_step): a restart from step 1 would leave fewer steps to train than it
+    throws away (bench/natural's Megatron-LM peers: at 140 of 150, +1302% where plain ended +983%) -- the ordinary
+    cut instead, from the newest checkpoint before the climb, and the reason says why. With room enough: the restart."""
+    from trainguard.prevent.checks import RunFacts
+
+    def facts(last):
+        return RunFacts(dtype="fp32", bf16_supported=False, warmup_steps=None, scheduler=None, framework_clip=0.0,
+                        last_step=last)
+    block = {"faults": [{"type": "lr_ramp", "step": 22, "steps": 30, "factor": 1.3}],
+             "recovery": {"lr_cooldown_steps": 100}}
+    fw, s, seen, records, ended = run(tmp_path / "short", block, 45, facts=facts(45))
+    assert ended is None and s.lr_history.last_step == 45
+    (rb,) = [r for r in records if r["event"] == "rollback"][:1]
+    at = rb["step"]
+    assert rb["detail"]["to_step"] > 1 and "from_first_step" not in rb["detail"], rb["detail"]
+    assert rb["detail"]["lr_factor"] == 0.5
+    assert f"it would throw away {at - 1} steps with {45 - at} left" in rb["detail"]["reason"]
+    fw, s, seen, records, ended = run(tmp_path / "long", block, 45, facts=facts(1000))
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["to_step"] == 1 and "throw away" not in rb["detail"]["reason"]
+    # a young run's bf16 fallback (its LR still rising into the trouble) starts over from step 1 the same way: not
+    # where the run ends soon after (the fallback from the newest checkpoint before the trouble instead)
+    fw, s, seen, records, ended = run(tmp_path / "fp16", {
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30},
+                   {"type": "lr_ramp", "step": 2, "steps": 14, "factor": 1.05}],
+        "recovery": {"skip_batches": 0}}, 20, fp16=True, facts=facts(20))
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert ended is None and fw.precision == "bf16" and rb["detail"]["to_step"] > 1
+    assert "from_first_step" not in rb["detail"] and "throw away" in rb["detail"]["reason"]
 
 
 def test_a_restart_from_the_first_step_starts_the_loss_and_norm_windows_again(tmp_path):

@@ -30,8 +30,10 @@ MODULE_DEBTS: dict[str, int] = {}  # (trainguard/step/guard.py, the last one, pa
 # issue 52 again: which of DeepSpeed's optimizers end their step in one torch optimizer's launch, and when that launch may
 # wait for the decision (ds_plugins.engine.launch_gate, +22 with its one gate an optimizer; the gate itself, the innermost optimizer's search and the
 # skip flag went to the core, trainguard.step.launchgate); megatron's launch alike (+14: its one optimizer's launch, its
-# "not applied" for a refused one)
-PACKAGE_DEBTS = {"ds_plugins": 1741, "megatron_hooks": 1776}
+# "not applied" for a refused one); issue 51: the run's length where each framework says it and its loop goes on
+# through a rollback -- HF Trainer's max_steps (a callback: its schedule is built after the engine), transformers'
+# schedules' num_training_steps, DeepSpeed's total_num_steps, Megatron-LM's train_iters (+27, +3; the rule it bounds, a restart that would throw away more than the run has left, is the core's: lrcut.no_room)
+PACKAGE_DEBTS = {"ds_plugins": 1768, "megatron_hooks": 1779}
 
 
 def _lines(path: Path) -> int:

@@ -67,7 +67,9 @@ class RecoveryConfig(_Section):
         "before the jump; else, for a slow_rise that began young (within twice the LR's first rise -- its warmup --, "
         "or twice the steps the loss trend takes to speak in a run without one: min_history + 4 x smooth + "
         "patience), a tenth of the LR at the loss's "
-        "best and a restart from the first step's checkpoint (checkpoint.first_step), once per run; else lr_factor. "
+        "best and a restart from the first step's checkpoint (checkpoint.first_step), once per run -- not where the "
+        "loop's count goes on through a rollback and the restart would throw away more steps than the run has left "
+        "(Megatron-LM's --train-iters, HF Trainer's max_steps): lr_factor then; else lr_factor. "
         "Never less of a cut than lr_factor; never below lr_floor (held there once). factor: always lr_factor.")
     lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts (a cut lr_cut: evidence "
                                    "sized from a jump or a young run lasts the rest of the run: the schedule's own LR "

@@ -14,6 +14,8 @@ class RunFacts:
     warmup_steps: int | None        # None: no warmup found; -1: a scheduler we cannot inspect
     scheduler: str | None
     framework_clip: float           # the framework's own gradient clipping (0: off)
+    last_step: int | None = None    # the loop's last step where its count goes on through a rollback (Megatron-LM's
+    #                                 train_iters, HF Trainer's max_steps); None: unknown, or it rewinds with the weights
 
 
 def start_checks(facts: RunFacts, cfg: TrainguardConfig, replicas: int | None = None) -> list[Verdict]:

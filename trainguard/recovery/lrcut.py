@@ -16,6 +16,8 @@ history says more:
   the first periodic save lands on weights the too-high LR had already pushed away, and from there a sane LR walks
   them back about ten times slower than they were pushed (measured on bench/natural's warmup of one step: +155%
   against healthy where halvings gave +49%). Without that checkpoint (or a second time): ``recovery.lr_factor``.
+  Nor where the loop's count goes on through a rollback and the restart would throw away more steps than the run
+  has left (:meth:`LrHistory.no_room`: the run ends further back than it was).
   (A young run's bf16 fallback whose trouble began while the LR was still rising -- a warmup under way -- starts
   over from the same checkpoint and saves it again in bf16: trainguard.recovery.policy, trainguard.step.driver);
 - otherwise: ``recovery.lr_factor``, as before.
@@ -47,6 +49,7 @@ class LrHistory:
         self.last_rise = 0                # the newest step whose LR rose above every LR before it (the first rise's)
         self.ramp_end: int | None = None  # the last step of the LR's first rise, once it held RAMP steps (frozen)
         self.peak = 0.0                   # the highest LR of the first rise so far
+        self.last_step: int | None = None  # the loop's last step, where its count goes on through a rollback
 
     @classmethod
     def for_trend(cls, trend) -> "LrHistory":
@@ -93,6 +96,21 @@ class LrHistory:
         """Whether the run is past the point where a young climb can still be seen (the horizon, plus the settling
         time a verdict takes after its onset): the first step's checkpoint is no longer needed."""
         return self.ramp_end is not None and step > self.horizon() + self.settle
+
+    def no_room(self, step: int) -> str | None:
+        """Why a restart from the first step's checkpoint at ``step`` would harm the run, or None. Where the loop's count
+        goes on through a rollback (Megatron-LM's iteration, HF Trainer's global_step) and ends at :attr:`last_step`,
+        a restart leaves the run ``last_step - step`` steps to train from its first step's weights: fewer than the
+        ``step - 1`` it throws away and the run ends further back than it was (bench/natural's Megatron-LM peers: a
+        restart at iteration 140 of 150 ended +1302% against plain's +983%). Where the count rewinds with the weights
+        (DeepSpeed's own loop) or the run's length is unknown, the restart loses no step of the run: None."""
+        if self.last_step is None:
+            return None
+        left, lost = self.last_step - step, step - 1
+        if left >= lost:
+            return None
+        return (f"no restart from the first step: it would throw away {lost} steps with {left} left "
+                f"(the run ends at step {self.last_step})")
 
     def at(self, step: int) -> float | None:
         """The LR of the newest recorded step <= ``step`` (the oldest recorded when none is)."""

@@ -86,9 +86,8 @@ class StepGuard:
         self.last_step = 0
         self.last_metrics: dict = {}            # the last metric line (a checkpoint's health)
         self.suspects = SuspectWatch(cfg.recovery.suspect_after, rank, cfg.metrics.jsonl, self.coords_of, world)
-        # DECIDE's second half and STEP's check: the decision, the blame, the loss scale (trainguard.step.judgement)
         self.judgement = Judgement(cfg, self.policy, self.stats, self.lr_history, self.replays, self.suspects,
-                                   self.log)
+                                   self.log)  # DECIDE's second half, STEP's check: the decision, the blame, the scale
         self._probe_values: dict = {}
         self.deferred = DeferredLine(self.events, self.clipper)  # the previous step's line, awaiting its norm
         self.timer = StepTimer(self.device)  # this rank's own time per step (the straggler detector's input)
@@ -132,6 +131,7 @@ class StepGuard:
             self.log.run_start(self.world, self.coords, framework, self.probes, self.agreement,
                                self.detectors.rows_every_step)
         if facts is not None:
+            self.lr_history.last_step = facts.last_step  # (a restart's room: trainguard.recovery.lrcut)
             for v in start_checks(facts, self.cfg, replicas=len({c.dp for c in self.coords}) or None):
                 self.emit(0, Record(v.anomaly), [], "warn", v.detail)
         self.timer.start()

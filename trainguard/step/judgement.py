@@ -8,6 +8,8 @@ log (trainguard.observe.steplog), in the order the records always had.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from trainguard.ranks.attribution import culprit_samples
 from trainguard.detectors.loss_scale import LossScaleWatch
 from trainguard.detectors.registry import Decide
@@ -36,18 +38,26 @@ class Judgement:
         self.culprit_samples: dict[int, list[int]] = {}  # {rank: the samples it is to blame for} of the last step
         self.recent_anomalies: list = []             # [step, anomaly] of recent verdicts (a checkpoint's health)
         self.everyone: dict | None = None            # the last step's object gather ({rank: values}; an abort's report)
+        self._restart_refused = False                # this decision's restart refused for want of room (lrcut.no_room)
 
     def decide(self, step: int, ctx: Decide, everyone: dict | None, scaled: bool, summary_way: bool) -> Decision:
         """The policy's one action over the step's verdicts (``ctx``, with the object gather ``everyone``), the blame,
         and their records. ``scaled``: an fp16 dynamic loss scale is on; ``summary_way``: the rows did not travel."""
         verdicts = ([ctx.nonfinite] if ctx.nonfinite is not None else []) + ctx.found
         weights = self.replays.weights
-        lr_cut = None
+        lr_cut, refused = None, self.lr_history.no_room(step)  # (a young run's restart: only where the run has room)
         if self.cfg.recovery.lr_cut == "evidence":
             def lr_cut(onset: int) -> tuple[float, str, bool]:
-                return self.lr_history.cut(onset, step, self.cfg.recovery.lr_factor)
+                cut = self.lr_history.cut(onset, step, self.cfg.recovery.lr_factor)
+                if cut[2] and refused:  # (the ordinary cut instead: recovery.lr_factor, expiring with its cooldown)
+                    self._restart_refused = True
+                    return self.cfg.recovery.lr_factor, "", False
+                return cut
+        rising = self._rising(step)
         decision = self.policy.decide(verdicts, step, self.stats.rise_onset(step), weights=weights, fp16=scaled,
-                                      lr_cut=lr_cut, lr_rising=self.lr_history.rising_into)
+                                      lr_cut=lr_cut, lr_rising=rising)
+        if refused and decision.action is Action.ROLLBACK and self._restart_refused:
+            decision = replace(decision, reason=f"{decision.reason}; {refused}")
         self.last = decision
         # damaged weights, not data: no sample is to blame
         self.culprit_samples = culprit_samples(decision, everyone) if weights != "damaged" else {}
@@ -63,6 +73,18 @@ class Judgement:
         if self.cfg.detectors.straggler.enabled:
             self._stragglers(step, ctx, summary_way)
         return decision
+
+    def _rising(self, step: int):
+        """``lr_rising`` for the policy (a young run's bf16 fallback from its first step), false where the run has no
+        room for a restart (:meth:`LrHistory.no_room`); :attr:`_restart_refused` says whether that refused one."""
+        self._restart_refused = False
+        room = self.lr_history.no_room(step) is None
+
+        def rising(onset: int) -> bool:
+            young = self.lr_history.rising_into(onset)
+            self._restart_refused = self._restart_refused or (young and not room)
+            return young and room
+        return rising
 
     def _stragglers(self, step: int, ctx: Decide, summary_way: bool) -> None:
         """Alerts only (no ladder acts on a slow rank); one that stays slow has its host suspected."""
@@ -96,6 +118,8 @@ class Judgement:
         verdict = self.loss_scale.observe(step, scaler, overflowed=not applied)
         if verdict is None:
             return None
-        scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self.lr_history.rising_into)
+        scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self._rising(step))
+        if (refused := self.lr_history.no_room(step)) and self._restart_refused:
+            scale_decision = replace(scale_decision, reason=f"{scale_decision.reason}; {refused}")
         self.log.verdict(step, verdict, scale_decision, None, self.skipped_steps, self.replays.check)
         return scale_decision
