@@ -183,3 +183,30 @@ def test_an_attention_detector_that_found_no_module_to_sample_says_so_at_start()
     none, found = out.getvalue().splitlines()
     assert "attention_entropy (no attention-probability module matched" in none and "eager" in none, none
     assert "attention_entropy (" not in found and "attention_entropy" in found
+
+
+def test_a_warning_under_a_frameworks_logging_names_trainguard_once():
+    """Megatron-LM sets up Python's logging (``WARNING:<name>:<message>``): trainguard's warnings read
+    ``WARNING:trainguard:trainguard: ...`` (issue 53). Under a configured root the name says it once; with nothing set
+    up, Python's last resort prints the message alone, which keeps its "trainguard: "."""
+    import io
+    import logging
+
+    import trainguard.observe.eventlog  # noqa: F401  (the filter rides the one logger every site uses)
+
+    root, out = logging.getLogger(), io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+    saved = root.handlers[:]
+    root.handlers[:] = [handler]
+    try:
+        logging.getLogger("trainguard").warning("trainguard: %s was writable by other users", "/ck")
+    finally:
+        root.handlers[:] = saved
+    assert out.getvalue() == "WARNING:trainguard:/ck was writable by other users\n"
+    bare = logging.LogRecord("trainguard", logging.WARNING, __file__, 1, "trainguard: x", (), None)
+    root.handlers[:] = []
+    try:
+        assert trainguard.observe.eventlog._NamedOnce().filter(bare) and bare.getMessage() == "trainguard: x"
+    finally:
+        root.handlers[:] = saved

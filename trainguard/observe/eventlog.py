@@ -27,6 +27,20 @@ from trainguard.plugins import SINKS, Sink, build, resolve_callable
 log = logging.getLogger("trainguard")
 
 
+class _NamedOnce(logging.Filter):
+    """Under logging a framework set up (Megatron-LM's ``basicConfig``: ``WARNING:trainguard:<message>``) the record's
+    name already says trainguard: a message's own leading "trainguard: " goes. With no handler set up, Python's last
+    resort prints the message alone, and it keeps its name."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("trainguard: ") and logging.getLogger().handlers:
+            record.msg = record.msg[len("trainguard: "):]
+        return True
+
+
+log.addFilter(_NamedOnce())  # (every site logs through this one logger: logging.getLogger("trainguard"))
+
+
 def per_rank_path(path: str, rank: int) -> str:
     p = Path(path)
     return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.jsonl'}"))
