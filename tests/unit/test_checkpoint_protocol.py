@@ -329,3 +329,22 @@ def test_a_tag_folder_kept_aside_is_renamed_where_it_is_when_it_cannot_change_pa
     monkeypatch.setattr(private.os, "replace", across_refused)
     dest = private.keep_aside(other, tmp_path / ".abandoned", "step00000100.b2")
     assert dest == tmp_path / ".step00000100.b2.foreign" and dest.is_dir() and not other.exists()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_commit_leaves_no_empty_staging_folder_and_never_removes_another_saves(tmp_path, monkeypatch, asynchronous):
+    """HF's checkpoint-N is a save root of its own: every one held an empty ``.staging`` after its commit (issue 53).
+    A commit removes it once empty -- and leaves one holding another save still under way (its staging root kept)."""
+    fw, cp, records = _manager(tmp_path, monkeypatch, **{"async": asynchronous})
+    hf = tmp_path / "hf" / "checkpoint-4"
+    fw.steps = 4
+    cp.save(hf)
+    cp.wait_pending()
+    assert (hf / "step00000004").is_dir() and not (hf / ".staging").exists(), sorted(p.name for p in hf.iterdir())
+    other = hf / ".staging" / "step00000005.underway"  # (another save's staging, in flight)
+    other.mkdir(parents=True)
+    fw.steps = 6
+    cp.save(hf)
+    cp.wait_pending()
+    assert (hf / "step00000006").is_dir() and other.is_dir()
+    assert not [r for r, _ in records if r is Record.CHECKPOINT_FAILED]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 from trainguard.checkpoint.fsio import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, atomic_write_text, fsync_dir, make_durable
@@ -14,6 +15,20 @@ from trainguard.checkpoint.layout import (LATEST, MANIFEST, STAGING, CheckpointL
                                          storage_error)
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.signed import record_commit, staged_digest
+
+# <root>/.staging is made by a save's staging and left by its commit -- in the training thread, or a background one's
+# (checkpoint.async) --, and retention moves what it deletes through it: what makes it and what removes it take turns
+STAGING_HELD = threading.Lock()
+
+
+def leave_staging(root: Path) -> None:
+    """After a commit: ``<root>/.staging`` goes once it is empty -- HF's ``checkpoint-N`` is a save root of its own, and
+    an empty ``.staging`` left in every one is litter (issue 53). One still holding a save under way stays."""
+    with STAGING_HELD:
+        try:
+            os.rmdir(Path(root) / STAGING)
+        except OSError:  # (not empty: another save's staging, or a replaced copy not yet removed; or gone)
+            pass
 
 
 def as_written(staged: Path, hashed: dict, late: list | None = None) -> str | None:
@@ -75,6 +90,7 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
     atomic_write_text(root / LATEST, tag)
     shutil.rmtree(staging_root, ignore_errors=True)
     shutil.rmtree(aside, ignore_errors=True)
+    leave_staging(root)
     return final
 
 

@@ -9,6 +9,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from trainguard.checkpoint.commit import STAGING_HELD, leave_staging
 from trainguard.checkpoint.fsio import PRIVATE_FILE_MODE
 from trainguard.checkpoint.layout import STAGING, CheckpointLayout
 from trainguard.checkpoint.manifest import NOT_LISTED, list_files, verify
@@ -38,7 +39,8 @@ def unpack(payload: bytes, root: Path, key: bytes | None) -> str:
     staging_root = CheckpointLayout(root).staging_root(nonce)
     staged = staging_root / tag
     try:
-        staged.mkdir(parents=True, exist_ok=True)
+        with STAGING_HELD:  # (.staging made and used before a commit's leave_staging may remove it)
+            staged.mkdir(parents=True, exist_ok=True)
         base = staged.resolve()
         for rel, data in files:
             path = staged / rel
@@ -61,6 +63,7 @@ def unpack(payload: bytes, root: Path, key: bytes | None) -> str:
         shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(staging_root, ignore_errors=True)
+        leave_staging(root)
     return tag
 
 

@@ -24,6 +24,7 @@ def apply(root: Path, keep_last: int, keep_stable: int, key: bytes | None = None
     deleted -- a crash never leaves a half-deleted one that looks committed. Returns their tags. With ``key``, only
     checkpoints whose manifest verifies count, by the step they sign, and only signed stable marks: what a writer
     without the key planted never deletes one (and is never deleted here: it is named at the next load)."""
+    from trainguard.checkpoint.commit import STAGING_HELD, leave_staging
     from trainguard.checkpoint.layout import STAGING, CheckpointLayout
     from trainguard.checkpoint.private import own_dir
     from trainguard.checkpoint.signed import stable as is_stable
@@ -38,7 +39,10 @@ def apply(root: Path, keep_last: int, keep_stable: int, key: bytes | None = None
     stable = {t for t in tags if is_stable(layout, t)}
     doomed = to_delete(tags, stable, keep_last, keep_stable)
     for t in doomed:
-        trash = own_dir(layout.root / STAGING) / f"deleted.{t}.{uuid.uuid4().hex[:6]}"
-        os.replace(layout.tag_dir(t), trash)
+        with STAGING_HELD:  # (.staging made and used before a commit's leave_staging may remove it)
+            trash = own_dir(layout.root / STAGING) / f"deleted.{t}.{uuid.uuid4().hex[:6]}"
+            os.replace(layout.tag_dir(t), trash)
         shutil.rmtree(trash, ignore_errors=True)
+    if doomed:
+        leave_staging(layout.root)
     return doomed

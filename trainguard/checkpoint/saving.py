@@ -20,7 +20,7 @@ import torch
 from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.async_writer import AsyncSave, BackgroundWrite, snapshot
-from trainguard.checkpoint.commit import as_written, commit_staged
+from trainguard.checkpoint.commit import STAGING_HELD, as_written, commit_staged
 from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, STAGING, CheckpointError, step_tag, validate_tag
 from trainguard.checkpoint.manifest import Manifest
@@ -80,7 +80,8 @@ class Saver:
                 else:
                     root.mkdir(parents=True, exist_ok=True)
                     go_w(root, self.cp.key)
-                staging_root = own_dir(own_dir(root / STAGING) / nonce, fresh=True)
+                with STAGING_HELD:  # (never between a commit's removal of an empty .staging: commit.leave_staging)
+                    staging_root = own_dir(own_dir(root / STAGING) / nonce, fresh=True)
                 own_dir(staging_root / tag, fresh=True)
                 own_dir(staging_root / tag / SIDECAR, fresh=True)
                 outcome = (nonce, None)
