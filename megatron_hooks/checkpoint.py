@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from trainguard.ports import CheckpointError, hashed_writes, STAGING, verified_reads
 from trainguard.events import Record
+from megatron_hooks.snapshots import SHARD
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
 DIST = "dist"                        # dist_checkpointing's folder inside a tag
@@ -126,6 +127,13 @@ class MegatronState:
     def capture(self, staging_root: Path, tag: str, **_) -> None:
         return None  # (dist_checkpointing's save is a collective: no host-copy async save here)
 
+    def capture_local(self, staging_root: Path, tag: str) -> list:
+        """The first step's insurance in the background: this rank's shard as the memory tier takes it (no collective;
+        loads at this layout only, by this run's restart -- :meth:`load` tells it by its files)."""
+        from megatron_hooks.snapshots import MegatronShard
+
+        return MegatronShard(self).capture(staging_root, tag, self.step())
+
     def sidecar(self, data_state: dict | None = None) -> dict:
         """Megatron's tensor-parallel RNG tracker, the iteration and the user's data position (``data_state``;
         default: what ``install(data_state=...)`` returns)."""
@@ -179,6 +187,8 @@ class MegatronState:
 
         mg, tag_dir, now = self.mg, root / tag, self.layout()
         self._match_precision(man.layout.get("precision"), now["precision"], tag)
+        if any(f.startswith(f"{SHARD}/") for f in reader.files):  # (the first step's, each rank's own: capture_local)
+            return self._load_local(tag_dir, man, reader, now)
         fresh = man.layout.get("optimizer_state") == "empty"  # (written before any update: _stateless)
         moments = [(o.optimizer.state, dict(o.optimizer.state)) for o in _optimizers(mg.optimizer) if fresh]
         try:
@@ -203,6 +213,21 @@ class MegatronState:
         if man.layout.get("precision") not in (None, now["precision"]):
             self._main_params_to_model()
         mg.iteration = man.step
+        return None, {}
+
+    def _load_local(self, tag_dir: Path, man, reader, now: dict):
+        """A checkpoint of each rank's own state (:meth:`capture_local`), at the layout it was written at only."""
+        from megatron_hooks.snapshots import MegatronShard
+
+        differ = {k: (man.layout.get(k), now[k]) for k in ("world", "tp", "pp", "dp", "distributed_optimizer")
+                  if man.layout.get(k) != now[k]}
+        if differ:
+            raise CheckpointError(f"trainguard: {tag_dir} holds each rank's own state at another layout "
+                                  f"(saved, now: {differ}): it loads only where it was written")
+        MegatronShard(self).load(reader, tag_dir)
+        if man.layout.get("precision") not in (None, now["precision"]):
+            self._main_params_to_model()
+        self.mg.iteration = man.step
         return None, {}
 
     def load_shard(self, own: Path, tag: str, reader, purpose: str, **kwargs):

@@ -124,6 +124,10 @@ class State(Protocol):
     def capture(self, staging_root: Path, tag: str, **kwargs) -> list | None:
         """An async save's blocking part: [(host copy, path)] of the files ``write`` would write (None: no async)."""
 
+    # (optional) capture_local(staging_root, tag) -> list: where ``capture`` cannot (the framework's save is a
+    # collective), this rank's state as host copies, loadable at this layout only -- the first step's insurance
+    # (trainguard.checkpoint.first), which only this run's restart loads; ``load`` tells it by its files.
+
     def sidecar(self, **kwargs) -> dict:
         """This rank's framework part of its sidecar (the data position, a framework's own RNG trackers, ...)."""
 

@@ -34,11 +34,12 @@ def on_step(cp, step: int) -> None:
 
 
 def save_first(cp) -> None:
-    """Insurance, off the step's critical path: written in the background where the adapter can capture its state
-    to host memory (DeepSpeed's; dist_checkpointing's save is a collective: megatron's is synchronous), whatever
+    """Insurance, off the step's critical path: written in the background from host copies -- the adapter's capture
+    (DeepSpeed's), or where its framework's save is a collective (megatron's dist_checkpointing), each rank's own
+    state at this layout (``State.capture_local``: only this run's restart loads it) --, whatever
     ``checkpoint.async`` says of the periodic saves; committed at the next step's end, waited for by a restart."""
     roots = dict(cp.roots)
-    tag = cp.save(first_root(cp), asynchronous=True)
+    tag = cp.save(first_root(cp), asynchronous=True, local=True)
     # (no stable mark or trajectory for it: a restart takes it as it is, and resume never sees it -- and the
     # main directory's checkpoint of the same tag, if any, keeps its own watch and root)
     mine = next((w for w in reversed(cp.health.watching) if w.tag == tag), None)
@@ -60,9 +61,10 @@ def drop_first(cp) -> None:
 def after_restart(cp) -> None:
     """After a restart from the first step: a checkpoint of the run's new start at once (the periodic ones were
     set aside with the abandoned trajectory; a crash before the next save would start the run afresh, its
-    lowered LR and its one restart forgotten)."""
+    lowered LR and its one restart forgotten). Insurance: one that cannot be written (megatron's distributed optimizer
+    restored to before its first update) is a ``checkpoint_failed`` record, never the run's death."""
     if cp.cfg.dir:
-        cp.save(cp.cfg.dir)
+        cp.insure(cp.step_count(), Path(cp.cfg.dir), lambda: cp.save(cp.cfg.dir))
 
 
 def refresh_first(cp) -> None:

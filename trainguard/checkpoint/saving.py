@@ -49,10 +49,12 @@ class Saver:
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, asynchronous: bool | None = None,
-             **kwargs) -> str:
+             local: bool = False, **kwargs) -> str:
         """Every rank: commit a checkpoint of the framework's state as ``root/tag`` (tag: the step's) or raise --
         asynchronous (``checkpoint.async``, or ``asynchronous``: the insurance's) with an adapter that can capture,
-        the commit comes later (:meth:`AsyncSave.poll`)."""
+        the commit comes later (:meth:`AsyncSave.poll`). ``local``: where the adapter's own capture cannot (its
+        framework's save is a collective), this rank's state as it is at this layout (``State.capture_local``: the
+        first step's insurance, loaded only by this run's restart)."""
         cp = self.cp
         self.pending.poll(wait=True)  # a new save waits for the previous one
         state = cp.state
@@ -62,6 +64,8 @@ class Saver:
             tag = validate_tag(tag if tag is not None else step_tag(state.step()))
             nonce, staging_root = self.staging(Path(root), tag)
             writes = state.capture(staging_root, tag, **kwargs)
+            if writes is None and local and hasattr(state, "capture_local"):
+                writes = state.capture_local(staging_root, tag)
             if writes is not None:
                 return self._save_async(Path(root), tag, nonce, staging_root, writes, kwargs, t0)
             self._discard(staging_root)
