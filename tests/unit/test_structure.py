@@ -32,8 +32,11 @@ MODULE_DEBTS: dict[str, int] = {}  # (trainguard/step/guard.py, the last one, pa
 # skip flag went to the core, trainguard.step.launchgate); megatron's launch alike (+14: its one optimizer's launch, its
 # "not applied" for a refused one); issue 51: the run's length where each framework says it and its loop goes on
 # through a rollback -- HF Trainer's max_steps (a callback: its schedule is built after the engine), transformers'
-# schedules' num_training_steps, DeepSpeed's total_num_steps, Megatron-LM's train_iters (+27, +3; the rule it bounds, a restart that would throw away more than the run has left, is the core's: lrcut.no_room)
-PACKAGE_DEBTS = {"ds_plugins": 1768, "megatron_hooks": 1779}
+# schedules' num_training_steps, DeepSpeed's total_num_steps, Megatron-LM's train_iters (+27, +3; the rule it bounds,
+# a restart that would throw away more than the run has left, is the core's: lrcut.no_room); issue 52's first-step
+# insurance off megatron's critical path: each rank's own state captured (dist_checkpointing's save is a collective)
+# and loaded back at its layout only (+25; the background write and commit are the core's)
+PACKAGE_DEBTS = {"ds_plugins": 1768, "megatron_hooks": 1804}
 
 
 def _lines(path: Path) -> int:
