@@ -141,7 +141,7 @@ def test_the_zero_code_entry_survives_every_import_order(tmp_path, shape):
     attribute 'Trainer'" (the first two shapes, transformers 5.25 / 4.57 with accelerate 1.16). Each shape now
     trains guarded and names the dirty sample 13 alone, on rank 1, at step 3."""
     if shape == "trl":
-        pytest.importorskip("trl", reason="TRL is not installed beside this transformers")
+        imported("trl")  # (scripts/setup.sh installs it beside transformers: its absence fails CI, never a green skip)
     _, results, lines = trainer(tmp_path, shape, {}, "--shape", shape, "--nan-sample", "13", steps=4,
                                 module="tests.support.hf_shapes")
     (e,) = [x for x in lines if x.get("event") == "nonfinite"]

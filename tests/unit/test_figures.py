@@ -68,6 +68,15 @@ FIGURES = [
      "insurance-2026-12-06.json", ("in_step.insured.snapshot_s", "in_step.paced.snapshot_s")),
     ("docs/checkpoints.md", r"\*\*([\d.]+) ms\*\* a snapshot, \*\*\+([\d.]+)%\*\* of the run", "insurance-2026-12-07.json",
      ("in_step.insured.snapshot_s", "in_step.insured.share")),
+    ("docs/liveness.md", r"a snapshot costs \*\*([\d.]+) ms\*\* of step time, \*\*\+([\d.]+)%\*\* of the run",
+     "insurance-2026-12-06.json", ("in_step.insured.snapshot_s", "in_step.insured.share")),
+    ("docs/liveness.md", r"and costs \*\*([\d.]+) ms\*\*,\s+\*\*\+([\d.]+)%\*\*", "insurance-2026-12-06.json",
+     ("in_step.paced.snapshot_s", "in_step.paced.share")),
+    ("docs/liveness.md", r"c78236d, clean; 1,000 steps, a snapshot every 25\): \*\*([\d.]+) ms\*\*, \*\*\+([\d.]+)%\*\*",
+     "insurance-2026-12-07.json", ("in_step.insured.snapshot_s", "in_step.insured.share")),
+    ("docs/liveness.md", r"\(\+([\d.]+)% in the run above", "drill-2026-12-06.json", ("rows.1.insurance_cost",)),
+    ("docs/liveness.md", r"goodput over the in-process faults\*\* \(([\d.]+);", "drill-2026-12-06.json",
+     ("rows.2.goodput_in_process",)),
 ]
 
 
@@ -143,3 +152,20 @@ def test_the_demos_tables_in_its_page_are_a_kept_runs_print():
             found = printed.find(line, at)
             assert found >= 0, (name, line)
             at = found + len(line)
+
+
+def test_the_drills_tables_in_its_page_are_a_kept_runs_print():
+    """docs/liveness.md shows the fire drill's two tables: each line is what the drill prints for the kept run its page
+    names (bench/results/drill-*.json: trainguard.drill.format_table over its rows, format_costs over its costs, the
+    baseline's rows without a figure left out) -- not a paste from an unkept run (issue 55: it was 2026-12-04's)."""
+    from trainguard.drill import format_table
+    from trainguard.drill.costs import format_costs
+
+    page = (ROOT / "docs" / "liveness.md").read_text()
+    (name,) = set(re.findall(r"bench/results/(drill-[\w.-]+\.json)", page))
+    kept = json.loads((ROOT / "bench" / "results" / name).read_text())
+    lines = format_table(kept["rows"]).splitlines() + [
+        line.rstrip() for line in format_costs(kept["costs"]).splitlines()
+        if not re.search(r"plain DeepSpeed\s+-\s+-", line)]
+    missing = [line for line in lines if line.rstrip() not in page]
+    assert not missing, missing

@@ -204,8 +204,9 @@ def test_a_required_environment_fails_instead_of_skipping(monkeypatch):
     monkeypatch.setenv("TRAINGUARD_REQUIRE", "")
     with _pytest.raises(_pytest.skip.Exception):
         imported("no_such_module_xyz")
-    skips = [p for p in (ROOT / "tests").rglob("test_*.py") if "importorskip(\"" in p.read_text().replace(" ", "")]
-    assert {p.name for p in skips} <= {"test_sinks_dist.py", "test_hf_dist.py"}, skips  # (wandb, trl: optional)
+    needle = "importor" + "skip("  # (spelt apart: this file is among those read)
+    skips = [p for p in (ROOT / "tests").rglob("*.py") if needle in p.read_text().replace(" ", "")]
+    assert not skips, skips  # (every optional part CI installs goes through imported(): wandb and trl too)
 
 
 def test_nothing_reaches_through_the_guard_to_its_parts():

@@ -254,7 +254,8 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
                  "run" if snaps["in_run_ms"] is not None else ""), file=stream)
     if rows[1].get("insurance_cost") is not None:
         print(f"  the insurance (trainguard without faults) against the clean run: "
-              f"{rows[1]['insurance_cost'] * 100:+.1f}% training time (goal <= +2%)", file=stream)
+              f"{rows[1]['insurance_cost'] * 100:+.1f}% training time (printed, not judged: two whole runs' wall "
+              "times on a shared machine; bench/insurance.py judges the insurance's cost, goal <= +2%)", file=stream)
     print("", file=stream)
     print("cost per fault (steps and seconds lost against the clean run's step time):", file=stream)
     print(format_costs(costs), file=stream)
