@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Best effort: fetch Debian's promtool (a static binary, ~48 MB unpacked) into a per-machine cache so
 # the tests can run `promtool check rules` on configs/prometheus/alerts.yml. The full prometheus
-# package would pull ~330 MB of dependencies; we only unpack the .deb. Never fatal: without promtool
-# the tests fall back to a structural check of the rules.
+# package would pull ~330 MB of dependencies; we only unpack the .deb. Never fatal here: without promtool
+# the alert-rule tests skip, and fail where TRAINGUARD_REQUIRE names promtool (CI: .ci/run).
 set -u
 dest="${TRAINGUARD_CACHE:-$HOME/.cache/trainguard}/promtool"
 [ -x "$dest/usr/bin/promtool" ] && exit 0
