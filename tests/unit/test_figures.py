@@ -75,6 +75,16 @@ FIGURES = [
     ("docs/liveness.md", r"c78236d, clean; 1,000 steps, a snapshot every 25\): \*\*([\d.]+) ms\*\*, \*\*\+([\d.]+)%\*\*",
      "insurance-2026-12-07.json", ("in_step.insured.snapshot_s", "in_step.insured.share")),
     ("docs/liveness.md", r"\(\+([\d.]+)% in the run above", "drill-2026-12-06.json", ("rows.1.insurance_cost",)),
+    ("docs/capabilities.md", r"overhead-sdc-2026-12-06.json, ([\d.]+) ms per check over (\d+) checked steps, ([\d.]+)% of step "
+     r"time", "overhead-sdc-2026-12-06.json", ("sdc_ms_per_check", "checked_steps", "sdc_share")),
+    ("docs/detection.md", r"\| 8 \| table \| ([\d.]+) \| ([\d.]+) \| ([\d,]+) B \|", "scale-2026-12-05.json",
+     ("rows.0.healthy_ms", "rows.0.anomalous_ms", "rows.0.bytes")),
+    ("docs/detection.md", r"\| 1,024 \| table \(before\) \| ([\d.]+) \| ([\d.]+) \|", "scale-2026-12-05.json",
+     ("rows.3.healthy_ms", "rows.3.anomalous_ms")),
+    ("docs/detection.md", r"\| 65,536 \| \*\*summary\*\* \| \*\*([\d.]+)\*\* \| \*\*([\d.]+)\*\* \| \*\*(\d+) B\*\* \|",
+     "scale-2026-12-05.json", ("rows.6.healthy_ms", "rows.6.anomalous_ms", "rows.6.bytes")),
+    ("docs/detection.md", r"\| 65,536 \| table \(before\) \| ([\d,]+) \| ([\d,]+) \|", "scale-2026-12-05.json",
+     ("rows.7.healthy_ms", "rows.7.anomalous_ms")),
     ("README.md", r"([\d.]+) s from the kill to the next step, the median of (\d+) random kills \(HF's Trainer: from its "
      r"newest checkpoint, ([\d.]+) s", "kill-anywhere-100-2026-12-05.json", ("supervised.median_s", "supervised.trials")),
     ("README.md", r"HF's Trainer: from its newest checkpoint, ([\d.]+) s", "kill-anywhere-hf-2026-12-05.json",
