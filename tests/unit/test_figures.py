@@ -75,6 +75,10 @@ FIGURES = [
     ("docs/liveness.md", r"c78236d, clean; 1,000 steps, a snapshot every 25\): \*\*([\d.]+) ms\*\*, \*\*\+([\d.]+)%\*\*",
      "insurance-2026-12-07.json", ("in_step.insured.snapshot_s", "in_step.insured.share")),
     ("docs/liveness.md", r"\(\+([\d.]+)% in the run above", "drill-2026-12-06.json", ("rows.1.insurance_cost",)),
+    ("docs/detection.md", r"kept for the rest of the run -- \*\*\+([\d.]+)%\*\*", "natural-long-2026-12-06.json",
+     ("rows.0.guarded_rel",)),
+    ("docs/detection.md", r"for good this time \(1215\), a third rollback at 1991 -- \*\*(-?[\d.]+)%\*\*, (\d+) steps lost",
+     "natural-long-2026-12-06.json", ("rows.1.guarded_rel", "rows.1.steps_lost")),
     ("docs/capabilities.md", r"overhead-sdc-2026-12-06.json, ([\d.]+) ms per check over (\d+) checked steps, ([\d.]+)% of step "
      r"time", "overhead-sdc-2026-12-06.json", ("sdc_ms_per_check", "checked_steps", "sdc_share")),
     ("docs/detection.md", r"\| 8 \| table \| ([\d.]+) \| ([\d.]+) \| ([\d,]+) B \|", "scale-2026-12-05.json",
