@@ -198,3 +198,52 @@ def test_the_drills_tables_in_its_page_are_a_kept_runs_print():
         if not re.search(r"plain DeepSpeed\s+-\s+-", line)]
     missing = [line for line in lines if line.rstrip() not in page]
     assert not missing, missing
+
+
+# kept before bench/_results.keep wrote what measured them (issue 55): their date and commit say when; a new or re-run
+# figure carries its machine and releases (and whether the tree was clean) -- never added here by hand afterwards
+BEFORE_THE_FIELDS = {
+    "checkpoint-io-2026-12-06.json",
+    "demo-2026-12-07.json",
+    "drill-2026-12-06.json",
+    "insurance-2026-12-06.json",
+    "insurance-2026-12-07.json",
+    "kill-anywhere-100-2026-12-05.json",
+    "kill-anywhere-2026-12-05.json",
+    "kill-anywhere-hf-2026-12-05.json",
+    "kill-anywhere-megatron-100-2026-12-05.json",
+    "kill-anywhere-megatron-2026-12-05.json",
+    "natural-corpus-held-out-2026-12-06.json",
+    "natural-corpus-held-out-2026-12-07.json",
+    "natural-healthy-2026-12-06.json",
+    "natural-healthy-2026-12-07-launch.json",
+    "natural-healthy-2026-12-07-local-check.json",
+    "natural-healthy-2026-12-07.json",
+    "natural-long-2026-12-06.json",
+    "natural-megatron-peers-2026-12-07.json",
+    "overhead-cpu-2026-12-06.json",
+    "overhead-cpu-2026-12-07-launch.json",
+    "overhead-cpu-2026-12-07.json",
+    "overhead-proxies-2026-12-06.json",
+    "overhead-proxies-2026-12-07-launch.json",
+    "overhead-proxies-2026-12-07.json",
+    "overhead-sdc-2026-12-06.json",
+    "recovery-fuzz-2026-12-06.json",
+    "scale-2026-12-05.json",
+    "sdc-2026-12-05.json",
+}
+
+
+def test_a_kept_result_says_what_measured_it():
+    """date, commit, clean, machine, releases (bench/_results.keep) -- the files kept before keep() wrote the last
+    three are listed above, and the list only shrinks."""
+    lacking = []
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        kept = json.loads(path.read_text())
+        missing = [k for k in ("date", "commit", "clean", "machine", "releases") if k not in kept]
+        if missing and path.name not in BEFORE_THE_FIELDS:
+            lacking.append(f"{path.name}: no {', '.join(missing)}")
+    assert not lacking, lacking
+    stale = [n for n in BEFORE_THE_FIELDS if not (ROOT / "bench" / "results" / n).is_file() or all(
+        k in json.loads((ROOT / "bench" / "results" / n).read_text()) for k in ("clean", "machine", "releases"))]
+    assert not stale, f"gone or re-kept with its fields: take them off BEFORE_THE_FIELDS: {stale}"
