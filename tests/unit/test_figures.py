@@ -48,6 +48,17 @@ FIGURES = [
      r"closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-07.json", ("goals.0.figure", "goals.1.figure")),
     ("docs/detection.md", r"earlier day \(bench/results/natural-corpus-held-out-2026-12-06.json, commit 0166606\) gave (\d+/\d+) and "
      r"(\d+/\d+)", "natural-corpus-held-out-2026-12-06.json", ("goals.0.figure", "goals.1.figure")),
+    ("docs/detection.md", r"held-out-2026-12-07-final.json`[\s\S]{0,600}?every failing case acted on \*\*(\d+/\d+)\*\*;\s+"
+     r"guarded\s+within 10% of healthy or >= 90% of the\s+gap closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-07-final.json",
+     ("goals.0.figure", "goals.1.figure")),
+    ("docs/detection.md", r"and ended \*\*\+([\d.]+)%\*\* \(\+4\.1% above\)", "natural-corpus-held-out-2026-12-07-final.json",
+     ("rows.15.guarded_rel",)),
+    ("docs/detection.md", r"still descend slower, untouched \(\+([\d.]+)%, \+([\d.]+)%\)", "natural-corpus-held-out-2026-12-07-final.json",
+     ("rows.5.guarded_rel", "rows.6.guarded_rel")),
+    ("docs/detection.md", r"bench gave \*\*([\d.]+) ms\*\* on this stop's code", "overhead-proxies-2026-12-07-b.json",
+     ("decide_ms",)),
+    ("docs/detection.md", r"overhead-cpu-2026-12-07-b.json, commit 2a7df56, clean\): \*\*([\d.]+)\*\* median, \*\*([\d.]+)\*\*",
+     "overhead-cpu-2026-12-07-b.json", ("ratio", "ratio_mean")),
     ("docs/detection.md", r"the switch fired \*\*(\d+)\*\* times", "natural-megatron-peers-2026-12-07.json",
      ("rows.0.peer_fired",)),
     ("docs/detection.md", r"with a tenth of the LR: \*\*([\d.]+)\*\*", "natural-megatron-peers-2026-12-07.json",
