@@ -75,18 +75,29 @@ def _patch_deepspeed(ds) -> None:
             if getattr(_state, "inside", False):  # trainguard's own call, from ds_plugins.initialize
                 return original(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs).arguments
-            if not _wants_guard(bound):
-                return original(*args, **kwargs)
             import ds_plugins
+            from trainguard.errors import ConfigError
 
-            _state.inside = True
             try:
+                if not _wants_guard(bound):
+                    return original(*args, **kwargs)
+                _state.inside = True
                 return ds_plugins.initialize(**bound, _entry="auto")
+            except ConfigError as e:
+                _refused(e)
             finally:
                 _state.inside = False
         return initialize
 
     _wrap(ds, "initialize", make)
+
+
+def _refused(error: Exception) -> None:
+    """A block the ranks refuse (every rank reads the same one): one short message for the job, from its first rank,
+    and every rank exits 2 -- not a traceback from each rank inside the framework's own output (issue 53)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[trainguard] the block is refused, nothing trained: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _wants_guard(bound: dict) -> bool:
@@ -175,7 +186,12 @@ def _block_of(accelerator):
 def _patch_trainer(module) -> None:
     def make(original):
         def train(self, resume_from_checkpoint=None, *args, **kwargs):
-            block = _block_of_args(self.args)
+            from trainguard.errors import ConfigError
+
+            try:
+                block = _block_of_args(self.args)
+            except ConfigError as e:
+                _refused(e)
 
             def once(resume, again: bool = False):
                 if block is not None and (again or block.checkpoint.resume != "none" and resume in (None, True)):

@@ -70,7 +70,7 @@ class EngineGuard:
             base = _plain_class(type(engine))
             self.checkpointer = s.start(DeepSpeedState(self, base.save_checkpoint, base.load_checkpoint),
                                         _coords(engine, self.rank), _framework_facts(engine, cfg),
-                                        _run_facts(engine, client_scheduler, goes_on=entry == "auto"))
+                                        _run_facts(engine, client_scheduler))
 
     @property
     def watchdog(self):

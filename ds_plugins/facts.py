@@ -40,8 +40,9 @@ def _framework_facts(eng, cfg: TrainguardConfig) -> dict:
             "untested_releases": list(ds_plugins.RELEASES["untested"])}
 
 
-def _run_facts(eng, client_scheduler, goes_on: bool = False) -> RunFacts:
-    """``goes_on``: the loop's count goes on through a rollback (the zero-code entry's HF Trainer, Accelerate)."""
+def _run_facts(eng, client_scheduler) -> RunFacts:
+    """(The run's length, where its schedule was told it: no loop over DeepSpeed rewinds its data with a rollback --
+    HF's and Accelerate's count goes on, and your ``for batch in loader`` ends where the loader does.)"""
     from trainguard.ports import bf16_supported
 
     bf16 = bf16_supported()
@@ -62,7 +63,7 @@ def _run_facts(eng, client_scheduler, goes_on: bool = False) -> RunFacts:
         warmup = -1
     return RunFacts(dtype=_dtype(eng), bf16_supported=bf16, warmup_steps=warmup, scheduler=name,
                     framework_clip=float(eng.gradient_clipping() or 0.0),
-                    last_step=_last_step(eng, sched_cfg) if goes_on else None)
+                    last_step=_last_step(eng, sched_cfg))
 
 
 def _last_step(eng, sched_cfg: dict | None) -> int | None:

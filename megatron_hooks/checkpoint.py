@@ -75,6 +75,7 @@ class MegatronState:
 
         return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+                "ep": ps.get_expert_model_parallel_world_size(), "chunks": len(self.mg.chunks),
                 "precision": _dtype(self.mg.chunks[0]), "distributed_optimizer": _distributed(self.mg.optimizer),
                 **({"optimizer_state": "empty"} if _stateless(self.mg.optimizer) else {})}
 
@@ -127,11 +128,17 @@ class MegatronState:
     def capture(self, staging_root: Path, tag: str, **_) -> None:
         return None  # (dist_checkpointing's save is a collective: no host-copy async save here)
 
-    def capture_local(self, staging_root: Path, tag: str) -> list:
+    def capture_local(self, staging_root: Path, tag: str) -> list | None:
         """The first step's insurance in the background: this rank's shard as the memory tier takes it (no collective;
-        loads at this layout only, by this run's restart -- :meth:`load` tells it by its files)."""
+        loads at this layout only, by this run's restart -- :meth:`load` tells it by its files). Only where no two
+        ranks hold the same state (one data-parallel replica: TP/PP slices): at DP > 1 each replica would write the
+        replicated weights again, which dist_checkpointing writes once -- None there, its synchronous save."""
+        from megatron.core import parallel_state as ps
+
         from megatron_hooks.snapshots import MegatronShard
 
+        if ps.get_data_parallel_world_size() > 1:
+            return None
         return MegatronShard(self).capture(staging_root, tag, self.step())
 
     def sidecar(self, data_state: dict | None = None) -> dict:
@@ -186,8 +193,11 @@ class MegatronState:
         from megatron_hooks import _optimizers, _unwrap
 
         mg, tag_dir, now = self.mg, root / tag, self.layout()
+        local = any(f.startswith(f"{SHARD}/") for f in reader.files)  # (the first step's, each rank's own state)
+        if local:
+            _same_layout(tag_dir, man.layout, now)  # (before the precision follows it: a refused load changes nothing)
         self._match_precision(man.layout.get("precision"), now["precision"], tag)
-        if any(f.startswith(f"{SHARD}/") for f in reader.files):  # (the first step's, each rank's own: capture_local)
+        if local:
             return self._load_local(tag_dir, man, reader, now)
         fresh = man.layout.get("optimizer_state") == "empty"  # (written before any update: _stateless)
         moments = [(o.optimizer.state, dict(o.optimizer.state)) for o in _optimizers(mg.optimizer) if fresh]
@@ -219,11 +229,6 @@ class MegatronState:
         """A checkpoint of each rank's own state (:meth:`capture_local`), at the layout it was written at only."""
         from megatron_hooks.snapshots import MegatronShard
 
-        differ = {k: (man.layout.get(k), now[k]) for k in ("world", "tp", "pp", "dp", "distributed_optimizer")
-                  if man.layout.get(k) != now[k]}
-        if differ:
-            raise CheckpointError(f"trainguard: {tag_dir} holds each rank's own state at another layout "
-                                  f"(saved, now: {differ}): it loads only where it was written")
         MegatronShard(self).load(reader, tag_dir)
         if man.layout.get("precision") not in (None, now["precision"]):
             self._main_params_to_model()
@@ -240,6 +245,15 @@ class MegatronState:
 
         self.shard = MegatronShard(self)
         return self.shard
+
+
+def _same_layout(tag_dir: Path, saved: dict, now: dict) -> None:
+    """Each rank's own state loads only at the layout it was written at (its model chunks, TP/PP/EP slices)."""
+    differ = {k: (saved.get(k), now[k]) for k in ("world", "tp", "pp", "dp", "ep", "chunks", "distributed_optimizer")
+              if saved.get(k) != now[k]}
+    if differ:
+        raise CheckpointError(f"trainguard: {tag_dir} holds each rank's own state at another layout "
+                              f"(saved, now: {differ}): it loads only where it was written")
 
 
 def _distributed(optimizer) -> bool:

@@ -73,6 +73,10 @@ class MegatronShard:
 
         mg = self.ms.mg
         state = load_weights(reader, tag_dir / SHARD / f"rank{_rank()}.pt")
+        if len(state["model"]) != len(mg.chunks) or len(state["optimizers"]) != len(_inner(mg.optimizer)):
+            raise ValueError(f"{tag_dir}: rank {_rank()}'s shard holds {len(state['model'])} model chunk(s) and "
+                             f"{len(state['optimizers'])} optimizer(s), this run {len(mg.chunks)} and "
+                             f"{len(_inner(mg.optimizer))}: it loads only at the layout it was written at")
         for chunk, sd in zip(mg.chunks, state["model"]):
             _unwrap(chunk).load_state_dict(sd)
         for outer, inner, saved in zip(_optimizers(mg.optimizer), _inner(mg.optimizer), state["optimizers"]):

@@ -62,8 +62,15 @@ def _report(args) -> int:
     from trainguard.observe.report import render
     from trainguard.observe.summary import summarize
 
+    import re
     from pathlib import Path
 
+    own = re.fullmatch(r"(.+)\.rank(\d+)(\.\w+)", Path(args.log).name)
+    if own:  # (metrics.per_rank: one rank's own lines -- no run_start, no run_end; the run's story is the run's log)
+        whole = Path(args.log).with_name(own.group(1) + own.group(3))
+        print(f"trainguard report: {args.log} is rank {own.group(2)}'s own log (metrics.per_rank), not the run's: "
+              f"`trainguard report {whole}`", file=sys.stderr)
+        return 2
     try:
         text = summarize(read(args.log))
         print(text)  # (the answer first: then the plots)
@@ -149,8 +156,9 @@ def _run(args) -> int:
         if block is not None and getattr(block, "enabled", True):
             print(f"trainguard run: {path}: the trainguard block is valid", file=sys.stderr)
     if not checked:  # (a ds_config the script names itself -- TrainingArguments(deepspeed=...) -- is read by the ranks)
-        print("trainguard run: no trainguard block on the launch line -- one your script names itself is checked when "
-              "the ranks read it; `trainguard validate FILE` checks it now", file=sys.stderr)
+        print("trainguard run: launching; the block your script names (TrainingArguments(deepspeed=...), a ds_config "
+              "it loads) is read when its engine is built, and a bad one stops the job there with one message -- "
+              "`trainguard validate FILE` checks it before", file=sys.stderr)
     bootstrap = str(Path(__file__).resolve().parent / "bootstrap" / "site")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([bootstrap] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

@@ -47,6 +47,8 @@ def test_resume_is_exact_and_verified(tmp_path, torchrun, stage, async_save):
                       zero_optimization={"stage": stage})
     first = torchrun(cfg, N + 4, "--dtype", dtype, "--dropout", "0.1", out_name="first").ok()  # saves at N, dies at N+4
     assert CheckpointLayout(tmp_path / "ckB").tags() == [f"step{N:08d}"]
+    if stage > 0:  # (DeepSpeed's recovery script beside its tags, where it would be without trainguard: issue 53)
+        assert (tmp_path / "ckB" / "zero_to_fp32.py").is_file() and not (tmp_path / "ckB" / ".staging").exists()
     resumed = torchrun(cfg, 2 * N, "--dtype", dtype, "--dropout", "0.1", out_name="resumed").ok()  # resumes at N
 
     assert all(r["first_step"] == N for r in resumed.results)

@@ -348,3 +348,18 @@ def test_a_commit_leaves_no_empty_staging_folder_and_never_removes_another_saves
     cp.wait_pending()
     assert (hf / "step00000006").is_dir() and other.is_dir()
     assert not [r for r, _ in records if r is Record.CHECKPOINT_FAILED]
+
+
+def test_a_save_the_framework_cannot_write_leaves_no_staging_behind(tmp_path, monkeypatch):
+    """A framework that cannot write its state yet (megatron's distributed optimizer before its first update: an
+    insured save, a record) left its staging folder, and so .staging, behind every time."""
+    class Unwritable(TorchState):
+        def write(self, staged, tag, **kw):
+            raise AssertionError("no state to write yet")
+
+    fw, cp, records = _manager(tmp_path, monkeypatch, state=Unwritable)
+    root = Path(cp.cfg.dir)
+    fw.steps = 2
+    with pytest.raises(AssertionError, match="no state to write yet"):
+        cp.save(root)
+    assert not (root / ".staging").exists() and CheckpointLayout(root).tags() == []

@@ -19,7 +19,15 @@ NAME = re.compile(r"`(test_\w+)")
 END = re.compile(r"\n\s*\n|\n\||\n- |\n\d+\. ")  # (a paragraph's, a table row's, a list item's end)
 LONG_WORD = re.compile(r"\blong\b")
 NEAR = 120  # characters after a cited name (80 before) where its "long" waiver must be said
-RELEASES = {"core_v0.17.1", "core_v0.19.0"}  # (the Megatron-LM checkouts a release-parametrized test runs on)
+def _releases() -> set[str]:
+    """The Megatron-LM checkouts a release-parametrized test runs on (tests/dist/test_megatron_lm_dist.py's RELEASES)."""
+    tree = ast.parse((ROOT / "tests" / "dist" / "test_megatron_lm_dist.py").read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "RELEASES"
+                                                                        for t in n.targets)]
+    return {k.value for k in node.value.keys}
+
+
+RELEASES = _releases()
 
 
 def _conftest_long() -> dict[tuple[str, str], set[str]]:
@@ -88,10 +96,12 @@ def _problems(doc: str, text: str) -> list[str]:
         for n, a, b in cited:
             n = _full(n, text[b:b + 4], tests)
             if n not in tests:
-                if not any(n in other for other in ALL.values()):
+                start, end = text.rfind("\n\n", 0, a), text.find("\n\n", b)
+                beside = {c.group(1) for c in CITE.finditer(text, max(0, start), end if end >= 0 else len(text))}
+                if not any(n in ALL.get(other, {}) for other in beside - {f}):
                     wrong.append(f"{where}: {f} has no {n}")
                     handled.add(a)
-                continue  # (another file's test, named in the same paragraph: the pass below checks it)
+                continue  # (the test of another file cited in the same paragraph: the pass below checks it)
             handled.add(a)
             near = text[max(0, m.start() - 80):m.end() + NEAR] if name else text[max(0, a - 80):b + NEAR]
             if tests[n] and not LONG_WORD.search(near):
@@ -125,6 +135,8 @@ def test_the_checker_reads_names_across_lines_names_without_a_file_and_the_word_
     unit = "tests/unit/test_claims.py"
     assert _problems("x", f"see {unit},\n`test_no_such_one` for it") == [f"x:1: {unit} has no test_no_such_one"]
     assert _problems("x", "a name alone: `test_no_such_one_either`") == ["x:1: no test file has test_no_such_one_either"]
+    assert _problems("x", f"{unit} (`test_a_figure_in_the_text_is_the_kept_runs`)") == \
+        [f"x:1: {unit} has no test_a_figure_in_the_text_is_the_kept_runs"]  # (test_figures.py's: cited under another)
     long_one = next((f, n) for f, tests in ALL.items() for n, is_long in tests.items() if is_long)
     assert _problems("x", f"{long_one[0]}::{long_one[1]} along the way") and \
         not _problems("x", f"{long_one[0]}::{long_one[1]} (`long`)")

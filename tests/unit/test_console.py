@@ -204,6 +204,13 @@ def test_a_warning_under_a_frameworks_logging_names_trainguard_once():
     finally:
         root.handlers[:] = saved
     assert out.getvalue() == "WARNING:trainguard:/ck was writable by other users\n"
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))  # (a format without the name: it keeps it)
+    root.handlers[:] = [handler]
+    try:
+        logging.getLogger("trainguard").warning("trainguard: %s was writable by other users", "/ck2")
+    finally:
+        root.handlers[:] = saved
+    assert out.getvalue().endswith(" trainguard: /ck2 was writable by other users\n"), out.getvalue()
     bare = logging.LogRecord("trainguard", logging.WARNING, __file__, 1, "trainguard: x", (), None)
     root.handlers[:] = []
     try:

@@ -62,3 +62,16 @@ def test_the_report_tells_the_runs_story(tmp_path):
     assert "17, step 30: token id 50300 >= vocab size 50257" in text, text
     (replaced,) = [x for x in text.splitlines() if x.strip().startswith("rank_replaced")]
     assert "rank 1 died (SIGKILL)" in replaced and "resumed at step 31" in replaced, text
+
+
+def test_the_report_of_one_ranks_own_log_points_to_the_runs(tmp_path, capsys):
+    """`metrics.per_rank` (on in configs/ds_config_hf_trainer.json) writes each rank's own lines beside the run's log;
+    `trainguard report` on one of them said "no run_end record (still running, or killed)" of a finished run (a new
+    user's trial, issue 53). It names the run's log instead."""
+    from trainguard.cli import main
+
+    own = tmp_path / "trainguard.rank1.jsonl"
+    own.write_text('{"event": "step"}\n')
+    assert main(["report", str(own), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert "is rank 1's own log (metrics.per_rank)" in err and f"trainguard report {tmp_path / 'trainguard.jsonl'}" in err

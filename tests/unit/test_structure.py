@@ -35,8 +35,11 @@ MODULE_DEBTS: dict[str, int] = {}  # (trainguard/step/guard.py, the last one, pa
 # schedules' num_training_steps, DeepSpeed's total_num_steps, Megatron-LM's train_iters (+27, +3; the rule it bounds,
 # a restart that would throw away more than the run has left, is the core's: lrcut.no_room); issue 52's first-step
 # insurance off megatron's critical path: each rank's own state captured (dist_checkpointing's save is a collective)
-# and loaded back at its layout only (+25; the background write and commit are the core's)
-PACKAGE_DEBTS = {"ds_plugins": 1768, "megatron_hooks": 1804}
+# and loaded back at its layout only (+25; the background write and commit are the core's), then at one replica only
+# and its layout checked whole before anything changes -- chunks, EP, the shard's lists (+18, a review's findings);
+# and a refused block under the zero-code entry one message for the job, exit 2, not a traceback a rank (+17: where
+# HF's Trainer and deepspeed.initialize read the block is the adapter's)
+PACKAGE_DEBTS = {"ds_plugins": 1785, "megatron_hooks": 1822}
 
 
 def _lines(path: Path) -> int:

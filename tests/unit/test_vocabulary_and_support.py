@@ -340,3 +340,27 @@ def test_a_replay_key_set_where_the_adapter_cannot_replay_is_refused_by_name():
         assert ("replayer=Replayer" in str(e.value)) is (hints is not None)
     assert GuardSession(None, parse_block({}), 0, 1).guard.replays.replay is None  # (defaults: not refused)
     GuardSession(None, parse_block(block), 0, 1, replay=lambda mb, row: 1.0)
+
+
+def test_under_the_zero_code_entry_a_refused_block_is_one_message_for_the_job(capsys, monkeypatch):
+    """A block named inside the script (TrainingArguments(deepspeed=...)) is read only when the engine is built: a bad
+    key was a traceback from every rank inside the framework's own output (a new user's trial, issue 53). Now the
+    job's first rank says it once, and every rank exits 2 (the entry's wrapper over a stand-in deepspeed module)."""
+    import types
+
+    import ds_plugins.auto as auto
+
+    def initialize(model=None, optimizer=None, config=None, **kwargs):
+        return "DeepSpeed's own"
+    ds = types.SimpleNamespace(initialize=initialize)
+    auto._patch_deepspeed(ds)
+    bad = {"train_micro_batch_size_per_gpu": 1, "trainguard": {"detectors": {"loss_spik": {}}}}
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as done:
+            ds.initialize(model=object(), optimizer=object(), config=bad)
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert ("[trainguard] the block is refused, nothing trained:" in err and "loss_spik" in err and
+                "did you mean 'loss_spike'" in err) is says, err
+    assert ds.initialize(model=object(), config={"train_micro_batch_size_per_gpu": 1}) == "DeepSpeed's own"

@@ -21,6 +21,17 @@ from trainguard.checkpoint.signed import record_commit, staged_digest
 STAGING_HELD = threading.Lock()
 
 
+def beside_its_tags(staging_root: Path, root: Path, tag: str) -> None:
+    """The framework's own files that its save writes beside the tag, not in it -- DeepSpeed's ``zero_to_fp32.py`` and
+    ``zero_to_torch.py``, which a user runs to consolidate a ZeRO checkpoint --, moved to where the framework alone
+    would have put them (regular files only; no manifest covers them, as none does in a plain DeepSpeed folder)."""
+    import stat
+
+    for extra in staging_root.iterdir():
+        if extra.name != tag and not extra.name.startswith(".") and stat.S_ISREG(os.lstat(extra).st_mode):
+            os.replace(extra, Path(root) / extra.name)
+
+
 def leave_staging(root: Path) -> None:
     """After a commit: ``<root>/.staging`` goes once it is empty -- HF's ``checkpoint-N`` is a save root of its own, and
     an empty ``.staging`` left in every one is litter (issue 53). One still holding a save under way stays."""
@@ -88,6 +99,7 @@ def commit_staged(root: Path, staging_root: Path, nonce: str, manifest: Manifest
     fsync_dir(root)
     record_commit(root, tag, key, digest)  # (with a key: what tells this commit from an older copy put back)
     atomic_write_text(root / LATEST, tag)
+    beside_its_tags(staging_root, root, tag)
     shutil.rmtree(staging_root, ignore_errors=True)
     shutil.rmtree(aside, ignore_errors=True)
     leave_staging(root)

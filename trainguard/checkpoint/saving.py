@@ -20,7 +20,7 @@ import torch
 from trainguard import __version__
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.async_writer import AsyncSave, BackgroundWrite, snapshot
-from trainguard.checkpoint.commit import STAGING_HELD, as_written, commit_staged
+from trainguard.checkpoint.commit import STAGING_HELD, as_written, commit_staged, leave_staging
 from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, STAGING, CheckpointError, step_tag, validate_tag
 from trainguard.checkpoint.manifest import Manifest
@@ -115,7 +115,13 @@ class Saver:
         nonce, staging_root = self.staging(root, tag)
         staged = staging_root / tag
         barrier()
-        own = dict(write(staged, tag))  # (the framework's save, with its own collectives)
+        try:
+            own = dict(write(staged, tag))  # (the framework's save, with its own collectives)
+        except BaseException:  # (a framework that cannot write its state yet: no staging folder left behind)
+            if rank() == 0:
+                self._discard_now(staging_root)
+                leave_staging(root)
+            raise
         faults = cp.faults
         if faults is not None and faults.dies_writing(step, "save"):  # (the kill_rank fault: a death mid-save)
             os.kill(os.getpid(), 9)

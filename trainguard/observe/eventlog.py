@@ -28,12 +28,14 @@ log = logging.getLogger("trainguard")
 
 
 class _NamedOnce(logging.Filter):
-    """Under logging a framework set up (Megatron-LM's ``basicConfig``: ``WARNING:trainguard:<message>``) the record's
-    name already says trainguard: a message's own leading "trainguard: " goes. With no handler set up, Python's last
-    resort prints the message alone, and it keeps its name."""
+    """Under logging a framework set up whose every handler prints the logger's name (Megatron-LM's ``basicConfig``:
+    ``WARNING:trainguard:<message>``), a message's own leading "trainguard: " goes. Where a handler prints the message
+    alone -- Python's last resort, a format without ``%(name)s`` -- it keeps its name."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith("trainguard: ") and logging.getLogger().handlers:
+        handlers = logging.getLogger().handlers
+        if isinstance(record.msg, str) and record.msg.startswith("trainguard: ") and handlers and all(
+                "%(name)" in getattr(getattr(h, "formatter", None), "_fmt", "") for h in handlers):
             record.msg = record.msg[len("trainguard: "):]
         return True
 

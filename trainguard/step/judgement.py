@@ -38,7 +38,7 @@ class Judgement:
         self.culprit_samples: dict[int, list[int]] = {}  # {rank: the samples it is to blame for} of the last step
         self.recent_anomalies: list = []             # [step, anomaly] of recent verdicts (a checkpoint's health)
         self.everyone: dict | None = None            # the last step's object gather ({rank: values}; an abort's report)
-        self._restart_refused = False                # this decision's restart refused for want of room (lrcut.no_room)
+        self._restart_refused = self._rise_refused = False  # this decision's restart refused for want of room
 
     def decide(self, step: int, ctx: Decide, everyone: dict | None, scaled: bool, summary_way: bool) -> Decision:
         """The policy's one action over the step's verdicts (``ctx``, with the object gather ``everyone``), the blame,
@@ -53,10 +53,12 @@ class Judgement:
                     self._restart_refused = True
                     return self.cfg.recovery.lr_factor, "", False
                 return cut
-        rising = self._rising(step)
+        rising, once = self._rising(step), not self.policy.restarted
         decision = self.policy.decide(verdicts, step, self.stats.rise_onset(step), weights=weights, fp16=scaled,
                                       lr_cut=lr_cut, lr_rising=rising)
-        if refused and decision.action is Action.ROLLBACK and self._restart_refused:
+        # (said only where the policy would have restarted: a first restart, for a climb -- Policy.decide)
+        if refused and decision.action is Action.ROLLBACK and (self._rise_refused or self._restart_refused and once
+                                                               and decision.anomaly == "slow_rise"):
             decision = replace(decision, reason=f"{decision.reason}; {refused}")
         self.last = decision
         # damaged weights, not data: no sample is to blame
@@ -76,13 +78,13 @@ class Judgement:
 
     def _rising(self, step: int):
         """``lr_rising`` for the policy (a young run's bf16 fallback from its first step), false where the run has no
-        room for a restart (:meth:`LrHistory.no_room`); :attr:`_restart_refused` says whether that refused one."""
-        self._restart_refused = False
+        room for a restart (:meth:`LrHistory.no_room`); :attr:`_rise_refused` says whether that refused one."""
+        self._restart_refused = self._rise_refused = False
         room = self.lr_history.no_room(step) is None
 
-        def rising(onset: int) -> bool:
+        def rising(onset: int) -> bool:  # (the policy asks only where a bf16 fallback would start over)
             young = self.lr_history.rising_into(onset)
-            self._restart_refused = self._restart_refused or (young and not room)
+            self._rise_refused = self._rise_refused or (young and not room)
             return young and room
         return rising
 
@@ -119,7 +121,7 @@ class Judgement:
         if verdict is None:
             return None
         scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self._rising(step))
-        if (refused := self.lr_history.no_room(step)) and self._restart_refused:
+        if (refused := self.lr_history.no_room(step)) and self._rise_refused:
             scale_decision = replace(scale_decision, reason=f"{scale_decision.reason}; {refused}")
         self.log.verdict(step, verdict, scale_decision, None, self.skipped_steps, self.replays.check)
         return scale_decision
