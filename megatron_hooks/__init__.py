@@ -64,7 +64,7 @@ __all__ = ["install", "extra_args_provider", "MegatronGuard", "supervised"]
 
 def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, config: Any,
             start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None,
-            replayer=None) -> MegatronGuard:
+            replayer=None, train_iters: int | None = None) -> MegatronGuard:
     """Guard a megatron-core model (a module or a list of model chunks) and its optimizer.
 
     ``config``: the trainguard block as a dict, a JSON file (the block itself, or a ds_config-style
@@ -76,7 +76,9 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
     that owns its iteration counter (megatron_hooks.lm); None for yours. ``replayer``: a
     :class:`megatron_hooks.replay.Replayer` over your forward step (and your loop calls ``record`` with
     what each micro-batch drew): data or weights (``recovery.replay_check``, ``narrow_samples``) --
-    Megatron-LM's loop has one; without it the ladders act as written."""
+    Megatron-LM's loop has one; without it the ladders act as written. ``train_iters``: your loop's last iteration
+    (its count goes on through a rollback: a young run's restart from the first step is refused where it would throw
+    away more iterations than the run has left; None: not bounded)."""
     import megatron.core
 
     releases.check("megatron-core", megatron.core.__version__)  # (the support matrix: a release outside it refused)
@@ -87,4 +89,4 @@ def install(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer, confi
 
     check_release(cfg, "megatron-core", megatron.core.__version__)  # (a key this release cannot run: refused)
     return MegatronGuard(chunks, optimizer, cfg, start_iteration=start_iteration, guard_enabled=guard_enabled,
-                         data_state=data_state, loop=loop, replayer=replayer)
+                         data_state=data_state, loop=loop, replayer=replayer, train_iters=train_iters)

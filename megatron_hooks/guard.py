@@ -27,7 +27,8 @@ class MegatronGuard:
     data = None  # trainguard.protocols.Framework: megatron's data loader is the user's (no skip, no quarantine)
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer, cfg: tg_config.TrainguardConfig,
-                 start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None, replayer=None):
+                 start_iteration: int = 0, guard_enabled: bool = True, data_state=None, loop=None, replayer=None,
+                 train_iters: int | None = None):
         from megatron.core import parallel_state as ps
 
         from megatron_hooks.checkpoint import MegatronState
@@ -92,7 +93,7 @@ class MegatronGuard:
                      # (your scheduler is not ours to read; Megatron-LM's is: megatron_hooks.lm)
                      warmup_steps=loop.warmup_steps() if loop is not None else -1,
                      scheduler=type(loop.scheduler).__name__ if loop is not None and loop.scheduler is not None else None,
-                     framework_clip=self._clip_grad(), last_step=loop.last_step() if loop is not None else None))
+                     framework_clip=self._clip_grad(), last_step=loop.last_step() if loop is not None else train_iters))
         self.resumed_data_state = s.running(newer_than=start_iteration)  # (only a snapshot newer than your own)
 
     @property

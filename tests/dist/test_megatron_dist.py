@@ -578,3 +578,4 @@ def test_fp16_whose_first_steps_were_skipped_restarts_from_its_first_step_and_li
         assert not failed and rb["step"] == 10 and rb["detail"]["to_step"] == 1 and "from_first_step" in rb["detail"]
     assert not [x for x in lines if x.get("event") in ("recovery_failed", "abort")]
     assert all(r["weights_finite"] for r in results)
+    assert all(r["run_length"] == 16 for r in results)  # (install's train_iters: what bounds a restart)

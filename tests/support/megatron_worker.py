@@ -139,7 +139,7 @@ def run(args) -> int:
 
             replayer = Replayer([ddp], lambda it, m: forward_step(it, m), SEQ, MICRO)
         guard = megatron_hooks.install([ddp], opt, block, guard_enabled=not args.no_guard,
-                                       data_state=lambda: dict(loop), replayer=replayer)
+                                       data_state=lambda: dict(loop), replayer=replayer, train_iters=args.steps)
         if guard.guard is None:
             guard, _faults_only = None, guard  # (kept: its fault hooks stay on the model)
 
@@ -236,6 +236,7 @@ def run(args) -> int:
         digest.update(p.numpy().tobytes())
     if guard is not None:
         result["guard_iteration"] = guard.iteration
+        result["run_length"] = guard.session.lr_history.last_step  # (what bounds a restart: train_iters)
     result.update({"param_sha256": digest.hexdigest(), "param_count": sum(p.numel() for p in params),
                    "weights_finite": all(bool(torch.isfinite(p).all())
                                                                              for p in params)})

@@ -38,8 +38,9 @@ MODULE_DEBTS: dict[str, int] = {}  # (trainguard/step/guard.py, the last one, pa
 # and loaded back at its layout only (+25; the background write and commit are the core's), then at one replica only
 # and its layout checked whole before anything changes -- chunks, EP, the shard's lists (+18, a review's findings);
 # and a refused block under the zero-code entry one message for the job, exit 2, not a traceback a rank (+17: where
-# HF's Trainer and deepspeed.initialize read the block is the adapter's)
-PACKAGE_DEBTS = {"ds_plugins": 1785, "megatron_hooks": 1822}
+# HF's Trainer and deepspeed.initialize read the block is the adapter's); your megatron-core loop's length told at
+# install (+3)
+PACKAGE_DEBTS = {"ds_plugins": 1785, "megatron_hooks": 1825}
 
 
 def _lines(path: Path) -> int:
