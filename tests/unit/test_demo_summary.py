@@ -75,3 +75,27 @@ def test_the_report_of_one_ranks_own_log_points_to_the_runs(tmp_path, capsys):
     assert main(["report", str(own), "--out", str(tmp_path / "rep")]) == 2
     err = capsys.readouterr().err
     assert "is rank 1's own log (metrics.per_rank)" in err and f"trainguard report {tmp_path / 'trainguard.jsonl'}" in err
+
+
+def test_a_relaunch_of_a_finished_run_does_not_count_the_pause_between_launches(tmp_path):
+    """A new user relaunched a finished HF run a minute later: it resumed (said) and its goodput read 0.018 -- the
+    pause between the two launches counted as downtime. A launch that ended cleanly after the checkpoint bounds what
+    counts (the steps it ran after the save: lost work); a killed one does not (its downtime is the restart's)."""
+    import json
+
+    from trainguard.observe.goodput import GoodputMeter, clean_end
+
+    log = tmp_path / "trainguard.jsonl"
+    lines = [{"time": 1000.0, "event": "run_start"}, {"time": 1040.0, "event": "run_end", "detail": {}},
+             {"time": 1100.0, "event": "run_start"}]
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert clean_end(log) == 1040.0
+    saved = {"productive_s": 30.0, "wall_s": 35.0, "saved_at": 1038.0}
+    finished, killed = GoodputMeter(), GoodputMeter()
+    finished.load_state_dict(saved, now=1100.0, ended=clean_end(log))
+    assert finished.base_wall == 35.0 + 2.0  # (the 2 s after the save; not the 60 s pause)
+    killed.load_state_dict(saved, now=1100.0, ended=None)
+    assert killed.base_wall == 35.0 + 62.0
+    lines[1]["detail"] = {"interrupted": "RuntimeError: Connection reset by peer"}
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert clean_end(log) is None and clean_end(tmp_path / "none.jsonl") is None

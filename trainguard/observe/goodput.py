@@ -99,15 +99,40 @@ class GoodputMeter:
                 "executed": s["steps_executed"], "kept": s["steps_kept"], "skipped": s["skipped_steps"],
                 "rolled_back": s["rolled_back_steps"]}
 
-    def load_state_dict(self, state: dict, now: float | None = None) -> None:
+    def load_state_dict(self, state: dict, now: float | None = None, ended: float | None = None) -> None:
         """A restarted process resumes the totals: everything since the save -- the steps after it,
-        the failure, the restart -- is wall time that produced nothing."""
+        the failure, the restart -- is wall time that produced nothing. ``ended``: when a launch after the save
+        ended cleanly (:func:`clean_end`) -- a relaunch of a finished run: the time until then counts, the idle time
+        between the two launches does not (a user's trial read goodput 0.018 after a minute's pause)."""
         now = time.time() if now is None else now
+        saved = float(state.get("saved_at", now))
+        until = now if ended is None or ended < saved else min(now, ended)
         self.base_productive = float(state.get("productive_s", 0.0))
-        self.base_wall = float(state.get("wall_s", 0.0)) + max(0.0, now - float(state.get("saved_at", now)))
+        self.base_wall = float(state.get("wall_s", 0.0)) + max(0.0, until - saved)
         self.base = {k: int(state.get(k, 0)) for k in self.base}
 
     def lost_in_restart(self, steps: int) -> None:
         """Steps the failed attempt computed after the checkpoint this process resumed from."""
         self.base["executed"] += max(0, steps)
         self.base["rolled_back"] += max(0, steps)
+
+
+def clean_end(path) -> float | None:
+    """When the last launch logged in the JSONL at ``path`` ended cleanly (its ``run_end`` with no ``interrupted``), or
+    None (it was killed, stopped by an error, or there is no log): read from the log's tail, never a raise."""
+    import json
+    import os
+
+    try:
+        with open(path, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:  # (no FIFO)
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (1 << 20)))
+            lines = f.read().splitlines()
+        for line in reversed(lines):
+            if b'"run_end"' in line:
+                record = json.loads(line)
+                if record.get("event") == "run_end":
+                    return None if (record.get("detail") or {}).get("interrupted") else float(record["time"])
+    except Exception:  # noqa: BLE001 - (a line a writer of the log folder appended: no end known)
+        return None
+    return None

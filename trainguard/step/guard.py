@@ -30,7 +30,7 @@ from trainguard.errors import TrainguardAbort
 from trainguard.events import Action, Record
 from trainguard.step.evidence import Evidence
 from trainguard.faults.injector import FaultInjector
-from trainguard.observe.goodput import GoodputMeter
+from trainguard.observe.goodput import GoodputMeter, clean_end
 from trainguard.step.agreement import Agreement, StepView
 from trainguard.ranks.isolation import RankCoords
 from trainguard.step.judgement import Judgement
@@ -294,7 +294,7 @@ class StepGuard:
         if "lr_history" in state:
             self.lr_history.load_state_dict(state["lr_history"])
         self.clipper.load_state_dict(state["clipper"])
-        if "goodput" in state:
-            self.goodput.load_state_dict(state["goodput"])
+        if "goodput" in state:  # (a finished launch's idle time before this one is no downtime: goodput.clean_end)
+            self.goodput.load_state_dict(state["goodput"], ended=clean_end(self.cfg.metrics.jsonl))
         self.detectors.load_state_dict(state.get("detectors", {}))
 
