@@ -32,6 +32,7 @@ from typing import Callable
 
 from trainguard.ranks.attempt import restart_attempt
 from trainguard.events import Phase, Record
+from trainguard.metrics.sharedfs import tail_lines
 from trainguard.liveness.heartbeats import (  # noqa: F401 - (Beat, DirBoard, process_start: this module's names before)
     Beat, DirBoard, Heartbeat, HangVerdict, StoreBoard, _same_process, default_board, find_hung, process_start)
 from trainguard.liveness.hung import replacing_hung
@@ -164,10 +165,7 @@ def signal_local(verdict: HangVerdict, host: str, sig: int) -> list[int]:
 def last_logged_time(path) -> float | None:
     """The time of the last line of a JSONL log (what a restarted rank 0 knows of the attempt before)."""
     try:
-        with open(path, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:  # (no FIFO)
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().splitlines()
+        lines = tail_lines(path, 65536)
         return float(json.loads(lines[-1])["time"]) if lines else None
     except Exception:  # noqa: BLE001 - (any line a writer of the log folder appended: no time, never a raise)
         return None

@@ -121,14 +121,11 @@ def clean_end(path) -> float | None:
     """When the last launch logged in the JSONL at ``path`` ended cleanly (its ``run_end`` with no ``interrupted``), or
     None (it was killed, stopped by an error, or there is no log): read from the log's tail, never a raise."""
     import json
-    import os
+
+    from trainguard.metrics.sharedfs import tail_lines
 
     try:
-        with open(path, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:  # (no FIFO)
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - (1 << 20)))
-            lines = f.read().splitlines()
-        for line in reversed(lines):
+        for line in reversed(tail_lines(path, 1 << 20)):
             if b'"run_end"' in line:
                 record = json.loads(line)
                 if record.get("event") == "run_end":
