@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from trainguard.ranks.glance import Glance
 from trainguard.ranks.isolation import FIELDS, F, TorchCollective, observations
 from trainguard.ranks.reduced import SUMS, Summary, as_floats, contribution, rank_bits
 from trainguard.verdicts import RankObservation
@@ -59,12 +60,40 @@ class StepView:
     def __getitem__(self, rank: int) -> RankObservation:
         return self.rows[rank]
 
+    @property
+    def glance(self):
+        """What a clear step's check reads (trainguard.ranks.glance): the summary itself, or -- the table's lazy view
+        -- the few figures made before anything else."""
+        return self.summary
+
     def rows_table(self) -> torch.Tensor:
         """Every rank's row as a host tensor ``[world, columns]``; takes the table now if this step did not (a
         collective: call it on every rank alike)."""
         if self.table is None:
             self.table = self.fetch()
         return self.table.cpu()
+
+
+class _TableView(StepView):
+    """The table way's view, read at the update's launch: its glance made from the host rows at once, its
+    observations, summary and rows when first asked for (after the launch, where a clear step's DECIDE runs)."""
+
+    def __init__(self, host: list, rank: int, table: torch.Tensor, obs: Callable[[list], list],
+                 loss_scale: float, grad_divisor: float):
+        self.full, self.table, self.fetch = True, table, None
+        self._host, self._rank, self._obs = host, rank, obs
+        self._glance = Glance(host, loss_scale, grad_divisor, lambda: self.summary)
+
+    @property
+    def glance(self) -> Glance:
+        return self._glance
+
+    def __getattr__(self, name: str):  # (summary, own and rows: made once, together, when first read)
+        if name not in ("summary", "own", "rows"):
+            raise AttributeError(name)
+        every = self._obs(self._host)
+        self.summary, self.own, self.rows = Summary.of_rows(every), every[self._rank], dict(enumerate(every))
+        return self.__dict__[name]
 
 
 class Agreement:
@@ -124,9 +153,8 @@ class Agreement:
             table = self.collective.table(row)
             ready = _to_host(table)
 
-            def read_table() -> StepView:
-                every = obs(ready().tolist())  # the single host synchronisation of a healthy step
-                return StepView(Summary.of_rows(every), every[self.rank], dict(enumerate(every)), True, table)
+            def read_table() -> StepView:  # (ready().tolist(): the single host synchronisation of a healthy step)
+                return _TableView(ready().tolist(), self.rank, table, obs, loss_scale, grad_divisor)
             return read_table
         sums, keys = contribution(row.reshape(1, -1), self._rank_t, loss_scale, grad_divisor, self.bits)
         sums, keys = self.collective.reduce(sums[0], keys[0])

@@ -32,7 +32,7 @@ class Evidence:
         """Whether the step may be applied before it is decided, its DECIDE taken after the update's launch
         (trainguard.step.launchgate): nothing it gathers is due -- nothing non-finite, no fault fired, no sample set
         aside, no probe or check sampled, no row wanted -- and no detector could refuse it (a burst)."""
-        s = view.summary
+        s = view.glance  # (the summary's figures the check reads, made before the rest: trainguard.ranks.glance)
         return not (self.late_skips or s.needs_rows or self.probes.sampled(step) or self.detectors.wants_rows(step)) \
             and self.detectors.clear(step, s)
 
