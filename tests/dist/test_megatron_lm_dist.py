@@ -105,7 +105,7 @@ def launch(release, tmp_path, name, layout, block=None, more=(), torchrun=(), ti
     ``block``: the trainguard block (its JSONL goes to ``name/trainguard.jsonl``); None: no argument.
     ``term_after``: once Megatron-LM logged that iteration, every rank gets a SIGTERM (a preemption notice).
     ``spares``: under ``-m trainguard.supervise --spares N`` (2 + N of torchrun's workers)."""
-    out = tmp_path / name
+    out = (Path(tmp_path) / name).resolve()  # (the run's cwd is its own folder: a relative --out would not be found)
     out.mkdir()
     args = [*TINY, *LAYOUT[layout], "--train-iters", str(ITERS), *more]
     if block is not None:
