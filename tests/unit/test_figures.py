@@ -33,10 +33,10 @@ FIGURES = [
      ("ratio", "ratio_mean")),
     ("docs/detection.md", r"\*\*([\d.]+)\*\* median \(([\d.]+)\s+ms\s+plain, ([\d.]+)\s+ms\s+guarded\), \*\*([\d.]+)\*\*\s+mean",
      "overhead-cpu-2026-12-07-c.json", ("ratio", "step_ms_plain_median", "step_ms_guarded_median", "ratio_mean")),
-    ("docs/capabilities.md", r"of the clean loss \((-?[\d.]+)%, 1,000 steps", "drill-2026-12-06.json", ("loss_vs_clean",)),
-    ("docs/capabilities.md", r"goodput over the in-process faults ([\d.]+), printed", "drill-2026-12-06.json",
+    ("docs/capabilities.md", r"of the clean loss \((-?[\d.]+)%, 1,000 steps", "drill-2026-12-07.json", ("loss_vs_clean",)),
+    ("docs/capabilities.md", r"goodput over the in-process faults ([\d.]+), printed", "drill-2026-12-07.json",
      ("rows.2.goodput_in_process",)),
-    ("docs/capabilities.md", r"the insurance \+([\d.]+)% in that run", "drill-2026-12-06.json", ("rows.1.insurance_cost",)),
+    ("docs/capabilities.md", r"the insurance \+([\d.]+)% in that run", "drill-2026-12-07.json", ("rows.1.insurance_cost",)),
     ("docs/detection.md", r"\*\*([\d.]+) ms\*\* \(one forward-only replay", "overhead-sdc-2026-12-07.json",
      ("sdc_ms_per_check",)),
     ("docs/detection.md", r"\*\*([\d.]+)% of step time at one check every 100 steps\*\*", "overhead-sdc-2026-12-07.json",
@@ -89,7 +89,7 @@ FIGURES = [
      ("in_step.paced.snapshot_s", "in_step.paced.share")),
     ("docs/liveness.md", r"c78236d, clean; 1,000 steps, a snapshot every 25\): \*\*([\d.]+) ms\*\*, \*\*\+([\d.]+)%\*\*",
      "insurance-2026-12-07.json", ("in_step.insured.snapshot_s", "in_step.insured.share")),
-    ("docs/liveness.md", r"\(\+([\d.]+)% in the run above", "drill-2026-12-06.json", ("rows.1.insurance_cost",)),
+    ("docs/liveness.md", r"\(\+([\d.]+)% in the run above", "drill-2026-12-07.json", ("rows.1.insurance_cost",)),
     ("docs/detection.md", r"kept for the rest of the run -- \*\*\+([\d.]+)%\*\*", "natural-long-2026-12-06.json",
      ("rows.0.guarded_rel",)),
     ("docs/detection.md", r"for good this time \(1215\), a third rollback at 1991 -- \*\*(-?[\d.]+)%\*\*, (\d+) steps lost",
@@ -117,7 +117,7 @@ FIGURES = [
     ("docs/liveness.md", r"kill-anywhere-hf-2026-12-05.json`; a checkpoint every 4 steps\) \| (\d+) \| (\d+) \| ([\d.]+) s \| "
      r"([\d.]+) s", "kill-anywhere-hf-2026-12-05.json",
      ("supervised.trials", "supervised.in_process", "supervised.median_s", "supervised.p99_s")),
-    ("docs/liveness.md", r"goodput over the in-process faults\*\* \(([\d.]+);", "drill-2026-12-06.json",
+    ("docs/liveness.md", r"goodput over the in-process faults\*\* \(([\d.]+);", "drill-2026-12-07.json",
      ("rows.2.goodput_in_process",)),
 ]
 
@@ -220,7 +220,6 @@ def test_the_drills_tables_in_its_page_are_a_kept_runs_print():
 BEFORE_THE_FIELDS = {
     "natural-corpus-held-out-2026-12-07-final.json",  # (run at b02faa5, whose keep() did not write them yet)
     "checkpoint-io-2026-12-06.json",
-    "drill-2026-12-06.json",
     "insurance-2026-12-06.json",
     "insurance-2026-12-07.json",
     "kill-anywhere-100-2026-12-05.json",
