@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
         for variant in order:
             d = out / f"round{rnd}" / variant
             cfg, flags = config(variant, d, args.snapshot_every, args.budget)
-            d.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(d, ignore_errors=True)  # (fresh: the worker appends to its progress file -- a folder left by
+            d.mkdir(parents=True)                 # an earlier run was read as part of this one's time)
             (d / "ds_config.json").write_text(json.dumps(cfg, indent=1))
             rc, _ = run_worker(d / "ds_config.json", d, args.steps, extra=flags, timeout=600, launcher=LAUNCHER)
             progress = read_progress(d / "progress.rank0.txt")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -149,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="keep every part's figures, with the date and commit, in this file")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    for part in ("flips", "healthy", "computes", "megatron", "megatron-lm"):  # (fresh: a run's JSONL is appended to,
+        shutil.rmtree(out / part, ignore_errors=True)                        # and an earlier run's would be read)
     rc, hits, rows = detection(out / "flips", args.flips, args.every, args.seed)
     print(json.dumps({"part": "detection", "rc": rc, "flips": args.flips, "found_and_named": hits,
                       "every_steps": args.every, "trials": rows}))

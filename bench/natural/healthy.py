@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,8 @@ def _last(losses):
 
 def run_one(case: Case, out: Path) -> dict:
     d = out / case.name
-    d.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(d, ignore_errors=True)  # (fresh: a run's progress and JSONL are appended to)
+    d.mkdir(parents=True)
     t0 = time.time()
     if case.stack == "megatron":
         from bench.natural import megatron_lm
