@@ -106,7 +106,7 @@ FIGURES = [
      ("rows.7.healthy_ms", "rows.7.anomalous_ms")),
     ("README.md", r"([\d.]+) s from the kill to the next step, the median of (\d+) random kills \(HF's Trainer: from its "
      r"newest checkpoint, ([\d.]+) s", "kill-anywhere-100-2026-12-05.json", ("supervised.median_s", "supervised.trials")),
-    ("README.md", r"HF's Trainer: from its newest checkpoint, ([\d.]+) s", "kill-anywhere-hf-2026-12-05.json",
+    ("README.md", r"HF's Trainer: from its newest checkpoint, ([\d.]+) s", "kill-anywhere-hf-2026-12-07.json",
      ("supervised.median_s",)),
     ("docs/liveness.md", r"a spare \(`bench/results/kill-anywhere-100-2026-12-05.json`\) \| (\d+) \| (\d+) \| \*\*([\d.]+) s\*\* \| "
      r"([\d.]+) s", "kill-anywhere-100-2026-12-05.json",
@@ -114,8 +114,8 @@ FIGURES = [
     ("docs/liveness.md", r"kill-anywhere-megatron-100-2026-12-05.json`\) \| (\d+) \| (\d+) \| \*\*([\d.]+) s\*\* \| ([\d.]+) s",
      "kill-anywhere-megatron-100-2026-12-05.json",
      ("supervised.trials", "supervised.in_process", "supervised.median_s", "supervised.p99_s")),
-    ("docs/liveness.md", r"kill-anywhere-hf-2026-12-05.json`; a checkpoint every 4 steps\) \| (\d+) \| (\d+) \| ([\d.]+) s \| "
-     r"([\d.]+) s", "kill-anywhere-hf-2026-12-05.json",
+    ("docs/liveness.md", r"kill-anywhere-hf-2026-12-07.json`, 2026-12-07, commit 73fad06, clean; a checkpoint every 4 steps\) \| (\d+) \| (\d+) \| ([\d.]+) s \| "
+     r"([\d.]+) s", "kill-anywhere-hf-2026-12-07.json",
      ("supervised.trials", "supervised.in_process", "supervised.median_s", "supervised.p99_s")),
     ("docs/liveness.md", r"goodput over the in-process faults\*\* \(([\d.]+);", "drill-2026-12-07.json",
      ("rows.2.goodput_in_process",)),
@@ -223,7 +223,6 @@ BEFORE_THE_FIELDS = {
     "insurance-2026-12-06.json",
     "insurance-2026-12-07.json",
     "kill-anywhere-100-2026-12-05.json",
-    "kill-anywhere-hf-2026-12-05.json",
     "kill-anywhere-megatron-100-2026-12-05.json",
     "natural-corpus-held-out-2026-12-06.json",
     "natural-corpus-held-out-2026-12-07.json",
