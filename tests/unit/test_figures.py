@@ -94,13 +94,13 @@ FIGURES = [
      "natural-long-2026-12-06.json", ("rows.1.guarded_rel", "rows.1.steps_lost")),
     ("docs/capabilities.md", r"overhead-sdc-2026-12-07.json, ([\d.]+) ms per check over (\d+) checked steps, ([\d.]+)% of step "
      r"time", "overhead-sdc-2026-12-07.json", ("sdc_ms_per_check", "checked_steps", "sdc_share")),
-    ("docs/detection.md", r"\| 8 \| table \| ([\d.]+) \| ([\d.]+) \| ([\d,]+) B \|", "scale-2026-12-05.json",
+    ("docs/detection.md", r"\| 8 \| table \| ([\d.]+) \| ([\d.]+) \| ([\d,]+) B \|", "scale-2026-12-07.json",
      ("rows.0.healthy_ms", "rows.0.anomalous_ms", "rows.0.bytes")),
-    ("docs/detection.md", r"\| 1,024 \| table \(before\) \| ([\d.]+) \| ([\d.]+) \|", "scale-2026-12-05.json",
+    ("docs/detection.md", r"\| 1,024 \| table \(before\) \| ([\d.]+) \| ([\d.]+) \|", "scale-2026-12-07.json",
      ("rows.3.healthy_ms", "rows.3.anomalous_ms")),
     ("docs/detection.md", r"\| 65,536 \| \*\*summary\*\* \| \*\*([\d.]+)\*\* \| \*\*([\d.]+)\*\* \| \*\*(\d+) B\*\* \|",
-     "scale-2026-12-05.json", ("rows.6.healthy_ms", "rows.6.anomalous_ms", "rows.6.bytes")),
-    ("docs/detection.md", r"\| 65,536 \| table \(before\) \| ([\d,]+) \| ([\d,]+) \|", "scale-2026-12-05.json",
+     "scale-2026-12-07.json", ("rows.6.healthy_ms", "rows.6.anomalous_ms", "rows.6.bytes")),
+    ("docs/detection.md", r"\| 65,536 \| table \(before\) \| ([\d,]+) \| ([\d,]+) \|", "scale-2026-12-07.json",
      ("rows.7.healthy_ms", "rows.7.anomalous_ms")),
     ("README.md", r"([\d.]+) s from the kill to the next step, the median of (\d+) random kills \(HF's Trainer: from its "
      r"newest checkpoint, ([\d.]+) s", "kill-anywhere-100-2026-12-07.json", ("supervised.median_s", "supervised.trials")),
@@ -230,7 +230,6 @@ BEFORE_THE_FIELDS = {
     "natural-long-2026-12-06.json",
     "natural-megatron-peers-2026-12-07.json",
     "recovery-fuzz-2026-12-06.json",
-    "scale-2026-12-05.json",
     "sdc-2026-12-05.json",
 }
 
