@@ -67,13 +67,13 @@ FIGURES = [
      ("rows.0.guarded_eval",)),
     ("docs/detection.md", r"\*\*-0\.1%\*\*, (\d+) steps lost\. Both healthy runs: no action", "natural-long-2026-12-06.json",
      ("rows.1.steps_lost",)),
-    ("docs/checkpoints.md", r"raw write of the same bytes \(open/write/fsync\) \| ([\d,]+) MB/s", "checkpoint-io-2026-12-06.json",
+    ("docs/checkpoints.md", r"raw write of the same bytes \(open/write/fsync\) \| ([\d,]+) MB/s", "checkpoint-io-2026-12-07.json",
      ("raw_write_MBps",)),
     ("docs/checkpoints.md", r"synchronous \(DeepSpeed's write, hashed while written, fsync, manifest, rename\) \| ([\d,]+) MB/s: "
-     r"([\d.]+) of raw, ([\d.]+) of plain DeepSpeed", "checkpoint-io-2026-12-06.json",
+     r"([\d.]+) of raw, ([\d.]+) of plain DeepSpeed", "checkpoint-io-2026-12-07.json",
      ("save_MBps", "save_over_raw", "save_over_plain_deepspeed")),
     ("docs/checkpoints.md", r"blocking time / synchronous save time \| ([\d.]+) \((\d+) ms blocking",
-     "checkpoint-io-2026-12-06.json", ("async_blocking_over_sync", "async_blocking_s")),
+     "checkpoint-io-2026-12-07.json", ("async_blocking_over_sync", "async_blocking_s")),
     ("docs/checkpoints.md", r"medians \*\*([\d.]+) s\*\* plain\s+DeepSpeed, \*\*([\d.]+) s\*\* guard, \*\*([\d.]+) s\*\* guard "
      r"\+ snapshots every 10 steps, \*\*([\d.]+) s\*\* paced", "insurance-2026-12-06.json",
      ("median.clean", "median.guard", "median.insured", "median.paced")),
@@ -217,7 +217,6 @@ def test_the_drills_tables_in_its_page_are_a_kept_runs_print():
 # figure carries its machine and releases (and whether the tree was clean) -- never added here by hand afterwards
 BEFORE_THE_FIELDS = {
     "natural-corpus-held-out-2026-12-07-final.json",  # (run at b02faa5, whose keep() did not write them yet)
-    "checkpoint-io-2026-12-06.json",
     "insurance-2026-12-06.json",
     "insurance-2026-12-07.json",
     "kill-anywhere-megatron-100-2026-12-05.json",
