@@ -73,3 +73,29 @@ def test_demo_prints_the_table(tmp_path):
     for name in names:
         data = (tmp_path / "rep" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_demo_run_again_into_the_same_folder_starts_over(tmp_path):
+    """A second `trainguard demo --out DIR` into the folder of a first: its runs start from step 0 -- the same faults
+    fire, the same table is printed -- where it once resumed the first run's checkpoint (step 50 of 60) and printed
+    none of the faults before it (trainguard.demo.processes.fresh); a folder of yours in a run's place is refused by
+    name and left as it was."""
+    import json
+
+    cmd = [sys.executable, "-m", "trainguard.cli", "demo", "--steps", "60", "--no-natural", "--out", str(tmp_path)]
+    tables, first = [], []
+    for _ in range(2):
+        res = bounded(cmd, 300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        tables.append([line for line in res.stdout.splitlines() if line.strip() and line.split()[0].isdigit()])
+        first.append([json.loads((tmp_path / run / "result.rank0.json").read_text())["first_step"]
+                      for run in ("trainguard", "plain")])
+    assert tables[0] and tables[0][0].split()[:3] == ["20", "1", "nan_loss"] and tables[1] == tables[0]
+    assert first[1] == first[0]  # (from the start both times, not from the first run's checkpoint)
+
+    mine = tmp_path / "mine"
+    (mine / "plain").mkdir(parents=True)
+    (mine / "plain" / "notes.txt").write_text("my own")
+    res = bounded([*cmd[:-1], str(mine)], 300)
+    assert res.returncode != 0 and "plain exists and is not a folder a demo or drill run left" in res.stderr
+    assert (mine / "plain" / "notes.txt").read_text() == "my own"

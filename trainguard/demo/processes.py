@@ -1,10 +1,12 @@
 """Launching worker jobs and bounding them (the demo's, the tests', the benches'): torchrun's environment, a command
 run with a deadline whose whole process tree is killed when it passes, the workers an agent left behind, and
-:func:`run_worker` -- ``nproc`` ranks of a worker module under torchrun, their per-rank results read back."""
+:func:`run_worker` -- ``nproc`` ranks of a worker module under torchrun, their per-rank results read back -- and
+:func:`fresh`, a run's own folder emptied before the demo or the drill runs in it again."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,3 +145,17 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
         p = out / f"result.rank{r}.json"
         results.append(json.loads(p.read_text()) if p.exists() else None)
     return rc, results
+
+
+def fresh(folder: str | os.PathLike) -> Path:
+    """``folder``, empty, for a new run of the demo's or the drill's: a worker resumes from the checkpoints it finds
+    there and appends to its progress files, so a second ``trainguard demo`` or ``drill`` into the same ``--out``
+    resumed the first one's finished run. Only a folder a worker ran in (its ``torchrun.log``) is removed; anything
+    else there is refused by name, never deleted."""
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        if not (folder / "torchrun.log").is_file():
+            raise SystemExit(f"{folder} exists and is not a folder a demo or drill run left (no torchrun.log in it): "
+                             "choose another --out; nothing was removed")
+        shutil.rmtree(folder)
+    return folder

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from trainguard.demo.run import run_worker
+from trainguard.demo.run import fresh, run_worker
 from trainguard.drill.costs import format_costs, read_progress
 from trainguard.drill.figures import in_process_goodput, per_fault_costs, snapshot_figures  # noqa: F401 - (the bench's)
 from trainguard.metrics.jsonl import read
@@ -189,7 +189,7 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
     clean_loss = None
     bound = timeout
     for i, (name, cfg, flags) in enumerate(runs):
-        d = out / name.replace(",", "").replace("(", "").replace(")", "").replace(" ", "_").lower()
+        d = fresh(out / name.replace(",", "").replace("(", "").replace(")", "").replace(" ", "_").lower())
         print(f"  run {i + 1}/{len(runs)}: {name} ...", file=stream, flush=True)
         cfg = copy.deepcopy(cfg)
         ck = cfg["trainguard"].get("checkpoint", {})
