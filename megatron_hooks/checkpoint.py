@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from trainguard.ports import CheckpointError, hashed_writes, STAGING, verified_reads
 from trainguard.events import Record
-from megatron_hooks.snapshots import SHARD
+from megatron_hooks.snapshots import OWN_STATE_LAYOUT, SHARD
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
 DIST = "dist"                        # dist_checkpointing's folder inside a tag
@@ -248,9 +248,8 @@ class MegatronState:
 
 
 def _same_layout(tag_dir: Path, saved: dict, now: dict) -> None:
-    """Each rank's own state loads only at the layout it was written at (its model chunks, TP/PP/EP slices)."""
-    differ = {k: (saved.get(k), now[k]) for k in ("world", "tp", "pp", "dp", "ep", "chunks", "distributed_optimizer")
-              if saved.get(k) != now[k]}
+    """Each rank's own state loads only at the layout it was written at (:data:`OWN_STATE_LAYOUT`)."""
+    differ = {k: (saved.get(k), now[k]) for k in OWN_STATE_LAYOUT if saved.get(k) != now[k]}
     if differ:
         raise CheckpointError(f"trainguard: {tag_dir} holds each rank's own state at another layout "
                               f"(saved, now: {differ}): it loads only where it was written")

@@ -19,6 +19,7 @@ from trainguard.ports import host_copy, load_weights, rank as _rank
 __all__ = ["MegatronShard", "SHARD"]
 
 SHARD = "shard"          # the folder of a tag holding rank<r>.pt, this rank's state
+OWN_STATE_LAYOUT = ("world", "tp", "pp", "dp", "ep", "chunks", "distributed_optimizer")  # (where it loads)
 
 
 def _inner(optimizer) -> list:
@@ -46,10 +47,10 @@ class MegatronShard:
         return self.ms.mg.iteration
 
     def fits(self) -> dict:
-        """A shard is one rank's TP/PP slices and its data-parallel shard: it loads at the same layout only (a
+        """One rank's model chunks, TP/PP/EP slices and data-parallel shard: it loads at the same layout only (a
         restart at another one takes the disk snapshots, which dist_checkpointing reshards)."""
         now = self.ms.layout()
-        return {k: now[k] for k in ("tp", "pp", "dp", "distributed_optimizer")}
+        return {k: now[k] for k in OWN_STATE_LAYOUT}
 
     def state(self) -> dict:
         """This rank's state (live tensors: the caller copies them)."""
