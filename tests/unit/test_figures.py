@@ -229,7 +229,6 @@ BEFORE_THE_FIELDS = {
     "natural-long-2026-12-06.json",
     "natural-megatron-peers-2026-12-07.json",
     "recovery-fuzz-2026-12-06.json",
-    "sdc-2026-12-05.json",
 }
 
 
