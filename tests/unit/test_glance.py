@@ -18,8 +18,8 @@ ODD = [math.nan, math.inf, -math.inf, 0.0, 1e308]
 
 def _row(rng: random.Random) -> list[float]:
     row = [0.0] * len(FIELDS)
-    row[F["micro_batches"]] = rng.choice([0, 1, 1, 2, 4])
-    row[F["loss_sum"]] = rng.choice(ODD) if rng.random() < 0.15 else rng.uniform(0.0, 12.0)
+    row[F["micro_batches"]] = rng.choice([0, 1, 1, 2, 4, -1])
+    row[F["loss_sum"]] = rng.choice([*ODD, -4.0]) if rng.random() < 0.15 else rng.uniform(0.0, 12.0)
     row[F["loss_nonfinite"]] = rng.choice([0, 0, 0, 0, 1, 2])
     row[F["grad_checked"]] = rng.choice([0, 3, 20, 20])
     row[F["grad_sq"]] = rng.choice(ODD) if rng.random() < 0.15 else rng.uniform(0.0, 50.0)
@@ -59,3 +59,22 @@ def test_the_table_read_makes_its_observations_only_when_asked():
     every = observations([row.tolist()])
     assert view.summary == Summary.of_rows(every) and view.own == every[0] and view.rows == {0: every[0]}
     assert [o.rank for o in view] == [0] and len(view) == 1 and view.full
+
+
+def test_a_steps_view_is_freed_with_its_last_reference():
+    """The lazy view and its glance hold no cycle: a step's table is freed when DECIDE lets go of its view, not when the
+    cycle collector next runs (Megatron-LM's --manual-gc can leave it off for the whole run)."""
+    import gc
+    import weakref
+
+    agreement = Agreement(rank=0, world=1, device=torch.device("cpu"))
+    row = torch.tensor(_row(random.Random(3)), dtype=torch.float64)
+    gc.disable()
+    try:
+        view = agreement.launch(row, 1.0, 1.0)()
+        assert view.glance.faults_fired >= 0 and view.summary.world == 1 and view.glance.lr == view.summary.lr
+        gone = weakref.ref(view)
+        del view
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -36,7 +36,7 @@ class Glance:
         for row in rows:
             micro = int(row[_MICRO])
             finite = True
-            if micro:
+            if micro > 0:  # (RankObservation.has_loss)
                 loss = row[_LOSS] / micro
                 losses.append(loss)
                 finite = int(row[_LOSS_BAD]) == 0 and math.isfinite(loss)

@@ -81,18 +81,30 @@ class _TableView(StepView):
     def __init__(self, host: list, rank: int, table: torch.Tensor, obs: Callable[[list], list],
                  loss_scale: float, grad_divisor: float):
         self.full, self.table, self.fetch = True, table, None
-        self._host, self._rank, self._obs = host, rank, obs
-        self._glance = Glance(host, loss_scale, grad_divisor, lambda: self.summary)
+        made: dict = {}  # (summary, own, rows: shared with the glance's fallback -- which holds no reference to the
+        self._made = made  # view, so a step's view is freed with its last reference, not by the cycle collector)
+
+        def make() -> dict:
+            if not made:
+                every = obs(host)
+                made.update(summary=Summary.of_rows(every), own=every[rank], rows=dict(enumerate(every)))
+            return made
+
+        self._make = make
+        self._scale = (host, loss_scale, grad_divisor)
+        self._glance: Glance | None = None
 
     @property
-    def glance(self) -> Glance:
+    def glance(self) -> Glance:  # (made when the clear check first reads it: a step decided before its launch never)
+        if self._glance is None:
+            make = self._make
+            self._glance = Glance(*self._scale, lambda: make()["summary"])
         return self._glance
 
     def __getattr__(self, name: str):  # (summary, own and rows: made once, together, when first read)
         if name not in ("summary", "own", "rows"):
             raise AttributeError(name)
-        every = self._obs(self._host)
-        self.summary, self.own, self.rows = Summary.of_rows(every), every[self._rank], dict(enumerate(every))
+        self.__dict__.update(self._make())
         return self.__dict__[name]
 
 
