@@ -150,8 +150,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="keep every part's figures, with the date and commit, in this file")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    for part in ("flips", "healthy", "computes", "megatron", "megatron-lm"):  # (fresh: a run's JSONL is appended to,
-        shutil.rmtree(out / part, ignore_errors=True)                        # and an earlier run's would be read)
+    runs = {"flips": True, "healthy": args.healthy, "computes": args.computes, "megatron": args.megatron and args.healthy,
+            "megatron-lm": args.megatron_lm and args.healthy}
+    for part in (p for p, on in runs.items() if on):  # (fresh: a run's JSONL is appended to, and an earlier run's
+        shutil.rmtree(out / part, ignore_errors=True)  # would be read; the parts not run this time are left as they are)
     rc, hits, rows = detection(out / "flips", args.flips, args.every, args.seed)
     print(json.dumps({"part": "detection", "rc": rc, "flips": args.flips, "found_and_named": hits,
                       "every_steps": args.every, "trials": rows}))

@@ -55,6 +55,7 @@ def run(setting: dict, which: str, out: Path, steps: int, block: dict) -> dict:
     Megatron-LM's own switches in ``setting``). Returns the bench's run summary (run.py's ``summarise_run`` shape)."""
     import time
 
+    out = Path(out).resolve()  # (pretrain_gpt.py runs in this folder: a relative --out would name files it cannot find)
     out.mkdir(parents=True, exist_ok=True)
     args = [*TINY, "--lr", str(setting.get("lr", 1e-3)), "--lr-warmup-iters", str(setting.get("warmup", 30)),
             "--train-iters", str(steps), *setting.get("args", [])]

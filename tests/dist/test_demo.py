@@ -96,6 +96,9 @@ def test_the_demo_run_again_into_the_same_folder_starts_over(tmp_path):
     mine = tmp_path / "mine"
     (mine / "plain").mkdir(parents=True)
     (mine / "plain" / "notes.txt").write_text("my own")
-    res = bounded([*cmd[:-1], str(mine)], 300)
+    (mine / "trainguard").mkdir()
+    (mine / "trainguard" / "torchrun.log").write_text("a log of yours")
+    (mine / "trainguard" / "starts.rank0.txt").write_text("a run of ours left these two")
+    res = bounded([*cmd[:-1], str(mine)], 300)  # (refused before either run: the guarded folder is left too)
     assert res.returncode != 0 and "plain exists and is not a folder a demo or drill run left" in res.stderr
-    assert (mine / "plain" / "notes.txt").read_text() == "my own"
+    assert (mine / "plain" / "notes.txt").read_text() == "my own" and (mine / "trainguard" / "torchrun.log").is_file()

@@ -147,15 +147,22 @@ def run_worker(config: str | os.PathLike, out: str | os.PathLike, steps: int, np
     return rc, results
 
 
-def fresh(folder: str | os.PathLike) -> Path:
-    """``folder``, empty, for a new run of the demo's or the drill's: a worker resumes from the checkpoints it finds
+def fresh(*folders: str | os.PathLike) -> list[Path]:
+    """``folders``, empty, for new runs of the demo's or the drill's: a worker resumes from the checkpoints it finds
     there and appends to its progress files, so a second ``trainguard demo`` or ``drill`` into the same ``--out``
-    resumed the first one's finished run. Only a folder a worker ran in (its ``torchrun.log``) is removed; anything
-    else there is refused by name, never deleted."""
-    folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
-        if not (folder / "torchrun.log").is_file():
-            raise SystemExit(f"{folder} exists and is not a folder a demo or drill run left (no torchrun.log in it): "
-                             "choose another --out; nothing was removed")
-        shutil.rmtree(folder)
-    return folder
+    resumed the first one's finished run. Every folder is checked before any is touched: one a run of ours left
+    (the worker's ``starts.rank0.txt`` beside its ``torchrun.log``) is emptied; any other non-empty folder, a file
+    or a link in a run's place is refused by name, and nothing is removed."""
+    paths = [Path(f) for f in folders]
+    for p in paths:
+        if p.is_symlink() or (p.exists() and not p.is_dir()):
+            raise SystemExit(f"{p} is in the place of a run's folder and is not one (a file or a link): choose "
+                             "another --out; nothing was removed")
+        if p.is_dir() and any(p.iterdir()) and not ((p / "torchrun.log").is_file() and
+                                                    (p / "starts.rank0.txt").is_file()):
+            raise SystemExit(f"{p} exists and is not a folder a demo or drill run left (no torchrun.log and "
+                             "starts.rank0.txt in it): choose another --out; nothing was removed")
+    for p in paths:
+        if p.is_dir():
+            shutil.rmtree(p)
+    return paths

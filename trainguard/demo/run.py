@@ -103,11 +103,12 @@ def demo(config: str | os.PathLike | None, steps: int, out: str | os.PathLike, e
     config = Path(config) if config else DEFAULT_CONFIG
     out = Path(out)
     print(f"trainguard demo: 2 ranks, {steps} steps, config {config}", file=stream)
+    fresh(out / "trainguard", out / "plain")  # (each run from its start: a run resumes from what it finds)
     print("  run 1/2: under trainguard (ds_plugins.initialize) ...", file=stream, flush=True)
-    rc_g, res_g = run_worker(config, fresh(out / "trainguard"), steps, extra=extra)
+    rc_g, res_g = run_worker(config, out / "trainguard", steps, extra=extra)
     print("  run 2/2: plain DeepSpeed (deepspeed.initialize), same seeds, data and faults ...",
           file=stream, flush=True)
-    rc_p, res_p = run_worker(config, fresh(out / "plain"), steps, extra=[*extra, "--plain"])
+    rc_p, res_p = run_worker(config, out / "plain", steps, extra=[*extra, "--plain"])
     if rc_g != 0:
         print(f"the guarded run failed (exit {rc_g}); see {out / 'trainguard' / 'torchrun.log'}", file=stream)
         return 1
@@ -163,10 +164,11 @@ def natural_case(config: Path, out: Path, extra: Sequence[str] = (), stream=sys.
     path = out / "ds_config.json"
     path.write_text(json.dumps(cfg, indent=1))
     print(f"\nA natural failure, nothing injected: {NATURAL['what']} ({NATURAL['steps']} steps).", file=stream)
+    fresh(out / "trainguard", out / "plain")
     print("  run 1/2: under trainguard ...", file=stream, flush=True)
-    rc_g, res_g = run_worker(path, fresh(out / "trainguard"), NATURAL["steps"], extra=[*extra, *NATURAL["args"]])
+    rc_g, res_g = run_worker(path, out / "trainguard", NATURAL["steps"], extra=[*extra, *NATURAL["args"]])
     print("  run 2/2: plain DeepSpeed ...", file=stream, flush=True)
-    rc_p, res_p = run_worker(path, fresh(out / "plain"), NATURAL["steps"], extra=[*extra, *NATURAL["args"], "--plain"])
+    rc_p, res_p = run_worker(path, out / "plain", NATURAL["steps"], extra=[*extra, *NATURAL["args"], "--plain"])
     g, p = summarise(res_g), summarise(res_p)
     log = out / "trainguard" / "trainguard.jsonl"
     events = [e for e in read(log) if e.get("type") == "event"] if log.exists() else []

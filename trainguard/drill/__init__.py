@@ -188,8 +188,10 @@ def drill(steps: int = SCHEDULE_STEPS, out: str | os.PathLike = "trainguard-dril
     rows = []
     clean_loss = None
     bound = timeout
+    folders = fresh(*(out / name.replace(",", "").replace("(", "").replace(")", "").replace(" ", "_").lower()
+                      for name, _, _ in runs))  # (each run from its start: checked together before any is emptied)
     for i, (name, cfg, flags) in enumerate(runs):
-        d = fresh(out / name.replace(",", "").replace("(", "").replace(")", "").replace(" ", "_").lower())
+        d = folders[i]
         print(f"  run {i + 1}/{len(runs)}: {name} ...", file=stream, flush=True)
         cfg = copy.deepcopy(cfg)
         ck = cfg["trainguard"].get("checkpoint", {})
