@@ -75,14 +75,14 @@ class StepView:
 
 
 class _TableView(StepView):
-    """The table way's view, read at the update's launch: its glance made from the host rows at once, its
-    observations, summary and rows when first asked for (after the launch, where a clear step's DECIDE runs)."""
+    """The table way's view, read at the update's launch: its glance made from the host rows when the clear check
+    reads it, its observations, summary and rows when first asked for (after the launch, where DECIDE runs)."""
 
     def __init__(self, host: list, rank: int, table: torch.Tensor, obs: Callable[[list], list],
                  loss_scale: float, grad_divisor: float):
         self.full, self.table, self.fetch = True, table, None
-        made: dict = {}  # (summary, own, rows: shared with the glance's fallback -- which holds no reference to the
-        self._made = made  # view, so a step's view is freed with its last reference, not by the cycle collector)
+        made: dict = {}  # (summary, own, rows: shared with the glance's fallback, which holds no reference to the
+        # view -- a step's view is freed with its last reference, not by the cycle collector)
 
         def make() -> dict:
             if not made:
