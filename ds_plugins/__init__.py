@@ -179,9 +179,8 @@ def _backend() -> str:
 
 def attach(engine, block: dict | tg_config.TrainguardConfig):
     """Guard an engine that was built by ``deepspeed.initialize`` (when you cannot change that call)."""
-    from ds_plugins.engine import attach as _attach
-
     from ds_plugins.capabilities import REFUSED
+    from ds_plugins.engine import attach as _attach
     from trainguard.ports import check_supported
 
     cfg = block if isinstance(block, tg_config.TrainguardConfig) else tg_config.parse_block(block)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ds_plugins.engines import _Capture, _Hashing
 from ds_plugins.facts import _dtype
+from ds_plugins.snapshots import DeepSpeedShard, _estimated_shard_bytes
 from trainguard.ports import CheckpointError, CORE_VERSION, host_copy, releases, verified_reads, world
 from trainguard.errors import UnsupportedSetup
 
@@ -75,6 +76,9 @@ class DeepSpeedState:
         finally:
             eng.checkpoint_engine = hashing.real
         return {os.path.relpath(p, staged): h for p, h in hashing.hashes.items()}
+
+    def host_bytes(self, local: bool = False) -> int:  # (about what capture copies: trainguard.checkpoint.hostroom)
+        return _estimated_shard_bytes(self.engine)
 
     def capture(self, staging_root: Path, tag: str, client_state: dict | None = None) -> list:
         """An async save's blocking part: DeepSpeed's save with its checkpoint engine capturing host copies."""
@@ -155,6 +159,4 @@ class DeepSpeedState:
         return path, client_state
 
     def shard_source(self):
-        from ds_plugins.snapshots import DeepSpeedShard
-
         return DeepSpeedShard(self)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ds_plugins.engines import _Capture
 from trainguard.ports import CORE_VERSION, host_copy
 
 __all__ = ["DeepSpeedShard"]
@@ -41,8 +42,6 @@ class DeepSpeedShard:
         return self.ds.engine.global_steps
 
     def capture(self, staging_root: Path, tag: str, step: int) -> list:
-        from ds_plugins.engines import _Capture
-
         eng = self.ds.engine
         capture = _Capture(eng.checkpoint_engine, host_copy)
         engine_before, eng.checkpoint_engine = eng.checkpoint_engine, capture
@@ -58,12 +57,12 @@ class DeepSpeedShard:
 
 
 def _estimated_shard_bytes(eng) -> int:
-    """About what one rank's shard takes before the first one is written: the module states (every rank keeps
-    them) and this rank's optimizer partition -- an fp32 master copy under bf16/fp16 and Adam's two moments,
-    over the data-parallel ranks at ZeRO 1-2. The first snapshot's record gives the real figure."""
-    params = [p for p in eng.module.parameters()]
-    module = sum(p.numel() * p.element_size() for p in params)
-    n = sum(p.numel() for p in params)
-    share = n / max(1, eng.dp_world_size) if eng.zero_optimization_stage() >= 1 else n
+    """About what one rank's shard takes before the first one is written: the module states (every rank keeps them;
+    ZeRO-3 its partition) and its optimizer partition (an fp32 master copy under bf16/fp16, Adam's two moments; ZeRO
+    1-3). The first snapshot's record gives the real figure."""
+    params = list(eng.module.parameters())
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # (ZeRO-3's partitioned parameters: their full size)
+    dp, stage = max(1, eng.dp_world_size), eng.zero_optimization_stage()
+    module = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params) / (dp if stage >= 3 else 1)
     per_element = 4 * (3 if eng.bfloat16_enabled() or eng.fp16_enabled() else 2)
-    return int(module + share * per_element)
+    return int(module + (n / dp if stage >= 1 else n) * per_element)

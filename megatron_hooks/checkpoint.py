@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from trainguard.ports import CheckpointError, hashed_writes, STAGING, verified_reads
 from trainguard.events import Record
-from megatron_hooks.snapshots import OWN_STATE_LAYOUT, SHARD
+from megatron_hooks.snapshots import OWN_STATE_LAYOUT, SHARD, MegatronShard
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
 DIST = "dist"                        # dist_checkpointing's folder inside a tag
@@ -128,18 +128,15 @@ class MegatronState:
     def capture(self, staging_root: Path, tag: str, **_) -> None:
         return None  # (dist_checkpointing's save is a collective: no host-copy async save here)
 
+    def host_bytes(self, local: bool = False) -> int | None:  # (what capture_local copies; None: nothing)
+        return MegatronShard(self).estimated_bytes() if local and self.layout()["dp"] == 1 else None
+
     def capture_local(self, staging_root: Path, tag: str) -> list | None:
         """The first step's insurance in the background: this rank's shard as the memory tier takes it (no collective;
-        loads at this layout only, by this run's restart -- :meth:`load` tells it by its files). Only where no two
-        ranks hold the same state (one data-parallel replica: TP/PP slices): at DP > 1 each replica would write the
-        replicated weights again, which dist_checkpointing writes once -- None there, its synchronous save."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_hooks.snapshots import MegatronShard
-
-        if ps.get_data_parallel_world_size() > 1:
-            return None
-        return MegatronShard(self).capture(staging_root, tag, self.step())
+        loads at this layout only, by this run's restart -- :meth:`load` tells it by its files). Only at one
+        data-parallel replica (TP/PP slices): at DP > 1 each would write the replicated weights again, which
+        dist_checkpointing writes once -- None there, its synchronous save."""
+        return MegatronShard(self).capture(staging_root, tag, self.step()) if self.layout()["dp"] == 1 else None
 
     def sidecar(self, data_state: dict | None = None) -> dict:
         """Megatron's tensor-parallel RNG tracker, the iteration and the user's data position (``data_state``;
@@ -227,8 +224,6 @@ class MegatronState:
 
     def _load_local(self, tag_dir: Path, man, reader, now: dict):
         """A checkpoint of each rank's own state (:meth:`capture_local`), at the layout it was written at only."""
-        from megatron_hooks.snapshots import MegatronShard
-
         MegatronShard(self).load(reader, tag_dir)
         if man.layout.get("precision") not in (None, now["precision"]):
             self._main_params_to_model()
@@ -241,8 +236,6 @@ class MegatronState:
         return None, {}
 
     def shard_source(self):
-        from megatron_hooks.snapshots import MegatronShard
-
         self.shard = MegatronShard(self)
         return self.shard
 

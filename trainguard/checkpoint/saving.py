@@ -8,6 +8,7 @@ the rename, retention. A crash leaves the old checkpoint or the new one, never h
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import time
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 
 from trainguard import __version__
-from trainguard.checkpoint import rng
+from trainguard.checkpoint import hostroom, rng
 from trainguard.checkpoint.async_writer import AsyncSave, BackgroundWrite, snapshot
 from trainguard.checkpoint.commit import STAGING_HELD, as_written, commit_staged, leave_staging
 from trainguard.checkpoint.fsio import save_hashed, write_json_hashed
@@ -27,7 +28,7 @@ from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.private import own_dir
 from trainguard.config import config_hash
 from trainguard.events import Record
-from trainguard.ranks.isolation import barrier, broadcast_from_rank0, gather_objects, rank, world
+from trainguard.ranks.isolation import all_true, barrier, broadcast_from_rank0, gather_objects, rank, world
 
 
 def code_revision() -> str | None:
@@ -46,6 +47,7 @@ class Saver:
         self.cp = cp
         self.pending = AsyncSave(cp)
         self.revision = code_revision() if rank() == 0 else None
+        self.said_room = False  # (an asynchronous save refused for memory: said once)
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, asynchronous: bool | None = None,
@@ -58,7 +60,7 @@ class Saver:
         cp = self.cp
         self.pending.poll(wait=True)  # a new save waits for the previous one
         state = cp.state
-        if cp.cfg.async_ if asynchronous is None else asynchronous:
+        if (cp.cfg.async_ if asynchronous is None else asynchronous) and self._room(state, local):
             cp.heart.beat("checkpoint")  # (the watchdog: the host copy of a large model is progress too)
             t0 = time.perf_counter()
             tag = validate_tag(tag if tag is not None else step_tag(state.step()))
@@ -71,6 +73,27 @@ class Saver:
             self._discard(staging_root)
         return self.save_staged(root, lambda staged, tag: state.write(staged, tag, **kwargs), tag=tag,
                                 fmt=state.format, sidecar=lambda: self.sidecar(**kwargs))
+
+    def _room(self, state, local: bool) -> bool:
+        """Every rank: whether every node's memory can hold this save's host copies (trainguard.checkpoint.hostroom;
+        the adapter's ``host_bytes(local)``: about what one rank copies, None where it copies nothing). Where one
+        cannot, the save is written synchronously -- the framework's own way -- and the first such save says why."""
+        size = getattr(state, "host_bytes", None)
+        each = size(local) if size is not None else None
+        if each is None:  # (the same on every rank: no host copies here, nothing to agree)
+            return True
+        why = hostroom.refusal(each)
+        if all_true(why is None):
+            return True
+        if not self.said_room:
+            self.said_room = True
+            whys = [w for w in gather_objects(why) if w]
+            if rank() == 0:
+                logging.getLogger("trainguard").warning(
+                    "trainguard: checkpoints are saved synchronously, not in the background: %s (%d rank(s) said "
+                    "so). A state smaller a rank (ZeRO's stage, more data-parallel ranks) or more memory for the "
+                    "job lets them go to the background again.", whys[0] if whys else "a node's memory", len(whys))
+        return False
 
     def staging(self, root: Path, tag: str) -> tuple[str, Path]:
         """Every rank: one staging name agreed from rank 0, its folder created there (0700, checked)."""

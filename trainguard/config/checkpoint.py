@@ -79,7 +79,9 @@ class CheckpointConfig(_Section):
         1e-3, ge=0, description="Relative tolerance of that comparison (0: must be identical).")
     async_: bool = Field(
         False, alias="async", description="Copy state to host memory and write in a background thread; a new "
-        "save waits for the previous one.")
+        "save waits for the previous one. Where the node's memory (what /proc/meminfo and the job's cgroup say is "
+        "available) cannot hold every local rank's copies with a margin, the save is written synchronously instead "
+        "and the first such save says why (trainguard.checkpoint.hostroom); the first step's checkpoint likewise.")
     dataset_id: Optional[str] = Field(None, description="Lineage: an identifier of the training data.")
     dataset_version: Optional[str] = Field(None, description="Lineage: its version or content hash.")
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
