@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from trainguard.ports import CheckpointError, hashed_writes, STAGING, verified_reads
 from trainguard.events import Record
+from megatron_hooks.parts import _dtype, _optimizers, _unwrap
 from megatron_hooks.snapshots import OWN_STATE_LAYOUT, SHARD, MegatronShard
 
 OPTIMIZER_FORMAT = "dp_reshardable"  # the distributed optimizer's on-disk sharding (see _sharded)
@@ -58,8 +59,6 @@ class MegatronState:
         gather; a resume may change the data-parallel size only). megatron-core 0.16's own default
         (fully_sharded_model_space) fails its own checks, and ``fully_reshardable`` does not load
         over torch's Adam (without apex/TE)."""
-        from megatron_hooks import _unwrap
-
         model_sd, sd = {}, {}
         for i, chunk in enumerate(self.mg.chunks):
             model_sd.update(sd.setdefault(f"model{i}" if len(self.mg.chunks) > 1 else "model",
@@ -70,8 +69,6 @@ class MegatronState:
 
     def layout(self) -> dict:
         from megatron.core import parallel_state as ps
-
-        from megatron_hooks import _dtype
 
         return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
@@ -104,8 +101,6 @@ class MegatronState:
     def _main_params_to_model(self) -> None:
         """After loading a snapshot of another precision (fp16 into a bf16 run): the model parameters
         from the exact fp32 main parameters, as the optimizer's step writes them."""
-        from megatron_hooks import _optimizers
-
         for o in _optimizers(self.mg.optimizer):
             if hasattr(o, "_copy_main_params_to_model_params"):
                 o._copy_main_params_to_model_params()
@@ -129,14 +124,13 @@ class MegatronState:
         return None  # (dist_checkpointing's save is a collective: no host-copy async save here)
 
     def host_bytes(self, local: bool = False) -> int | None:  # (what capture_local copies; None: nothing)
-        return MegatronShard(self).estimated_bytes() if local and self.layout()["dp"] == 1 else None
+        return MegatronShard(self).estimated_bytes() if local else None
 
     def capture_local(self, staging_root: Path, tag: str) -> list | None:
-        """The first step's insurance in the background: this rank's shard as the memory tier takes it (no collective;
-        loads at this layout only, by this run's restart -- :meth:`load` tells it by its files). Only at one
-        data-parallel replica (TP/PP slices): at DP > 1 each would write the replicated weights again, which
-        dist_checkpointing writes once -- None there, its synchronous save."""
-        return MegatronShard(self).capture(staging_root, tag, self.step()) if self.layout()["dp"] == 1 else None
+        """The first step's insurance in the background: this rank's state as the memory tier takes it (no collective;
+        loads at this layout only, by this run's restart -- :meth:`load` tells it by its files) -- what data-parallel
+        replicas share (the weights; the optimizer, where it is not distributed) written once, by the first of them."""
+        return MegatronShard(self, once=True).capture(staging_root, tag, self.step())
 
     def sidecar(self, data_state: dict | None = None) -> dict:
         """Megatron's tensor-parallel RNG tracker, the iteration and the user's data position (``data_state``;
@@ -187,8 +181,6 @@ class MegatronState:
         every file it opens read through ``reader``."""
         from megatron.core import dist_checkpointing
 
-        from megatron_hooks import _optimizers, _unwrap
-
         mg, tag_dir, now = self.mg, root / tag, self.layout()
         local = any(f.startswith(f"{SHARD}/") for f in reader.files)  # (the first step's, each rank's own state)
         if local:
@@ -224,7 +216,7 @@ class MegatronState:
 
     def _load_local(self, tag_dir: Path, man, reader, now: dict):
         """A checkpoint of each rank's own state (:meth:`capture_local`), at the layout it was written at only."""
-        MegatronShard(self).load(reader, tag_dir)
+        MegatronShard(self, once=True).load(reader, tag_dir)
         if man.layout.get("precision") not in (None, now["precision"]):
             self._main_params_to_model()
         self.mg.iteration = man.step
@@ -252,16 +244,12 @@ def _distributed(optimizer) -> bool:
     """Whether ``optimizer`` is (or chains) megatron's distributed optimizer."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_hooks import _optimizers
-
     return any(isinstance(o, DistributedOptimizer) for o in _optimizers(optimizer))
 
 
 def _stateless(optimizer) -> bool:
     """No update applied yet (fp16's scale search skipped them): no moments to save. Such a snapshot loads the optimizer
     fresh, as it was then -- not asked for moments it never had. (Not the distributed one: its dummies, load().)"""
-    from megatron_hooks import _optimizers
-
     return not _distributed(optimizer) and not any(getattr(o, "optimizer", o).state for o in _optimizers(optimizer))
 
 
@@ -272,8 +260,6 @@ def _step_from_groups(optimizer) -> None:
     Adam then adds 1 per parameter per step: 29 parameters, +29 a step) or leaves the value the
     state had before the load. Give each parameter its own step, the groups' value -- else Adam's
     bias correction is off after every resume and rollback."""
-    from megatron_hooks import _optimizers
-
     for o in (o for o in _optimizers(optimizer) if _distributed(o)):
         for group in (g for g in o.optimizer.param_groups if "step" in g):
             for p in group["params"]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_hooks.parts import _optimizers, _unwrap
 from trainguard.ports import host_copy, load_weights, rank as _rank
 
 __all__ = ["MegatronShard", "SHARD"]
@@ -23,16 +24,22 @@ OWN_STATE_LAYOUT = ("world", "tp", "pp", "dp", "ep", "chunks", "distributed_opti
 
 
 def _inner(optimizer) -> list:
-    from megatron_hooks import _optimizers
-
     return [getattr(o, "optimizer", o) for o in _optimizers(optimizer)]
 
 
-class MegatronShard:
-    """trainguard.checkpoint.memory_tier.ShardSource over megatron-core model chunks and optimizer."""
+def _first_replica() -> int:
+    from megatron.core import parallel_state as ps
 
-    def __init__(self, ms):
+    return torch.distributed.get_process_group_ranks(ps.get_data_parallel_group())[0]
+
+
+class MegatronShard:
+    """trainguard.checkpoint.memory_tier.ShardSource over megatron-core model chunks and optimizer. ``once``: what
+    data-parallel replicas share (the weights; a non-distributed optimizer) written by the first of them only."""
+
+    def __init__(self, ms, once: bool = False):
         self.ms = ms  # megatron_hooks.checkpoint.MegatronState
+        self.first = _first_replica() if once else _rank()  # (whose file holds what the replicas share)
 
     def unsupported(self) -> str | None:
         return None
@@ -52,28 +59,30 @@ class MegatronShard:
         now = self.ms.layout()
         return {k: now[k] for k in OWN_STATE_LAYOUT}
 
-    def state(self) -> dict:
-        """This rank's state (live tensors: the caller copies them)."""
-        from megatron_hooks import _optimizers, _unwrap
-
-        mg = self.ms.mg
+    def state(self) -> dict | None:
+        """This rank's state (live tensors: the caller copies them); the replicas' shared part only from ``first``."""
+        mg, mine = self.ms.mg, self.first == _rank()
+        if not (mine or self.ms.layout()["distributed_optimizer"]):
+            return None
         optimizers = []
         for outer, inner in zip(_optimizers(mg.optimizer), _inner(mg.optimizer)):
             scaler = getattr(outer, "grad_scaler", None)
             optimizers.append({"inner": inner.state_dict(),
                                "values": [p.detach() for g in inner.param_groups for p in g["params"]],
                                "grad_scaler": scaler.state_dict() if scaler is not None else None})
-        return {"model": [_unwrap(c).state_dict() for c in mg.chunks], "optimizers": optimizers}
+        return {"model": [_unwrap(c).state_dict() for c in mg.chunks] if mine else None, "optimizers": optimizers}
 
     def capture(self, staging_root: Path, tag: str, step: int) -> list:
-        return [(host_copy(self.state()), staging_root / tag / SHARD / f"rank{_rank()}.pt")]
+        state = self.state()
+        return [] if state is None else [(host_copy(state), staging_root / tag / SHARD / f"rank{_rank()}.pt")]
 
     def load(self, reader, tag_dir: Path) -> None:
         """Put this rank's shard of ``tag_dir`` back (bytes checked by ``reader`` against the manifest first)."""
-        from megatron_hooks import _optimizers, _unwrap
-
-        mg = self.ms.mg
-        state = load_weights(reader, tag_dir / SHARD / f"rank{_rank()}.pt")
+        mg, me = self.ms.mg, _rank()
+        own = load_weights(reader, tag_dir / SHARD / f"rank{me}.pt") \
+            if self.first == me or f"{SHARD}/rank{me}.pt" in reader.files else None  # (a replica's: none, or its part)
+        first = own if self.first == me else load_weights(reader, tag_dir / SHARD / f"rank{self.first}.pt")
+        state = {"model": first["model"], "optimizers": (own or first)["optimizers"]}
         if len(state["model"]) != len(mg.chunks) or len(state["optimizers"]) != len(_inner(mg.optimizer)):
             raise ValueError(f"{tag_dir}: rank {_rank()}'s shard holds {len(state['model'])} model chunk(s) and "
                              f"{len(state['optimizers'])} optimizer(s), this run {len(mg.chunks)} and "

@@ -61,9 +61,9 @@ class CheckpointConfig(_Section):
         "high from the start goes back to (recovery.lr_cut), and a young run's bf16 fallback whose LR was still rising "
         "starts over from (saving it again in bf16): a checkpoint from before the damage, which the first periodic "
         "save comes too late for. Written in the background whatever `async` says: the step blocks only for the copy "
-        "to host memory (DeepSpeed: its own save's files; megatron at one data-parallel replica: each rank's own state "
-        "-- dist_checkpointing's save is a collective --, which loads at the same layout only, as this run's restart "
-        "does; at DP > 1 megatron's is synchronous, dist_checkpointing's: each replica would repeat the weights).")
+        "to host memory (DeepSpeed: its own save's files; megatron: each rank's own state -- dist_checkpointing's save "
+        "is a collective --, what data-parallel replicas share written once by the first of them, which loads at the "
+        "same layout only, as this run's restart does).")
     hmac_key_env: Optional[str] = Field(
         None, min_length=1, description="Authenticated checkpoints: the name of an environment variable (set on every "
         "rank) holding a secret key of at least 16 bytes. Every checkpoint committed is signed (manifest.hmac, an HMAC-SHA256 of the "
