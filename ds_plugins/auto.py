@@ -130,7 +130,12 @@ def _patch_init_process_group() -> None:
 def _patch_accelerate(module) -> None:
     def make(original):
         def prepare_data_loader(self, data_loader, *args, **kwargs):
-            block = _block_of(self)
+            from trainguard.errors import ConfigError
+
+            try:  # (your loop's loader, before its engine is built: a bad block is refused here, as at the build)
+                block = _block_of(self)
+            except ConfigError as e:
+                _refused(e)
             if block is not None:
                 from ds_plugins.capabilities import FRAMEWORK_HINTS
                 from trainguard.ports import tag_loader

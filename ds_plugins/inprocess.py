@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import weakref
 
+from ds_plugins.precision import _retire
+from trainguard.ports import forget_framework, reentered, replace_rank
+
 
 def why_not(recipe, engine, entry: str = "own") -> str | None:
     """Why a survivor cannot build this engine again as the spare builds its first (None: it can; "": the
     framework's entry is entered again instead -- HF's Trainer.train, trainguard.liveness.replacement.reentering)."""
-    from trainguard.ports import reentered
-
     zero3 = "ZeRO-3 partitions the parameters on the old world's groups" if engine.zero_optimization_stage() == 3 \
         else None
     if reentered():  # (its teardown retires it, even before the framework holds it: let_go_of_trainer)
@@ -43,9 +44,6 @@ def replace_lost_rank(state, why: str, discard: bool) -> None:
     """On a survivor (``state``: its ds_plugins.engine.EngineGuard), with trainguard.liveness.replacement.replace_rank."""
     from deepspeed.utils import groups
 
-    from ds_plugins.precision import _retire
-    from trainguard.ports import forget_framework, replace_rank
-
     engine, loader = state.engine, state.loader
     module, interrupted = engine.module, engine.global_steps + 1
 
@@ -67,9 +65,6 @@ def let_go_of_trainer(trainer, given) -> None:
     """A survivor's teardown under HF's Trainer: Accelerate's references dropped, DeepSpeed's engine retired (as in
     replace_lost_rank), the Trainer's model, optimizer and scheduler as given, DeepSpeed's attributes and groups gone."""
     from deepspeed.utils import groups
-
-    from ds_plugins.precision import _retire
-    from trainguard.ports import forget_framework
 
     accelerator, handler = trainer.accelerator, trainer.callback_handler
     accelerator.deepspeed_engine_wrapped = None  # (its free_memory would destroy the engine: retired below)

@@ -364,3 +364,30 @@ def test_under_the_zero_code_entry_a_refused_block_is_one_message_for_the_job(ca
         assert ("[trainguard] the block is refused, nothing trained:" in err and "loss_spik" in err and
                 "did you mean 'loss_spike'" in err) is says, err
     assert ds.initialize(model=object(), config={"train_micro_batch_size_per_gpu": 1}) == "DeepSpeed's own"
+
+
+def test_under_your_accelerate_loop_a_refused_block_is_one_message_too(capsys, monkeypatch):
+    """Your own Accelerate loop prepares its loader before the engine is built, and that is where the block is first
+    read: a bad key there was a traceback from every rank through prepare_data_loader (a new user's trial of an
+    Accelerate loop). Now the same one message, every rank exit 2 -- over a stand-in Accelerator whose DeepSpeed plugin
+    holds the config, as Accelerate's does."""
+    import types
+
+    import ds_plugins.auto as auto
+
+    class Accelerator:
+        def __init__(self, config):
+            self.state = types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(deepspeed_config=config))
+
+        def prepare_data_loader(self, data_loader, *args, **kwargs):
+            return "Accelerate's own"
+    auto._patch_accelerate(types.SimpleNamespace(Accelerator=Accelerator))
+    bad = {"train_micro_batch_size_per_gpu": 1, "trainguard": {"detectors": {"loss_spik": {}}}}
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as done:
+            Accelerator(bad).prepare_data_loader([1, 2])
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert ("[trainguard] the block is refused, nothing trained:" in err and "loss_spik" in err) is says, err
+    assert Accelerator({"train_micro_batch_size_per_gpu": 1}).prepare_data_loader([1]) == "Accelerate's own"
