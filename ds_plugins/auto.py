@@ -41,6 +41,7 @@ import threading
 
 from trainguard.bootstrap import AfterImport, flush, init_on_fresh_store, when_complete
 from trainguard.bootstrap import wrap_once as _wrap
+from trainguard.errors import ConfigError
 
 _state = threading.local()
 _WATCHED = ("deepspeed", "accelerate.accelerator", "accelerate.data_loader", "transformers.trainer")
@@ -76,8 +77,6 @@ def _patch_deepspeed(ds) -> None:
                 return original(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs).arguments
             import ds_plugins
-            from trainguard.errors import ConfigError
-
             try:
                 if not _wants_guard(bound):
                     return original(*args, **kwargs)
@@ -130,8 +129,6 @@ def _patch_init_process_group() -> None:
 def _patch_accelerate(module) -> None:
     def make(original):
         def prepare_data_loader(self, data_loader, *args, **kwargs):
-            from trainguard.errors import ConfigError
-
             try:  # (your loop's loader, before its engine is built: a bad block is refused here, as at the build)
                 block = _block_of(self)
             except ConfigError as e:
@@ -191,8 +188,6 @@ def _block_of(accelerator):
 def _patch_trainer(module) -> None:
     def make(original):
         def train(self, resume_from_checkpoint=None, *args, **kwargs):
-            from trainguard.errors import ConfigError
-
             try:
                 block = _block_of_args(self.args)
             except ConfigError as e:

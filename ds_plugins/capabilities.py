@@ -19,7 +19,8 @@ _OWN = ("your loader is not trainguard's, so trainguard never sees the samples: 
 # the core's advice on this adapter (trainguard.support.support.HINT_KEYS): your loader, or the Trainer's / Accelerate's
 HINTS = {"sample_ids": "pass training_data to ds_plugins.initialize so that its loader names them"}
 FRAMEWORK_HINTS = {
-    "sample_ids": "the Trainer's or Accelerate's loader could not be tagged (run_start's untagged_loaders says why)",
+    "sample_ids": "the Trainer's or Accelerate's loader could not be tagged (run_start's untagged_loaders says why), or the "
+                  "loop's forward was given none of a batch trainguard did not hand out",
     "refill": "in a loop of your own, pass training_data to ds_plugins.initialize: its loader refills batches"}
 
 REFUSED: dict[str, dict[str, Refusal]] = {

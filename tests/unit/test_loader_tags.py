@@ -67,6 +67,29 @@ def test_a_tuple_batch_travels_wrapped_and_comes_out_unwrapped_with_its_ids_hand
     assert untag(plain) is plain  # batches trainguard did not wrap pass untouched
 
 
+def test_a_dict_batch_names_its_samples_when_the_loop_passes_the_model_its_fields_one_by_one():
+    """``model(input_ids=batch["input_ids"], labels=batch["labels"])`` -- a common style of an Accelerate loop -- never
+    hands the ids' key to the forward: every sample id was lost (a new user's trial). The prepared loader leaves a
+    copy for the next forward; ``model(**batch)`` takes the key as before and the copy goes with it (nothing
+    stale for a later forward)."""
+    from trainguard.data.sample_tags import HANDOFF, untag
+
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.full((3,), i)} for i in range(12)], batch_size=4,
+                                         shuffle=True, generator=torch.Generator().manual_seed(5))
+    assert tag_loader(loader)
+    HANDOFF.take()
+    for n, raw in enumerate(loader):
+        batch = untag(raw)
+        assert batch is raw and TAG in batch  # (the loop's own dict, its key kept for model(**batch))
+        if n % 2:
+            _, kwargs, ids, _ = take_tags((), {"input_ids": batch["input_ids"]})  # its fields, one by one
+        else:
+            _, kwargs, ids, _ = take_tags((), dict(batch))
+            assert TAG not in kwargs
+        assert ids == batch["input_ids"][:, 0].tolist()
+        assert take_tags((), {"input_ids": batch["input_ids"]})[2] is None  # taken once
+
+
 def test_a_loader_that_cannot_be_tagged_is_named_for_the_start_record():
     """Issue 27: an IterableDataset (no indices) or a loader without automatic batching used to leave the
     records' sample_ids empty later, silently; run_start now lists it (ds_plugins.facts, untagged_loaders)."""

@@ -51,10 +51,14 @@ UNTAGGED: list[dict] = []  # loaders Accelerate prepared that could not be tagge
 
 
 def untag(batch):
-    """What a prepared loader hands out: a wrapped batch unwrapped, its ids left in :data:`HANDOFF`."""
+    """What a prepared loader hands out: a wrapped batch unwrapped, its ids left in :data:`HANDOFF`. A mapping keeps
+    its ids and leaves a copy there too: a loop that calls ``model(input_ids=batch["input_ids"], ...)`` never hands
+    the key to the forward (a new user's Accelerate loop lost every sample id so)."""
     if type(batch) is dict and WRAPPED in batch:
         HANDOFF.put(_as_list(batch.get(TAG, [])), batch.get(REJECTED, []))
         return batch[WRAPPED]
+    if isinstance(batch, MutableMapping) and TAG in batch:
+        HANDOFF.put(_as_list(batch[TAG]), batch.get(REJECTED, []))
     return batch
 
 
@@ -169,8 +173,9 @@ def take_tags(inputs: tuple, kwargs: dict) -> tuple[tuple, dict, list | None, li
         ids = batch.pop(TAG)
         rejected = batch.pop(REJECTED, [])
         inputs = (batch, *inputs[1:])
-    if ids is None:  # a wrapped batch's ids, left by the prepared loader that unwrapped it (untag)
-        ids, rejected = HANDOFF.take()
+    left = HANDOFF.take()  # (the batch's ids, left by the prepared loader that handed it out: untag)
+    if ids is None:
+        ids, rejected = left
     if ids is not None and hasattr(ids, "tolist"):
         ids = ids.tolist()
     return inputs, kwargs, (list(ids) if ids is not None else None), list(rejected)
