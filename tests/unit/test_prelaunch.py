@@ -154,3 +154,29 @@ def test_validate_describes_the_block_for_the_framework_it_will_run_under(tmp_pa
     assert banner.split("detectors: ")[1].split(";")[0].split(", ") == ["nonfinite"] + listed
     assert "checkpoints=your framework's own saves, committed and verified" in hf and \
         "checkpoints: your framework's own saves, committed and verified" in banner  # (one description, both places)
+
+
+def test_an_accelerate_launch_is_checked_through_the_yaml_it_names(tmp_path, monkeypatch):
+    """``accelerate launch --config_file acc.yaml train.py``: the ds_config is named inside Accelerate's YAML
+    (deepspeed_config.deepspeed_config_file), not on the line -- a new user's Accelerate job launched unchecked. Now
+    it is read through the YAML (or Accelerate's default config file): a bad key stops the launch with one message."""
+    from trainguard.support.prelaunch import check_command
+
+    write(tmp_path, "ds.json", {"train_batch_size": 8, "trainguard": {"detectors": {"loss_spik": {}}}})
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: ds.json\n  zero3_init_flag: false\nnum_processes: 2\n")
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--", "accelerate", "launch", "--config_file", "acc.yaml",
+           "train.py"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "nothing launched" in p.stderr and "loss_spik" in p.stderr and "ds.json" in p.stderr, \
+        p.stderr
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "ds.json", {"train_batch_size": 8, "trainguard": {}})
+    assert [str(f) for f, _ in check_command(["accelerate", "launch", "--config-file=acc.yaml", "train.py"])] == \
+        ["ds.json"]
+    home = tmp_path / "hf"
+    (home / "accelerate").mkdir(parents=True)
+    (home / "accelerate" / "default_config.yaml").write_text((tmp_path / "acc.yaml").read_text())
+    monkeypatch.setenv("HF_HOME", str(home))
+    assert [str(f) for f, _ in check_command(["accelerate", "launch", "train.py"])] == ["ds.json"]  # (the default)
+    assert check_command(["python", "train.py", "launch"]) == []  # (not Accelerate's launcher: no YAML read)

@@ -21,7 +21,8 @@ from trainguard.errors import ConfigError
 
 
 OURS = ("--trainguard-config",)  # the block alone, or a ds_config-style file (megatron_hooks/args.py, supervise)
-CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config", *OURS)
+CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config", "--deepspeed_config_file", *OURS)
+ACCELERATE_FLAGS = ("--config_file", "--config-file")  # (accelerate launch's YAML, which names the ds_config)
 UNNAMED_MAX = 1 << 20  # a .json argument no config flag names, larger than this, is data (a dataset), not read
 
 
@@ -40,6 +41,29 @@ def named_files(command: Iterable[str]) -> list[tuple[Path, bool]]:
         if p.is_file() and p not in [q for q, _ in seen] and (named or p.stat().st_size <= UNNAMED_MAX):
             seen.append((p, flag in OURS))
     return seen
+
+
+def accelerate_files(command: list[str]) -> list[tuple[Path, bool]]:
+    """The ds_config an ``accelerate launch`` line's YAML names (``--config_file``, else Accelerate's default config
+    file): ``deepspeed_config.deepspeed_config_file``, as Accelerate reads it (relative to the working directory)."""
+    import os
+
+    if not any(Path(a).name == "accelerate" for a in command[:1]) or "launch" not in command[1:2]:
+        return []
+    given = [v for f, v in zip(command, command[1:]) if f in ACCELERATE_FLAGS] + \
+        [a.split("=", 1)[1] for a in command if a.split("=", 1)[0] in ACCELERATE_FLAGS and "=" in a]
+    home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    yaml_path = Path(given[0] if given else os.path.join(home, "accelerate", "default_config.yaml"))
+    try:
+        import yaml  # (Accelerate's own dependency)
+    except ImportError:
+        return []
+    try:
+        named = (yaml.safe_load(yaml_path.read_text(encoding="utf-8")) or {}).get("deepspeed_config", {})
+        ds = Path(named.get("deepspeed_config_file") or "")
+    except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
+        return []  # (no YAML to read, or not Accelerate's: the ranks read what they read)
+    return [(ds, False)] if ds.suffix == ".json" and ds.is_file() else []
 
 
 def _holds_a_block(path: Path, alone: bool) -> bool:
@@ -134,4 +158,6 @@ def check_command(command: Iterable[str]) -> list[tuple[Path, object]]:
     """Every block the command names, checked: ``[(file, block)]``; the first ConfigError raised as it is."""
     command = list(command)
     search = _search_path(command)
-    return [(p, check(p, alone, search)) for p, alone in named_files(command) if _holds_a_block(p, alone)]
+    files = named_files(command)
+    files += [f for f in accelerate_files(command) if f[0] not in [p for p, _ in files]]
+    return [(p, check(p, alone, search)) for p, alone in files if _holds_a_block(p, alone)]
