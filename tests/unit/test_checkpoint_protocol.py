@@ -363,3 +363,23 @@ def test_a_save_the_framework_cannot_write_leaves_no_staging_behind(tmp_path, mo
     with pytest.raises(AssertionError, match="no state to write yet"):
         cp.save(root)
     assert not (root / ".staging").exists() and CheckpointLayout(root).tags() == []
+
+
+def test_a_load_the_framework_names_is_said_as_its_own_not_as_trainguards_choice(tmp_path, monkeypatch):
+    """Accelerate's load_state (and your load_checkpoint(dir, tag)) names the checkpoint: the resume record said
+    'checkpoint.resume: "latest_valid" -- trainguard loads the newest...' with advice to turn it off, as if trainguard
+    had overridden the load (a new user's Accelerate trial). A named load says it was asked for; a load that names no
+    tag is trainguard's choice by its rule, said as before."""
+    fw, cp, records = _manager(tmp_path, monkeypatch)
+    root = Path(cp.cfg.dir)
+    fw.steps = 7
+    tag = cp.save(root)
+    fw.steps = 0
+    assert cp.load(root, tag=tag) == tag and fw.steps == 7
+    (asked,) = [d for r, d in records if r is Record.RESUME]
+    assert f"asked for checkpoint {tag}" in asked["why"] and "start fresh" not in asked["advice"], asked
+    records.clear()
+    fw.steps = 0
+    cp.load(root)
+    (chosen,) = [d for r, d in records if r is Record.RESUME]
+    assert 'checkpoint.resume: "latest_valid"' in chosen["why"] and chosen["advice"].startswith("to start fresh")

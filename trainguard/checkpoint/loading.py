@@ -54,7 +54,8 @@ def load(cp, root, tag: str | None = None, mode: str = "latest_valid", purpose: 
         return result
     load_guard_state(cp, reader, tag_dir)
     resumed(cp, root, chosen, man.step, reader.digest, {"fell_back_past": skipped, **detail,
-                                          "verified_on_load": len(reader.read_files), "lineage": man.lineage})
+                                          "verified_on_load": len(reader.read_files), "lineage": man.lineage},
+            asked=tag)
     return result
 
 
@@ -140,20 +141,26 @@ def restore_sidecars(cp, reader: VerifiedReader, tag_dir: Path, same: bool, purp
     return merge_positions([_data_of(side(f)) for f in names]), False
 
 
-def resumed(cp, root: Path, tag: str, step: int, digest: str, detail: dict) -> None:
-    """After a resume's load (not a rollback's): the resume cp-test armed and the ``resume`` record."""
+def resumed(cp, root: Path, tag: str, step: int, digest: str, detail: dict, asked: str | None = None) -> None:
+    """After a resume's load (not a rollback's): the resume cp-test armed and the ``resume`` record (``asked``: the
+    tag the framework's load named)."""
     cp.roots[tag] = root
     cp.resumed_tag = tag
     start_resume_check(cp, tag, root / tag, digest)
-    cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={**said(cp, root),
+    cp.emit(cp.step_count(), Record.RESUME, ranks=list(range(world())), detail={**said(cp, root, asked),
         "tag": tag, "dir": str(root), "step": step, "tier": "disk", **detail,
         "verify_steps": len(cp.resume_check.expected) if cp.resume_check else 0})
     cp.on_resume(cp.guard, cp.step_count())  # (a rank's replacement that re-entered this run: trainguard.liveness.replacement)
 
 
-def said(cp, where: Path) -> dict:
+def said(cp, where: Path, asked: str | None = None) -> dict:
     """Why a resume happened and how to turn it off (the console says it: a resume the user's script did not ask
-    for -- HF's ``resume_from_checkpoint=None`` -- is trainguard's, and must not be silent)."""
+    for -- HF's ``resume_from_checkpoint=None`` -- is trainguard's, and must not be silent). ``asked``: the tag a
+    load of the framework's named (Accelerate's ``load_state``, your ``load_checkpoint(dir, tag)``): that one, not
+    trainguard's choice -- said so (a new user read the rule's line as trainguard overriding their load)."""
+    if asked is not None:
+        return {"why": f"the framework's load asked for checkpoint {asked} of {where}: loaded once it verified",
+                "advice": "checkpoint.resume is trainguard's own choice at a start; it does not change a load you ask for"}
     return {"why": f"checkpoint.resume: \"{cp.cfg.resume}\" -- trainguard loads the newest checkpoint that verifies, "
                    f"newer than the step the run was at, from {where}",
             "advice": "to start fresh instead: checkpoint.resume: \"none\" (or another checkpoint.dir)"}
