@@ -325,6 +325,30 @@ def test_megatron_lms_weight_hash_check_passes_across_a_rollback_at_dp2(tmp_path
     same_schedule(run, plain, range(1, ITERS + 1))
 
 
+OVERLAPPED = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def test_overlapped_reduce_and_gather_of_the_distributed_optimizer_skip_a_bad_gradient_as_the_plain_flags_run(
+        tmp_path, release):
+    """Megatron-LM's usual flags at scale, DP=2: the distributed optimizer with --overlap-grad-reduce (buckets
+    reduced during the backward, as their gradients are ready) and --overlap-param-gather (the weights gathered during
+    the next forward). An Inf in rank 1's local gradient at 5 is named on its replica and skipped on every rank,
+    Megatron-LM counting it skipped; its iterations, samples and LR as the plain run's under the same flags; the loss
+    of every iteration before it equal to the plain run's (the skipped one logs none), and its last within 2% of it."""
+    newest_only(release, "the adapter's megatron-core hooks are the same on both releases")
+    plain = launch(release, tmp_path, "plain", "dp", None, OVERLAPPED).ok()
+    fault = {"type": "inf_grad", "param": "decoder.layers.0.mlp.linear_fc1.weight", "step": 5, "rank": 1}
+    run = launch(release, tmp_path, "guarded", "dp", {"allow_faults": True, "faults": [fault]}, OVERLAPPED).ok()
+    (event,) = run.events("nonfinite")
+    assert event["step"] == 5 and event["ranks"] == [1] and event["action"] == "skip_step", event
+    assert event["detail"]["per_rank"]["1"]["coords"]["dp"] == 1
+    assert run.iterations[5]["skipped"] == 1 and all(run.iterations[i]["skipped"] == 0 for i in (4, 6))
+    same_schedule(run, plain, range(1, ITERS + 1))
+    assert [run.iterations[i]["loss"] for i in range(1, 5)] == [plain.iterations[i]["loss"] for i in range(1, 5)]
+    last, want = float(run.iterations[ITERS]["loss"]), float(plain.iterations[ITERS]["loss"])
+    assert abs(last - want) <= 0.02 * want, (last, want)
+
+
 @pytest.mark.parametrize("layout", ["tp", "pp"])
 def test_one_bad_sample_is_named_alone_and_skipped_and_damaged_weights_roll_back_at_once(tmp_path, release, plain,
                                                                                        layout):
