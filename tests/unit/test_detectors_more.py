@@ -222,6 +222,8 @@ def test_start_checks():
     assert [v.anomaly for v in start_checks(bad, cfg)] == ["fp16_where_bf16", "no_warmup", "no_clipping"]
     short = RunFacts(dtype="bf16", bf16_supported=True, warmup_steps=10, scheduler="WarmupLR", framework_clip=1.0)
     assert [v.anomaly for v in start_checks(short, cfg)] == ["short_warmup"]
+    one = RunFacts(dtype="bf16", bf16_supported=True, warmup_steps=1, scheduler="WarmupDecayLR", framework_clip=1.0)
+    assert [v.anomaly for v in start_checks(one, cfg)] == ["no_warmup"]  # (HF's warmup_steps 0: not "1 steps")
     good = RunFacts(dtype="bf16", bf16_supported=True, warmup_steps=2000, scheduler="WarmupLR", framework_clip=1.0)
     assert start_checks(good, cfg) == []
     # (issue 53: a check the block switched on that one data-parallel replica cannot run is said at start)
