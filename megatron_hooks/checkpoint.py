@@ -98,12 +98,20 @@ class MegatronState:
             self.mg.session.emit(self.mg.iteration, Record.PRECISION_FALLBACK, action="bf16_fallback", detail={
                 **detail, "reason": f"snapshot {tag} was written in bf16 (after a bf16 fallback)"})
 
-    def _main_params_to_model(self) -> None:
-        """After loading a snapshot of another precision (fp16 into a bf16 run): the model parameters
-        from the exact fp32 main parameters, as the optimizer's step writes them."""
+    def _main_params_to_model(self, loaded_precision=None, now=None) -> None:
+        """After a load: the model parameters from the exact fp32 main parameters, as the optimizer's step writes
+        them -- after a snapshot of another precision (fp16 into a bf16 run), and always under the distributed
+        optimizer, each rank's region then gathered from the replicas: with --overlap-param-gather the weights'
+        all-gather waits for the next forward, so a snapshot taken after a step holds the other replicas' regions a
+        step old (the main values are the step's own; a rollback re-ran from mixed weights)."""
+        distributed = _distributed(self.mg.optimizer)
+        if loaded_precision in (None, now) and not distributed:
+            return
         for o in _optimizers(self.mg.optimizer):
             if hasattr(o, "_copy_main_params_to_model_params"):
                 o._copy_main_params_to_model_params()
+        for chunk in (c for c in self.mg.chunks if distributed and hasattr(c, "start_param_sync")):
+            chunk.start_param_sync(force_sync=True)  # (every rank loads together: a collective is safe here)
 
     # ------------------------------------------------------------------ save
     def write(self, staged: Path, tag: str, data_state: dict | None = None) -> dict:
@@ -209,22 +217,21 @@ class MegatronState:
             _unwrap(chunk).load_state_dict(loaded[f"model{i}" if len(mg.chunks) > 1 else "model"])
         mg.optimizer.load_state_dict(loaded["optimizer"])
         _step_from_groups(mg.optimizer)
-        if man.layout.get("precision") not in (None, now["precision"]):
-            self._main_params_to_model()
+        self._main_params_to_model(man.layout.get("precision"), now["precision"])
         mg.iteration = man.step
         return None, {}
 
     def _load_local(self, tag_dir: Path, man, reader, now: dict):
         """A checkpoint of each rank's own state (:meth:`capture_local`), at the layout it was written at only."""
         MegatronShard(self, once=True).load(reader, tag_dir)
-        if man.layout.get("precision") not in (None, now["precision"]):
-            self._main_params_to_model()
+        self._main_params_to_model(man.layout.get("precision"), now["precision"])
         self.mg.iteration = man.step
         return None, {}
 
     def load_shard(self, own: Path, tag: str, reader, purpose: str, **kwargs):
         """This rank's shard of a snapshot in node memory (megatron_hooks.snapshots)."""
         self.shard.load(reader, own / tag)
+        self._main_params_to_model()
         return None, {}
 
     def shard_source(self):

@@ -349,6 +349,28 @@ def test_overlapped_reduce_and_gather_of_the_distributed_optimizer_skip_a_bad_gr
     assert abs(last - want) <= 0.02 * want, (last, want)
 
 
+def test_a_rollback_under_overlapped_reduce_and_gather_lives_and_restores_what_the_plain_flags_restore(tmp_path,
+                                                                                                  release):
+    """Megatron-LM's distributed optimizer over fp32 weights copies a checkpoint into views of them: in a rollback
+    taken mid-training autograd refused it (the load failed on every rank, the run aborted at its first rollback).
+    And --overlap-param-gather defers the weights' all-gather to the next forward: a snapshot taken after a step could
+    hold the other replicas' regions a step old. Rank 1's copy of a weight damaged at 8, rolled back to the snapshot
+    of 6 (dist_checkpointing's) -- with the overlapped flags every iteration's loss is the one the same run logs
+    without them (gloo's reductions are the same sums either way). Both failed before this test: the load, and then
+    iteration 9's loss (4.463 against 4.440)."""
+    newest_only(release, "the rollback is trainguard's, the same on both")
+    def block(name):
+        return {"allow_faults": True, "faults": [{"type": "nan_weights", "step": 8, "rank": 1,
+                                                  "param": "decoder.layers.0.mlp.linear_fc1.weight"}],
+                "checkpoint": {"dir": str(tmp_path / f"snapshots-{name}"), "every_steps": 3, "stable_after": 1}}
+    runs = [launch(release, tmp_path, name, "dp", block(name), flags).ok()
+            for name, flags in (("dist-opt", OVERLAPPED[:1]), ("overlapped", OVERLAPPED))]
+    for run in runs:
+        (rb,) = run.events("rollback")
+        assert rb["step"] == 8 and rb["detail"]["to_step"] == 6, rb
+    assert [runs[1].iterations[i] for i in range(1, ITERS + 1)] == [runs[0].iterations[i] for i in range(1, ITERS + 1)]
+
+
 @pytest.mark.parametrize("layout", ["tp", "pp"])
 def test_one_bad_sample_is_named_alone_and_skipped_and_damaged_weights_roll_back_at_once(tmp_path, release, plain,
                                                                                        layout):

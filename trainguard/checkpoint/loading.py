@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainguard.checkpoint import rng
 from trainguard.checkpoint.health import ResumeCheck
 from trainguard.checkpoint.layout import GUARD_STATE, SIDECAR, TRAJECTORY, CheckpointLayout
@@ -24,6 +26,8 @@ from trainguard.events import Record
 from trainguard.ranks.isolation import rank, world
 
 
+@torch.no_grad()  # (a load writes into parameters and their views: Megatron's distributed optimizer over fp32
+# weights copies into views of them, which autograd refuses in a rollback taken mid-training -- the run aborted)
 def load(cp, root, tag: str | None = None, mode: str = "latest_valid", purpose: str = "resume", **kwargs):
     """Every rank: load ``tag`` (a disk tag, or ``memory:<tag>`` from :meth:`rollback_target`), or the newest
     valid tier -- the newest checkpoint that verifies (and is stable, with ``mode="stable"``), unless a snapshot
