@@ -132,7 +132,7 @@ class MegatronState:
         return None  # (dist_checkpointing's save is a collective: no host-copy async save here)
 
     def host_bytes(self, local: bool = False) -> int | None:  # (what capture_local copies; None: nothing)
-        return MegatronShard(self).estimated_bytes() if local else None
+        return MegatronShard(self, once=True).estimated_bytes() if local else None
 
     def capture_local(self, staging_root: Path, tag: str) -> list | None:
         """The first step's insurance in the background: this rank's state as the memory tier takes it (no collective;

@@ -27,10 +27,15 @@ def _inner(optimizer) -> list:
     return [getattr(o, "optimizer", o) for o in _optimizers(optimizer)]
 
 
-def _first_replica() -> int:
+def _first_replica(now: dict) -> int:
+    """The first of this rank's data-parallel replicas (gtp peers hold other shards); itself under expert parallel."""
     from megatron.core import parallel_state as ps
 
-    return torch.distributed.get_process_group_ranks(ps.get_data_parallel_group())[0]
+    if now["ep"] != 1 or getattr(ps, "get_expert_tensor_parallel_world_size", lambda: None)() not in (None, now["tp"]):
+        return _rank()
+    own = ps.get_data_parallel_group  # (megatron-core 0.19's default group spans gtp_remat: left out)
+    group = own(**({"with_gtp_remat": False} if "with_gtp_remat" in own.__code__.co_varnames else {}))
+    return torch.distributed.get_process_group_ranks(group)[0]
 
 
 class MegatronShard:
@@ -39,16 +44,16 @@ class MegatronShard:
 
     def __init__(self, ms, once: bool = False):
         self.ms = ms  # megatron_hooks.checkpoint.MegatronState
-        self.first = _first_replica() if once else _rank()  # (whose file holds what the replicas share)
+        self.first = _first_replica(ms.layout()) if once else _rank()  # (whose file holds what the replicas share)
 
     def unsupported(self) -> str | None:
         return None
 
-    def estimated_bytes(self) -> int:
-        mg = self.ms.mg
-        model = sum(p.numel() * p.element_size() for c in mg.chunks for p in c.parameters())
+    def estimated_bytes(self) -> int:  # (what this rank copies: a replica's part under ``once``, none or its shard)
+        mg, mine = self.ms.mg, self.first == _rank()
+        model = sum(p.numel() * p.element_size() for c in mg.chunks for p in c.parameters()) if mine else 0
         stepped = sum(p.numel() for o in _inner(mg.optimizer) for g in o.param_groups for p in g["params"])
-        return int(model + stepped * 4 * 3)  # (fp32 main values and Adam's two moments)
+        return int(model + stepped * 4 * 3 * (mine or self.ms.layout()["distributed_optimizer"]))
 
     def step(self) -> int:
         return self.ms.mg.iteration

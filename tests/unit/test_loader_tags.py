@@ -88,6 +88,10 @@ def test_a_dict_batch_names_its_samples_when_the_loop_passes_the_model_its_field
             assert TAG not in kwargs
         assert ids == batch["input_ids"][:, 0].tolist()
         assert take_tags((), {"input_ids": batch["input_ids"]})[2] is None  # taken once
+    first, second = [untag(raw) for raw in loader][:2]  # a loop that fetches the next batch before the forward
+    assert take_tags((), {"input_ids": first["input_ids"]})[2] is None  # (the ids left are the next batch's: none)
+    untag(second)
+    assert take_tags((), {"input_ids": second["input_ids"].clone()})[2] is None  # (a copy of its own: not known)
 
 
 def test_a_loader_that_cannot_be_tagged_is_named_for_the_start_record():

@@ -180,3 +180,6 @@ def test_an_accelerate_launch_is_checked_through_the_yaml_it_names(tmp_path, mon
     monkeypatch.setenv("HF_HOME", str(home))
     assert [str(f) for f, _ in check_command(["accelerate", "launch", "train.py"])] == ["ds.json"]  # (the default)
     assert check_command(["python", "train.py", "launch"]) == []  # (not Accelerate's launcher: no YAML read)
+    (tmp_path / "other.yaml").write_text("deepspeed_config:\n  deepspeed_config_file: none.json\n")
+    assert [str(f) for f, _ in check_command(["accelerate", "launch", "train.py", "--config_file", "other.yaml"])] \
+        == ["ds.json"]  # (a --config_file after the script is the script's: Accelerate's default config is read)

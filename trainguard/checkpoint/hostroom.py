@@ -11,7 +11,7 @@ own way, tensor by tensor: nothing held at once) and says why.
 """
 from __future__ import annotations
 
-import os
+import socket
 from pathlib import Path
 
 MARGIN = 0.75  # of what is available: the copies may take at most this share (the rest: loaders, NCCL, the processes)
@@ -37,24 +37,44 @@ def _read_int(path: Path) -> int | None:
     return int(raw) if raw.isdigit() else None  # ("max": no limit)
 
 
-def _cgroup_room(root: Path = _CGROUP) -> int | None:
-    """The job's cgroup's limit less its use (v2: memory.max/memory.current; v1: memory.limit_in_bytes/usage), of
-    this process's own cgroup where /proc/self/cgroup names it; None where there is no limit."""
-    rel = ""
+def _stat(path: Path, key: str) -> int:
+    """A field of a cgroup's memory.stat (0 where absent)."""
     try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            parts = line.split(":", 2)
-            if len(parts) == 3 and (parts[0] == "0" or "memory" in parts[1].split(",")):
-                rel = parts[2].lstrip("/")
-                break
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
     except OSError:
         pass
-    for base in ([root / rel, root] if rel else [root]) + [root / "memory" / rel, root / "memory"]:
-        for limit_f, used_f in (("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes")):
-            limit, used = _read_int(base / limit_f), _read_int(base / used_f)
-            if limit is not None and used is not None and limit < (1 << 60):  # (v1's "no limit" is a huge number)
-                return max(0, limit - used)
-    return None
+    return 0
+
+
+def _cgroup_room(root: Path = _CGROUP, rel: str | None = None) -> int | None:
+    """What the job's cgroups leave: for this process's cgroup and each one above it (a Slurm job's limit sits on
+    the job, not on its step's task), its limit less what it uses, the page cache it can drop not counted (v2:
+    memory.max / memory.current / inactive_file; v1: memory.limit_in_bytes / usage_in_bytes / total_inactive_file);
+    the smallest, or None where no cgroup sets a limit."""
+    if rel is None:
+        rel = ""
+        try:
+            for line in Path("/proc/self/cgroup").read_text().splitlines():
+                parts = line.split(":", 2)
+                if len(parts) == 3 and (parts[0] == "0" or "memory" in parts[1].split(",")):
+                    rel = parts[2].strip("/")
+                    break
+        except OSError:
+            pass
+    parts = [p for p in rel.split("/") if p]
+    rooms = []
+    for base in (root, root / "memory"):
+        for depth in range(len(parts), -1, -1):
+            d = base.joinpath(*parts[:depth])
+            for limit_f, used_f, cache in (("memory.max", "memory.current", "inactive_file"),
+                                          ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
+                limit, used = _read_int(d / limit_f), _read_int(d / used_f)
+                if limit is not None and used is not None and limit < (1 << 60):  # (v1's "no limit": a huge number)
+                    rooms.append(max(0, limit - max(0, used - _stat(d / "memory.stat", cache))))
+    return min(rooms) if rooms else None
 
 
 def available() -> int | None:
@@ -63,29 +83,24 @@ def available() -> int | None:
     return min(known) if known else None
 
 
-def local_ranks() -> int:
-    """The ranks on this node (torchrun's LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS_PER_NODE; else 1)."""
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        raw = os.environ.get(key, "").split("(")[0]
-        if raw.isdigit() and int(raw) > 0:
-            return int(raw)
-    return 1
-
-
-def refusal(each: int | None, ranks: int | None = None, have: int | None = None) -> str | None:
-    """Why host copies of about ``each`` bytes on each of ``ranks`` ranks of this node would not fit its memory
-    (``have``: what it has; default :func:`available`), or None where they would -- or where nothing says."""
-    if not each:
+def refusal(need: int | None, ranks: int, have: int | None = None) -> str | None:
+    """Why host copies of ``need`` bytes in all, by ``ranks`` ranks of this node, would not fit its memory (``have``:
+    what it has; default :func:`available`), or None where they would -- or where nothing says."""
+    if not need:
         return None
-    ranks = local_ranks() if ranks is None else ranks
     have = available() if have is None else have
-    if have is None:
+    if have is None or need <= have * MARGIN:
         return None
-    need = each * ranks
-    if need <= have * MARGIN:
-        return None
-    return (f"its host copies (about {_gb(each)} on each of {ranks} rank(s) of this node, {_gb(need)} in all) would "
-            f"take more than {int(MARGIN * 100)}% of the {_gb(have)} this node has available")
+    return (f"its host copies (about {_gb(need)} by this node's {ranks} rank(s)) would take more than "
+            f"{int(MARGIN * 100)}% of the {_gb(have)} this node has available")
+
+
+def node_refusal(each: int, gather) -> str | None:
+    """Every rank: :func:`refusal` of this node, its ranks' copies summed (``gather``: every rank's object, in rank
+    order -- the launcher's local-size variables differ from one launcher to the next; a host name does not)."""
+    here = socket.gethostname()
+    mine = [n for host, n in gather((here, each)) if host == here]
+    return refusal(sum(mine), len(mine))
 
 
 def _gb(n: float) -> str:

@@ -82,7 +82,7 @@ class Saver:
         each = size(local) if size is not None else None
         if each is None:  # (the same on every rank: no host copies here, nothing to agree)
             return True
-        why = hostroom.refusal(each)
+        why = hostroom.node_refusal(each, gather_objects)
         if all_true(why is None):
             return True
         if not self.said_room:
@@ -90,9 +90,10 @@ class Saver:
             whys = [w for w in gather_objects(why) if w]
             if rank() == 0:
                 logging.getLogger("trainguard").warning(
-                    "trainguard: checkpoints are saved synchronously, not in the background: %s (%d rank(s) said "
-                    "so). A state smaller a rank (ZeRO's stage, more data-parallel ranks) or more memory for the "
-                    "job lets them go to the background again.", whys[0] if whys else "a node's memory", len(whys))
+                    "trainguard: a checkpoint that would go to the background is saved synchronously instead: %s "
+                    "(%d rank(s) said so). A smaller state a rank (ZeRO's stage, more data-parallel ranks) or more "
+                    "memory for the job lets it go to the background again.", whys[0] if whys else "a node's memory",
+                    len(whys))
         return False
 
     def staging(self, root: Path, tag: str) -> tuple[str, Path]:

@@ -37,12 +37,18 @@ class _Handoff:
     def __init__(self):
         self.ids: list | None = None
         self.rejected: list = []
+        self.values: tuple = ()  # (a mapping's values: its ids go only to a forward given one of them)
 
-    def put(self, ids, rejected) -> None:
-        self.ids, self.rejected = list(ids), list(rejected)
+    def put(self, ids, rejected, values: tuple = ()) -> None:
+        self.ids, self.rejected, self.values = list(ids), list(rejected), values
 
-    def take(self) -> tuple[list | None, list]:
-        ids, rejected, self.ids, self.rejected = self.ids, self.rejected, None, []
+    def take(self, given: tuple = ()) -> tuple[list | None, list]:
+        """The ids left, once (none where they belong to a mapping none of whose values the forward was ``given``:
+        a loop that fetched the next batch before this forward -- its ids are not this forward's)."""
+        ids, rejected, values = self.ids, self.rejected, self.values
+        self.ids, self.rejected, self.values = None, [], ()
+        if values and not any(g is v for g in given for v in values):
+            return None, []
         return ids, rejected
 
 
@@ -58,7 +64,8 @@ def untag(batch):
         HANDOFF.put(_as_list(batch.get(TAG, [])), batch.get(REJECTED, []))
         return batch[WRAPPED]
     if isinstance(batch, MutableMapping) and TAG in batch:
-        HANDOFF.put(_as_list(batch[TAG]), batch.get(REJECTED, []))
+        HANDOFF.put(_as_list(batch[TAG]), batch.get(REJECTED, []),
+                    tuple(v for k, v in batch.items() if k not in (TAG, REJECTED)))
     return batch
 
 
@@ -173,7 +180,7 @@ def take_tags(inputs: tuple, kwargs: dict) -> tuple[tuple, dict, list | None, li
         ids = batch.pop(TAG)
         rejected = batch.pop(REJECTED, [])
         inputs = (batch, *inputs[1:])
-    left = HANDOFF.take()  # (the batch's ids, left by the prepared loader that handed it out: untag)
+    left = HANDOFF.take((*inputs, *kwargs.values()))  # (the batch's ids, left by the loader that handed it out)
     if ids is None:
         ids, rejected = left
     if ids is not None and hasattr(ids, "tolist"):

@@ -35,8 +35,8 @@ def start_checks(facts: RunFacts, cfg: TrainguardConfig, replicas: int | None = 
         out.append(Verdict("checks", "fp16_where_bf16", (), {
             "advice": "bf16 is available here: it has fp32's exponent range, so softmax and layer-norm "
                       "intermediates cannot overflow to Inf the way fp16's (max 65504) do; use \"bf16\"."}))
-    if facts.warmup_steps is None or 0 <= facts.warmup_steps <= 1:  # (one step is none: HF's warmup_steps 0, as
-        # it fills DeepSpeed's WarmupDecayLR, read "the LR warmup (1 steps) is shorter than...")
+    if facts.warmup_steps is None or 0 <= facts.warmup_steps <= 1 < cfg.checks.min_warmup_steps:  # (one is none:
+        # HF's warmup_steps 0, as it fills DeepSpeed's WarmupDecayLR, read "the LR warmup (1 steps) is shorter than")
         out.append(Verdict("checks", "no_warmup", (), {
             "scheduler": facts.scheduler, **({"warmup_steps": facts.warmup_steps} if facts.warmup_steps else {}),
             "advice": "no LR warmup is configured: the first steps of Adam with a full LR are a classic "

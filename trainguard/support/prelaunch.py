@@ -50,9 +50,12 @@ def accelerate_files(command: list[str]) -> list[tuple[Path, bool]]:
 
     if not any(Path(a).name == "accelerate" for a in command[:1]) or "launch" not in command[1:2]:
         return []
-    given = [v for f, v in zip(command, command[1:]) if f in ACCELERATE_FLAGS] + \
-        [a.split("=", 1)[1] for a in command if a.split("=", 1)[0] in ACCELERATE_FLAGS and "=" in a]
-    home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    script = next((i for i, a in enumerate(command) if a.endswith(".py") or a == "-m"), len(command))
+    own = command[:script]  # (a --config_file after the script is the script's own argument)
+    given = [v for f, v in zip(own, own[1:]) if f in ACCELERATE_FLAGS] + \
+        [a.split("=", 1)[1] for a in own if a.split("=", 1)[0] in ACCELERATE_FLAGS and "=" in a]
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    home = os.path.expanduser(os.environ.get("HF_HOME", os.path.join(cache, "huggingface")))
     yaml_path = Path(given[0] if given else os.path.join(home, "accelerate", "default_config.yaml"))
     try:
         import yaml  # (Accelerate's own dependency)
