@@ -28,7 +28,7 @@ FIGURES = [
      "overhead-proxies-2026-12-07-d.json", ("ops_small", "ops_large")),
     ("README.md", r"([\d.]+) ms of its own host\s+time before the update's launch", "overhead-proxies-2026-12-07-d.json",
      ("decide_ms",)),
-    ("docs/recovery.md", r"(\d+) draws, \d+ forced actions", "recovery-fuzz-2026-12-06.json", ("draws",)),
+    ("docs/recovery.md", r"(\d+) draws,\s+\d+ forced actions", "recovery-fuzz-2026-12-07.json", ("draws",)),
     ("README.md", r"\(([\d.]+)x a step's median on 2 CPU ranks,\s+([\d.]+)x its mean", "overhead-cpu-2026-12-07-c.json",
      ("ratio", "ratio_mean")),
     ("docs/detection.md", r"\*\*([\d.]+)\*\* median \(([\d.]+)\s+ms\s+plain, ([\d.]+)\s+ms\s+guarded\), \*\*([\d.]+)\*\*\s+mean",
@@ -222,7 +222,6 @@ BEFORE_THE_FIELDS = {
     "natural-corpus-held-out-2026-12-07.json",
     "natural-long-2026-12-06.json",
     "natural-megatron-peers-2026-12-07.json",
-    "recovery-fuzz-2026-12-06.json",
 }
 
 
