@@ -44,16 +44,11 @@ FIGURES = [
     ("docs/detection.md", r"\*\*(\d+) actions in all 5\s+runs\*\*", "natural-healthy-2026-12-07-b.json", ("actions",)),
     ("docs/detection.md", r"\*\*([\d.]+) in Megatron-LM's\*\*", "natural-healthy-2026-12-07-b.json",
      ("rows.4.alert_incidents_per_1k",)),
-    ("docs/detection.md", r"every failing case\s+acted on \*\*(\d+/\d+)\*\*; guarded within 10% of healthy or >= 90% of the\s+gap "
-     r"closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-07.json", ("goals.0.figure", "goals.1.figure")),
-    ("docs/detection.md", r"earlier day \(bench/results/natural-corpus-held-out-2026-12-06.json, commit 0166606\) gave (\d+/\d+) and "
-     r"(\d+/\d+)", "natural-corpus-held-out-2026-12-06.json", ("goals.0.figure", "goals.1.figure")),
-    ("docs/detection.md", r"held-out-2026-12-07-final.json`[\s\S]{0,600}?every failing case acted on \*\*(\d+/\d+)\*\*;\s+"
-     r"guarded\s+within 10% of healthy or >= 90% of the\s+gap closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-07-final.json",
-     ("goals.0.figure", "goals.1.figure")),
-    ("docs/detection.md", r"and ended \*\*\+([\d.]+)%\*\* \(\+4\.1% above\)", "natural-corpus-held-out-2026-12-07-final.json",
+    ("docs/detection.md", r"every failing case acted on \*\*(\d+/\d+)\*\*; guarded within 10% of healthy or >= 90% of the gap\s+"
+     r"closed \*\*(\d+/\d+)\*\*", "natural-corpus-held-out-2026-12-07-b.json", ("goals.0.figure", "goals.1.figure")),
+    ("docs/detection.md", r"and\s+ended \*\*\+([\d.]+)%\*\*\)", "natural-corpus-held-out-2026-12-07-b.json",
      ("rows.15.guarded_rel",)),
-    ("docs/detection.md", r"still descend slower, untouched \(\+([\d.]+)%, \+([\d.]+)%\)", "natural-corpus-held-out-2026-12-07-final.json",
+    ("docs/detection.md", r"still descending slower, untouched \(\+([\d.]+)%, \+([\d.]+)%\)", "natural-corpus-held-out-2026-12-07-b.json",
      ("rows.5.guarded_rel", "rows.6.guarded_rel")),
     ("docs/detection.md", r"overhead-cpu-2026-12-07-b.json,\s+commit 2a7df56, clean\): \*\*([\d.]+)\*\* median, \*\*([\d.]+)\*\*",
      "overhead-cpu-2026-12-07-b.json", ("ratio", "ratio_mean")),
@@ -216,10 +211,7 @@ def test_the_drills_tables_in_its_page_are_a_kept_runs_print():
 # kept before bench/_results.keep wrote what measured them (issue 55): their date and commit say when; a new or re-run
 # figure carries its machine and releases (and whether the tree was clean) -- never added here by hand afterwards
 BEFORE_THE_FIELDS = {
-    "natural-corpus-held-out-2026-12-07-final.json",  # (run at b02faa5, whose keep() did not write them yet)
     "kill-anywhere-megatron-100-2026-12-05.json",
-    "natural-corpus-held-out-2026-12-06.json",
-    "natural-corpus-held-out-2026-12-07.json",
     "natural-long-2026-12-06.json",
     "natural-megatron-peers-2026-12-07.json",
 }
