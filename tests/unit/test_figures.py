@@ -60,8 +60,7 @@ FIGURES = [
      ("rows.0.peer_fired",)),
     ("docs/detection.md", r"with a tenth of the LR: \*\*([\d.]+)\*\*", "natural-megatron-peers-2026-12-07.json",
      ("rows.0.guarded_eval",)),
-    ("docs/detection.md", r"\*\*-0\.1%\*\*, (\d+) steps lost\. Both healthy runs: no action", "natural-long-2026-12-06.json",
-     ("rows.1.steps_lost",)),
+    ("docs/detection.md", r"steps lost, (\d+)%\s+of the gap closed", "natural-long-2026-12-07.json", ("rows.1.gap_closed",)),
     ("docs/checkpoints.md", r"raw write of the same bytes \(open/write/fsync\) \| ([\d,]+) MB/s", "checkpoint-io-2026-12-07.json",
      ("raw_write_MBps",)),
     ("docs/checkpoints.md", r"synchronous \(DeepSpeed's write, hashed while written, fsync, manifest, rename\) \| ([\d,]+) MB/s: "
@@ -83,10 +82,10 @@ FIGURES = [
     ("docs/liveness.md", r"da2a991, clean; 1,000 steps, a snapshot every 25\):\s+\*\*([\d.]+) ms\*\*, \*\*\+([\d.]+)%\*\*",
      "insurance-2026-12-07-c.json", ("in_step.insured.snapshot_s", "in_step.insured.share")),
     ("docs/liveness.md", r"\(\+([\d.]+)% in the run above", "drill-2026-12-07.json", ("rows.1.insurance_cost",)),
-    ("docs/detection.md", r"kept for the rest of the run -- \*\*\+([\d.]+)%\*\*", "natural-long-2026-12-06.json",
+    ("docs/detection.md", r"kept for the rest of the run -- \*\*\+([\d.]+)%\*\*", "natural-long-2026-12-07.json",
      ("rows.0.guarded_rel",)),
-    ("docs/detection.md", r"for good this time \(1215\), a third rollback at 1991 -- \*\*(-?[\d.]+)%\*\*, (\d+) steps lost",
-     "natural-long-2026-12-06.json", ("rows.1.guarded_rel", "rows.1.steps_lost")),
+    ("docs/detection.md", r"left it alone until \*\*(\d+)\*\*[\s\S]{0,120}?at 1874 -- \*\*\+([\d.]+)%\*\*, (\d+) steps lost",
+     "natural-long-2026-12-07.json", ("rows.1.first_action", "rows.1.guarded_rel", "rows.1.steps_lost")),
     ("docs/capabilities.md", r"overhead-sdc-2026-12-07.json, ([\d.]+) ms per check over (\d+) checked steps, ([\d.]+)% of step "
      r"time", "overhead-sdc-2026-12-07.json", ("sdc_ms_per_check", "checked_steps", "sdc_share")),
     ("docs/detection.md", r"\| 8 \| table \| ([\d.]+) \| ([\d.]+) \| ([\d,]+) B \|", "scale-2026-12-07.json",
@@ -212,7 +211,6 @@ def test_the_drills_tables_in_its_page_are_a_kept_runs_print():
 # figure carries its machine and releases (and whether the tree was clean) -- never added here by hand afterwards
 BEFORE_THE_FIELDS = {
     "kill-anywhere-megatron-100-2026-12-05.json",
-    "natural-long-2026-12-06.json",
     "natural-megatron-peers-2026-12-07.json",
 }
 
