@@ -56,10 +56,12 @@ FIGURES = [
      "natural-corpus-held-out-megatron-2026-12-07.json", ("rows.0.guarded_eval", "rows.0.gap_closed")),
     ("docs/detection.md", r"Goals on these three: acted on \*\*(\d+/\d+)\*\* failing, near healthy \*\*(\d+/\d+)\*\*",
      "natural-corpus-held-out-megatron-2026-12-07.json", ("goals.0.figure", "goals.1.figure")),
-    ("docs/detection.md", r"the switch fired \*\*(\d+)\*\* times", "natural-megatron-peers-2026-12-07.json",
+    ("docs/detection.md", r"the switch fired \*\*(\d+)\*\* times", "natural-megatron-peers-2026-12-07-b.json",
      ("rows.0.peer_fired",)),
-    ("docs/detection.md", r"with a tenth of the LR: \*\*([\d.]+)\*\*", "natural-megatron-peers-2026-12-07.json",
+    ("docs/detection.md", r"with a tenth of the LR: \*\*([\d.]+)\*\*", "natural-megatron-peers-2026-12-07-b.json",
      ("rows.0.guarded_eval",)),
+    ("docs/detection.md", r"and it ended at\s+\*\*([\d.]+)\*\*, still \*\*worse than plain\*\*", "natural-megatron-peers-2026-12-07-b.json",
+     ("rows.1.guarded_eval",)),
     ("docs/detection.md", r"steps lost, (\d+)%\s+of the gap closed", "natural-long-2026-12-07.json", ("rows.1.gap_closed",)),
     ("docs/checkpoints.md", r"raw write of the same bytes \(open/write/fsync\) \| ([\d,]+) MB/s", "checkpoint-io-2026-12-07.json",
      ("raw_write_MBps",)),
@@ -211,7 +213,6 @@ def test_the_drills_tables_in_its_page_are_a_kept_runs_print():
 # figure carries its machine and releases (and whether the tree was clean) -- never added here by hand afterwards
 BEFORE_THE_FIELDS = {
     "kill-anywhere-megatron-100-2026-12-05.json",
-    "natural-megatron-peers-2026-12-07.json",
 }
 
 
