@@ -48,7 +48,7 @@ def accelerate_files(command: list[str]) -> list[tuple[Path, bool]]:
     file): ``deepspeed_config.deepspeed_config_file``, as Accelerate reads it (relative to the working directory)."""
     import os
 
-    if not any(Path(a).name == "accelerate" for a in command[:1]) or "launch" not in command[1:2]:
+    if not command or Path(command[0]).name != "accelerate" or command[1:2] != ["launch"]:
         return []
     script = next((i for i, a in enumerate(command) if a.endswith(".py") or a == "-m"), len(command))
     own = command[:script]  # (a --config_file after the script is the script's own argument)
