@@ -35,6 +35,8 @@ class Decision:
     onset_skipped: bool = False     # ROLLBACK: the onset step itself was skipped, so a checkpoint saved
                                     # at it holds the state from before the anomaly and may be chosen
     target: str | None = None       # ROLLBACK: "latest_valid" / "stable" (None: recovery.rollback_to)
+    loss: float | None = None       # ROLLBACK: the loss when decided (the step's, or the window's median when higher):
+                                    # what a target must beat where the run has no room (trainguard.recovery.lrcut)
 
 
 def forced(action: str, step: int, lr_factor: float, fp16: bool = True) -> Decision:

@@ -195,3 +195,22 @@ def test_the_runs_length_is_read_where_its_loop_goes_on_through_a_rollback():
     assert "throw away 139 steps with 10 left" in h.no_room(140) and h.no_room(75) is None
     h.last_step = None
     assert h.no_room(140) is None
+
+
+def test_a_rollback_for_a_creep_that_would_throw_away_more_than_the_run_has_left_keeps_the_progress():
+    """bench/natural's Megatron-LM peers (one-step warmup): a creep named at iteration 140 of 150 rolled back to the
+    checkpoint of 50 (the newest before the onset, 96) -- 90 iterations thrown away, 10 left to re-train them: 4.168
+    where plain ended 3.860. Going back costs more steps than the run has left, and the loss then (4.23) was above
+    the loss now (3.85): the climb took none of the progress back, nothing to go back for. Where the loss now is
+    above the target's, the climb damaged the weights and the rollback goes back to better ones; where either loss
+    is unknown, or the run has the room, or its count rewinds with the weights (no last step): the rollback."""
+    h = LrHistory()
+    h.last_step = 150
+    assert h.no_room(140, 50, now=3.85, then=4.23) == \
+        "no rollback to step 50: it would throw away 90 steps with 10 left (the run ends at step 150)"
+    assert h.no_room(140, 50, now=7.3, then=4.23) is None          # (the climb made it worse: better weights back there)
+    assert h.no_room(140, 50, now=3.85, then=None) is None         # (unknown: the rollback, as before)
+    assert h.no_room(90, 50, now=3.85, then=4.23) is None          # (60 left for the 40 it throws away)
+    assert h.no_room(140, 1) is not None and h.no_room(70, 1) is None  # (the first step's restart: the count alone)
+    h.last_step = None
+    assert h.no_room(140, 50, now=3.85, then=4.23) is None

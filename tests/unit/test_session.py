@@ -192,9 +192,10 @@ def _recorded(guard, seen):
         setattr(guard, name, wrapper)
 
 
-def run(tmp_path, block, steps, fp16=False, replays=False, facts=None):
+def run(tmp_path, block, steps, fp16=False, replays=False, facts=None, between=None):
     """A user's loop over the fake framework, through the session's loop points. Returns (framework, session,
-    the Events seen, the records written, the exception that ended the run or None). ``replays``: the fake records
+    the Events seen, the records written, the exception that ended the run or None). ``between(session, step)``:
+    called after each step, before the next begins. ``replays``: the fake records
     each micro-batch and replays it through the core's ModuleReplays, as DeepSpeed's adapter does (data or weights,
     the culprit sample narrowed, the first bad module localised)."""
     block = {**BASE, **block, "metrics": {"jsonl": str(tmp_path / "tg.jsonl")},
@@ -235,6 +236,8 @@ def run(tmp_path, block, steps, fp16=False, replays=False, facts=None):
             session.loss(step, loss).backward()
             session.step(fw.opt.step)
             fw.opt.zero_grad()
+            if between is not None:
+                between(session, step)
     except TrainguardAbort as e:
         ended = e
     session.close({"steps": fw.steps})
@@ -421,6 +424,43 @@ def test_no_restart_throws_away_more_steps_than_the_run_has_left(tmp_path):
     (rb,) = [r for r in records if r["event"] == "rollback"]
     assert ended is None and fw.precision == "bf16" and rb["detail"]["to_step"] > 1
     assert "from_first_step" not in rb["detail"] and "throw away" in rb["detail"]["reason"]
+
+
+def test_a_creep_named_late_keeps_its_progress_where_going_back_would_cost_more_steps_than_are_left(tmp_path):
+    """The driver's side of LrHistory.no_room for an ordinary rollback (bench/natural's Megatron-LM peers: a creep
+    named at 140 of 150 went back to 50, ending worse than plain): the climb's rollback (a slow_rise, the LR cut) at
+    step 27 of a run ending at 30, with the checkpoint of 20 its target. The loss now no higher than at the save: the
+    checkpoint is not loaded, the LR is lowered in place, and the record says why; the loss now above it (the climb
+    took the progress back): the rollback goes back to 20 as before."""
+    from trainguard.decisions import Decision
+    from trainguard.events import Action, Anomaly
+    from trainguard.prevent.checks import RunFacts
+
+    facts = RunFacts(dtype="fp32", bf16_supported=False, warmup_steps=None, scheduler=None, framework_clip=0.0,
+                     last_step=30)
+    done = {}
+
+    def creep(loss_now):
+        done.clear()
+
+        def between(session, step):
+            if step == 27 and not done:  # (once: a rollback's loop comes back to 27)
+                saved = session.driver.fw.checkpointer.saver.losses[20]
+                decision = Decision(Action.ROLLBACK, "a creep", lower_lr=True, lr_scale=0.5, onset_step=24,
+                                    anomaly=Anomaly.SLOW_RISE, loss=loss_now(saved))
+                done["loaded"] = session.driver.rollback(step, decision)
+                done["lr"] = session.driver.lr_multiplier(28)
+        return between
+
+    fw, s, seen, records, ended = run(tmp_path / "kept", {}, 30, facts=facts, between=creep(lambda saved: saved))
+    assert ended is None and fw.steps == 30 and done == {"loaded": False, "lr": 0.5}
+    (un,) = [r for r in records if r["event"] == "rollback_unavailable"]
+    assert un["step"] == 27 and not [r for r in records if r["event"] == "rollback"]
+    assert un["detail"]["reason"] == ("no rollback to step 20: it would throw away 7 steps with 3 left (the run "
+                                      "ends at step 30): the LR lowered in place") and un["detail"]["lr_factor"] == 0.5
+    fw, s, seen, records, ended = run(tmp_path / "back", {}, 30, facts=facts, between=creep(lambda saved: 2 * saved))
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert done["loaded"] and rb["step"] == 27 and rb["detail"]["to_step"] == 20
 
 
 def test_a_restart_from_the_first_step_starts_the_loss_and_norm_windows_again(tmp_path):

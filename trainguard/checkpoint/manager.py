@@ -212,7 +212,7 @@ class CheckpointManager:
         roots = list(self.roots.values())
         return roots[-1] if roots else None
 
-    def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
+    def rollback_target(self, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str, int]:
         """Rank 0 chooses on disk (trainguard.checkpoint.rollback.choose_rollback), every rank learns; then the
         newest valid tier: a snapshot in memory when one is newer than the disk's choice (in "stable" mode, one
         this process saw become stable: ``stable_after`` clean steps after it)."""

@@ -111,10 +111,10 @@ def abandon_after(root: Path, step: int, key: bytes | None = None) -> list[str]:
 
 
 # ---------------------------------------------------------------------- every rank (the checkpoint manager's)
-def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str]:
+def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = False) -> tuple[str | None, str, int]:
     """Rank 0 chooses on disk (:func:`choose_rollback`), every rank learns; then the newest valid tier: a
     snapshot in memory when one is newer than the disk's choice (in "stable" mode, one this process saw become
-    stable: ``stable_after`` clean steps after it)."""
+    stable: ``stable_after`` clean steps after it). Returns the tag, why, and its step (-1: none chosen)."""
     floor = cp.not_before(root)
     choice = None
     if rank() == 0:
@@ -125,14 +125,16 @@ def rollback_target(cp, root: Path, onset: int, mode: str, inclusive: bool = Fal
     tag, why, bad, disk_step = broadcast_from_rank0(choice)
     for b in bad:
         cp.emit(cp.step_count(), Record.CHECKPOINT_INVALID, b)
+    disk_step = disk_step if tag is not None and disk_step is not None else -1
     if cp.snapshots is None:
-        return tag, why
+        return tag, why, disk_step
     only = {disk_tag(t)[0] for t in cp.stable_snapshots} if mode == "stable" else None
-    found = cp.snapshots.choose(lo=max((disk_step if disk_step is not None else -1) + 1, floor),
+    found = cp.snapshots.choose(lo=max(disk_step + 1, floor),
                                 hi=onset + (1 if inclusive else 0), only=only)
     if found is None or memory_tag(found[0]) in cp.unloadable:
-        return tag, why
-    return memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset"
+        return tag, why, disk_step
+    return (memory_tag(found[0]), f"newest {'stable ' if mode == 'stable' else ''}snapshot in memory before the onset",
+            snapshot_step(found[0]))
 
 
 def abandon_trajectory(cp, root: Path, step: int) -> list[str]:

@@ -48,6 +48,7 @@ class Saver:
         self.pending = AsyncSave(cp)
         self.revision = code_revision() if rank() == 0 else None
         self.said_room = False  # (an asynchronous save refused for memory: said once)
+        self.losses: dict[int, float] = {}  # {step: its loss at save, the lower of the step's and the window median's}
 
     # ------------------------------------------------------------------ save
     def save(self, root: str | os.PathLike, tag: str | None = None, asynchronous: bool | None = None,
@@ -232,6 +233,8 @@ class Saver:
         releases, code) and the health at save time."""
         cp, state = self.cp, self.cp.state
         health = cp.guard.health() if cp.guard is not None else {}
+        if (seen := [x for x in (health.get("loss"), health.get("loss_median")) if x is not None and x == x]):
+            self.losses[step] = min(seen)  # (what a rollback to it gains: trainguard.recovery.lrcut.no_room)
         return Manifest(
             tag=tag, step=step, files=files,
             layout={"framework": state.name, **state.layout(), **layout},

@@ -94,7 +94,7 @@ def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why:
     said = {"why": why}
 
     def older() -> tuple:
-        found, said["why"] = cp.rollback_target(cp.rollback_root(), onset, mode, inclusive=decision.onset_skipped)
+        found, said["why"], _ = cp.rollback_target(cp.rollback_root(), onset, mode, inclusive=decision.onset_skipped)
         said["why"] += " (a target before it failed to load: recovery_failed)"
         return cp.rollback_root(), found
 

@@ -8,6 +8,7 @@ log (trainguard.observe.steplog), in the order the records always had.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from trainguard.ranks.attribution import culprit_samples
@@ -60,6 +61,8 @@ class Judgement:
         if refused and decision.action is Action.ROLLBACK and (self._rise_refused or self._restart_refused and once
                                                                and decision.anomaly == "slow_rise"):
             decision = replace(decision, reason=f"{decision.reason}; {refused}")
+        if decision.action is Action.ROLLBACK and math.isfinite(loss := ctx.summary.loss_mean):
+            decision = replace(decision, loss=max(loss, self.stats.loss_median() or loss))
         self.last = decision
         # damaged weights, not data: no sample is to blame
         self.culprit_samples = culprit_samples(decision, everyone) if weights != "damaged" else {}
