@@ -179,6 +179,7 @@ class Saver:
             raise CheckpointError(f"checkpoint {tag} in {root} was not committed: {error}")
         if rank() == 0:
             self.retain(root)
+        self.note_loss(step)
         cp.saved(root, tag, step)
         seconds = time.perf_counter() - t0
         cp.overhead(seconds)
@@ -209,6 +210,7 @@ class Saver:
         self.pending.start(BackgroundWrite(staged, writes, json_writes, fail=fail), {
             "tag": tag, "root": root, "staging_root": staging_root, "nonce": nonce, "step": step,
             "blocking_s": blocking, "t0": t0, "world": world()})
+        self.note_loss(step)
         cp.saved(root, tag, step)
         return tag
 
@@ -232,9 +234,7 @@ class Saver:
         """One schema for every framework: the layout (the adapter's, and e.g. ``tier``), the lineage (data, config,
         releases, code) and the health at save time."""
         cp, state = self.cp, self.cp.state
-        health = cp.guard.health() if cp.guard is not None else {}
-        if (seen := [x for x in (health.get("loss"), health.get("loss_median")) if x is not None and x == x]):
-            self.losses[step] = min(seen)  # (what a rollback to it gains: trainguard.recovery.lrcut.no_room)
+        health = self.note_loss(step)
         return Manifest(
             tag=tag, step=step, files=files,
             layout={"framework": state.name, **state.layout(), **layout},
@@ -245,6 +245,15 @@ class Saver:
             health={"loss": health.get("loss"), "loss_median": health.get("loss_median"),
                     "loss_scale": health.get("loss_scale"), **state.health(),
                     "recent_anomalies": health.get("recent_anomalies", [])})
+
+    def note_loss(self, step: int) -> dict:
+        """Every rank, at every save (a manifest is rank 0's; a snapshot's, each rank's own): the loss at ``step``, the
+        lower of the step's and the window median's -- what a rollback to it gains (trainguard.recovery.lrcut.no_room).
+        Returns the guard's health."""
+        health = self.cp.guard.health() if self.cp.guard is not None else {}
+        if (seen := [x for x in (health.get("loss"), health.get("loss_median")) if x is not None and x == x]):
+            self.losses[step] = min(seen)
+        return health
 
     def sidecar(self, **kwargs) -> dict:
         """This rank's sidecar: who wrote it, every RNG, and the framework's part (data position, ...)."""
