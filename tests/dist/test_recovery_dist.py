@@ -1,6 +1,8 @@
 """Recovery under torchrun with real DeepSpeed engines: ladders, in-process rollback to the last
 stable checkpoint, data skipped past the bad batches, quarantine of the culprit rank's samples,
 lowered LR, suspect_rank, and ABORT when the budget is spent."""
+from pathlib import Path
+
 import pytest
 
 from tests.dist.conftest import make_config
@@ -253,3 +255,44 @@ def test_fp16_whose_first_steps_were_skipped_restarts_from_its_first_step_and_li
     assert not events(run, "recovery_failed") and not events(run, "abort")
     assert all(r["global_steps"] == 20 and r["weights_finite"] for r in run.results)
     assert run.results[0]["param_sha256"] == run.results[1]["param_sha256"]
+
+
+def _keeps_progress_on(rank: int, world: int, store: str, losses: list, out: str) -> None:
+    """One rank of the test below: the no-room rule's agreement, over a real gloo group."""
+    import json
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from trainguard.decisions import Decision
+    from trainguard.events import Action, Anomaly
+    from trainguard.recovery.degrade import keeps_progress
+    from trainguard.recovery.lrcut import LrHistory
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        history = LrHistory()
+        history.last_step = 150  # (the run's length where its count goes on: Megatron-LM's --train-iters)
+        # (the checkpointer's two parts the rule reads: the LR history and the losses its saves kept on this rank)
+        cp = SimpleNamespace(lr_history=history, saver=SimpleNamespace(losses=losses[rank]))
+        creep = Decision(Action.ROLLBACK, "a creep", lower_lr=True, lr_scale=0.5, onset_step=96,
+                         anomaly=Anomaly.SLOW_RISE, loss=3.85)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(keeps_progress(cp, creep, 140, 50, None)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("losses, refused", [([{50: 4.23}, {50: 4.23}], True), ([{50: 4.23}, {}], False)])
+def test_every_rank_takes_the_same_no_room_decision_even_where_one_lacks_the_loss(tmp_path, losses, refused):
+    """The Megatron-LM peers bench hung at TP=2 when rank 0 refused a creep's rollback (it knew the checkpoint's loss)
+    and rank 1 went on to load (it did not): the refusal is and-ed over the ranks, so a rank that does not know the
+    loss makes every rank take the rollback, and none waits in a collective the others never enter."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_keeps_progress_on, args=(2, str(tmp_path / "store"), losses, str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert said[0] == said[1], said
+    assert (said[0] is not None) is refused and (not refused or "the LR lowered in place" in said[0]), said

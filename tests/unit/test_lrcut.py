@@ -206,11 +206,12 @@ def test_a_rollback_for_a_creep_that_would_throw_away_more_than_the_run_has_left
     is unknown, or the run has the room, or its count rewinds with the weights (no last step): the rollback."""
     h = LrHistory()
     h.last_step = 150
-    assert h.no_room(140, 50, now=3.85, then=4.23) == \
+    assert h.no_room(140, 50, now=3.85, then=4.23, restart=False) == \
         "no rollback to step 50: it would throw away 90 steps with 10 left (the run ends at step 150)"
-    assert h.no_room(140, 50, now=7.3, then=4.23) is None          # (the climb made it worse: better weights back there)
-    assert h.no_room(140, 50, now=3.85, then=None) is None         # (unknown: the rollback, as before)
-    assert h.no_room(90, 50, now=3.85, then=4.23) is None          # (60 left for the 40 it throws away)
+    assert h.no_room(140, 50, now=7.3, then=4.23, restart=False) is None  # (the climb made it worse: better back there)
+    assert h.no_room(140, 50, now=3.85, then=None, restart=False) is None  # (unknown: the rollback, as before)
+    assert h.no_room(140, 1, now=None, then=None, restart=False) is None   # (a snapshot of step 1 is no restart)
+    assert h.no_room(90, 50, now=3.85, then=4.23, restart=False) is None   # (60 left for the 40 it throws away)
     assert h.no_room(140, 1) is not None and h.no_room(70, 1) is None  # (the first step's restart: the count alone)
     h.last_step = None
-    assert h.no_room(140, 50, now=3.85, then=4.23) is None
+    assert h.no_room(140, 50, now=3.85, then=4.23, restart=False) is None

@@ -461,6 +461,42 @@ def test_a_creep_named_late_keeps_its_progress_where_going_back_would_cost_more_
     fw, s, seen, records, ended = run(tmp_path / "back", {}, 30, facts=facts, between=creep(lambda saved: 2 * saved))
     (rb,) = [r for r in records if r["event"] == "rollback"]
     assert done["loaded"] and rb["step"] == 27 and rb["detail"]["to_step"] == 20
+    # never for what the creep came with: a burst (or a non-finite value) among the verdicts, or a rung that lowers
+    # no LR (the slow_rise ladder set to a plain "rollback": nothing would be done at all)
+    from trainguard.verdicts import Verdict
+
+    burst = Verdict(detector="loss_spike", anomaly="instant_burst", ranks=[0], detail={})
+    for name, change in (("burst", {"verdicts": (burst,)}), ("plain", {"lower_lr": False, "lr_scale": None})):
+        def with_it(session, step, change=change):
+            if step == 27 and not done:
+                saved = session.driver.fw.checkpointer.saver.losses[20]
+                done["loaded"] = session.driver.rollback(step, Decision(
+                    Action.ROLLBACK, "a creep", **{"lower_lr": True, "lr_scale": 0.5, **change}, onset_step=24,
+                    anomaly=Anomaly.SLOW_RISE, loss=saved))
+        done.clear()
+        fw, s, seen, records, ended = run(tmp_path / name, {}, 30, facts=facts, between=with_it)
+        assert done["loaded"] and [r["detail"]["to_step"] for r in records if r["event"] == "rollback"] == [20], name
+
+
+def test_a_rollback_decision_carries_the_loss_it_was_decided_at(tmp_path):
+    """What the no-room rule compares a checkpoint's loss with (trainguard.recovery.degrade.keeps_progress): the
+    judgement puts the step's loss -- or the loss window's median, when higher -- on every rollback it decides."""
+    taken = []
+
+    def between(session, step):
+        last = session.guard.judgement.last
+        if last is not None and last.action.value == "rollback":
+            taken.append((last.loss, session.guard.stats.loss_median()))
+    fw, s, seen, records, ended = run(tmp_path, {"faults": [{"type": "nan_loss", "step": k} for k in (8, 9, 10)]}, 16,
+                                      between=between)
+    assert [r["step"] for r in records if r["event"] == "rollback"] == [10]
+    assert [loss for loss, _ in taken] == [None]  # (a non-finite step's loss is no loss: none carried, none asked)
+    taken.clear()
+    fw, s, seen, records, ended = run(tmp_path / "climb", {"faults": [{"type": "lr_ramp", "step": 22, "steps": 30,
+                                                                       "factor": 1.3}]}, 45, between=between)
+    (rb,) = [r for r in records if r["event"] == "rollback"][:1]
+    # (the window is read after the step: a restart from the first step empties it)
+    assert taken and all(loss is not None and loss > 0 and (median is None or loss >= median) for loss, median in taken)
 
 
 def test_a_restart_from_the_first_step_starts_the_loss_and_norm_windows_again(tmp_path):

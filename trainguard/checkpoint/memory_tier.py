@@ -100,15 +100,15 @@ class MemoryTier:
             saver = self.cp.saver  # (trainguard's own parts: the same as a disk checkpoint's)
             writes.append((host_copy(saver.sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
             json_writes = [(self.cp.guard.state_dict(), staged / SIDECAR / GUARD_STATE)] if self.cp.guard else []
+            saver.note_loss(step)
             manifest = saver.manifest(tag, step, {}, tier="memory")
         except OSError as e:  # node memory full already here: a failed snapshot, never a failed step
             shutil.rmtree(staging_root, ignore_errors=True)
             return self._no_write(tag, step, t0, interval, failed=e)
         blocking = time.perf_counter() - t0
         self.cp.overhead(blocking)
-        faults = self.cp.faults
         self._job = _Job(self, tag, step, staged, staging_root, nonce, writes, json_writes, manifest, blocking, interval,
-                         dies=faults is not None and faults.dies_writing(step))
+                         dies=self.cp.faults is not None and self.cp.faults.dies_writing(step))
         return tag
 
     def _take_nothing(self, t0: float) -> None:

@@ -149,6 +149,7 @@ def abandon_trajectory(cp, root: Path, step: int) -> list[str]:
             outcome = ([], f"{type(e).__name__}: {e}")
     cp.health.watching = [w for w in cp.health.watching if w.step <= step]
     cp.stable_snapshots = {t for t in cp.stable_snapshots if snapshot_step(t) <= step}
+    cp.saver.losses = {s: loss for s, loss in cp.saver.losses.items() if s <= step}  # (the abandoned steps' go)
     cp.pacer.rewind(step)
     if cp.snapshots is not None:
         cp.snapshots.wait()

@@ -234,7 +234,7 @@ class Saver:
         """One schema for every framework: the layout (the adapter's, and e.g. ``tier``), the lineage (data, config,
         releases, code) and the health at save time."""
         cp, state = self.cp, self.cp.state
-        health = self.note_loss(step)
+        health = cp.guard.health() if cp.guard is not None else {}
         return Manifest(
             tag=tag, step=step, files=files,
             layout={"framework": state.name, **state.layout(), **layout},
@@ -246,14 +246,15 @@ class Saver:
                     "loss_scale": health.get("loss_scale"), **state.health(),
                     "recent_anomalies": health.get("recent_anomalies", [])})
 
-    def note_loss(self, step: int) -> dict:
-        """Every rank, at every save (a manifest is rank 0's; a snapshot's, each rank's own): the loss at ``step``, the
-        lower of the step's and the window median's -- what a rollback to it gains (trainguard.recovery.lrcut.no_room).
-        Returns the guard's health."""
+    def note_loss(self, step: int) -> None:
+        """Every rank, as a save of ``step`` begins (a manifest is rank 0's, and an asynchronous one is written steps
+        later): the loss at ``step``, the lower of the step's and the window median's -- what a rollback to it gains
+        (trainguard.recovery.degrade.keeps_progress). None known: the entry goes (a rollback to it is not refused)."""
         health = self.cp.guard.health() if self.cp.guard is not None else {}
-        if (seen := [x for x in (health.get("loss"), health.get("loss_median")) if x is not None and x == x]):
+        seen = [x for x in (health.get("loss"), health.get("loss_median")) if x is not None and x == x]
+        self.losses.pop(step, None)
+        if seen:
             self.losses[step] = min(seen)
-        return health
 
     def sidecar(self, **kwargs) -> dict:
         """This rank's sidecar: who wrote it, every RNG, and the framework's part (data position, ...)."""

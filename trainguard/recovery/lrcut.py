@@ -97,23 +97,25 @@ class LrHistory:
         time a verdict takes after its onset): the first step's checkpoint is no longer needed."""
         return self.ramp_end is not None and step > self.horizon() + self.settle
 
-    def no_room(self, step: int, to_step: int = 1, now: float | None = None, then: float | None = None) -> str | None:
+    def no_room(self, step: int, to_step: int = 1, now: float | None = None, then: float | None = None,
+                restart: bool = True) -> str | None:
         """Why going back to ``to_step`` at ``step`` would harm the run, or None. Where the loop's count goes on through
         a rollback (Megatron-LM's iteration, HF Trainer's global_step) and ends at :attr:`last_step`, going back leaves
         the run ``last_step - step`` steps to train from ``to_step``'s weights: fewer than the ``step - to_step`` it
-        throws away and the run ends further back than it was. A restart from the first step (``to_step`` 1:
+        throws away and the run ends further back than it was. A ``restart`` from the first step (``to_step`` 1:
         bench/natural's Megatron-LM peers, a restart at iteration 140 of 150 ended +1302% against plain's +983%), and
-        the ordinary rollback for a creep (the driver asks: the same case's rollback from 140 to 50 ended 4.168
-        against plain's 3.860) -- where the loss ``now`` is no higher than it was at ``to_step`` (``then``): the climb
+        the ordinary rollback for a creep (not ``restart``; trainguard.recovery.degrade.keeps_progress asks: the same
+        case's rollback from 140 to 50 ended 4.168 against plain's 3.860) -- where the loss ``now`` is no higher than
+        it was at ``to_step`` (``then``): the climb
         took none of the progress back, and an in-place cut keeps it. A rollback past a loss the climb made worse goes
         back to better weights: taken (None), as is one where either loss is unknown. Where the count rewinds with the
         weights (DeepSpeed's own loop) or the run's length is unknown, no step of the run is lost: None."""
         if self.last_step is None or to_step < 0:
             return None
         left, lost = self.last_step - step, step - max(to_step, 1)
-        if left >= lost or to_step > 1 and (now is None or then is None or now > then):
+        if left >= lost or not restart and (now is None or then is None or now > then):
             return None
-        what = "restart from the first step" if to_step <= 1 else f"rollback to step {to_step}"
+        what = "restart from the first step" if restart else f"rollback to step {to_step}"
         return f"no {what}: it would throw away {lost} steps with {left} left (the run ends at step {self.last_step})"
 
     def at(self, step: int) -> float | None:

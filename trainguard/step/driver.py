@@ -237,9 +237,8 @@ class StepDriver:
         if tag is None:
             tag, why, at = (None, "no checkpoint directory: set trainguard.checkpoint.dir", -1) if root is None else \
                 cp.rollback_target(root, decision.onset_step or step, mode, inclusive=decision.onset_skipped)
-            if tag is not None and decision.anomaly == Anomaly.SLOW_RISE and cp.lr_history is not None and all_true(
-                    bool(no := cp.lr_history.no_room(step, at, decision.loss, cp.saver.losses.get(at)))):
-                tag, why = None, no + ": the LR lowered in place"  # (every rank agrees: a creep, sound weights)
+            if tag is not None and (kept := degrade.keeps_progress(cp, decision, step, at, guard.weights)):
+                tag, why = None, kept  # (a creep whose going back costs more than the run has left: every rank agrees)
         failures: list[dict] = []
         if tag is not None:  # (a target that fails to load: the next, or on where we are -- trainguard.recovery.degrade)
             position = data.state_dict() if data is not None else None
