@@ -659,3 +659,25 @@ def test_a_young_runs_cut_without_its_first_steps_checkpoint_is_the_ordinary_one
     assert rb["detail"]["lr_factor"] == 0.5 and "for the cooldown" in rb["detail"]["reason"]
     policy = s.guard.policy
     assert policy.lr_lasting == 1.0 and policy.lr_applied(10_000) == 1.0
+
+
+def test_an_asynchronous_saves_manifest_says_the_health_of_its_step_not_of_its_commit(tmp_path):
+    """An asynchronous save commits steps after it began; its manifest's health (the loss a rollback's no-room rule
+    and `trainguard ckpt diff` read) is the step's it holds, as the save began (a reviewer: it was the commit's)."""
+    import json
+
+    import pytest
+
+    from trainguard.metrics.jsonl import read
+
+    fw, s, seen, records, ended = run(tmp_path, {"checkpoint": {"async": True}}, 30)
+    assert ended is None
+    loss = {m["step"]: m["loss"] for m in read(tmp_path / "tg.jsonl") if m.get("type") == "metric"}
+    kept = 0
+    for tag in sorted((tmp_path / "ck").glob("step*")):
+        man = json.loads((tag / "manifest.json").read_text())
+        step = man["step"]
+        assert man["health"]["loss"] == pytest.approx(loss[step], rel=1e-6), (step, man["health"], loss[step])
+        assert fw.checkpointer.saver.losses[step] <= man["health"]["loss"]
+        kept += 1
+    assert kept >= 3

@@ -97,7 +97,7 @@ class AsyncSave:
         self.failed_in_a_row = 0
 
     def start(self, job: BackgroundWrite, info: dict) -> None:
-        """Every rank: ``info`` -- tag, root, staging_root, nonce, step, blocking_s, t0, world."""
+        """Every rank: ``info`` -- tag, root, staging_root, nonce, step, blocking_s, t0, world, health."""
         self.job, self.info = job, info
 
     def tag(self) -> str | None:
@@ -153,7 +153,8 @@ class AsyncSave:
         why = as_written(Path(info["staging_root"]) / info["tag"], merged)
         if why is not None:
             raise CheckpointError(f"{why}; not committed")
-        self.cp.saver.commit(info["root"], info["tag"], info["staging_root"], info["nonce"], info["step"], merged)
+        self.cp.saver.commit(info["root"], info["tag"], info["staging_root"], info["nonce"], info["step"], merged,
+                             health=info.get("health"))
 
     def _failed(self, info: dict, error: str, keep: bool = False) -> None:
         """The checkpoint stays invisible (its staging removed); training goes on; after a few in a row, an error

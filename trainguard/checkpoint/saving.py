@@ -209,14 +209,17 @@ class Saver:
         fail = faults.write_error(step) if faults is not None else None
         self.pending.start(BackgroundWrite(staged, writes, json_writes, fail=fail), {
             "tag": tag, "root": root, "staging_root": staging_root, "nonce": nonce, "step": step,
-            "blocking_s": blocking, "t0": t0, "world": world()})
+            "blocking_s": blocking, "t0": t0, "world": world(),
+            "health": cp.guard.health() if cp.guard is not None else {}})  # (the manifest's, as the save began)
         self.note_loss(step)
         cp.saved(root, tag, step)
         return tag
 
-    def commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict) -> None:
-        """Rank 0, once every file is written and hashed: the commit (retention follows: :meth:`retain`)."""
-        commit_staged(root, staging_root, nonce, self.manifest(tag, step, files), key=self.cp.key)
+    def commit(self, root: Path, tag: str, staging_root: Path, nonce: str, step: int, files: dict,
+               health: dict | None = None) -> None:
+        """Rank 0, once every file is written and hashed: the commit (retention follows: :meth:`retain`). ``health``:
+        the guard's as the save began (an asynchronous one commits steps later; None: now)."""
+        commit_staged(root, staging_root, nonce, self.manifest(tag, step, files, health=health), key=self.cp.key)
 
     def retain(self, root: Path) -> None:
         """Rank 0, after a commit every rank knows of: retention. Its failure loses no checkpoint (one too many is
@@ -230,11 +233,11 @@ class Saver:
                                                     "checkpoints stay", root, type(e).__name__, e)
 
     # ------------------------------------------------------------------ what a checkpoint says of itself
-    def manifest(self, tag: str, step: int, files: dict, **layout) -> Manifest:
+    def manifest(self, tag: str, step: int, files: dict, health: dict | None = None, **layout) -> Manifest:
         """One schema for every framework: the layout (the adapter's, and e.g. ``tier``), the lineage (data, config,
-        releases, code) and the health at save time."""
+        releases, code) and the health at save time (``health``: the guard's then; None: now)."""
         cp, state = self.cp, self.cp.state
-        health = cp.guard.health() if cp.guard is not None else {}
+        health = health if health is not None else cp.guard.health() if cp.guard is not None else {}
         return Manifest(
             tag=tag, step=step, files=files,
             layout={"framework": state.name, **state.layout(), **layout},
