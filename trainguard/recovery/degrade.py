@@ -108,10 +108,8 @@ def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why:
     said = {"why": why}
 
     def older() -> tuple:
-        found, said["why"], at = cp.rollback_target(cp.rollback_root(), onset, mode, inclusive=decision.onset_skipped)
-        said["kept"] = keeps_progress(cp, decision, step, at, guard.weights) if found is not None else None
-        if said["kept"]:
-            return cp.rollback_root(), None  # (as for the first target: trainguard.step.driver)
+        # (not asked of keeps_progress: a failed load may have touched the state, and only a load puts it right)
+        found, said["why"], _ = cp.rollback_target(cp.rollback_root(), onset, mode, inclusive=decision.onset_skipped)
         said["why"] += " (a target before it failed to load: recovery_failed)"
         return cp.rollback_root(), found
 
@@ -127,6 +125,6 @@ def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why:
         raise guard.abort(step, dataclasses.replace(decision, action=Action.ABORT, reason=(
             f"{decision.reason}: no rollback target loaded and a failed load changed the run's state; stopped here, "
             f"no checkpoint set aside: {named}")))
-    why = said["why"] if tag is not None else said.get("kept") or \
+    why = said["why"] if tag is not None else \
         "every rollback target failed to load (recovery_failed); nothing was changed: training on from here"
     return decision, root, tag, why, failures
