@@ -142,3 +142,36 @@ def test_a_spike_right_after_the_lr_jumped_is_the_lrs_not_a_batchs():
     assert det.observe(41, 8.0, None, 30.0, lr_ratio=1.0).anomaly == "instant_burst"
     v = det.observe(42, 8.0, None, 30.0, lr_ratio=15.0)
     assert v.anomaly == "slow_rise" and "LR rose x15.00" in v.detail["why"]
+
+
+def test_a_gradient_norm_rising_in_a_warmup_whose_loss_falls_is_no_creep_before_the_trend_knows_a_best():
+    """A held-out draw's healthy run (s5017: no final LayerNorm before the output head, the healthy LR after a warmup
+    of 100 steps) raised its gradient norm 45x in its first 22 steps while its loss fell from 4.85 to 3.94; the loss
+    trend, which needs 32 steps for a level, counted as "up" for want of evidence, and the norm's creep restarted the
+    healthy run with a fourteenth of its LR for good. Before the trend knows a best, "up" is the smoothed loss above the
+    lowest it has been: the falling loss keeps the creep quiet, and the same draw at 20x its LR -- the loss climbing
+    from 4.85 to 36 while the norm rises -- is still a creep, as early as before (step 24)."""
+    from trainguard.config import parse_block
+    from trainguard.detectors.grad_norm import GradNormDetector
+
+    healthy = ([4.853, 4.853, 4.852, 4.849, 4.844, 4.835, 4.827, 4.819, 4.798, 4.775, 4.74, 4.704, 4.626, 4.549, 4.472,
+                4.414, 4.37, 4.202, 4.288, 4.097, 3.942, 3.97],
+               [0.152, 0.097, 0.093, 0.092, 0.088, 0.099, 0.119, 0.121, 0.179, 0.218, 0.304, 0.383, 0.557, 0.691, 0.674,
+                0.938, 1.469, 1.194, 4.252, 2.257, 1.803, 3.857])  # (the ranks' local norms' RMS: what the detector reads)
+    failing = ([4.853, 4.853, 4.852, 4.814, 4.639, 5.019, 7.775, 7.376, 13.713, 7.406, 8.565, 9.224, 13.489, 12.07,
+                14.864, 18.534, 20.576, 19.669, 24.668, 33.992, 33.355, 35.226, 35.97, 27.559],
+               [0.152, 0.097, 0.093, 0.233, 0.752, 7.158, 17.233, 22.845, 17.175, 28.815, 25.832, 24.241, 40.011, 37.849,
+                40.325, 64.825, 71.765, 46.418, 59.337, 94.25, 83.055, 99.072, 88.373, 54.052])
+    cfg = parse_block({}).detectors
+
+    def creeps(losses, norms):
+        trend, grad, found = LossTrendDetector(cfg.loss_trend), GradNormDetector(cfg.grad_norm), []
+        for step, (loss, norm) in enumerate(zip(losses, norms), 1):  # (the order trainguard.detectors.spikes runs them)
+            found += [step for v in grad.observe(step, norm, [0], loss_up=trend.standing_above(0.05))
+                      if v.anomaly == "slow_rise"]
+            trend.observe(step, loss, 0.001, grad=norm)
+        return found, trend
+    quiet, trend = creeps(*healthy)
+    assert quiet == [] and trend.best is None  # (before a best: the case the rule is for)
+    loud, _ = creeps(*failing)
+    assert loud and loud[0] <= 24, loud

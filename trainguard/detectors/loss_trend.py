@@ -91,6 +91,7 @@ class LossTrendDetector:
         self.low_grad: float | None = None    # the lowest level it has fallen to since (the median of ``smooth``)
         self.peak_lr, self.peak_step = 0.0, None  # the highest LR so far and the step it was reached
         self.stalled = False    # a stall is reported once a run
+        self.low: float | None = None  # the lowest smoothed loss of this trajectory (what "up" is before a best)
 
     def smoothed(self) -> float | None:
         if len(self.raw) < self.cfg.smooth:
@@ -115,10 +116,17 @@ class LossTrendDetector:
 
     def standing_above(self, fraction: float) -> bool:
         """Whether the smoothed loss of the steps so far stands above the best level by more than ``fraction`` of it
-        -- and more than the loss's noise and the floor of what it learnt (:meth:`band`) -- (True while no best is
-        known: no evidence either way)."""
+        -- and more than the loss's noise and the floor of what it learnt (:meth:`band`). Before the trend knows a best
+        (its level needs ``4 x smooth`` steps), the evidence there is: the smoothed loss more than ``fraction`` above
+        the lowest it has been -- a loss that keeps falling is no climb, whatever the gradient norm does (a held-out
+        healthy run's warmup raised its norm 45x in 20 steps while its loss fell from 4.85 to 3.94: it was restarted
+        with a fourteenth of its LR). True while not even that is known."""
         s = self.smoothed()
-        return self.best is None or s is None or s > self.band(fraction)
+        if s is None:
+            return True
+        if self.best is None:
+            return self.low is None or s > self.low + fraction * abs(self.low)
+        return s > self.band(fraction)
 
     def observe(self, step: int, loss: float, lr: float | None = None,
                 grad_ratio: Callable[[int], float | None] | None = None,
@@ -145,6 +153,7 @@ class LossTrendDetector:
             return None
         if self.first is None and len(self.raw) >= self.cfg.smooth:
             self.first = s  # (the first smoothed loss: where the run began, before its fast first fall)
+        self.low = s if self.low is None else min(self.low, s)
         level = self.level()
         stall = self._stall(step, loss, level, ranks)
         if stall is not None:
@@ -219,7 +228,7 @@ class LossTrendDetector:
         and the best is the one the run had at ``to_step`` (a later best, from steps the rollback undid, would make
         the loss of an earlier checkpoint look like a climb)."""
         self.raw.clear()
-        self.above, self.reported = 0, False
+        self.above, self.reported, self.low = 0, False, None
         self.stalled = True  # (a stall is judged on the run's first trajectory only: after a rollback its peak, its
         # gradient's first level and low belong to the steps undone)
         if to_step is None:
@@ -235,7 +244,7 @@ class LossTrendDetector:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
                 "spread": self.spread, "first": self.first, "first_step": self.first_step,
                 "start": self.start, "head": self.head, "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
-                "stalled": self.stalled}
+                "stalled": self.stalled, "low": self.low}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step = state.get("best"), int(state.get("best_step", 0))
@@ -246,6 +255,7 @@ class LossTrendDetector:
         self.first_grad, self.stalled = state.get("first_grad"), bool(state.get("stalled", False))
         self.low_grad, self.start, self.head = state.get("low_grad"), state.get("start"), list(state.get("head", []))
         self.peak_lr, self.peak_step = float(state.get("peak_lr") or 0.0), state.get("peak_step")
+        self.low = state.get("low")
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
         self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]
                            if self.best is not None else [], maxlen=self.bests.maxlen)
