@@ -266,7 +266,7 @@ def _keeps_progress_on(rank: int, world: int, store: str, losses: list, out: str
 
     from trainguard.decisions import Decision
     from trainguard.events import Action, Anomaly
-    from trainguard.recovery.degrade import keeps_progress
+    from trainguard.recovery.room import keeps_progress
     from trainguard.recovery.lrcut import LrHistory
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

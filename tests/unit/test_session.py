@@ -479,7 +479,7 @@ def test_a_creep_named_late_keeps_its_progress_where_going_back_would_cost_more_
 
 
 def test_a_rollback_decision_carries_the_loss_it_was_decided_at(tmp_path):
-    """What the no-room rule compares a checkpoint's loss with (trainguard.recovery.degrade.keeps_progress): the
+    """What the no-room rule compares a checkpoint's loss with (trainguard.recovery.room.keeps_progress): the
     judgement puts the step's loss -- or the loss window's median, when higher -- on every rollback it decides."""
     taken = []
 

@@ -100,8 +100,7 @@ class MemoryTier:
             saver = self.cp.saver  # (trainguard's own parts: the same as a disk checkpoint's)
             writes.append((host_copy(saver.sidecar()), staged / SIDECAR / f"rank{_rank()}.pt"))
             json_writes = [(self.cp.guard.state_dict(), staged / SIDECAR / GUARD_STATE)] if self.cp.guard else []
-            saver.note_loss(step)
-            manifest = saver.manifest(tag, step, {}, tier="memory")
+            manifest = saver.manifest(tag, step, {}, health=saver.note_loss(step), tier="memory")
         except OSError as e:  # node memory full already here: a failed snapshot, never a failed step
             shutil.rmtree(staging_root, ignore_errors=True)
             return self._no_write(tag, step, t0, interval, failed=e)

@@ -210,8 +210,7 @@ class Saver:
         self.pending.start(BackgroundWrite(staged, writes, json_writes, fail=fail), {
             "tag": tag, "root": root, "staging_root": staging_root, "nonce": nonce, "step": step,
             "blocking_s": blocking, "t0": t0, "world": world(),
-            "health": cp.guard.health() if cp.guard is not None else {}})  # (the manifest's, as the save began)
-        self.note_loss(step)
+            "health": self.note_loss(step)})  # (the manifest's, as the save began)
         cp.saved(root, tag, step)
         return tag
 
@@ -237,7 +236,7 @@ class Saver:
         """One schema for every framework: the layout (the adapter's, and e.g. ``tier``), the lineage (data, config,
         releases, code) and the health at save time (``health``: the guard's then; None: now)."""
         cp, state = self.cp, self.cp.state
-        health = health if health is not None else cp.guard.health() if cp.guard is not None else {}
+        health = health if health is not None else self.health()
         return Manifest(
             tag=tag, step=step, files=files,
             layout={"framework": state.name, **state.layout(), **layout},
@@ -249,15 +248,21 @@ class Saver:
                     "loss_scale": health.get("loss_scale"), **state.health(),
                     "recent_anomalies": health.get("recent_anomalies", [])})
 
-    def note_loss(self, step: int) -> None:
+    def health(self) -> dict:
+        """The guard's health now (a manifest's ``health``; empty without a guard)."""
+        return self.cp.guard.health() if self.cp.guard is not None else {}
+
+    def note_loss(self, step: int) -> dict:
         """Every rank, as a save of ``step`` begins (a manifest is rank 0's, and an asynchronous one is written steps
         later): the loss at ``step``, the lower of the step's and the window median's -- what a rollback to it gains
-        (trainguard.recovery.degrade.keeps_progress). None known: the entry goes (a rollback to it is not refused)."""
-        health = self.cp.guard.health() if self.cp.guard is not None else {}
+        (trainguard.recovery.room.keeps_progress). None known: the entry goes (a rollback to it is not refused).
+        Returns the health it read (the manifest's, where the save writes one now)."""
+        health = self.health()
         seen = [x for x in (health.get("loss"), health.get("loss_median")) if x is not None and x == x]
         self.losses.pop(step, None)
         if seen:
             self.losses[step] = min(seen)
+        return health
 
     def sidecar(self, **kwargs) -> dict:
         """This rank's sidecar: who wrote it, every RNG, and the framework's part (data position, ...)."""

@@ -28,7 +28,7 @@ import torch
 
 from trainguard.checkpoint.rollback import target_key
 from trainguard.errors import TrainguardAbort
-from trainguard.events import Action, Anomaly, Record
+from trainguard.events import Action, Record
 from trainguard.ranks.isolation import all_true, failures_of
 
 MAX_TRIES = 3  # targets tried before the run goes on (or stops) without a rollback
@@ -82,20 +82,6 @@ def load_degrading(cp, fw, root: Path, tag: str, older: Callable[[], tuple], fai
     return None, None, all_true(before is not None and after == before), failures
 
 
-def keeps_progress(cp, decision, step: int, at: int, weights: str | None) -> str | None:
-    """Every rank together (one all-reduce, where it asks): why the ordinary rollback to the checkpoint of step ``at``
-    chosen for ``decision`` at ``step`` is not taken -- a creep (a slow_rise, the LR lowered with it) whose going back
-    would throw away more steps than the run has left, to weights whose loss at their save was no lower than now
-    (trainguard.recovery.lrcut.LrHistory.no_room): the LR is lowered in place instead -- or None: taken. Never for
-    damaged weights (``weights``: the replay's check), nor a step with a non-finite value or a burst among its verdicts.
-    A rank that does not know a loss says "take it", and so every rank does."""
-    if decision.anomaly != Anomaly.SLOW_RISE or not decision.lower_lr or cp.lr_history is None or at < 0 or \
-            weights == "damaged" or any(v.anomaly in ("nonfinite", "instant_burst") for v in decision.verdicts):
-        return None  # (the same on every rank: the decision, the weights check and the target are agreed)
-    no = cp.lr_history.no_room(step, at, decision.loss, cp.saver.losses.get(at), restart=False)
-    return f"{no}: the LR lowered in place" if all_true(bool(no)) else None
-
-
 def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why: str, mode: str,
                   lr_factor: float) -> tuple:
     """The driver's rollback load (trainguard.step.driver): ``root/tag`` chosen for ``decision``, then the best target left
@@ -108,7 +94,7 @@ def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why:
     said = {"why": why}
 
     def older() -> tuple:
-        # (not asked of keeps_progress: a failed load may have touched the state, and only a load puts it right)
+        # (not asked of trainguard.recovery.room: a failed load may have touched the state, and only a load puts it right)
         found, said["why"], _ = cp.rollback_target(cp.rollback_root(), onset, mode, inclusive=decision.onset_skipped)
         said["why"] += " (a target before it failed to load: recovery_failed)"
         return cp.rollback_root(), found

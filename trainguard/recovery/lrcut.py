@@ -104,11 +104,11 @@ class LrHistory:
         the run ``last_step - step`` steps to train from ``to_step``'s weights: fewer than the ``step - to_step`` it
         throws away and the run ends further back than it was. A ``restart`` from the first step (``to_step`` 1:
         bench/natural's Megatron-LM peers, a restart at iteration 140 of 150 ended +1302% against plain's +983%), and
-        the ordinary rollback for a creep (not ``restart``; trainguard.recovery.degrade.keeps_progress asks: the same
+        the ordinary rollback for a creep (not ``restart``; trainguard.recovery.room.keeps_progress asks: the same
         case's rollback from 140 to 50 ended 4.168 against plain's 3.860) -- where the loss ``now`` is no higher than
-        it was at ``to_step`` (``then``): the climb
-        took none of the progress back, and an in-place cut keeps it. A rollback past a loss the climb made worse goes
-        back to better weights: taken (None), as is one where either loss is unknown. Where the count rewinds with the
+        it was at ``to_step`` (``then``): the climb took none of the progress back, and an in-place cut keeps it. A
+        rollback past a loss the climb made worse goes back to better weights: taken (None), as is one where either
+        loss is unknown. Where the count rewinds with the
         weights (DeepSpeed's own loop) or the run's length is unknown, no step of the run is lost: None."""
         if self.last_step is None or to_step < 0:
             return None

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from trainguard import decisions
 
-from trainguard.recovery import degrade, scale_remedy
+from trainguard.recovery import degrade, room, scale_remedy
 from trainguard.prevent.clipping import Clipper
 from trainguard.config import TrainguardConfig
 from trainguard.events import Action, Anomaly, Record
@@ -237,7 +237,7 @@ class StepDriver:
         if tag is None:
             tag, why, at = (None, "no checkpoint directory: set trainguard.checkpoint.dir", -1) if root is None else \
                 cp.rollback_target(root, decision.onset_step or step, mode, inclusive=decision.onset_skipped)
-            if tag is not None and (kept := degrade.keeps_progress(cp, decision, step, at, guard.weights)):
+            if tag is not None and (kept := room.keeps_progress(cp, decision, step, at, guard.weights)):
                 tag, why = None, kept  # (a creep whose going back costs more than the run has left: every rank agrees)
         failures: list[dict] = []
         if tag is not None:  # (a target that fails to load: the next, or on where we are -- trainguard.recovery.degrade)
