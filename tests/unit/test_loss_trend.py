@@ -175,3 +175,35 @@ def test_a_gradient_norm_rising_in_a_warmup_whose_loss_falls_is_no_creep_before_
     assert quiet == [] and trend.best is None  # (before a best: the case the rule is for)
     loud, _ = creeps(*failing)
     assert loud and loud[0] <= 24, loud
+
+
+def test_a_loss_that_climbs_from_where_it_began_before_the_trend_can_speak_names_where_it_stopped_falling():
+    """What the LR range test reads in a young run's bf16 start-over (trainguard.step.judgement): a held-out draw (s5020,
+    one wide head at 50x in fp16) climbed from 4.66 to 8.17 in its first steps as its LR rose, and overflowed fp16 at
+    22 -- 32 steps before the trend has a level. The step its loss stopped falling is named (the bottom, where the
+    climb began); the healthy draw whose loss fell all the way (s5017) names none, nor does a climb after the trend has
+    its best (the band's), nor one after ``before``; a rollback forgets it, a checkpoint keeps it."""
+    s5020 = [4.88, 4.87, 4.66, 5.12, 6.44, 6.67, 8.17, 7.0, 6.15, 7.02, 6.86, 6.24, 5.91, 5.36, 4.99, 4.7, 4.77, 4.7,
+             4.92, 4.97, 4.93]
+    cfg = LossTrendConfig()
+    trend = LossTrendDetector(cfg)
+    for step, loss in enumerate(s5020, 2):  # (its steps after a restart from the first step: 2, 3, ...)
+        trend.observe(step, loss, 0.01 * step)
+    bottom = trend.early_climb(22)
+    assert bottom is not None and 2 <= bottom <= 5 and trend.best is None
+    assert trend.early_climb(9) is None  # (the climb was seen later than that)
+    again = LossTrendDetector(cfg)
+    again.load_state_dict(trend.state_dict())
+    assert again.early_climb(22) == bottom
+    trend.rolled_back(1)
+    assert trend.early_climb(22) is None
+    healthy = [4.853, 4.853, 4.852, 4.849, 4.844, 4.835, 4.827, 4.819, 4.798, 4.775, 4.74, 4.704, 4.626, 4.549, 4.472,
+               4.414, 4.37, 4.202, 4.288, 4.097, 3.942, 3.97]
+    quiet = LossTrendDetector(cfg)
+    for step, loss in enumerate(healthy, 1):
+        quiet.observe(step, loss, 0.001 * step)
+    assert quiet.early_climb(len(healthy)) is None
+    late = LossTrendDetector(cfg)  # a climb once the trend has a best: the band's, not this
+    for step, loss in enumerate(megatron_lr_blowup(), 1):
+        late.observe(step, loss, 0.003)
+    assert late.best is not None and late.early_climb(10 ** 6) is None

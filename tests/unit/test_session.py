@@ -543,11 +543,30 @@ def test_a_young_runs_bf16_fallback_starts_over_from_its_first_step_and_keeps_on
     again = [r for r in records if r["event"] == "checkpoint_saved" and r["time"] >= fb["time"]
              and r["detail"]["dir"].endswith(".first")]
     assert [r["detail"]["tag"] for r in again] == ["step00000001"]
-    # the policy may still restart a later climb once (the bf16 start-over is not the LR's)
-    assert not s.guard.policy.restarted
+    # the policy may still restart a later climb once (the bf16 start-over is not the LR's: its loss never climbed)
+    assert not s.guard.policy.restarted and s.guard.policy.lr_factor == 1.0
     # the main directory's own checkpoint of step 1 (the fallback's, in bf16) keeps its watch: it became stable there
     assert (tmp_path / "ck" / "step00000001" / "stable.json").is_file()
     assert not (tmp_path / "ck" / ".first" / "step00000001" / "stable.json").exists()
+
+
+def test_a_young_runs_bf16_start_over_whose_loss_climbed_as_its_lr_rose_cuts_the_lr_too(tmp_path):
+    """A held-out draw (s5020: a wide head at 50x in fp16) climbed from its first loss as its warmup rose, before the
+    loss trend could speak, then overflowed fp16; restarted in bf16 at the same LR it stood at its first level for
+    good (+341% against healthy). Where the loss climbed more than ``rise`` above where it began as the LR rose, before
+    the fp16 trouble, the start-over also cuts the LR to a tenth of the LR where the loss stopped falling (the LR range
+    test's rule), for the rest of the run -- and that restart is the LR's (once a run)."""
+    fw, s, seen, records, ended = run(tmp_path, {
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30},
+                   {"type": "lr_ramp", "step": 2, "steps": 14, "factor": 1.05}]
+        + [{"type": "spike_batch", "step": k, "factor": 2.0} for k in range(5, 12)],  # (the loss climbs from step 5)
+        "recovery": {"skip_batches": 0}}, 40, fp16=True)
+    assert ended is None and fw.precision == "bf16" and fw.steps == 40
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["anomaly"] == "loss_scale" and rb["detail"]["to_step"] == 1 and "from_first_step" in rb["detail"]
+    assert "range test" in rb["detail"]["reason"] and rb["detail"]["lr_factor"] < 0.1
+    policy = s.guard.policy
+    assert policy.restarted and policy.lr_factor == policy.lr_lasting == rb["detail"]["lr_factor"]
 
 
 def test_the_first_steps_checkpoint_is_removed_once_the_run_is_grown(tmp_path):

@@ -31,6 +31,11 @@ peak --, the verdict is a ``slow_rise`` from the LR's peak (once a run).
 Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a run that learns brings its loss
 down. A history that begins mid-run (a resume without the guard's state) has no first level to stall at.
 
+Before the trend can speak it also keeps the loss's **bottom** (where the run began, then the lowest smoothed loss) and
+the first time the smoothed loss stood ``rise`` above it (:meth:`LossTrendDetector.early_climb`): no verdict -- too
+few steps to tell a climb from the first steps' noise --, the evidence a young run's bf16 start-over sizes its LR cut
+by (trainguard.step.judgement).
+
 Its verdict carries ``onset_step``: the step of the best loss (a stall's: the LR's peak), which a rollback must not
 go past.
 Host floats only; the same numbers on every rank, so the same verdict everywhere.
@@ -92,6 +97,8 @@ class LossTrendDetector:
         self.peak_lr, self.peak_step = 0.0, None  # the highest LR so far and the step it was reached
         self.stalled = False    # a stall is reported once a run
         self.low: float | None = None  # the lowest smoothed loss of this trajectory (what "up" is before a best)
+        self.bottom: tuple[int, float] | None = None  # before a best: the lowest the loss has been, and its step
+        self.climb: tuple[int, int] | None = None     # (the bottom's step, the step the smoothed loss stood ``rise`` above it)
 
     def smoothed(self) -> float | None:
         if len(self.raw) < self.cfg.smooth:
@@ -140,6 +147,8 @@ class LossTrendDetector:
         if len(self.head) < 3:  # (three: one unusually easy first batch does not set where the run began)
             self.head.append(loss)
             self.start = statistics.median(self.head) if len(self.head) == 3 else None
+            if self.start is not None and self.bottom is None:
+                self.bottom = (step, self.start)  # (where the run began: the smoothed loss needs ``smooth`` steps)
         if grad is not None and math.isfinite(grad):
             self.grads.append(grad)
             if len(self.grads) == self.grads.maxlen:
@@ -154,6 +163,11 @@ class LossTrendDetector:
         if self.first is None and len(self.raw) >= self.cfg.smooth:
             self.first = s  # (the first smoothed loss: where the run began, before its fast first fall)
         self.low = s if self.low is None else min(self.low, s)
+        if self.best is None and self.climb is None:  # (before the trend can speak: the loss's bottom, and a climb from it)
+            if self.bottom is None or s < self.bottom[1]:
+                self.bottom = (step, s)
+            elif s > self.bottom[1] + self.cfg.rise * abs(self.bottom[1]):
+                self.climb = (self.bottom[0], step)
         level = self.level()
         stall = self._stall(step, loss, level, ranks)
         if stall is not None:
@@ -216,6 +230,12 @@ class LossTrendDetector:
             "evidence": why, "onset_step": self.peak_step,
             "remedy": "lower the LR (or lengthen the warmup): the run stalled at its first level from its peak LR"})
 
+    def early_climb(self, before: int) -> int | None:
+        """The step where the loss stopped falling, where it climbed more than ``rise`` above its bottom by step
+        ``before`` while the trend could not yet speak (it needs ``4 x smooth`` steps for a level): the LR range test's
+        evidence in a young run (trainguard.recovery.lrcut.LrHistory.range_cut); None where it did not."""
+        return self.climb[0] if self.climb is not None and self.climb[1] <= before else None
+
     def _jumped(self, band: float) -> bool:
         """Whether the loss left the band in one step and stayed out: the first recent step above the band was
         followed only by steps above it (a gradual climb wanders back into the band now and then)."""
@@ -229,6 +249,7 @@ class LossTrendDetector:
         the loss of an earlier checkpoint look like a climb)."""
         self.raw.clear()
         self.above, self.reported, self.low = 0, False, None
+        self.bottom = self.climb = None  # (the early climb is the abandoned trajectory's)
         self.stalled = True  # (a stall is judged on the run's first trajectory only: after a rollback its peak, its
         # gradient's first level and low belong to the steps undone)
         if to_step is None:
@@ -244,7 +265,7 @@ class LossTrendDetector:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
                 "spread": self.spread, "first": self.first, "first_step": self.first_step,
                 "start": self.start, "head": self.head, "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
-                "stalled": self.stalled, "low": self.low}
+                "stalled": self.stalled, "low": self.low, "bottom": self.bottom, "climb": self.climb}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step = state.get("best"), int(state.get("best_step", 0))
@@ -256,6 +277,7 @@ class LossTrendDetector:
         self.low_grad, self.start, self.head = state.get("low_grad"), state.get("start"), list(state.get("head", []))
         self.peak_lr, self.peak_step = float(state.get("peak_lr") or 0.0), state.get("peak_step")
         self.low = state.get("low")
+        self.bottom, self.climb = (tuple(state[k]) if state.get(k) else None for k in ("bottom", "climb"))
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
         self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]
                            if self.best is not None else [], maxlen=self.bests.maxlen)

@@ -100,6 +100,10 @@ class Spikes:
     def loss_median(self) -> float | None:
         return self.loss_spike.window.median() if len(self.loss_spike.window) else None
 
+    def early_climb(self, before: int) -> int | None:
+        """Where the loss stopped falling before it climbed, in the steps before the trend can speak (None: it did not)."""
+        return self.loss_trend.early_climb(before)
+
     def rise_onset(self, step: int) -> int | None:
         """Where the gradient's current rise began (None: not in one)."""
         return self.grad_norm.onset(step) if self.grad_norm.in_rise else None

@@ -268,9 +268,9 @@ class StepDriver:
             data.load_state_dict(position)       # where we were, quarantine included ...
             data.skip(skip)                      # ... and then some
         abandoned = cp.abandon_after(cp.rollback_root(), to_step)
-        # (a restart in bf16 is not the LR's: a later climb may still restart, once)
+        # (a restart in bf16 is not the LR's unless it cut the LR too: a later climb may still restart, once)
         self.policy.rolled_back(step, decision.lower_lr, {"to_tag": tag, "to_step": to_step,
-                                                           "restart": restart and not scale_case,
+                                                           "restart": restart and (not scale_case or decision.lower_lr),
                                                            "anomaly": decision.anomaly}, scale=scale,
                                  until=goes_on + rc.lr_cooldown_steps, lasting=decision.lasting)
         self._lr_changed()  # (the loaded optimizer's LRs were the checkpoint's: the scheduler's, x the factor now)

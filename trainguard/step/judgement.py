@@ -15,7 +15,7 @@ from trainguard.ranks.attribution import culprit_samples
 from trainguard.detectors.loss_scale import LossScaleWatch
 from trainguard.detectors.registry import Decide
 from trainguard.detectors.straggler import StragglerDetector
-from trainguard.events import Action
+from trainguard.events import Action, Remedy
 from trainguard.recovery.lrcut import LrHistory
 from trainguard.recovery.policy import Decision, Policy
 from trainguard.replay.replays import Replays
@@ -61,6 +61,7 @@ class Judgement:
         if refused and decision.action is Action.ROLLBACK and (self._rise_refused or self._restart_refused and once
                                                                and decision.anomaly == "slow_rise"):
             decision = replace(decision, reason=f"{decision.reason}; {refused}")
+        decision = self._range_cut(step, decision)
         if decision.action is Action.ROLLBACK and math.isfinite(loss := ctx.summary.loss_mean):
             decision = replace(decision, loss=max(loss, self.stats.loss_median() or loss))
         self.last = decision
@@ -90,6 +91,28 @@ class Judgement:
             self._rise_refused = self._rise_refused or (young and not room)
             return young and room
         return rising
+
+    def _range_cut(self, step: int, decision):
+        """A young run's bf16 start-over from its first step (its LR still rising into the fp16 trouble) whose loss had
+        climbed from its bottom as the LR rose, before the trouble and before the loss trend could speak: the LR was too
+        high too, and bf16 at the same LR fails the same way without fp16's overflow to say so (a held-out draw, a wide
+        head at 50x: restarted in bf16 at its LR, it stood at its first level, +341% against healthy). The cut is the LR
+        range test's (trainguard.recovery.lrcut.LrHistory.range_cut), for the rest of the run; the restart is then the
+        LR's (once a run)."""
+        if decision.remedy is not Remedy.BF16_FALLBACK or not decision.restart or decision.lower_lr \
+                or self.policy.restarted or self.cfg.recovery.lr_cut != "evidence":
+            return decision
+        bottom = self.stats.early_climb(decision.onset_step or step)
+        cut = self.lr_history.range_cut(bottom, step) if bottom is not None else None
+        if cut is None:
+            return decision
+        (scale, why), floor = cut, self.cfg.recovery.lr_floor
+        if self.policy.lr_factor * scale < floor:
+            scale, why = floor / self.policy.lr_factor, f"{why}; held at lr_floor {floor}"
+        if scale >= 1:
+            return decision
+        return replace(decision, lower_lr=True, lr_scale=scale, lasting=True,
+                       reason=f"{decision.reason}; LR x{scale:.3g}: {why}; for the rest of the run")
 
     def _stragglers(self, step: int, ctx: Decide, summary_way: bool) -> None:
         """Alerts only (no ladder acts on a slow rank); one that stays slow has its host suspected."""
@@ -123,7 +146,7 @@ class Judgement:
         verdict = self.loss_scale.observe(step, scaler, overflowed=not applied)
         if verdict is None:
             return None
-        scale_decision = self.policy.decide_loss_scale(verdict, step, lr_rising=self._rising(step))
+        scale_decision = self._range_cut(step, self.policy.decide_loss_scale(verdict, step, lr_rising=self._rising(step)))
         if (refused := self.lr_history.no_room(step)) and self._rise_refused:
             scale_decision = replace(scale_decision, reason=f"{scale_decision.reason}; {refused}")
         self.log.verdict(step, verdict, scale_decision, None, self.skipped_steps, self.replays.check)
