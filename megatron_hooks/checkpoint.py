@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainguard.ports import CheckpointError, hashed_writes, STAGING, verified_reads
+from trainguard.ports import by_turns, CheckpointError, hashed_writes, STAGING, verified_reads
 from trainguard.events import Record
 from megatron_hooks.parts import _dtype, _optimizers, _unwrap
 from megatron_hooks.snapshots import OWN_STATE_LAYOUT, SHARD, MegatronShard
@@ -194,18 +194,18 @@ class MegatronState:
         if local:
             _same_layout(tag_dir, man.layout, now)  # (before the precision follows it: a refused load changes nothing)
         self._match_precision(man.layout.get("precision"), now["precision"], tag)
-        if local:
-            return self._load_local(tag_dir, man, reader, now)
+        if local:  # (each rank's own state; the replicas read the first one's weights: by turns where a node must)
+            shard = MegatronShard(self, once=True)
+            by_turns(2 * shard.read_bytes(reader), lambda: shard.load(reader, tag_dir))
+            return self._loaded(man, now)
         fresh = man.layout.get("optimizer_state") == "empty"  # (written before any update: _stateless)
         moments = [(o.optimizer.state, dict(o.optimizer.state)) for o in _optimizers(mg.optimizer) if fresh]
         try:
             for o in _optimizers(mg.optimizer):
                 if fresh:
                     o.optimizer.state.clear()
-                elif _distributed(o) and not o.optimizer.state:
-                    # a distributed optimizer before its first step has no state to load into, and without
-                    # apex/TE cannot even describe it: megatron's own dummy initialisation, overwritten next
-                    o._init_optimizer_states_with_dummy_values()
+                elif _distributed(o) and not o.optimizer.state:  # (before its first step: nothing to load into,
+                    o._init_optimizer_states_with_dummy_values()  # nor apex/TE to describe it: megatron's own dummies)
             if f"{DIST}/{CONFIG}" in reader.files:  # (dist_checkpointing opens its JSON config by path: checked first)
                 reader.read(tag_dir / DIST / CONFIG)
             with verified_reads(reader):  # (its pickled .metadata, the .distcp tensors, an older release's common.pt)
@@ -217,13 +217,9 @@ class MegatronState:
             _unwrap(chunk).load_state_dict(loaded[f"model{i}" if len(mg.chunks) > 1 else "model"])
         mg.optimizer.load_state_dict(loaded["optimizer"])
         _step_from_groups(mg.optimizer)
-        self._main_params_to_model(man.layout.get("precision"), now["precision"])
-        mg.iteration = man.step
-        return None, {}
+        return self._loaded(man, now)
 
-    def _load_local(self, tag_dir: Path, man, reader, now: dict):
-        """A checkpoint of each rank's own state (:meth:`capture_local`), at the layout it was written at only."""
-        MegatronShard(self, once=True).load(reader, tag_dir)
+    def _loaded(self, man, now: dict):
         self._main_params_to_model(man.layout.get("precision"), now["precision"])
         self.mg.iteration = man.step
         return None, {}

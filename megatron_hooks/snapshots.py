@@ -81,6 +81,9 @@ class MegatronShard:
         state = self.state()
         return [] if state is None else [(host_copy(state), staging_root / tag / SHARD / f"rank{_rank()}.pt")]
 
+    def read_bytes(self, reader) -> int:  # (what :meth:`load` reads: this rank's file and the first replica's)
+        return sum(int(reader.files.get(f"{SHARD}/rank{r}.pt", {}).get("size", 0)) for r in {_rank(), self.first})
+
     def load(self, reader, tag_dir: Path) -> None:
         """Put this rank's shard of ``tag_dir`` back (bytes checked by ``reader`` against the manifest first)."""
         mg, me = self.ms.mg, _rank()

@@ -36,6 +36,7 @@ from trainguard.replay.module_replays import ModuleReplays
 from trainguard.checkpoint.async_writer import snapshot as host_copy
 from trainguard.checkpoint.auth import key_from
 from trainguard.checkpoint.fsio import save_hashed
+from trainguard.checkpoint.hostroom import by_turns
 from trainguard.checkpoint.layout import STAGING, CheckpointError, check_own_dir
 from trainguard.checkpoint.resume import first_resumable, newest_resumable_folder
 from trainguard.checkpoint.verified_io import load_weights, verified_reads
@@ -66,7 +67,7 @@ __all__ = [
     "StepOutcome", "ScalerState", "AppliedGradMeter", "LaunchGate", "digest", "zero_adam_moments", "goes_on", "PoisonFirstLeaf",
     "install_grad_hooks", "OutputFlags", "finite_proxy", "output_value", "rng_state", "row_of", "rows_of",
     "scalar_loss", "set_rng_state", "FiniteWatch", "first_nonfinite", "preserved_rng", "host_copy", "key_from",
-    "save_hashed", "STAGING", "CheckpointError", "first_resumable", "newest_resumable_folder", "load_weights", "verified_reads", "hashed_writes",
+    "save_hashed", "by_turns", "STAGING", "CheckpointError", "first_resumable", "newest_resumable_folder", "load_weights", "verified_reads", "hashed_writes",
     "DataPosition", "TrackedLoader", "sanitizing", "sanitize", "broadcast_from_rank0", "collective_device",
     "gather_coords", "rank", "world", "World", "check_backend", "forget_framework", "form",
     "close_window", "reentered", "reentering", "remember_attributes", "replace_rank", "surviving", "RunFacts", "bf16_supported", "Refusal",

@@ -374,3 +374,49 @@ def test_an_authenticated_run_end_to_end_refuses_every_altered_file(tmp_path, to
     rotated = torchrun(again, 12, out_name="rotated")
     log = (rotated.out / "torchrun.log").read_text()
     assert rotated.rc != 0 and "none can be loaded" in log and sorted(p.name for p in d.iterdir()) == listing
+
+
+def _by_turns_on(rank: int, world: int, store: str, each: int, fail: int, out: str) -> None:
+    """One rank of the test below: a load of ``each`` bytes through trainguard.checkpoint.hostroom.by_turns."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from trainguard.checkpoint.hostroom import by_turns
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        def load():
+            began = time.time()
+            time.sleep(0.5)
+            if rank == fail:
+                raise OSError("the load failed")
+            return [began, time.time()]
+        try:
+            said = by_turns(each, load)
+        except OSError as e:
+            said = str(e)
+        dist.barrier()  # (every rank came out: none waits in a collective the others never entered)
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("each, fail", [(1, -1), (2 ** 50, -1), (2 ** 50, 0)])
+def test_the_ranks_of_a_node_load_by_turns_where_its_memory_cannot_hold_them_all(tmp_path, each, fail):
+    """A restart from the first step's checkpoint: every data-parallel replica reads the weights the first one wrote,
+    bytes then tensors (megatron_hooks: about twice the file each; 8 replicas on a node, 16 states at once). Where the
+    node's memory cannot hold that (here: 2**50 bytes each), the ranks of the node load one after another -- their
+    loads do not overlap --; where it can, at once (they overlap). A load that fails raises on its rank after the turns,
+    and the other ranks' loads go on."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_by_turns_on, args=(2, str(tmp_path / "store"), each, fail, str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    if fail == 0:
+        assert said[0] == "the load failed" and isinstance(said[1], list), said
+        return
+    (a0, b0), (a1, b1) = said
+    overlap = min(b0, b1) - max(a0, a1)
+    assert (overlap > 0.2) is (each == 1), said

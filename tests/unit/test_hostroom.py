@@ -91,3 +91,12 @@ def test_an_async_save_that_fits_stays_in_the_background(tmp_path, monkeypatch, 
     cp.wait_pending()
     assert CheckpointLayout(Path(cp.cfg.dir)).tags() == [tag]
     assert not [r for r in caplog.records if "synchronously" in r.getMessage()]
+
+
+def test_a_load_outside_a_process_group_runs_once_whatever_the_memory_says(monkeypatch):
+    """trainguard.checkpoint.hostroom.by_turns on one process: its one turn, with or without room (the turns of a
+    node's ranks: tests/dist/test_checkpoint_dist.py)."""
+    calls = []
+    assert hostroom.by_turns(2**50, lambda: calls.append(1) or "loaded") == "loaded"
+    monkeypatch.setattr(hostroom, "available", lambda: None)  # (nothing says: at once)
+    assert hostroom.by_turns(2**50, lambda: calls.append(1) or "again") == "again" and calls == [1, 1]

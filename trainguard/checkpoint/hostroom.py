@@ -8,11 +8,19 @@ alive. So the save asks first, from what the node says is available to this job 
 ``/proc/meminfo`` and, where the job runs in a cgroup (Slurm, Kubernetes, Docker), the cgroup's limit less its use
 -- and where the copies would not fit with a margin, the save is written synchronously instead (the framework's
 own way, tensor by tensor: nothing held at once) and says why.
+
+A load of trainguard's own files has the same shape the other way: each rank reads a file's bytes, then its tensors
+(about twice the file at once), and on a restart from the first step's checkpoint every data-parallel replica reads the
+weights the first of them wrote -- on a node of 8 replicas, 16 states in host memory at once. Where some node cannot hold
+that, the ranks of each node take turns (:func:`by_turns`).
 """
 from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 MARGIN = 0.75  # of what is available: the copies may take at most this share (the rest: loaders, NCCL, the processes)
 
@@ -101,6 +109,38 @@ def node_refusal(each: int, gather) -> str | None:
     here = socket.gethostname()
     mine = [n for host, n in gather((here, each)) if host == here]
     return refusal(sum(mine), len(mine))
+
+
+def by_turns(each: int, load: Callable[[], T]) -> T:
+    """Every rank, together: ``load()``, which holds about ``each`` bytes of host memory while it runs. Where the ranks of
+    some node would not fit its memory all at once (:func:`refusal`, on what each node says it has -- every rank judges
+    every node from one gather, so all take the same way), the ranks of each node load one after another, a barrier
+    between turns (as many on every rank: a load that fails waits its turns out, then raises); else all at once."""
+    from trainguard.ranks.isolation import gather_objects, rank
+
+    here = socket.gethostname()
+    seen = gather_objects((here, int(each or 0), available()))
+    nodes: dict[str, list] = {}
+    for host, n, have in seen:
+        node = nodes.setdefault(host, [0, 0, have])
+        node[0], node[1] = node[0] + n, node[1] + 1
+    if not any(have is not None and refusal(need, ranks, have) for need, ranks, have in nodes.values()):
+        return load()
+    import torch.distributed as dist
+
+    mine = [r for r, (host, _, _) in enumerate(seen) if host == here].index(rank())
+    result, error = None, None
+    for turn in range(max(ranks for _, ranks, _ in nodes.values())):
+        if turn == mine:
+            try:
+                result = load()
+            except BaseException as e:  # noqa: BLE001 - (raised after the turns: the others wait at each barrier)
+                error = e
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    if error is not None:
+        raise error
+    return result
 
 
 def _gb(n: float) -> str:
