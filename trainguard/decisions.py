@@ -4,7 +4,7 @@ from the forward, the classes a replay decides, what a young run is -- and the :
 (trainguard.step.driver) and the records name."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from trainguard.events import Action, Anomaly, Remedy
@@ -37,6 +37,14 @@ class Decision:
     target: str | None = None       # ROLLBACK: "latest_valid" / "stable" (None: recovery.rollback_to)
     loss: float | None = None       # ROLLBACK: the loss when decided (the step's, or the window's median when higher):
                                     # what a target must beat where the run has no room (trainguard.recovery.lrcut)
+
+    def as_ordinary(self, lr_factor: float, why: str) -> "Decision":
+        """A restart that cannot be had (no first step's checkpoint, or it did not load): an ordinary rollback, with the
+        ordinary cut (``lr_factor``) for the cooldown where a climb lowered the LR -- a bf16 start-over's cut (sized by
+        its LR range test: trainguard.step.judgement) goes with the restart it was sized for."""
+        lower = self.lower_lr and self.remedy is not Remedy.BF16_FALLBACK
+        return replace(self, restart=False, lower_lr=lower, lr_scale=lr_factor if lower else None, lasting=False,
+                       reason=self.reason + why + (f", LR x{lr_factor:.3g} instead, for the cooldown" if lower else ""))
 
 
 def forced(action: str, step: int, lr_factor: float, fp16: bool = True) -> Decision:

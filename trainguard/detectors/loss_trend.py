@@ -32,9 +32,9 @@ Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a
 down. A history that begins mid-run (a resume without the guard's state) has no first level to stall at.
 
 Before the trend can speak it also keeps the loss's **bottom** (where the run began, then the lowest smoothed loss) and
-the first time the smoothed loss stood ``rise`` above it (:meth:`LossTrendDetector.early_climb`): no verdict -- too
-few steps to tell a climb from the first steps' noise --, the evidence a young run's bf16 start-over sizes its LR cut
-by (trainguard.step.judgement).
+the first time every one of the last ``smooth`` losses stood above it by ``rise`` and by the loss's noise
+(:meth:`LossTrendDetector.early_climb`): no verdict -- too few steps for one --, the evidence a young run's bf16
+start-over sizes its LR cut by (trainguard.step.judgement).
 
 Its verdict carries ``onset_step``: the step of the best loss (a stall's: the LR's peak), which a rollback must not
 go past.
@@ -166,7 +166,7 @@ class LossTrendDetector:
         if self.best is None and self.climb is None:  # (before the trend can speak: the loss's bottom, and a climb from it)
             if self.bottom is None or s < self.bottom[1]:
                 self.bottom = (step, s)
-            elif s > self.bottom[1] + self.cfg.rise * abs(self.bottom[1]):
+            elif min(v for _, v in list(self.raw)[-self.cfg.smooth:]) > self.bottom[1] + self._early_band():
                 self.climb = (self.bottom[0], step)
         level = self.level()
         stall = self._stall(step, loss, level, ranks)
@@ -230,10 +230,19 @@ class LossTrendDetector:
             "evidence": why, "onset_step": self.peak_step,
             "remedy": "lower the LR (or lengthen the warmup): the run stalled at its first level from its peak LR"})
 
+    def _early_band(self) -> float:
+        """How far above its bottom every one of the last ``smooth`` losses must stand for an early climb: ``rise`` of
+        it, and ``noise_z`` spreads of their median -- the loss's noise from its successive differences (a trend does
+        not widen them; a noisy fine-tune's first steps wander by a fifth and more)."""
+        vals = [v for _, v in self.raw]
+        noise = statistics.median(abs(b - a) for a, b in zip(vals, vals[1:])) / 0.954  # (|x - y| of N(0, s^2): 0.954 s)
+        return max(self.cfg.rise * abs(self.bottom[1]), self.cfg.noise_z * 1.2533 * noise / math.sqrt(self.cfg.smooth))
+
     def early_climb(self, before: int) -> int | None:
-        """The step where the loss stopped falling, where it climbed more than ``rise`` above its bottom by step
-        ``before`` while the trend could not yet speak (it needs ``4 x smooth`` steps for a level): the LR range test's
-        evidence in a young run (trainguard.recovery.lrcut.LrHistory.range_cut); None where it did not."""
+        """The step where the loss stopped falling, where every one of its last ``smooth`` losses stood above its bottom
+        by more than :meth:`_early_band` by step ``before``, while the trend could not yet speak (it needs ``4 x smooth``
+        steps for a level): the LR range test's evidence in a young run (trainguard.recovery.lrcut.LrHistory.range_cut);
+        None where it did not (a healthy run whose first steps' noise is a fifth of its loss: ~1% of them, simulated)."""
         return self.climb[0] if self.climb is not None and self.climb[1] <= before else None
 
     def _jumped(self, band: float) -> bool:
@@ -249,7 +258,8 @@ class LossTrendDetector:
         the loss of an earlier checkpoint look like a climb)."""
         self.raw.clear()
         self.above, self.reported, self.low = 0, False, None
-        self.bottom = self.climb = None  # (the early climb is the abandoned trajectory's)
+        if self.climb is None or to_step is None or self.climb[1] > to_step:
+            self.bottom = self.climb = None  # (an early climb the rollback undid is the abandoned trajectory's)
         self.stalled = True  # (a stall is judged on the run's first trajectory only: after a rollback its peak, its
         # gradient's first level and low belong to the steps undone)
         if to_step is None:

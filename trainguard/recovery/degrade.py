@@ -102,9 +102,7 @@ def rollback_load(cp, guard, fw, decision, step: int, root: Path, tag: str, why:
     root, tag, intact, failures = load_degrading(cp, fw, root, tag, older, lambda f: guard.emit(
         step, Record.RECOVERY_FAILED, [], None, {"action": "rollback", **f, "reason": decision.reason}), step)
     if failures and decision.restart:  # (the first step's checkpoint is the one a restart tries first)
-        decision = dataclasses.replace(decision, restart=False, lr_scale=lr_factor if decision.lower_lr else None,
-                                       lasting=False, reason=decision.reason + "; the first step's checkpoint did not "
-                                       "load (the ordinary cut, for the cooldown)")
+        decision = decision.as_ordinary(lr_factor, "; the first step's checkpoint did not load")
     if tag is None and not intact:
         named = "; ".join(f"{f['to_tag']}: " + ", ".join(f"rank(s) {g['ranks']}: {g['error']}" for g in f["errors"])
                           for f in failures)

@@ -227,12 +227,8 @@ class StepDriver:
                 root, why = first, "the first step's checkpoint: the run's LR was too high from its start"
             else:  # (none -- or no checkpoint.dir at all: an ordinary rollback, the ordinary cut, for the cooldown: a
                 # tenth from damaged weights is too slow, and kept for good it would compound)
-                restart = False
-                reason = decision.reason + "; but no first step's checkpoint: an ordinary rollback"
-                if decision.lower_lr:
-                    scale = rc.lr_factor
-                    reason += f", LR x{scale:.3g} instead, for the cooldown"
-                decision = dataclasses.replace(decision, lr_scale=scale, restart=False, lasting=False, reason=reason)
+                decision = decision.as_ordinary(rc.lr_factor, "; but no first step's checkpoint: an ordinary rollback")
+                scale, restart = decision.lr_scale, False
         mode = decision.target or rc.rollback_to
         if tag is None:
             tag, why, at = (None, "no checkpoint directory: set trainguard.checkpoint.dir", -1) if root is None else \
