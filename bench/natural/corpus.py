@@ -21,7 +21,8 @@ from __future__ import annotations
 import random
 
 DEV = tuple(range(1, 33))              # tune on these
-HELD_OUT = tuple(range(5001, 5033))    # report on these (never looked at while a rule changed)
+HELD_OUT = tuple(range(5001, 5065))    # report on these (never looked at while a rule changed; 5033-5064 added on
+#                                        2026-12-08, once 5001-5032 had all been seen)
 
 HEALTHY_LR, HEALTHY_WARMUP = 0.003, 100
 SEVERITIES = (5, 10, 20, 50)           # how many times the healthy LR (or the raise), drawn per case

@@ -353,7 +353,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="every case this many steps (a quick look; the goals need the cases' own)")
     ap.add_argument("--corpus", choices=["dev", "held-out"], help="generated cases (bench/natural/corpus.py) instead "
                     "of the hand-written ones: dev seeds to tune on, held-out seeds to report on")
-    ap.add_argument("--n", type=int, help="with --corpus: the first N seeds' cases (default: all 32)")
+    ap.add_argument("--n", type=int, help="with --corpus: the first N seeds' cases (default: all)")
     ap.add_argument("--stacks", default="deepspeed", help="with --corpus: the stacks a case may be drawn on "
                     "(deepspeed,hf)")
     args = ap.parse_args(argv)

@@ -220,3 +220,31 @@ def test_a_loss_that_climbs_from_where_it_began_before_the_trend_can_speak_names
     for step, loss in enumerate(megatron_lr_blowup(), 1):
         late.observe(step, loss, 0.003)
     assert late.best is not None and late.early_climb(10 ** 6) is None
+
+
+S5031_LR = [0.0, 0.0, 0.0226, 0.0358, 0.0452, 0.0524, 0.0584, 0.0634, 0.0677, 0.0716, 0.075, 0.0781, 0.0809, 0.0835,
+            0.086, 0.0882, 0.0903, 0.0923, 0.0941, 0.0959, 0.0976, 0.0992, 0.1007, 0.1021]
+
+
+def test_a_fresh_runs_climb_as_its_lr_rises_is_a_slow_rise_from_its_bottom_before_the_trend_has_a_level():
+    """A held-out draw (s5031: no final LayerNorm, 50x its LR) went from 4.85 to 169 in ten steps of its warmup, and
+    the trend -- whose level needs 32 steps -- took the climb's top for its best: the loss then "fell", and the first
+    verdict came at step 276 of 300 (+8,018% against healthy). The climb from where the run began is a slow_rise once
+    the trend has seen min_history steps, its onset the step after the bottom (a young run's restart with a tenth of
+    the LR there follows: trainguard.recovery.lrcut) -- once; not the healthy draw's falling loss, nor the same climb
+    at a flat LR (a climb that says nothing of the LR), nor a history that begins mid-run."""
+    plain = [4.85, 4.85, 4.85, 4.76, 5.13, 43.54, 43.4, 54.84, 228.43, 105.49, 167.95, 411.16, 432.06, 707.45, 585.52,
+             895.11, 877.53, 967.85, 638.63, 585.46, 1092.23, 1056.85, 1648.38, 1506.06]
+    healthy = [4.85, 4.85, 4.85, 4.84, 4.81, 4.79, 4.76, 4.73, 4.66, 4.59, 4.48, 4.29, 4.06, 4.05, 3.75, 3.32, 3.25, 3.03,
+               3.13, 3.11, 3.13, 2.6, 2.48, 2.37]
+
+    def verdicts(losses, lrs, first=1):
+        trend = LossTrendDetector(LossTrendConfig())
+        return [(step, v) for step, (x, lr) in enumerate(zip(losses, lrs), first)
+                if (v := trend.observe(step, x, lr)) is not None]
+    (step, v), = verdicts(plain, S5031_LR)
+    assert step == LossTrendConfig().min_history and v.anomaly == "slow_rise" and v.detail["early"]
+    assert v.detail["onset_step"] == v.detail["bottom_step"] + 1 <= 6 and "LR rose" in v.detail["evidence"][1]
+    assert verdicts(healthy, S5031_LR) == []
+    assert verdicts(plain, [0.05] * len(plain)) == []  # (a flat LR)
+    assert verdicts(plain, S5031_LR, first=400) == []  # (a history that begins mid-run: no start to climb from)

@@ -560,7 +560,7 @@ def test_a_young_runs_bf16_start_over_whose_loss_climbed_as_its_lr_rose_cuts_the
         # never makes an early climb -- trainguard.detectors.loss_trend's rule is held on real series in
         # tests/unit/test_loss_trend.py; here the climb it would name, from step 3, seen at step 10)
         if step == 10:
-            session.guard.stats.loss_trend.climb = (3, 10)
+            session.guard.stats.loss_trend.early.climb = (3, 10)
     fw, s, seen, records, ended = run(tmp_path, {
         "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30},
                    {"type": "lr_ramp", "step": 2, "steps": 14, "factor": 1.05}],

@@ -31,10 +31,8 @@ peak --, the verdict is a ``slow_rise`` from the LR's peak (once a run).
 Neither alone: a fine-tune that starts near its floor keeps its gradient norm, a run that learns brings its loss
 down. A history that begins mid-run (a resume without the guard's state) has no first level to stall at.
 
-Before the trend can speak it also keeps the loss's **bottom** (where the run began, then the lowest smoothed loss) and
-the first time every one of the last ``smooth`` losses stood above it by ``rise`` and by the loss's noise
-(:meth:`LossTrendDetector.early_climb`): no verdict -- too few steps for one --, the evidence a young run's bf16
-start-over sizes its LR cut by (trainguard.step.judgement).
+Before the trend can speak, a fresh run's climb from where it began is judged apart (:mod:`trainguard.detectors.
+early_climb`): a ``slow_rise`` from the loss's bottom, once, after ``min_history`` steps.
 
 Its verdict carries ``onset_step``: the step of the best loss (a stall's: the LR's peak), which a rollback must not
 go past.
@@ -48,6 +46,7 @@ from collections import deque
 from typing import Callable
 
 from trainguard.config import LossTrendConfig
+from trainguard.detectors.early_climb import EarlyClimb
 from trainguard.verdicts import shared_or, Verdict
 
 REMEDY = {
@@ -97,8 +96,7 @@ class LossTrendDetector:
         self.peak_lr, self.peak_step = 0.0, None  # the highest LR so far and the step it was reached
         self.stalled = False    # a stall is reported once a run
         self.low: float | None = None  # the lowest smoothed loss of this trajectory (what "up" is before a best)
-        self.bottom: tuple[int, float] | None = None  # before a best: the lowest the loss has been, and its step
-        self.climb: tuple[int, int] | None = None     # (the bottom's step, the step the smoothed loss stood ``rise`` above it)
+        self.early = EarlyClimb(cfg)   # before a best: a fresh run's climb from where it began
 
     def smoothed(self) -> float | None:
         if len(self.raw) < self.cfg.smooth:
@@ -147,14 +145,15 @@ class LossTrendDetector:
         if len(self.head) < 3:  # (three: one unusually easy first batch does not set where the run began)
             self.head.append(loss)
             self.start = statistics.median(self.head) if len(self.head) == 3 else None
-            if self.start is not None and self.bottom is None:
-                self.bottom = (step, self.start)  # (where the run began: the smoothed loss needs ``smooth`` steps)
+            if self.start is not None:
+                self.early.began(step, self.start)  # (where the run began: the smoothed loss needs ``smooth`` steps)
         if grad is not None and math.isfinite(grad):
             self.grads.append(grad)
             if len(self.grads) == self.grads.maxlen:
                 now = statistics.median(self.grads)
                 self.first_grad = now if self.first_grad is None else self.first_grad
                 self.low_grad = now if self.low_grad is None else min(self.low_grad, now)
+        self.early.lr_seen(lr)
         if lr is not None and math.isfinite(lr) and lr > self.peak_lr * (1 + 1e-6):
             self.peak_lr, self.peak_step = lr, step
         s = self.smoothed()
@@ -163,15 +162,17 @@ class LossTrendDetector:
         if self.first is None and len(self.raw) >= self.cfg.smooth:
             self.first = s  # (the first smoothed loss: where the run began, before its fast first fall)
         self.low = s if self.low is None else min(self.low, s)
-        if self.best is None and self.climb is None:  # (before the trend can speak: the loss's bottom, and a climb from it)
-            if self.bottom is None or s < self.bottom[1]:
-                self.bottom = (step, s)
-            elif min(v for _, v in list(self.raw)[-self.cfg.smooth:]) > self.bottom[1] + self._early_band():
-                self.climb = (self.bottom[0], step)
+        if self.best is None:  # (before the trend can speak: trainguard.detectors.early_climb)
+            vals = [v for _, v in self.raw]
+            self.early.observe(step, s, vals[-self.cfg.smooth:], vals)
         level = self.level()
         stall = self._stall(step, loss, level, ranks)
         if stall is not None:
             return stall
+        fresh = self.first_step is not None and self.first_step <= self.cfg.smooth
+        early = self.early.verdict(self.seen, fresh, loss, lr, ranks)
+        if early is not None:
+            return early
         if level is not None and (self.best is None or level < self.best):
             # (the step at the centre of the window that set it: a rollback goes back before the climb, not to its top)
             self.best, self.best_step, self.best_lr = level, self.raw[len(self.raw) // 2][0], lr
@@ -230,20 +231,11 @@ class LossTrendDetector:
             "evidence": why, "onset_step": self.peak_step,
             "remedy": "lower the LR (or lengthen the warmup): the run stalled at its first level from its peak LR"})
 
-    def _early_band(self) -> float:
-        """How far above its bottom every one of the last ``smooth`` losses must stand for an early climb: ``rise`` of
-        it, and ``noise_z`` spreads of their median -- the loss's noise from its successive differences (a trend does
-        not widen them; a noisy fine-tune's first steps wander by a fifth and more)."""
-        vals = [v for _, v in self.raw]
-        noise = statistics.median(abs(b - a) for a, b in zip(vals, vals[1:])) / 0.954  # (|x - y| of N(0, s^2): 0.954 s)
-        return max(self.cfg.rise * abs(self.bottom[1]), self.cfg.noise_z * 1.2533 * noise / math.sqrt(self.cfg.smooth))
-
     def early_climb(self, before: int) -> int | None:
-        """The step where the loss stopped falling, where every one of its last ``smooth`` losses stood above its bottom
-        by more than :meth:`_early_band` by step ``before``, while the trend could not yet speak (it needs ``4 x smooth``
-        steps for a level): the LR range test's evidence in a young run (trainguard.recovery.lrcut.LrHistory.range_cut);
-        None where it did not (a healthy run whose first steps' noise is a fifth of its loss: ~1% of them, simulated)."""
-        return self.climb[0] if self.climb is not None and self.climb[1] <= before else None
+        """Where the loss stopped falling, where a fresh run climbed from it by step ``before`` while the trend could
+        not yet speak (trainguard.detectors.early_climb; None: it did not): the LR range test's evidence in a young
+        run's bf16 start-over (trainguard.recovery.lrcut.LrHistory.range_cut)."""
+        return self.early.named(before)
 
     def _jumped(self, band: float) -> bool:
         """Whether the loss left the band in one step and stayed out: the first recent step above the band was
@@ -258,8 +250,7 @@ class LossTrendDetector:
         the loss of an earlier checkpoint look like a climb)."""
         self.raw.clear()
         self.above, self.reported, self.low = 0, False, None
-        if self.climb is None or to_step is None or self.climb[1] > to_step:
-            self.bottom = self.climb = None  # (an early climb the rollback undid is the abandoned trajectory's)
+        self.early.rolled_back(to_step)
         self.stalled = True  # (a stall is judged on the run's first trajectory only: after a rollback its peak, its
         # gradient's first level and low belong to the steps undone)
         if to_step is None:
@@ -275,7 +266,7 @@ class LossTrendDetector:
         return {"best": self.best, "best_step": self.best_step, "best_lr": self.best_lr, "seen": self.seen,
                 "spread": self.spread, "first": self.first, "first_step": self.first_step,
                 "start": self.start, "head": self.head, "first_grad": self.first_grad, "low_grad": self.low_grad, "peak_lr": self.peak_lr, "peak_step": self.peak_step,
-                "stalled": self.stalled, "low": self.low, "bottom": self.bottom, "climb": self.climb}
+                "stalled": self.stalled, "low": self.low, **self.early.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step = state.get("best"), int(state.get("best_step", 0))
@@ -287,7 +278,7 @@ class LossTrendDetector:
         self.low_grad, self.start, self.head = state.get("low_grad"), state.get("start"), list(state.get("head", []))
         self.peak_lr, self.peak_step = float(state.get("peak_lr") or 0.0), state.get("peak_step")
         self.low = state.get("low")
-        self.bottom, self.climb = (tuple(state[k]) if state.get(k) else None for k in ("bottom", "climb"))
+        self.early.load_state_dict(state)
         # (the best as of the checkpoint: a rollback to it, or to a later one, comes back to it)
         self.bests = deque([(self.best_step, self.best, self.best_step, self.best_lr, self.spread)]
                            if self.best is not None else [], maxlen=self.bests.maxlen)
