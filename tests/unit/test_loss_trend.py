@@ -248,3 +248,36 @@ def test_a_fresh_runs_climb_as_its_lr_rises_is_a_slow_rise_from_its_bottom_befor
     assert verdicts(healthy, S5031_LR) == []
     assert verdicts(plain, [0.05] * len(plain)) == []  # (a flat LR)
     assert verdicts(plain, S5031_LR, first=400) == []  # (a history that begins mid-run: no start to climb from)
+
+
+def test_an_early_climb_is_a_verdict_only_while_it_stands_above_where_the_run_began_on_its_first_trajectory():
+    """The review of the rule (do no harm): a bump the loss came back from before the trend could give a verdict is no
+    climb; a loss that fell and drifts back up (a source of data after another, a curriculum) has not climbed above
+    where it began; a climb at a flat LR is never a verdict, not even once the LR rises later (the trend has its level
+    by then); after a rollback the first trajectory's judgement is over; the state travels."""
+    import json
+
+    lrs = [0.001 * s for s in range(1, 80)]
+
+    def verdicts(losses, lrs, trend=None, first=1):
+        trend = trend or LossTrendDetector(LossTrendConfig())
+        return [(step, v.detail.get("early")) for step, (x, lr) in enumerate(zip(losses, lrs), first)
+                if (v := trend.observe(step, x, lr)) is not None]
+    bump = [4.85] * 3 + [6.5, 6.6, 6.4, 6.7, 6.5, 6.6, 6.4, 6.5] + [4.5 - 0.01 * i for i in range(30)]
+    trend = LossTrendDetector(LossTrendConfig())
+    assert verdicts(bump, lrs, trend) == [] and trend.early_climb(11) == 3  # (named: the bf16 start-over's evidence)
+    drift = [4.85, 4.8, 4.7] + [4.7 - 0.1 * i for i in range(15)] + [3.3 + 0.06 * i for i in range(20)]
+    assert verdicts(drift, lrs) == []  # (3.3 -> 4.4: a third above its low, below where it began)
+    flat_then_raised = [4.85] * 3 + [7.0] * 60
+    assert verdicts(flat_then_raised, [0.001] * 40 + [0.01] * 23) == []
+    climbing = [4.85] * 3 + [7.0 + 0.1 * i for i in range(30)]
+    trend = LossTrendDetector(LossTrendConfig())
+    assert verdicts(climbing[:15], lrs, trend) == []  # (before min_history)
+    trend.rolled_back(12)  # (a rollback before the verdict: its trajectory is another's)
+    assert verdicts(climbing[15:], lrs[15:], trend, first=16) == []
+    trend = LossTrendDetector(LossTrendConfig())
+    assert verdicts(climbing[:15], lrs, trend) == []
+    again = LossTrendDetector(LossTrendConfig())  # (a resume at step 15 with the guard's state: the same verdict, once
+    again.load_state_dict(json.loads(json.dumps(trend.state_dict())))  # its window of 8 losses has filled again)
+    assert verdicts(climbing[15:], lrs[15:], again, first=16) == [(23, True)]
+    assert verdicts(climbing[15:], lrs[15:], trend, first=16) == [(20, True)]

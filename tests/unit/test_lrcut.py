@@ -218,10 +218,11 @@ def test_a_rollback_for_a_creep_that_would_throw_away_more_than_the_run_has_left
 
 
 def test_the_lr_range_cut_is_a_tenth_of_the_lr_where_the_loss_stopped_falling():
-    """A young run's bf16 start-over whose loss climbed as its LR rose (trainguard.step.judgement): a tenth of the LR
-    at the loss's bottom, against the LR now; none where the LR did not rise since (nothing says the LR did it)."""
+    """A young run's bf16 start-over whose loss climbed above where it began (trainguard.step.judgement): a tenth of
+    the LR at the loss's bottom, against the LR now -- a warmup of one step's included (the climb began at its peak);
+    none where the LR fell since (a decay: not the LR the loss climbed at)."""
     h = history({s: 0.15 * min(s, 100) / 100 for s in range(1, 40)})
     scale, why = h.range_cut(4, 38)
     assert scale == pytest.approx(0.1 * 0.006 / 0.057) and "step 4" in why and "range test" in why
-    assert history({s: 0.003 for s in range(1, 40)}).range_cut(4, 38) is None
-    assert h.range_cut(4, 4) is None
+    assert history({1: 0.0, **{s: 0.075 for s in range(2, 40)}}).range_cut(3, 38)[0] == pytest.approx(0.1)
+    assert history({s: 0.003 * (0.99 ** s) for s in range(1, 40)}).range_cut(4, 38) is None

@@ -571,6 +571,17 @@ def test_a_young_runs_bf16_start_over_whose_loss_climbed_as_its_lr_rose_cuts_the
     assert "range test" in rb["detail"]["reason"] and rb["detail"]["lr_factor"] < 0.1
     policy = s.guard.policy
     assert policy.restarted and policy.lr_factor == policy.lr_lasting == rb["detail"]["lr_factor"]
+    # a warmup of one step (the LR flat from its start: not "still rising" into the trouble) whose loss climbed above
+    # where it began: the start-over from the first step too, a tenth of the LR the loss climbed at (a held-out draw,
+    # s5032: 25x in one step, fp16's scale collapsed at 63 and the fallback in place kept the broken LR: +298%)
+    fw, s, seen, records, ended = run(tmp_path / "flat", {"faults": [{"type": "fp16_overflow", "step": 12, "steps": 30}],
+                                                          "recovery": {"skip_batches": 0}}, 40, fp16=True, between=climbed)
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert ended is None and rb["detail"]["to_step"] == 1 and abs(rb["detail"]["lr_factor"] - 0.1) < 1e-9
+    fw, s, seen, records, ended = run(tmp_path / "flat-quiet", {  # (without the climb: the fallback as before)
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30}], "recovery": {"skip_batches": 0}}, 40, fp16=True)
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["to_step"] == 10 and rb["detail"]["lr_factor"] is None
     # without the first step's checkpoint: the bf16 fallback to the newest checkpoint before the trouble, as before --
     # the cut goes with the restart it was sized for
     fw, s, seen, records, ended = run(tmp_path / "none", {

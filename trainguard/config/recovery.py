@@ -73,10 +73,10 @@ class RecoveryConfig(_Section):
         "loop's count goes on through a rollback and the restart would throw away more steps than the run has left "
         "(Megatron-LM's --train-iters, HF Trainer's max_steps): lr_factor then; else lr_factor. "
         "Never less of a cut than lr_factor; never below lr_floor (held there once). factor: always lr_factor. "
-        "evidence also sizes a young run's bf16 start-over from its first step (fp16_fallback) whose loss climbed above "
-        "where it began as its LR rose, before the loss trend could speak (its last `smooth` losses all above their "
-        "bottom by rise and by noise_z spreads): a tenth of the LR where the loss stopped falling, for the rest of the "
-        "run.")
+        "evidence also sizes a young run's bf16 fallback (fp16_fallback) whose loss climbed above where it began before "
+        "the loss trend could speak (its last `smooth` losses all above the median of its first three by rise and by "
+        "noise_z spreads): a start-over from the first step with a tenth of the LR where the loss was lowest, for the "
+        "rest of the run.")
     lr_cooldown_steps: int = Field(1000, ge=1, description="How long the lowered LR lasts (a cut lr_cut: evidence "
                                    "sized from a jump or a young run lasts the rest of the run: the schedule's own LR "
                                    "failed, and back it would fail again).")

@@ -162,17 +162,17 @@ class LossTrendDetector:
         if self.first is None and len(self.raw) >= self.cfg.smooth:
             self.first = s  # (the first smoothed loss: where the run began, before its fast first fall)
         self.low = s if self.low is None else min(self.low, s)
-        if self.best is None:  # (before the trend can speak: trainguard.detectors.early_climb)
+        if self.best is None:  # (before the trend can speak: a fresh run's climb, trainguard.detectors.early_climb)
             vals = [v for _, v in self.raw]
             self.early.observe(step, s, vals[-self.cfg.smooth:], vals)
+            fresh = self.first_step is not None and self.first_step <= self.cfg.smooth
+            early = self.early.verdict(self.seen, fresh, loss, lr, vals[-self.cfg.smooth:], vals, ranks)
+            if early is not None:
+                return early
         level = self.level()
         stall = self._stall(step, loss, level, ranks)
         if stall is not None:
             return stall
-        fresh = self.first_step is not None and self.first_step <= self.cfg.smooth
-        early = self.early.verdict(self.seen, fresh, loss, lr, ranks)
-        if early is not None:
-            return early
         if level is not None and (self.best is None or level < self.best):
             # (the step at the centre of the window that set it: a rollback goes back before the climb, not to its top)
             self.best, self.best_step, self.best_lr = level, self.raw[len(self.raw) // 2][0], lr

@@ -163,15 +163,17 @@ class LrHistory:
             self.steps.pop()
 
     def range_cut(self, bottom: int, now: int) -> tuple[float, str] | None:
-        """The LR multiplier for a young run's bf16 start-over (its LR still rising into the fp16 trouble) whose loss
-        had climbed from its ``bottom`` as its LR rose, before the loss trend could speak: a tenth of the LR at the
-        bottom -- the LR range test's rule, on the run's own ramp --, and why; None where the LR did not rise since."""
+        """The LR multiplier for a young run's bf16 start-over whose loss had climbed above where it began (from its
+        ``bottom``) before the fp16 trouble and before the loss trend could speak: a tenth of the LR at the
+        bottom -- the LR range test's rule, on the run's own ramp (a warmup of one step: its peak) --, and why; None
+        where the LR fell since (a schedule's decay: not the LR the loss climbed at)."""
         lr_bottom, lr_now = self.at(bottom), self.at(now)
-        if not lr_bottom or not lr_now or lr_bottom <= 0 or lr_now <= lr_bottom * (1 + 1e-6):
+        if not lr_bottom or not lr_now or lr_bottom <= 0 or lr_now < lr_bottom * (1 - 1e-6):
             return None
         return TENTH * lr_bottom / lr_now, (
-            f"its loss climbed from step {bottom} while its LR rose from {lr_bottom:.3g}, before the fp16 trouble: "
-            f"the LR was too high too -- a tenth of the LR where the loss stopped falling (the LR range test's rule)")
+            f"its loss climbed above where it began (lowest at step {bottom}, at an LR of {lr_bottom:.3g}) before the fp16 "
+            f"trouble: the LR was too high too -- a tenth of the LR where the loss stopped falling (the LR range test's "
+            f"rule)")
 
     def cut(self, onset: int, now: int, configured: float) -> tuple[float, str, bool]:
         """The LR multiplier for a lowering decided at step ``now`` for a climb that began at ``onset``, why, and

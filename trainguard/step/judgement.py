@@ -86,8 +86,10 @@ class Judgement:
         self._restart_refused = self._rise_refused = False
         room = self.lr_history.no_room(step) is None
 
-        def rising(onset: int) -> bool:  # (the policy asks only where a bf16 fallback would start over)
-            young = self.lr_history.rising_into(onset)
+        def rising(onset: int) -> bool:  # (the policy asks only where a bf16 fallback would start over: a warmup under
+            # way, or a fresh run whose loss climbed above where it began before the trouble -- its LR is what failed)
+            young = self.lr_history.rising_into(onset) or \
+                self.lr_history.young(onset) and self.stats.early_climb(onset) is not None
             self._rise_refused = self._rise_refused or (young and not room)
             return young and room
         return rising
