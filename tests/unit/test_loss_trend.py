@@ -265,7 +265,15 @@ def test_an_early_climb_is_a_verdict_only_while_it_stands_above_where_the_run_be
                 if (v := trend.observe(step, x, lr)) is not None]
     bump = [4.85] * 3 + [6.5, 6.6, 6.4, 6.7, 6.5, 6.6, 6.4, 6.5] + [4.5 - 0.01 * i for i in range(30)]
     trend = LossTrendDetector(LossTrendConfig())
-    assert verdicts(bump, lrs, trend) == [] and trend.early_climb(11) == 3  # (named: the bf16 start-over's evidence)
+    assert verdicts(bump, lrs, trend) == [] and trend.early_climb(11) == 3  # (named: the bf16 start-over's evidence,
+    assert verdicts([4.1 - 0.02 * i for i in range(20)], lrs[41:], trend, first=42) == []  # until the run learns:
+    assert trend.early_climb(11) is None  # 20% below where it began)
+    trend = LossTrendDetector(LossTrendConfig())
+    assert verdicts(bump, [0.001] * len(bump), trend) == [] and trend.early_climb(11) is None  # (a flat LR: nothing)
+    old = trend.state_dict()  # (a state of the rule before it measured from the start: nothing named on it)
+    old.update(bottom=[3, 4.85], climb=[3, 11], began=None, early_rose=True)
+    trend.load_state_dict(json.loads(json.dumps(old)))
+    assert trend.early_climb(11) is None
     drift = [4.85, 4.8, 4.7] + [4.7 - 0.1 * i for i in range(15)] + [3.3 + 0.06 * i for i in range(20)]
     assert verdicts(drift, lrs) == []  # (3.3 -> 4.4: a third above its low, below where it began)
     flat_then_raised = [4.85] * 3 + [7.0] * 60

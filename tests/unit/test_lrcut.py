@@ -226,3 +226,4 @@ def test_the_lr_range_cut_is_a_tenth_of_the_lr_where_the_loss_stopped_falling():
     assert scale == pytest.approx(0.1 * 0.006 / 0.057) and "step 4" in why and "range test" in why
     assert history({1: 0.0, **{s: 0.075 for s in range(2, 40)}}).range_cut(3, 38)[0] == pytest.approx(0.1)
     assert history({s: 0.003 * (0.99 ** s) for s in range(1, 40)}).range_cut(4, 38) is None
+    assert history({s: 0.15 for s in range(100, 300)}).range_cut(4, 299) is None  # (older than the LRs kept)

@@ -557,10 +557,12 @@ def test_a_young_runs_bf16_start_over_whose_loss_climbed_as_its_lr_rose_cuts_the
     the fp16 trouble, the start-over also cuts the LR to a tenth of the LR where the loss stopped falling (the LR range
     test's rule), for the rest of the run -- and that restart is the LR's (once a run)."""
     def climbed(session, step):  # (this toy's batches wander by more than a fifth from one to the next: its own loss
-        # never makes an early climb -- trainguard.detectors.loss_trend's rule is held on real series in
-        # tests/unit/test_loss_trend.py; here the climb it would name, from step 3, seen at step 10)
+        # never makes an early climb -- trainguard.detectors.early_climb's rule is held on real series in
+        # tests/unit/test_loss_trend.py; here what it would name: a climb from where the run began, at step 3, seen at
+        # step 10 as the LR rose, and standing since)
         if step == 10:
-            session.guard.stats.loss_trend.early.climb = (3, 10)
+            early = session.guard.stats.loss_trend.early
+            early.start, early.climb, early.rose = (3, 0.3), (3, 10), True
     fw, s, seen, records, ended = run(tmp_path, {
         "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30},
                    {"type": "lr_ramp", "step": 2, "steps": 14, "factor": 1.05}],
@@ -580,6 +582,12 @@ def test_a_young_runs_bf16_start_over_whose_loss_climbed_as_its_lr_rose_cuts_the
     assert ended is None and rb["detail"]["to_step"] == 1 and abs(rb["detail"]["lr_factor"] - 0.1) < 1e-9
     fw, s, seen, records, ended = run(tmp_path / "flat-quiet", {  # (without the climb: the fallback as before)
         "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30}], "recovery": {"skip_batches": 0}}, 40, fp16=True)
+    (rb,) = [r for r in records if r["event"] == "rollback"]
+    assert rb["detail"]["to_step"] == 10 and rb["detail"]["lr_factor"] is None
+    fw, s, seen, records, ended = run(tmp_path / "decay", {  # (the LR fell since: not the LR the loss climbed at)
+        "faults": [{"type": "fp16_overflow", "step": 12, "steps": 30},
+                   {"type": "lr_ramp", "step": 4, "steps": 10, "factor": 0.9}],
+        "recovery": {"skip_batches": 0}}, 40, fp16=True, between=climbed)
     (rb,) = [r for r in records if r["event"] == "rollback"]
     assert rb["detail"]["to_step"] == 10 and rb["detail"]["lr_factor"] is None
     # without the first step's checkpoint: the bf16 fallback to the newest checkpoint before the trouble, as before --

@@ -36,6 +36,7 @@ class EarlyClimb:
         self.bottom: tuple[int, float] | None = None  # the lowest the loss has been, and its step
         self.climb: tuple[int, int] | None = None     # (the bottom's step, the step the climb was seen at)
         self.first_lr: float | None = None            # the LR of the run's first step
+        self.rose = False                             # the LR rose since the first step by the climb
         self.reported = False                         # its verdict given (once a run)
         self.done = False                             # a rollback came: the first trajectory's judgement is over
 
@@ -48,15 +49,23 @@ class EarlyClimb:
         if self.first_lr is None and lr is not None and math.isfinite(lr):
             self.first_lr = lr
 
-    def observe(self, step: int, smoothed: float, window: list[float], raw: list[float]) -> None:
+    def observe(self, step: int, smoothed: float, window: list[float], raw: list[float], lr: float | None) -> None:
         """A step before the trend has a best: ``smoothed`` (the median of ``window``, the last ``smooth`` losses),
-        ``raw`` (the losses the trend holds, for their noise)."""
+        ``raw`` (the losses the trend holds, for their noise), the step's ``lr``."""
         if self.climb is not None or self.done or self.start is None:
             return
         if smoothed < self.bottom[1]:
             self.bottom = (step, smoothed)
         elif self.standing(window, raw):
             self.climb = (self.bottom[0], step)
+            self.rose = lr is not None and self.first_lr is not None and lr > self.first_lr * 1.05
+
+    def learning(self, smoothed: float) -> None:
+        """Any step: a smoothed loss ``stall_fall`` below where the run began -- the run learns after all: a climb it
+        came back from names nothing (a bump in the first steps, then a healthy descent)."""
+        if self.climb is not None and self.start is not None and smoothed < self.start[1] - \
+                self.cfg.stall_fall * abs(self.start[1]):
+            self.climb, self.rose = None, False
 
     def standing(self, window: list[float], raw: list[float]) -> bool:
         """Whether every one of ``window`` (the last ``smooth`` losses) stands above where the run began by more than
@@ -91,8 +100,9 @@ class EarlyClimb:
             "remedy": "lower the LR (or lengthen the warmup): the loss climbed from where it began as its LR rose"})
 
     def named(self, before: int) -> int | None:
-        """The bottom's step, where a climb was seen by step ``before`` (None: none was)."""
-        return self.climb[0] if self.climb is not None and self.climb[1] <= before else None
+        """The bottom's step, where a climb was seen by step ``before`` as the LR rose since the run's first step, and
+        the run has not learnt since (:meth:`learning`); None where none was."""
+        return self.climb[0] if self.climb is not None and self.rose and self.climb[1] <= before else None
 
     def rolled_back(self, to_step: int | None) -> None:
         """The first trajectory's judgement is over (a restart's, a rollback's: its steps are another trajectory's); a
@@ -103,10 +113,12 @@ class EarlyClimb:
 
     def state_dict(self) -> dict:
         return {"began": self.start, "bottom": self.bottom, "climb": self.climb, "first_lr": self.first_lr,
-                "early_reported": self.reported, "early_done": self.done}
+                "early_rose": self.rose, "early_reported": self.reported, "early_done": self.done}
 
     def load_state_dict(self, state: dict) -> None:
         self.start, self.bottom, self.climb = (tuple(state[k]) if state.get(k) else None
                                                for k in ("began", "bottom", "climb"))
         self.first_lr, self.reported = state.get("first_lr"), bool(state.get("early_reported", False))
-        self.done = bool(state.get("early_done", self.start is None))  # (a state from before: no start, no judgement)
+        self.rose, self.done = bool(state.get("early_rose", False)), bool(state.get("early_done", self.start is None))
+        if self.start is None:  # (a state from before the climb was measured from the start: no judgement, nothing named)
+            self.bottom = self.climb = None

@@ -162,9 +162,10 @@ class LossTrendDetector:
         if self.first is None and len(self.raw) >= self.cfg.smooth:
             self.first = s  # (the first smoothed loss: where the run began, before its fast first fall)
         self.low = s if self.low is None else min(self.low, s)
+        self.early.learning(s)
         if self.best is None:  # (before the trend can speak: a fresh run's climb, trainguard.detectors.early_climb)
             vals = [v for _, v in self.raw]
-            self.early.observe(step, s, vals[-self.cfg.smooth:], vals)
+            self.early.observe(step, s, vals[-self.cfg.smooth:], vals, lr)
             fresh = self.first_step is not None and self.first_step <= self.cfg.smooth
             early = self.early.verdict(self.seen, fresh, loss, lr, vals[-self.cfg.smooth:], vals, ranks)
             if early is not None:

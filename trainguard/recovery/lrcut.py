@@ -168,7 +168,8 @@ class LrHistory:
         bottom -- the LR range test's rule, on the run's own ramp (a warmup of one step: its peak) --, and why; None
         where the LR fell since (a schedule's decay: not the LR the loss climbed at)."""
         lr_bottom, lr_now = self.at(bottom), self.at(now)
-        if not lr_bottom or not lr_now or lr_bottom <= 0 or lr_now < lr_bottom * (1 - 1e-6):
+        if not self.steps or self.steps[0][0] > bottom or not lr_bottom or not lr_now or lr_bottom <= 0 \
+                or lr_now < lr_bottom * (1 - 1e-6):  # (a bottom older than the LRs kept: not known)
             return None
         return TENTH * lr_bottom / lr_now, (
             f"its loss climbed above where it began (lowest at step {bottom}, at an LR of {lr_bottom:.3g}) before the fp16 "

@@ -88,8 +88,7 @@ class Judgement:
 
         def rising(onset: int) -> bool:  # (the policy asks only where a bf16 fallback would start over: a warmup under
             # way, or a fresh run whose loss climbed above where it began before the trouble -- its LR is what failed)
-            young = self.lr_history.rising_into(onset) or \
-                self.lr_history.young(onset) and self.stats.early_climb(onset) is not None
+            young = self.lr_history.rising_into(onset) or self._ranged(onset, step) is not None
             self._rise_refused = self._rise_refused or (young and not room)
             return young and room
         return rising
@@ -104,8 +103,7 @@ class Judgement:
         if decision.remedy is not Remedy.BF16_FALLBACK or not decision.restart or decision.lower_lr \
                 or self.policy.restarted or self.cfg.recovery.lr_cut != "evidence":
             return decision
-        bottom = self.stats.early_climb(decision.onset_step or step)
-        cut = self.lr_history.range_cut(bottom, step) if bottom is not None else None
+        cut = self._ranged(decision.onset_step or step, step)
         if cut is None:
             return decision
         (scale, why), floor = cut, self.cfg.recovery.lr_floor
@@ -115,6 +113,13 @@ class Judgement:
             return decision
         return replace(decision, lower_lr=True, lr_scale=scale, lasting=True,
                        reason=f"{decision.reason}; LR x{scale:.3g}: {why}; for the rest of the run")
+
+    def _ranged(self, onset: int, step: int) -> tuple[float, str] | None:
+        """The LR range test's cut for a young run whose loss climbed above where it began before ``onset``
+        (trainguard.detectors.early_climb), or None: not young, no such climb, or the LR fell since (no restart then
+        either: a start-over comes with its cut)."""
+        bottom = self.stats.early_climb(onset) if self.lr_history.young(onset) else None
+        return self.lr_history.range_cut(bottom, step) if bottom is not None else None
 
     def _stragglers(self, step: int, ctx: Decide, summary_way: bool) -> None:
         """Alerts only (no ladder acts on a slow rank); one that stays slow has its host suspected."""
