@@ -94,12 +94,12 @@ class Judgement:
         return rising
 
     def _range_cut(self, step: int, decision):
-        """A young run's bf16 start-over from its first step (its LR still rising into the fp16 trouble) whose loss had
-        climbed from its bottom as the LR rose, before the trouble and before the loss trend could speak: the LR was too
-        high too, and bf16 at the same LR fails the same way without fp16's overflow to say so (a held-out draw, a wide
-        head at 50x: restarted in bf16 at its LR, it stood at its first level, +341% against healthy). The cut is the LR
-        range test's (trainguard.recovery.lrcut.LrHistory.range_cut), for the rest of the run; the restart is then the
-        LR's (once a run)."""
+        """A young run's bf16 start-over from its first step whose loss had climbed above where it began as its LR rose,
+        before the fp16 trouble and before the loss trend could speak (:meth:`_ranged`): the LR was too high too, and
+        bf16 at the same LR fails the same way without fp16's overflow to say so (held-out draws: a one-step warmup to
+        25x fell back in place at its LR, +298% against healthy). The cut is the LR range test's
+        (trainguard.recovery.lrcut.LrHistory.range_cut), for the rest of the run; the restart is then the LR's (once a
+        run)."""
         if decision.remedy is not Remedy.BF16_FALLBACK or not decision.restart or decision.lower_lr \
                 or self.policy.restarted or self.cfg.recovery.lr_cut != "evidence":
             return decision
