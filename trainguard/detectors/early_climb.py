@@ -58,7 +58,11 @@ class EarlyClimb:
             self.bottom = (step, smoothed)
         elif self.standing(window, raw):
             self.climb = (self.bottom[0], step)
-            self.rose = lr is not None and self.first_lr is not None and lr > self.first_lr * 1.05
+            self.rose = self.risen(lr)
+
+    def risen(self, lr: float | None) -> bool:
+        """Whether ``lr`` stands above the run's first step's LR (by more than 5%: a warmup, however short)."""
+        return lr is not None and self.first_lr is not None and lr > self.first_lr * 1.05
 
     def learning(self, smoothed: float) -> None:
         """Any step: a smoothed loss ``stall_fall`` below where the run began -- the run learns after all: a climb it
@@ -85,7 +89,7 @@ class EarlyClimb:
         LR's first rise (a warmup, however short) is what climbs so early -- a climb at a flat LR says nothing of it.
         Asked only before the trend has its best: a climb that was not a verdict by then is the trend's to judge."""
         if self.climb is None or self.reported or self.done or not fresh or seen < self.cfg.min_history \
-                or lr is None or self.first_lr is None or lr <= self.first_lr * 1.05 or not self.standing(window, raw):
+                or not self.risen(lr) or not self.standing(window, raw):
             return None
         self.reported = True
         (at, bottom), seen_at = self.bottom, self.climb[1]

@@ -39,6 +39,11 @@ TENTH = 0.1      # the LR range test's back-off from the LR where the loss stopp
 RISING, RAMP = 1.2, 32  # the LR at an onset over the LR RAMP steps before it: a warmup still under way
 
 
+def held_at_floor(factor: float, floor: float, why: str) -> tuple[float, str]:
+    """The cut that brings the accumulated LR ``factor`` to ``recovery.lr_floor`` instead of below it, and why."""
+    return floor / factor, (why + "; " if why else "") + f"held at lr_floor {floor}"
+
+
 class LrHistory:
     """The LR each recent step's update used (rank 0's)."""
 

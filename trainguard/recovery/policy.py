@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 from trainguard.config import NonfiniteConfig, RecoveryConfig
 from trainguard.decisions import DATA_OR_WEIGHTS, Decision, anomaly_class, from_forward, onset_of
+from trainguard.recovery.lrcut import held_at_floor
 from trainguard.verdicts import Verdict
 from trainguard.events import Action, Anomaly, Remedy
 
@@ -140,7 +141,7 @@ class Policy:
                     if self.lr_factor * self.recovery.lr_factor < floor:
                         return self._exhausted(f"{reason}: the LR factor would fall below lr_floor {floor}", verdicts,
                                                step, skip="nonfinite" in classes, anomaly=driver)
-                    scale, why = floor / self.lr_factor, (why + "; " if why else "") + f"held at lr_floor {floor}"
+                    scale, why = held_at_floor(self.lr_factor, floor, why)
                 if why:
                     reason += f"; LR x{scale:.3g}: {why}"
             # (every non-finite step was skipped -- unless the weights were damaged before it)

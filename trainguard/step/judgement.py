@@ -16,7 +16,7 @@ from trainguard.detectors.loss_scale import LossScaleWatch
 from trainguard.detectors.registry import Decide
 from trainguard.detectors.straggler import StragglerDetector
 from trainguard.events import Action, Remedy
-from trainguard.recovery.lrcut import LrHistory
+from trainguard.recovery.lrcut import LrHistory, held_at_floor
 from trainguard.recovery.policy import Decision, Policy
 from trainguard.replay.replays import Replays
 from trainguard.observe.steplog import StepLog
@@ -108,7 +108,7 @@ class Judgement:
             return decision
         (scale, why), floor = cut, self.cfg.recovery.lr_floor
         if self.policy.lr_factor * scale < floor:
-            scale, why = floor / self.policy.lr_factor, f"{why}; held at lr_floor {floor}"
+            scale, why = held_at_floor(self.policy.lr_factor, floor, why)
         if scale >= 1:
             return decision
         return replace(decision, lower_lr=True, lr_scale=scale, lasting=True,
